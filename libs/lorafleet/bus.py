@@ -186,6 +186,7 @@ async def ensure_layout(js: JetStreamContext, layout: Layout) -> None:
     for kv in (layout.nodes_kv(), layout.leader_kv()):
         await js.create_key_value(kv)
     for obj in (layout.datasets_store(), layout.artifacts_store()):
+        assert obj.bucket is not None
         await js.create_object_store(obj.bucket, config=obj)
 
 
@@ -212,7 +213,7 @@ def error_body(code: ErrorCode, message: str, field: str | None = None) -> bytes
 
 def raise_for_error(data: bytes, headers: dict[str, str] | None) -> None:
     """Raise RemoteError when a reply is a lorafleet (or micro) error."""
-    if headers and "Nats-Service-Error-Code" in headers or data.startswith(b'{"error"'):
+    if (headers and "Nats-Service-Error-Code" in headers) or data.startswith(b'{"error"'):
         try:
             body = msgspec.json.decode(data, type=ErrorReply).error
             raise RemoteError(body.code.value, body.message, body.field)

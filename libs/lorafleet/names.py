@@ -17,7 +17,6 @@ _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 DEFAULT_PREFIX = "lorafleet"
 
 
-
 class InvalidNameError(ValueError):
     """A prefix, node name or job id that cannot be part of a subject."""
 

@@ -92,9 +92,7 @@ def endpoint(
         except Exception as e:
             logger.exception(Event.REQUEST_FAILED, subject=subject, error=repr(e))
             message = f"the service failed on this request: {e!r}; it is logged"
-            await req.respond_error(
-                "500", message, data=error_body(ErrorCode.INTERNAL, message)
-            )
+            await req.respond_error("500", message, data=error_body(ErrorCode.INTERNAL, message))
             return
         await req.respond(result if isinstance(result, bytes) else encode(result))
 
@@ -123,7 +121,8 @@ async def start_service(
     Replicas of a service share `queue_group`, so each request is answered once.
     """
     svc = await add_service(
-        nc, ServiceConfig(name=name, version=version, description=description, queue_group=queue_group)
+        nc,
+        ServiceConfig(name=name, version=version, description=description, queue_group=queue_group),
     )
     for r in routes:
         await svc.add_endpoint(

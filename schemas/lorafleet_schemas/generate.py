@@ -1,7 +1,7 @@
 """Write the JSON Schema of every published message into schemas/json/.
 
-    python -m lorafleet_schemas.generate          # rewrite the files
-    python -m lorafleet_schemas.generate --check  # exit 1 when they are stale
+python -m lorafleet_schemas.generate          # rewrite the files
+python -m lorafleet_schemas.generate --check  # exit 1 when they are stale
 """
 
 from __future__ import annotations
@@ -15,6 +15,7 @@ import msgspec
 from lorafleet_schemas.messages import PUBLISHED
 
 #: schemas/json/ in a checkout (and inside the wheel, next to this module).
+JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 JSON_DIR = Path(__file__).resolve().parent.parent / "json"
 
 
@@ -23,7 +24,11 @@ def render() -> dict[str, str]:
     out: dict[str, str] = {}
     for name, typ in PUBLISHED.items():
         schema = msgspec.json.schema(typ)
-        schema = {"$schema": "https://json-schema.org/draft/2020-12/schema", "title": name, **schema}
+        schema = {
+            "$schema": "https://json-schema.org/draft/2020-12/schema",
+            "title": name,
+            **schema,
+        }
         out[f"{name}.schema.json"] = json.dumps(schema, indent=2, sort_keys=True) + "\n"
     return out
 
@@ -32,7 +37,11 @@ def stale(directory: Path = JSON_DIR) -> list[str]:
     """Files missing, different or left over in `directory`."""
     want = render()
     have = {p.name for p in directory.glob("*.schema.json")} if directory.is_dir() else set()
-    bad = [n for n, text in want.items() if not (directory / n).is_file() or (directory / n).read_text() != text]
+    bad = [
+        n
+        for n, text in want.items()
+        if not (directory / n).is_file() or (directory / n).read_text() != text
+    ]
     bad += sorted(have - set(want))
     return bad
 

@@ -1,0 +1,1 @@
+"""The node agent: heartbeats, runs the trainer, converts, delivers artifacts."""

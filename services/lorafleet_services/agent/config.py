@@ -1,0 +1,149 @@
+"""The agent's own settings (beside the shared `lorafleet.settings.Settings`).
+
+Every field is `LORAFLEET_AGENT_<FIELD>` in the environment, or a
+`lorafleet agent` option.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field, fields, replace
+from pathlib import Path
+from typing import Any
+
+from lorafleet.names import check_token
+
+#: What training needs besides the engine's Python, pinned. Installed with
+#: --no-deps: their dependencies are the engine's own, and resolving them
+#: would pull a second torch.
+OVERLAY_PACKAGES: tuple[str, ...] = ("peft==0.21.2", "accelerate==1.15.0")
+
+#: The engines' unprivileged user.
+DEFAULT_RUN_AS = "lorafleet-engine"
+
+#: Where llama.cpp's source is fetched from, by release tag ({tag}).
+DEFAULT_CONVERSION_SOURCE = "https://github.com/ggml-org/llama.cpp/archive/refs/tags/{tag}.tar.gz"
+
+
+class AgentConfigError(ValueError):
+    """An agent setting lorafleet cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class AgentConfig:
+    """How one node's agent works.
+
+    node: the node's name, a subject-safe token.
+    engines_dir: where engines are installed (`vllm/<version>/bin/python3`,
+        `llamacpp/b<build>-...`); default /opt/lorafleet/engines.
+    work_dir: the agent's own directory (overlay, conversion code, job dirs,
+        the engines' user's home); default /var/lib/lorafleet/agent.
+    run_as: the engines' unprivileged user; default "lorafleet-engine".
+    allow_cpu: train on the CPU when the node has no card; default False
+        (the embedded default turns it on).
+    python: an explicit interpreter for the trainer; default: the newest vLLM's.
+    wheel_dir: a local directory of wheels for the overlay (offline nodes).
+    hf_home: the Hugging Face cache shared with the engines; default: the
+        engines' user's home under work_dir.
+    hf_offline: read base weights from the cache only; default False.
+    llamacpp_tag: the llama.cpp release to convert with; default: the newest
+        installed under engines_dir/llamacpp.
+    conversion_source: URL template ({tag}) or local file path template of
+        llama.cpp's source tarball.
+    trainer: "real" (the LoRA trainer) or "standin" (the protocol stand-in,
+        for tests and dry runs); default "real".
+    cancel_grace_s: seconds between SIGTERM and SIGKILL of the trainer's
+        process group; default 5.
+    chunk_bytes: artifact chunk body size; default 512 KiB.
+    """
+
+    node: str
+    engines_dir: Path = Path("/opt/lorafleet/engines")
+    work_dir: Path = Path("/var/lib/lorafleet/agent")
+    run_as: str = DEFAULT_RUN_AS
+    allow_cpu: bool = False
+    python: str | None = None
+    wheel_dir: str | None = None
+    hf_home: str | None = None
+    hf_offline: bool = False
+    llamacpp_tag: str | None = None
+    conversion_source: str = DEFAULT_CONVERSION_SOURCE
+    trainer: str = "real"
+    cancel_grace_s: float = 5.0
+    chunk_bytes: int = 512 * 1024
+    overlay_packages: tuple[str, ...] = field(default=OVERLAY_PACKAGES)
+
+    def __post_init__(self) -> None:
+        check_token(self.node, "node name")
+        if self.trainer not in ("real", "standin"):
+            raise AgentConfigError("LORAFLEET_AGENT_TRAINER must be 'real' or 'standin'")
+        if self.cancel_grace_s < 0:
+            raise AgentConfigError("LORAFLEET_AGENT_CANCEL_GRACE_S must be >= 0 seconds")
+        if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
+            raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
+
+    @classmethod
+    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:
+        env = dict(os.environ if env is None else env)
+        values: dict[str, Any] = {}
+        for f in fields(cls):
+            key = f"LORAFLEET_AGENT_{f.name.upper()}"
+            if key not in env:
+                continue
+            raw = env[key]
+            try:
+                if f.type == "bool":
+                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+                elif f.type == "float":
+                    values[f.name] = float(raw)
+                elif f.type == "int":
+                    values[f.name] = int(raw)
+                elif f.type == "Path":
+                    values[f.name] = Path(raw)
+                elif f.type.startswith("tuple"):
+                    values[f.name] = tuple(p for p in raw.split(",") if p.strip())
+                else:
+                    values[f.name] = raw or None if "None" in f.type else raw
+            except ValueError:
+                raise AgentConfigError(f"{key}={raw!r} is not a {f.type}") from None
+        values.update({k: v for k, v in overrides.items() if v is not None})
+        if "node" not in values:
+            raise AgentConfigError(
+                "the agent needs a node name: --node NAME or LORAFLEET_AGENT_NODE"
+            )
+        return cls(**values)
+
+    def to_env(self) -> dict[str, str]:
+        out: dict[str, str] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if value is None:
+                continue
+            if isinstance(value, tuple):
+                value = ",".join(value)
+            out[f"LORAFLEET_AGENT_{f.name.upper()}"] = str(value)
+        return out
+
+    def with_(self, **changes: Any) -> AgentConfig:
+        return replace(self, **changes)
+
+
+@dataclass(frozen=True, slots=True)
+class EngineUser:
+    """The unprivileged user the trainer (like the engines) runs as."""
+
+    name: str
+    uid: int
+    gid: int
+    groups: tuple[int, ...]
+    #: Its home under the agent's work directory: HF, XDG and Triton caches live there.
+    home: Path
+
+    def env(self) -> dict[str, str]:
+        return {
+            "HOME": str(self.home),
+            "USER": self.name,
+            "LOGNAME": self.name,
+            "XDG_CACHE_HOME": str(self.home / ".cache"),
+            "TRITON_CACHE_DIR": str(self.home / ".cache" / "triton"),
+        }
