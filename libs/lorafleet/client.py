@@ -1,0 +1,197 @@
+"""The lorafleet client library: everything the `lorafleet` command does, as calls.
+
+    async with await Client.connect(Settings.from_env()) as lf:
+        await lf.add_model(ModelSpec(name="tiny", engine=Engine.VLLM, local_dir="/models/tiny"))
+        job = await lf.submit(JobSpec(model="tiny", gpu_memory_mib=8000, data=ndjson))
+        async for event in lf.watch(job.id):
+            print(event.job.state, event.job.loss)
+
+Every call is a NATS request to a lorafleet service (see docs/api.md); a
+service's error reply raises `lorafleet.bus.RemoteError` with its code,
+message and the field at fault.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import hashlib
+import io
+from collections.abc import AsyncIterator
+from pathlib import Path
+from types import TracebackType
+from typing import TypeVar
+
+from nats.aio.client import Client as Nats
+
+from lorafleet import bus
+from lorafleet.names import Names, dataset_object_name
+from lorafleet.settings import Settings
+from lorafleet.states import FINAL
+from lorafleet_schemas.messages import (
+    ArtifactGetRequest,
+    ArtifactKind,
+    ArtifactList,
+    ArtifactListRequest,
+    ArtifactRecord,
+    JobCancelRequest,
+    JobCurve,
+    JobCurveRequest,
+    JobEvent,
+    JobGetRequest,
+    JobList,
+    JobListRequest,
+    JobRecord,
+    JobSpec,
+    JobState,
+    ModelList,
+    ModelListRequest,
+    ModelRecord,
+    ModelSpec,
+    NodeList,
+    NodeListRequest,
+)
+
+T = TypeVar("T")
+
+
+class JobFailedError(RuntimeError):
+    """A job that was waited for ended failed or cancelled."""
+
+    def __init__(self, job: JobRecord) -> None:
+        super().__init__(f"job {job.id} ended {job.state.value}: {job.message}")
+        self.job = job
+
+
+class Client:
+    """A connection to a lorafleet installation. Create with `await Client.connect(...)`."""
+
+    def __init__(self, nc: Nats, settings: Settings) -> None:
+        self.nc = nc
+        self.settings = settings
+        self.names: Names = settings.names
+        self.js = nc.jetstream()
+
+    @classmethod
+    async def connect(
+        cls, settings: Settings | None = None, name: str = "lorafleet-client"
+    ) -> Client:
+        settings = settings or Settings.from_env()
+        return cls(await bus.connect(settings, name), settings)
+
+    async def close(self) -> None:
+        await bus.drain_quietly(self.nc)
+
+    async def __aenter__(self) -> Client:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.close()
+
+    async def _req(self, subject: str, message: object, reply_type: type[T]) -> T:
+        return await bus.request(
+            self.nc, subject, message, reply_type, timeout_s=self.settings.request_timeout_s
+        )
+
+    # --- catalog ---
+    async def add_model(self, spec: ModelSpec) -> ModelRecord:
+        return await self._req(self.names.models_add, spec, ModelRecord)
+
+    async def models(self) -> list[ModelRecord]:
+        return (await self._req(self.names.models_list, ModelListRequest(), ModelList)).models
+
+    # --- data ---
+    async def upload_dataset(self, data: bytes) -> str:
+        """Put NDJSON into the datasets bucket under its sha256; returns the object name."""
+        name = dataset_object_name(hashlib.sha256(data).hexdigest())
+        store = await self.js.object_store(self.names.datasets_bucket)
+        await store.put(name, io.BytesIO(data))
+        return name
+
+    # --- jobs ---
+    async def submit(self, spec: JobSpec) -> JobRecord:
+        return await self._req(self.names.jobs_submit, spec, JobRecord)
+
+    async def get(self, job_id: str) -> JobRecord:
+        return await self._req(self.names.jobs_get, JobGetRequest(id=job_id), JobRecord)
+
+    async def jobs(self, request: JobListRequest | None = None) -> list[JobRecord]:
+        return (await self._req(self.names.jobs_list, request or JobListRequest(), JobList)).jobs
+
+    async def curve(self, job_id: str) -> JobCurve:
+        return await self._req(self.names.jobs_curve, JobCurveRequest(id=job_id), JobCurve)
+
+    async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
+        return await self._req(
+            self.names.jobs_cancel, JobCancelRequest(id=job_id, reason=reason), JobRecord
+        )
+
+    async def watch(self, job_id: str, poll_s: float = 2.0) -> AsyncIterator[JobEvent]:
+        """Events of one job until it is final. The current state comes first;
+        a poll every `poll_s` seconds covers events missed while disconnected."""
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        async def on_msg(msg: object) -> None:
+            with contextlib.suppress(Exception):
+                queue.put_nowait(bus.decode(msg.data, JobEvent))  # type: ignore[attr-defined]
+
+        sub = await self.nc.subscribe(self.names.job_events(job_id), cb=on_msg)
+        try:
+            current = await self.get(job_id)
+            yield JobEvent(kind="state", job=current)
+            last = current
+            while last.state not in FINAL:
+                try:
+                    event = await asyncio.wait_for(queue.get(), poll_s)
+                except TimeoutError:
+                    job = await self.get(job_id)
+                    if job.updated_at == last.updated_at:
+                        continue
+                    changed = job.state != last.state
+                    event = JobEvent(kind="state" if changed else "progress", job=job)
+                if event.job.updated_at < last.updated_at:
+                    continue  # older than what we showed
+                last = event.job
+                yield event
+        finally:
+            await sub.unsubscribe()
+
+    async def wait(
+        self, job_id: str, until: frozenset[JobState] = FINAL, timeout_s: float | None = None
+    ) -> JobRecord:
+        """Wait until the job is in one of `until` (default: any final state)."""
+
+        async def run() -> JobRecord:
+            async for event in self.watch(job_id):
+                if event.job.state in until:
+                    return event.job
+            return await self.get(job_id)
+
+        return await asyncio.wait_for(run(), timeout_s)
+
+    # --- nodes ---
+    async def nodes(self) -> NodeList:
+        return await self._req(self.names.nodes_list, NodeListRequest(), NodeList)
+
+    # --- artifacts ---
+    async def artifacts(self, job_id: str) -> list[ArtifactRecord]:
+        reply = await self._req(
+            self.names.artifacts_list, ArtifactListRequest(job_id=job_id), ArtifactList
+        )
+        return reply.artifacts
+
+    async def artifact(self, job_id: str, kind: ArtifactKind) -> ArtifactRecord:
+        return await self._req(
+            self.names.artifacts_get, ArtifactGetRequest(job_id=job_id, kind=kind), ArtifactRecord
+        )
+
+    async def download(self, job_id: str, kind: ArtifactKind, out_file: Path) -> ArtifactRecord:
+        """Write the artifact into `out_file` and check its sha256 (raises on a mismatch)."""
+        from lorafleet.artifacts import download_artifact
+
+        return await download_artifact(self.js, self.names, job_id, kind, out_file)
