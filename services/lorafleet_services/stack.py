@@ -1,0 +1,226 @@
+"""The embedded default: one machine running all of lorafleet.
+
+`lorafleet up` and `lorafleet demo` use `EmbeddedStack`: a nats-server from
+the pinned wheel, SQLite, the recorder, scheduler and artifact-store, and one
+local agent that may train on the CPU — each service a child process, as in
+production. The tests use `ServiceProcess` the same way.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TextIO
+
+from lorafleet import bus
+from lorafleet.natsserver import NatsServer
+from lorafleet.settings import Settings
+from lorafleet_services.agent.config import AgentConfig
+
+#: Seconds a child service has to log `service.started`.
+START_TIMEOUT_S = 60.0
+
+
+class ServiceStartError(RuntimeError):
+    """A child service exited or stayed silent instead of starting."""
+
+
+class ServiceProcess:
+    """`python -m <module> [args]` with `settings` in its environment.
+
+    The child logs JSON lines on stderr; `lines` keeps them decoded, `raw` as
+    text, and `echo` (if given) receives each raw line. `start()` returns
+    once the child has logged `service.started`.
+    """
+
+    def __init__(
+        self,
+        module: str,
+        settings: Settings,
+        args: list[str] | None = None,
+        env: Mapping[str, str] | None = None,
+        echo: TextIO | None = None,
+    ) -> None:
+        self.module = module
+        self.settings = settings
+        self.args = args or []
+        self.env = dict(env or {})
+        self.echo = echo
+        self.proc: asyncio.subprocess.Process | None = None
+        self.lines: list[dict[str, Any]] = []
+        self.raw: list[str] = []
+        self._reader: asyncio.Task[None] | None = None
+        self._started = asyncio.Event()
+
+    @property
+    def pid(self) -> int:
+        assert self.proc is not None
+        return self.proc.pid
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.returncode is None
+
+    async def start(self, timeout_s: float = START_TIMEOUT_S) -> ServiceProcess:
+        env = {**os.environ, **self.settings.to_env(), **self.env, "PYTHONUNBUFFERED": "1"}
+        self._started = asyncio.Event()
+        self.proc = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", self.module, *self.args,
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
+            start_new_session=True, limit=1 << 20,
+        )  # fmt: skip
+        self._reader = asyncio.create_task(self._read())
+        waiter = asyncio.create_task(self._started.wait())
+        exited = asyncio.create_task(self.proc.wait())
+        try:
+            await asyncio.wait(
+                {waiter, exited}, timeout=timeout_s, return_when=asyncio.FIRST_COMPLETED
+            )
+        finally:
+            waiter.cancel()
+            exited.cancel()
+        if not self._started.is_set():
+            await self.stop()
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader, 2)
+            raise ServiceStartError(f"{self.module} did not start:\n" + "".join(self.raw[-30:]))
+        return self
+
+    async def _read(self) -> None:
+        assert self.proc is not None and self.proc.stderr is not None
+        while line := await self.proc.stderr.readline():
+            text = line.decode(errors="replace")
+            self.raw.append(text)
+            if self.echo is not None:
+                self.echo.write(text)
+                self.echo.flush()
+            with contextlib.suppress(ValueError):
+                obj = json.loads(text)
+                if isinstance(obj, dict):
+                    self.lines.append(obj)
+                    if obj.get("event") == "service.started":
+                        self._started.set()
+
+    def events(self, name: str) -> list[dict[str, Any]]:
+        return [ln for ln in self.lines if ln.get("event") == name]
+
+    async def wait_for_event(self, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            found = self.events(name)
+            if found:
+                return found[-1]
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"{self.module} never logged {name}:\n" + "".join(self.raw[-30:]))
+
+    def kill(self) -> None:
+        """SIGKILL the whole process group at once."""
+        if self.proc is not None and self.proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)
+
+    async def stop(self, timeout_s: float = 10.0) -> int | None:
+        """SIGTERM, wait `timeout_s` seconds, then SIGKILL; return the exit code."""
+        proc = self.proc
+        if proc is None:
+            return None
+        if proc.returncode is None:
+            with contextlib.suppress(ProcessLookupError):
+                proc.terminate()
+            try:
+                await asyncio.wait_for(proc.wait(), timeout_s)
+            except TimeoutError:
+                self.kill()
+                await proc.wait()
+        if self._reader is not None:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(self._reader, 5)
+        return proc.returncode
+
+    async def __aenter__(self) -> ServiceProcess:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+
+#: The services of a control plane, in start order.
+CONTROL_PLANE = (
+    "lorafleet_services.recorder",
+    "lorafleet_services.scheduler",
+    "lorafleet_services.artifact_store",
+)
+
+
+@dataclass
+class EmbeddedStack:
+    """Everything on one machine. `data_dir` keeps the NATS store, the SQLite
+    database and the agent's work directory across runs.
+
+    nats_port: 0 picks a free port; `lorafleet up` uses 4250 by default so
+        that a NATS on 4222 is left alone.
+    agent: the local agent's config; None runs no agent.
+    """
+
+    data_dir: Path
+    nats_port: int = 0
+    agent: AgentConfig | None = None
+    echo: TextIO | None = None
+    settings: Settings | None = None
+    nats: NatsServer | None = None
+    children: list[ServiceProcess] = field(default_factory=list)
+
+    async def start(self) -> Settings:
+        from lorafleet_services.recorder.db import migrate
+
+        self.data_dir.mkdir(parents=True, exist_ok=True)
+        self.nats = NatsServer(self.data_dir / "nats", port=self.nats_port)
+        await self.nats.start()
+        base = Settings.from_env()
+        self.settings = base.with_(nats_url=self.nats.url, data_dir=str(self.data_dir))
+        (self.data_dir / "nats-url").write_text(self.nats.url + "\n")
+        # Migrating first keeps the recorder's start fast and its errors plain.
+        await asyncio.to_thread(migrate, self.settings.effective_database_url)
+        nc = await bus.connect(self.settings, "lorafleet-up")
+        try:
+            await bus.ensure_layout(nc.jetstream(), bus.layout_for(self.settings))
+        finally:
+            await bus.drain_quietly(nc)
+        try:
+            for module in CONTROL_PLANE:
+                await self._spawn(module, {})
+            if self.agent is not None:
+                await self._spawn("lorafleet_services.agent", self.agent.to_env())
+        except BaseException:
+            await self.stop()
+            raise
+        return self.settings
+
+    async def _spawn(self, module: str, env: dict[str, str]) -> ServiceProcess:
+        assert self.settings is not None
+        proc = ServiceProcess(module, self.settings, env=env, echo=self.echo)
+        await proc.start()
+        self.children.append(proc)
+        return proc
+
+    async def stop(self) -> None:
+        for child in reversed(self.children):
+            await child.stop()
+        self.children.clear()
+        if self.nats is not None:
+            await self.nats.stop()
+        with contextlib.suppress(FileNotFoundError):
+            (self.data_dir / "nats-url").unlink()
+
+    def crashed(self) -> list[str]:
+        """Modules of children that have exited on their own."""
+        return [c.module for c in self.children if not c.running]
