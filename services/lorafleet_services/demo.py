@@ -1,0 +1,109 @@
+"""`lorafleet demo`: the main job, end to end, on the embedded default.
+
+It starts the embedded stack (nats-server from the wheel, SQLite, recorder,
+scheduler, artifact-store, one local agent that trains on the CPU), builds a
+tiny Llama on the spot (no download), adds it to the catalog, submits a job
+with generated question/answer pairs, follows its progress, and downloads
+every artifact with its sha256 checked. With `--engine llamacpp` (the
+default) the adapter is also converted to GGUF with llama.cpp's own
+conversion code, taken from the llama.cpp copy that llama-cpp-python's
+source distribution on PyPI carries.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import random
+import tempfile
+from pathlib import Path
+
+from rich.console import Console
+
+from lorafleet.client import Client
+from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, TrainerParams
+
+#: Node name of the demo's local agent.
+DEMO_NODE = "local"
+
+
+def demo_records(n: int = 96, seed: int = 7) -> str:
+    """Question/answer pairs a tiny model can learn in a minute: small sums."""
+    rng = random.Random(seed)
+    lines = []
+    for _ in range(n):
+        a, b = rng.randint(1, 9), rng.randint(1, 9)
+        lines.append(json.dumps({"q": f"What is {a} plus {b}?", "a": f"{a} plus {b} is {a + b}."}))
+    return "\n".join(lines) + "\n"
+
+
+async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console: Console) -> int:
+    from lorafleet_services.agent.conversion import local_conversion_source
+    from lorafleet_services.cli import _local_agent
+    from lorafleet_services.stack import EmbeddedStack
+    from lorafleet_services.tiny import build_tiny_model
+
+    directory = data_dir or Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
+    console.print(f"data directory: {directory}")
+    model_dir = directory / "models" / "tiny-llama"
+    if not (model_dir / "config.json").is_file():
+        console.print("building a tiny Llama (no download) ...")
+        build_tiny_model("llama", model_dir)
+    agent = _local_agent(directory, DEMO_NODE)
+    if engine is Engine.LLAMACPP:
+        console.print("preparing llama.cpp's conversion code (from PyPI's llama-cpp-python) ...")
+        source, tag = await local_conversion_source(directory / "llama.cpp-source")
+        agent = agent.with_(conversion_source=source, llamacpp_tag=tag)
+    stack = EmbeddedStack(data_dir=directory, agent=agent)
+    settings = await stack.start()
+    console.print(f"lorafleet is up: NATS {settings.nats_url}")
+    try:
+        async with await Client.connect(settings) as lf:
+            if "tiny-llama" not in {m.name for m in await lf.models()}:
+                spec = ModelSpec(name="tiny-llama", engine=engine, local_dir=str(model_dir))
+                await lf.add_model(spec)
+            job = await lf.submit(
+                JobSpec(
+                    name="demo",
+                    model="tiny-llama",
+                    node=DEMO_NODE,
+                    gpu_memory_mib=1,
+                    data=demo_records(),
+                    params=TrainerParams(
+                        rank=8, alpha=16, epochs=4, batch_size=8, learning_rate=3e-3,
+                        max_seq_len=64, eval_fraction=0.1,
+                    ),
+                )
+            )  # fmt: skip
+            console.print(f"queued job {job.id} ({job.records} records)")
+            last = job
+            async for event in lf.watch(job.id):
+                j = event.job
+                if event.kind == "state" or j.step != last.step:
+                    loss = f" loss {j.loss:.4f}" if j.loss is not None else ""
+                    step = f" step {j.step}/{j.steps}" if j.steps else ""
+                    console.print(f"  {j.state.value}{step}{loss} {j.message}".rstrip())
+                last = j
+            if last.state is not JobState.DONE:
+                console.print(f"[red]the job ended {last.state.value}[/red]: {last.message}")
+                return 1
+            out_dir.mkdir(parents=True, exist_ok=True)
+            for art in await lf.artifacts(job.id):
+                suffix = ".tar.gz" if art.kind.value == "peft" else ".gguf"
+                path = out_dir / f"{job.id}-{art.kind.value}{suffix}"
+                rec = await lf.download(job.id, art.kind, path)
+                digest = hashlib.sha256(path.read_bytes()).hexdigest()
+                ok = digest == rec.sha256 == art.sha256
+                console.print(
+                    f"  {art.kind.value}: {path} {rec.size} bytes sha256 {digest} "
+                    + ("[green]checked[/green]" if ok else "[red]MISMATCH[/red]")
+                )
+                if not ok:
+                    return 1
+            console.print(
+                f"[green]done[/green]: final loss {last.loss}, eval loss {last.eval_loss}, "
+                f"peak {last.peak_mib} MiB"
+            )
+            return 0
+    finally:
+        await stack.stop()
