@@ -1,9 +1,11 @@
 """The `lorafleet` command.
 
 Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent --node NAME
-Catalog:    lorafleet models add NAME --engine vllm|llamacpp (--hf-repo R [--revision V] | --local-dir D)
+Catalog:    lorafleet models add NAME --engine vllm|llamacpp
+                (--hf-repo R [--revision V] | --local-dir D)
             lorafleet models list
-Jobs:       lorafleet submit --model M --gpu-mib N --data FILE [--node N] [--param key=value ...] [--watch]
+Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
+                [--node N] [--param key=value ...] [--watch]
             lorafleet jobs list|get|curve ...,  lorafleet watch ID,  lorafleet cancel ID
 Nodes:      lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
