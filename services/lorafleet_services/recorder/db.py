@@ -1,0 +1,122 @@
+"""The recorder's database: engines for PostgreSQL and SQLite, and migrations.
+
+Two URL forms are supported:
+
+- `postgresql+psycopg://user@host:5432/db` (the system of record on a fleet);
+- `sqlite+aiosqlite:///path/to/lorafleet.db` (the embedded default).
+
+SQLite runs in WAL mode with a busy timeout and foreign keys on, and every
+transaction starts with BEGIN IMMEDIATE: SQLite then serialises writers up
+front instead of failing a reader that later wants to write
+(SQLITE_BUSY_SNAPSHOT), which is what makes the guarded updates in store.py
+behave the same on both backends.
+
+`migrate(url)` runs Alembic's `upgrade head` from the migrations shipped in
+this package; there is no hand-written DDL.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from alembic import command
+from alembic.config import Config
+from sqlalchemy import event
+from sqlalchemy.engine import make_url
+from sqlalchemy.ext.asyncio import (
+    AsyncEngine,
+    AsyncSession,
+    async_sessionmaker,
+    create_async_engine,
+)
+
+#: Milliseconds a SQLite connection waits for the write lock before failing.
+SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+_MIGRATIONS = Path(__file__).parent / "migrations"
+
+Sessions = async_sessionmaker[AsyncSession]
+
+
+class DatabaseUrlError(ValueError):
+    """A database URL the recorder cannot use."""
+
+
+def _check(url: str) -> str:
+    backend = make_url(url).get_backend_name()
+    if backend not in ("postgresql", "sqlite"):
+        raise DatabaseUrlError(
+            f"database URL {make_url(url).render_as_string(hide_password=True)!r}: use "
+            "postgresql+psycopg://user@host/db or sqlite+aiosqlite:///path/to/lorafleet.db"
+        )
+    return backend
+
+
+def _sqlite_parent(url: str) -> None:
+    database = make_url(url).database
+    if database and database != ":memory:" and not database.startswith("file:"):
+        Path(database).expanduser().parent.mkdir(parents=True, exist_ok=True)
+
+
+def sync_url(url: str) -> str:
+    """The same database through a synchronous driver (for Alembic)."""
+    u = make_url(url)
+    if u.get_backend_name() == "sqlite":
+        return u.set(drivername="sqlite").render_as_string(hide_password=False)
+    if u.get_backend_name() == "postgresql":
+        return u.set(drivername="postgresql+psycopg").render_as_string(hide_password=False)
+    _check(url)
+    return url
+
+
+def create_engine(url: str, **kwargs: Any) -> AsyncEngine:
+    """An async engine for `url` (PostgreSQL through psycopg 3, or aiosqlite)."""
+    backend = _check(url)
+    if backend == "sqlite":
+        _sqlite_parent(url)
+        engine = create_async_engine(url, **kwargs)
+
+        @event.listens_for(engine.sync_engine, "connect")
+        def _on_connect(dbapi_connection: Any, _record: Any) -> None:
+            # Let the "begin" hook below issue BEGIN itself (pysqlite would
+            # otherwise defer it to the first write, as a DEFERRED transaction).
+            dbapi_connection.isolation_level = None
+            cursor = dbapi_connection.cursor()
+            cursor.execute("PRAGMA journal_mode=WAL")
+            cursor.execute(f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}")
+            cursor.execute("PRAGMA foreign_keys=ON")
+            cursor.execute("PRAGMA synchronous=NORMAL")
+            cursor.close()
+
+        @event.listens_for(engine.sync_engine, "begin")
+        def _on_begin(conn: Any) -> None:
+            conn.exec_driver_sql("BEGIN IMMEDIATE")
+
+        return engine
+    kwargs.setdefault("pool_pre_ping", True)
+    return create_async_engine(url, **kwargs)
+
+
+def sessions(engine: AsyncEngine) -> Sessions:
+    """The session factory every store function takes."""
+    return async_sessionmaker(engine, expire_on_commit=False)
+
+
+def alembic_config(url: str) -> Config:
+    cfg = Config()
+    cfg.set_main_option("script_location", str(_MIGRATIONS))
+    # ConfigParser interpolates '%': a password with one must survive.
+    cfg.set_main_option("sqlalchemy.url", sync_url(url).replace("%", "%%"))
+    return cfg
+
+
+def migrate(url: str) -> None:
+    """Bring the database at `url` to the newest schema (Alembic `upgrade head`).
+
+    Synchronous; call it through `asyncio.to_thread` from async code. The
+    SQLite file's directory is created when missing.
+    """
+    if _check(url) == "sqlite":
+        _sqlite_parent(url)
+    command.upgrade(alembic_config(url), "head")
