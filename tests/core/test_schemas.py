@@ -1,0 +1,68 @@
+"""The JSON Schemas in schemas/json are generated from the Structs, and match them."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from lorafleet_schemas import generate
+from lorafleet_schemas.messages import PUBLISHED, JobSpec, TrainerLine, TrainerParams
+
+
+def test_checked_in_schemas_match_the_structs() -> None:
+    assert generate.stale() == [], "run: python -m lorafleet_schemas.generate"
+
+
+def test_a_changed_struct_makes_the_files_stale(tmp_path: Path) -> None:
+    generate.write(tmp_path)
+    assert generate.stale(tmp_path) == []
+    victim = tmp_path / "job-spec.schema.json"
+    schema = json.loads(victim.read_text())
+    schema["title"] = "edited by hand"
+    victim.write_text(json.dumps(schema))
+    (tmp_path / "left-over.schema.json").write_text("{}")
+    assert generate.stale(tmp_path) == ["job-spec.schema.json", "left-over.schema.json"]
+
+
+def test_every_published_message_has_a_file() -> None:
+    names = {p.name for p in generate.JSON_DIR.glob("*.schema.json")}
+    assert names == {f"{n}.schema.json" for n in PUBLISHED}
+
+
+def test_job_spec_schema_states_the_limits() -> None:
+    schema = json.loads((generate.JSON_DIR / "job-spec.schema.json").read_text())
+    params = schema["$defs"]["TrainerParams"]["properties"]
+    assert params["rank"]["minimum"] == 1
+    assert params["learning_rate"]["exclusiveMinimum"] == 0
+    assert schema["$defs"]["JobSpec"]["additionalProperties"] is False
+
+
+@pytest.mark.parametrize(
+    ("body", "field"),
+    [
+        (b'{"model": "m", "gpu_memory_mib": 0}', "$.gpu_memory_mib"),
+        (b'{"model": "m", "gpu_memory_mib": 1, "params": {"rank": 0}}', "$.params.rank"),
+        (b'{"model": "m", "gpu_memory_mib": 1, "colour": "red"}', "colour"),
+        (b'{"model": "a.b", "gpu_memory_mib": 1}', "$.model"),
+    ],
+)
+def test_bad_job_specs_name_the_field(body: bytes, field: str) -> None:
+    with pytest.raises(msgspec.ValidationError, match=field.replace("$", r"\$")):
+        msgspec.json.decode(body, type=JobSpec)
+
+
+def test_trainer_lines_decode_by_their_event_tag() -> None:
+    line = b'{"event": "step", "step": 1, "steps": 2, "loss": 1.5, "learning_rate": 0.1,'
+    line += b' "tokens_per_s": 10.0, "eta_s": 1.0, "peak_mib": 5}'
+    step = msgspec.json.decode(line, type=TrainerLine)
+    assert type(step).__name__ == "TrainerStep"
+    with pytest.raises(msgspec.ValidationError):
+        msgspec.json.decode(b'{"event": "nonsense"}', type=TrainerLine)
+
+
+def test_new_fields_have_defaults() -> None:
+    # An old sender that knows only the required fields stays valid.
+    assert msgspec.json.decode(b"{}", type=TrainerParams) == TrainerParams()
