@@ -1,0 +1,1 @@
+"""The scheduler: dispatch, node loss, reconcile, cancel, leadership."""
