@@ -1,0 +1,1015 @@
+"""lorafleet's LoRA trainer: one self-contained script, run in a node's engine Python.
+
+    python trainer_script.py job.json
+
+It imports only the standard library, torch, transformers (and its
+huggingface_hub), peft, accelerate and safetensors: never lorafleet's own
+packages or msgspec, which the engine's Python does not have. The agent
+writes it into the job directory and runs it as the engines' user.
+
+The job file (JSON object; every key required unless a default is given)
+-----------------------------------------------------------------------
+    job_id       str
+    base         {"hf_repo": str | null, "hf_revision": str (default "main"),
+                  "local_dir": str | null}; exactly one of hf_repo and local_dir.
+                 hf_repo is read from the Hugging Face cache (HF_HOME, set by the
+                 agent) with huggingface_hub.snapshot_download; local_dir is a
+                 directory holding config.json, tokenizer files and *.safetensors.
+    data_path    str: NDJSON, one record a line: {"q": str, "a": str} or
+                 {"messages": [{"role": "system"|"user"|"assistant",
+                 "content": str}, ...]} (at least one assistant message, the
+                 last message the assistant's). Blank lines are skipped.
+    data_sha256  str: lowercase hex sha256 of the data file; a mismatch is refused.
+    out_dir      str: the adapter goes to <out_dir>/adapter.
+    params       object: the TrainerParams fields (lorafleet_schemas.messages),
+                 each optional with the same defaults: rank 16, alpha 32.0,
+                 dropout 0.05, target_modules "all-linear" (or a list of module
+                 names), learning_rate 2e-4, lr_scheduler "cosine" ("linear",
+                 "constant"), warmup_steps 0, epochs 1, max_steps 0 (0: as many
+                 as epochs take; > 0 wins over epochs), batch_size 4,
+                 gradient_accumulation 1, max_seq_len 1024 (tokens),
+                 gradient_checkpointing false, dtype "auto" ("bf16", "fp16",
+                 "fp32"; auto is bf16 on cards with bf16, fp16 on other cards,
+                 fp32 on the CPU), seed 42, eval_fraction 0.1. Unknown keys are
+                 refused.
+    device       "cuda" | "cpu" (default "cuda"); with cuda the first visible card.
+    hf_offline   bool (default true): read the Hugging Face cache only.
+
+The protocol: stdout, one JSON object per line, the field "event" naming it
+--------------------------------------------------------------------------
+    {"event": "log", "message", "level": "info"|"warning"}  (first: uid=...)
+    {"event": "state", "state": "preparing"|"running"|"saving", "message"}
+    {"event": "step", "step", "steps", "loss", "learning_rate", "tokens_per_s",
+     "eta_s", "peak_mib", "epoch"}   one per optimizer step; loss is the mean
+                 over the step's micro-batches; peak_mib is torch's peak reserved
+                 MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
+    {"event": "eval", "step", "epoch", "eval_loss"}   after each epoch and at the
+                 end, when eval_fraction > 0: the mean cross-entropy per answer
+                 token over the held-out records.
+    {"event": "done", "adapter_dir", "base_dir", "summary"}
+    {"event": "error", "message"}
+Anything else (warnings, tracebacks, library chatter) goes to stderr.
+
+Exit status: 0 done; 2 bad input (parameters, data, the job file), after an
+"error" line naming what to change; 1 any other failure, after an "error" line
+when it can; 143 stopped by SIGTERM.
+
+Data rendering: the tokenizer's chat template when it has one, else
+PLAIN_TEMPLATE ("### Question:\\n{q}\\n\\n### Answer:\\n{a}{eos}"). {"q", "a"} is
+[user q, assistant a]. Only the assistant's tokens carry loss (labels -100
+elsewhere). Records longer than max_seq_len are cut and counted; a record with
+no answer token left after the cut is skipped and counted.
+
+What it writes: <out_dir>/adapter/{adapter_model.safetensors,
+adapter_config.json, chat_template.jinja, training_summary.json}.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import hashlib
+import json
+import math
+import os
+import random
+import re
+import resource
+import signal
+import sys
+import time
+from collections.abc import Callable, Iterator, Sequence
+from pathlib import Path
+from types import FrameType
+from typing import Any, cast
+
+# --- the protocol -----------------------------------------------------------
+
+#: Where protocol lines go: stdout, until `main` moves everything else off it.
+_out: Any = sys.stdout
+
+
+def _own_stdout() -> None:
+    """Keep fd 1 for protocol lines only: anything else (a library's print, C
+    code writing to fd 1) is sent to stderr instead."""
+    global _out
+    sys.stdout.flush()
+    _out = os.fdopen(os.dup(1), "w", encoding="utf-8", buffering=1)
+    os.dup2(2, 1)
+    sys.stdout = sys.stderr
+
+
+def emit(event: str, **fields: Any) -> None:
+    """Print one protocol line on stdout (and flush: the agent reads it live)."""
+    fields["event"] = event
+    _out.write(json.dumps(fields, separators=(",", ":"), allow_nan=False) + "\n")
+    _out.flush()
+
+
+def log(message: str, level: str = "info") -> None:
+    """A "log" line, also on stderr for a person reading the job's output."""
+    emit("log", message=message, level=level)
+    print(f"[trainer] {level}: {message}", file=sys.stderr, flush=True)
+
+
+class BadInputError(Exception):
+    """The job file, its parameters or its data are wrong: exit 2."""
+
+
+class TerminatedError(BaseException):
+    """SIGTERM arrived: stop now."""
+
+
+# --- parameters ---------------------------------------------------------------
+
+SCHEDULERS = ("linear", "cosine", "constant")
+DTYPES = ("auto", "bf16", "fp16", "fp32")
+ROLES = ("system", "user", "assistant")
+
+
+@dataclasses.dataclass(frozen=True)
+class Params:
+    """TrainerParams, re-validated here: the script cannot trust its caller."""
+
+    rank: int = 16
+    alpha: float = 32.0
+    dropout: float = 0.05
+    target_modules: list[str] | str = "all-linear"
+    learning_rate: float = 2e-4
+    lr_scheduler: str = "cosine"
+    warmup_steps: int = 0
+    epochs: int = 1
+    max_steps: int = 0
+    batch_size: int = 4
+    gradient_accumulation: int = 1
+    max_seq_len: int = 1024
+    gradient_checkpointing: bool = False
+    dtype: str = "auto"
+    seed: int = 42
+    eval_fraction: float = 0.1
+
+
+@dataclasses.dataclass(frozen=True)
+class Base:
+    hf_repo: str | None
+    hf_revision: str
+    local_dir: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class Job:
+    job_id: str
+    base: Base
+    data_path: Path
+    data_sha256: str
+    out_dir: Path
+    params: Params
+    device: str
+    hf_offline: bool
+
+
+def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise BadInputError(f"params.{name} is {v!r}; it must be an integer")
+    if (lo is not None and v < lo) or (hi is not None and v > hi):
+        raise BadInputError(f"params.{name} is {v}; it must be {_range(lo, hi)}")
+    return v
+
+
+def _float(
+    name: str,
+    v: Any,
+    *,
+    gt: float | None = None,
+    ge: float | None = None,
+    lt: float | None = None,
+    le: float | None = None,
+) -> float:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v):
+        raise BadInputError(f"params.{name} is {v!r}; it must be a number")
+    f = float(v)
+    bad = (
+        (gt is not None and not f > gt)
+        or (ge is not None and not f >= ge)
+        or (lt is not None and not f < lt)
+        or (le is not None and not f <= le)
+    )
+    if bad:
+        parts = [
+            f"{op} {b:g}"
+            for op, b in (("above", gt), ("at least", ge), ("below", lt), ("at most", le))
+            if b is not None
+        ]
+        raise BadInputError(f"params.{name} is {v!r}; it must be {' and '.join(parts)}")
+    return f
+
+
+def _range(lo: int | None, hi: int | None) -> str:
+    if lo is not None and hi is not None:
+        return f"between {lo} and {hi}"
+    return f"at least {lo}" if lo is not None else f"at most {hi}"
+
+
+def parse_params(raw: Any) -> Params:
+    """Validate the job's params object (missing keys take the defaults)."""
+    if raw is None:
+        raw = {}
+    if not isinstance(raw, dict):
+        raise BadInputError(f"params is {type(raw).__name__}; it must be an object")
+    known = {f.name for f in dataclasses.fields(Params)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise BadInputError(
+            f"params.{unknown[0]} is not a trainer parameter; known: {', '.join(sorted(known))}"
+        )
+    d = Params()
+    g = raw.get
+    tm = g("target_modules", d.target_modules)
+    if tm != "all-linear" and (
+        not isinstance(tm, list)
+        or not tm
+        or not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_.]+", m) for m in tm)
+    ):
+        raise BadInputError(
+            f'params.target_modules is {tm!r}; it must be "all-linear" or a non-empty '
+            "list of module names (q_proj, v_proj, ...)"
+        )
+    sched = g("lr_scheduler", d.lr_scheduler)
+    if sched not in SCHEDULERS:
+        raise BadInputError(f"params.lr_scheduler is {sched!r}; it must be one of {SCHEDULERS}")
+    dtype = g("dtype", d.dtype)
+    if dtype not in DTYPES:
+        raise BadInputError(f"params.dtype is {dtype!r}; it must be one of {DTYPES}")
+    gc = g("gradient_checkpointing", d.gradient_checkpointing)
+    if not isinstance(gc, bool):
+        raise BadInputError(f"params.gradient_checkpointing is {gc!r}; it must be true or false")
+    return Params(
+        rank=_int("rank", g("rank", d.rank), 1, 1024),
+        alpha=_float("alpha", g("alpha", d.alpha), gt=0),
+        dropout=_float("dropout", g("dropout", d.dropout), ge=0, lt=1),
+        target_modules=list(tm) if isinstance(tm, list) else tm,
+        learning_rate=_float("learning_rate", g("learning_rate", d.learning_rate), gt=0, le=1),
+        lr_scheduler=sched,
+        warmup_steps=_int("warmup_steps", g("warmup_steps", d.warmup_steps), 0),
+        epochs=_int("epochs", g("epochs", d.epochs), 1, 1000),
+        max_steps=_int("max_steps", g("max_steps", d.max_steps), 0),
+        batch_size=_int("batch_size", g("batch_size", d.batch_size), 1, 4096),
+        gradient_accumulation=_int(
+            "gradient_accumulation", g("gradient_accumulation", d.gradient_accumulation), 1, 4096
+        ),
+        max_seq_len=_int("max_seq_len", g("max_seq_len", d.max_seq_len), 8, 1_048_576),
+        gradient_checkpointing=gc,
+        dtype=dtype,
+        seed=_int("seed", g("seed", d.seed)),
+        eval_fraction=_float("eval_fraction", g("eval_fraction", d.eval_fraction), ge=0, lt=1),
+    )
+
+
+def _str(raw: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
+    v = raw.get(key)
+    if v is None and optional:
+        return None
+    if not isinstance(v, str) or not v:
+        raise BadInputError(f"the job's {key} is {v!r}; it must be a non-empty string")
+    return v
+
+
+def parse_job(raw: Any) -> Job:
+    """Validate the job file's object (see the module docstring)."""
+    if not isinstance(raw, dict):
+        raise BadInputError("the job file must hold a JSON object")
+    base = raw.get("base")
+    if not isinstance(base, dict):
+        raise BadInputError("the job's base is missing; it must be an object")
+    hf_repo = _str(base, "hf_repo", optional=True)
+    local_dir = _str(base, "local_dir", optional=True)
+    if (hf_repo is None) == (local_dir is None):
+        raise BadInputError("the job's base needs exactly one of hf_repo and local_dir")
+    revision = base.get("hf_revision") or "main"
+    if not isinstance(revision, str):
+        raise BadInputError(f"the job's base.hf_revision is {revision!r}; it must be a string")
+    sha = _str(raw, "data_sha256")
+    assert sha is not None
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise BadInputError(f"the job's data_sha256 is {sha!r}; it must be 64 lowercase hex digits")
+    device = raw.get("device", "cuda")
+    if device not in ("cuda", "cpu"):
+        raise BadInputError(f'the job\'s device is {device!r}; it must be "cuda" or "cpu"')
+    offline = raw.get("hf_offline", True)
+    if not isinstance(offline, bool):
+        raise BadInputError(f"the job's hf_offline is {offline!r}; it must be true or false")
+    return Job(
+        job_id=str(raw.get("job_id", "")),
+        base=Base(hf_repo=hf_repo, hf_revision=revision, local_dir=local_dir),
+        data_path=Path(str(_str(raw, "data_path"))),
+        data_sha256=sha,
+        out_dir=Path(str(_str(raw, "out_dir"))),
+        params=parse_params(raw.get("params")),
+        device=device,
+        hf_offline=offline,
+    )
+
+
+# --- data -------------------------------------------------------------------
+
+Conversation = list[dict[str, str]]
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def parse_record(line: str, lineno: int) -> Conversation:
+    """One NDJSON line as a conversation; BadInputError naming the line otherwise."""
+    where = f"data line {lineno}"
+    try:
+        rec = json.loads(line)
+    except json.JSONDecodeError as e:
+        raise BadInputError(f"{where} is not JSON: {e.msg} (column {e.colno})") from None
+    if not isinstance(rec, dict):
+        raise BadInputError(f'{where} is not an object; records are {{"q", "a"}} or {{"messages"}}')
+    if "messages" in rec:
+        extra = set(rec) - {"messages"}
+        msgs = rec["messages"]
+        if extra:
+            raise BadInputError(f"{where} has {sorted(extra)} besides messages")
+        if not isinstance(msgs, list) or not msgs:
+            raise BadInputError(f"{where}: messages must be a non-empty list")
+        conv: Conversation = []
+        for i, m in enumerate(msgs):
+            if (
+                not isinstance(m, dict)
+                or m.get("role") not in ROLES
+                or not isinstance(m.get("content"), str)
+            ):
+                raise BadInputError(
+                    f'{where}: messages[{i}] must be {{"role": one of {ROLES}, '
+                    '"content": a string}'
+                )
+            conv.append({"role": m["role"], "content": m["content"]})
+        if conv[-1]["role"] != "assistant":
+            raise BadInputError(f"{where}: the last message must be the assistant's answer")
+        return conv
+    q, a = rec.get("q"), rec.get("a")
+    if set(rec) != {"q", "a"} or not isinstance(q, str) or not isinstance(a, str):
+        raise BadInputError(
+            f'{where} must be {{"q": string, "a": string}} or {{"messages": [...]}}; '
+            f"it has {sorted(rec)}"
+        )
+    if not a:
+        raise BadInputError(f'{where}: "a" is empty; there is nothing to learn from it')
+    return [{"role": "user", "content": q}, {"role": "assistant", "content": a}]
+
+
+def load_records(path: Path, want_sha256: str) -> list[Conversation]:
+    """The data file's records, after checking its sha256 against the job's."""
+    if not path.is_file():
+        raise BadInputError(f"the data file {path} does not exist")
+    got = file_sha256(path)
+    if got != want_sha256:
+        raise BadInputError(f"the data's sha256 is {got}, the job's is {want_sha256}")
+    records: list[Conversation] = []
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError:
+                raise BadInputError(f"data line {lineno} is not UTF-8") from None
+            if line.strip():
+                records.append(parse_record(line, lineno))
+    if not records:
+        raise BadInputError(f"the data file {path} holds no records")
+    return records
+
+
+def split_records(n: int, eval_fraction: float, seed: int) -> tuple[list[int], list[int]]:
+    """(train, eval) record indices: a seeded shuffle, the first share held out.
+
+    With eval_fraction > 0 at least one record is held out; at least one is
+    always left to train on.
+    """
+    if eval_fraction <= 0:
+        return list(range(n)), []
+    k = max(1, round(n * eval_fraction))
+    if n - k < 1:
+        raise BadInputError(
+            f"params.eval_fraction {eval_fraction:g} of {n} records leaves none to train on; "
+            "lower it (0 holds none out) or add records"
+        )
+    order = list(range(n))
+    random.Random(seed).shuffle(order)
+    return sorted(order[k:]), sorted(order[:k])
+
+
+# --- rendering and label masking ------------------------------------------------
+
+#: The template for tokenizers without one of their own (base models): one
+#: "### System:" / "### Question:" / "### Answer:" block per message, blocks
+#: separated by a blank line, each answer ended by the eos token, and a bos
+#: token first when the tokenizer has one.
+PLAIN_TEMPLATE = (
+    "{% if bos_token %}{{ bos_token }}{% endif %}"
+    "{% for message in messages %}"
+    "{% if not loop.first %}{{ '\n\n' }}{% endif %}"
+    "{% if message['role'] == 'system' %}{{ '### System:\n' + message['content'] }}"
+    "{% elif message['role'] == 'user' %}{{ '### Question:\n' + message['content'] }}"
+    "{% else %}{{ '### Answer:\n' + message['content'] + (eos_token or '') }}{% endif %}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}"
+    "{% if messages %}{{ '\n\n' }}{% endif %}{{ '### Answer:\n' }}"
+    "{% endif %}"
+)
+
+IGNORE = -100
+
+
+@dataclasses.dataclass(frozen=True)
+class Encoded:
+    input_ids: list[int]
+    #: IGNORE except on the assistant's tokens.
+    labels: list[int]
+    #: The record was longer than max_seq_len and was cut.
+    cut: bool
+
+    @property
+    def answer_tokens(self) -> int:
+        return sum(1 for x in self.labels if x != IGNORE)
+
+
+def chat_template_of(tokenizer: Any) -> str:
+    """The template the trainer renders with: the tokenizer's, else PLAIN_TEMPLATE."""
+    t = getattr(tokenizer, "chat_template", None)
+    if isinstance(t, dict):
+        t = t.get("default") or next(iter(t.values()), None)
+    return t if isinstance(t, str) and t else PLAIN_TEMPLATE
+
+
+def _render(tokenizer: Any, template: str, msgs: Conversation, generation: bool) -> str:
+    out = tokenizer.apply_chat_template(
+        msgs, chat_template=template, tokenize=False, add_generation_prompt=generation
+    )
+    if not isinstance(out, str):
+        raise TypeError(f"apply_chat_template answered {type(out).__name__}, not text")
+    return out
+
+
+def segments(tokenizer: Any, template: str, conv: Conversation) -> list[tuple[str, bool]]:
+    """The rendered conversation as (text, trained) pieces; trained = an assistant turn.
+
+    Each assistant turn's text is what rendering it adds after the prompt that
+    asks for it (the conversation so far with add_generation_prompt). A
+    template whose renderings are not prefixes of each other (some drop past
+    reasoning) trains on the last answer only.
+    """
+    pieces: list[tuple[str, bool]] = []
+    done = ""
+    ok = True
+    for i, m in enumerate(conv):
+        if m["role"] != "assistant":
+            continue
+        prompt = _render(tokenizer, template, conv[:i], True)
+        full = _render(tokenizer, template, conv[: i + 1], False)
+        if not (prompt.startswith(done) and full.startswith(prompt)):
+            ok = False
+            break
+        pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
+        done = full
+    if ok:
+        end = _render(tokenizer, template, conv, False)
+        if end.startswith(done):
+            pieces.append((end[len(done) :], False))
+            return [(t, trained) for t, trained in pieces if t]
+    last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
+    prompt = _render(tokenizer, template, conv[:last], True)
+    full = _render(tokenizer, template, conv[: last + 1], False)
+    k = 0
+    while k < min(len(prompt), len(full)) and prompt[k] == full[k]:
+        k += 1
+    return [(t, trained) for t, trained in ((full[:k], False), (full[k:], True)) if t]
+
+
+def encode_conversation(
+    tokenizer: Any, template: str, conv: Conversation, max_seq_len: int
+) -> Encoded:
+    """Token ids and labels of one conversation, cut at max_seq_len tokens.
+
+    Each piece is tokenized on its own (no special tokens added: the template
+    writes them), so the prompt/answer boundary is exact.
+    """
+    ids: list[int] = []
+    labels: list[int] = []
+    for text, trained in segments(tokenizer, template, conv):
+        piece = tokenizer(text, add_special_tokens=False)["input_ids"]
+        ids += piece
+        labels += piece if trained else [IGNORE] * len(piece)
+    cut = len(ids) > max_seq_len
+    return Encoded(ids[:max_seq_len], labels[:max_seq_len], cut)
+
+
+# --- batches ----------------------------------------------------------------
+
+
+def plan_steps(
+    n_train: int, batch_size: int, accumulation: int, epoch_seed: int
+) -> list[list[list[int]]]:
+    """One epoch: optimizer steps, each a list of micro-batches of record indices.
+
+    Records are shuffled with `epoch_seed`; the last step may hold fewer
+    micro-batches, the last micro-batch fewer records.
+    """
+    order = list(range(n_train))
+    random.Random(epoch_seed).shuffle(order)
+    micro = [order[i : i + batch_size] for i in range(0, n_train, batch_size)]
+    return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+def collate(encoded: Sequence[Encoded], pad_id: int) -> tuple[list[list[int]], ...]:
+    """Right-padded (input_ids, attention_mask, labels) as lists."""
+    width = max(len(e.input_ids) for e in encoded)
+    ids, mask, labels = [], [], []
+    for e in encoded:
+        pad = width - len(e.input_ids)
+        ids.append(e.input_ids + [pad_id] * pad)
+        mask.append([1] * len(e.input_ids) + [0] * pad)
+        labels.append(e.labels + [IGNORE] * pad)
+    return ids, mask, labels
+
+
+@dataclasses.dataclass
+class Batch:
+    """A micro-batch as tensors on the training device."""
+
+    input_ids: Any
+    attention_mask: Any
+    labels: Any
+    tokens: int
+
+
+def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
+    import torch
+
+    ids, mask, labels = collate(encoded, pad_id)
+    return Batch(
+        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
+        attention_mask=torch.tensor(mask, dtype=torch.long, device=device),
+        labels=torch.tensor(labels, dtype=torch.long, device=device),
+        tokens=sum(len(e.input_ids) for e in encoded),
+    )
+
+
+# --- training ---------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class Loop:
+    """What the training loop needs, built by `prepare_training`."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+    device: Any
+
+
+@dataclasses.dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    train_s: float = 0.0
+    last_loss: float | None = None
+    last_eval: float | None = None
+
+
+def peak_mib(device: Any) -> int:
+    """torch's peak reserved MiB on a card; the process's peak RSS MiB on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_reserved(device) // (1 << 20))
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+
+
+def train_steps(
+    loop: Loop,
+    steps_plan: Iterator[tuple[int, list[Batch]]],
+    total_steps: int,
+    progress: Progress,
+    on_step: Callable[[dict[str, Any]], None],
+) -> None:
+    """Run optimizer steps from `steps_plan` ((epoch, micro-batches) per step).
+
+    The only host sync per step is the loss's .item(), after the optimizer step.
+    """
+    model, opt, sched, scaler = loop.model, loop.optimizer, loop.scheduler, loop.scaler
+    for epoch, micro in steps_plan:
+        t0 = time.perf_counter()
+        lr = sched.get_last_lr()[0]
+        n = len(micro)
+        total = None
+        for b in micro:
+            with loop.autocast():
+                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
+            loss = out.loss / n
+            if scaler is not None:
+                scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            d = loss.detach()
+            total = d if total is None else total + d
+        if scaler is not None:
+            scaler.step(opt)
+            scaler.update()
+        else:
+            opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        assert total is not None
+        step_loss = float(total.item())
+        if not math.isfinite(step_loss):
+            raise RuntimeError(
+                f"the loss became {step_loss} at step {progress.step + 1}; "
+                "lower learning_rate, or train in bf16 or fp32"
+            )
+        dt = time.perf_counter() - t0
+        tokens = sum(b.tokens for b in micro)
+        progress.step += 1
+        progress.tokens += tokens
+        progress.train_s += dt
+        progress.last_loss = step_loss
+        on_step(
+            {
+                "step": progress.step,
+                "steps": total_steps,
+                "loss": step_loss,
+                "learning_rate": float(lr),
+                "tokens_per_s": round(tokens / dt, 1) if dt > 0 else 0.0,
+                "eta_s": round(progress.train_s / progress.step * (total_steps - progress.step), 2),
+                "peak_mib": peak_mib(loop.device),
+                "epoch": epoch,
+            }
+        )
+
+
+def eval_loss(loop: Loop, batches: Sequence[Batch]) -> float:
+    """Mean cross-entropy per answer token over `batches` (dropout off)."""
+    import torch
+    import torch.nn.functional as F
+
+    model = loop.model
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=loop.device)
+    count = 0
+    with torch.no_grad():
+        for b in batches:
+            with loop.autocast():
+                logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            shift_logits = logits[:, :-1, :].float()
+            shift_labels = b.labels[:, 1:]
+            total += F.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.shape[-1]),
+                shift_labels.reshape(-1),
+                ignore_index=IGNORE,
+                reduction="sum",
+            ).double()
+            count += int((shift_labels != IGNORE).sum().item())
+    model.train()
+    return float(total.item()) / max(count, 1)
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    """ "bf16" | "fp16" | "fp32" for the device; BadInputError when it cannot train so."""
+    import torch
+
+    if device == "cpu":
+        if requested == "fp16":
+            raise BadInputError(
+                'params.dtype "fp16" needs a card; on the CPU use "fp32", "bf16" or "auto"'
+            )
+        return "fp32" if requested == "auto" else requested
+    bf16_ok = bool(torch.cuda.is_bf16_supported())
+    if requested == "auto":
+        return "bf16" if bf16_ok else "fp16"
+    if requested == "bf16" and not bf16_ok:
+        raise BadInputError(
+            'params.dtype "bf16" is not supported by this card; use "fp16", "fp32" or "auto"'
+        )
+    return requested
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_steps: int) -> Loop:
+    """Wrap `model` with LoRA (peft) and build the optimizer, scheduler and autocast."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import get_scheduler
+
+    if params.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+    config = LoraConfig(
+        r=params.rank,
+        # peft annotates an int, but scales by alpha / r: a float alpha is fine.
+        lora_alpha=cast(Any, params.alpha),
+        lora_dropout=params.dropout,
+        target_modules=params.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    # peft keeps the adapter's weights in fp32 under a bf16/fp16 base
+    # (autocast_adapter_dtype), which is what lets fp16 gradients be unscaled.
+    model = get_peft_model(model, config)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=params.learning_rate)
+    sched = get_scheduler(
+        params.lr_scheduler,
+        optimizer=opt,
+        num_warmup_steps=params.warmup_steps,
+        num_training_steps=total_steps,
+    )
+    scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" else None
+    if dtype == "fp32":
+
+        def autocast() -> contextlib.AbstractContextManager[Any]:
+            return contextlib.nullcontext()
+
+    else:
+        amp = torch_dtype(dtype)
+
+        def autocast() -> contextlib.AbstractContextManager[Any]:
+            return torch.autocast(device_type=device.type, dtype=amp)
+
+    return Loop(model, opt, sched, scaler, autocast, device)
+
+
+# --- the base weights -------------------------------------------------------
+
+HF_PATTERNS = [
+    "*.safetensors",
+    "*.safetensors.index.json",
+    "*.json",
+    "*.jinja",
+    "*.model",
+    "*.txt",
+    "*.tiktoken",
+    "tokenizer*",
+]
+
+
+def resolve_base(base: Base, offline: bool) -> Path:
+    """The directory holding the base's config, tokenizer and safetensors."""
+    if base.local_dir is not None:
+        d = Path(base.local_dir)
+        if not (d / "config.json").is_file():
+            raise BadInputError(f"base.local_dir {d} has no config.json")
+    else:
+        from huggingface_hub import snapshot_download
+
+        assert base.hf_repo is not None
+        try:
+            d = Path(
+                snapshot_download(
+                    repo_id=base.hf_repo,
+                    revision=base.hf_revision,
+                    allow_patterns=HF_PATTERNS,
+                    local_files_only=offline,
+                )
+            )
+        except Exception as e:
+            where = "the node's Hugging Face cache" if offline else "the Hugging Face Hub"
+            raise RuntimeError(
+                f"{base.hf_repo}@{base.hf_revision} is not in {where}: {type(e).__name__}: {e}"
+            ) from e
+    if not any(d.glob("*.safetensors")):
+        raise BadInputError(f"no *.safetensors weights in {d}; only safetensors are read")
+    return d
+
+
+def _versions() -> dict[str, str]:
+    from importlib import metadata
+
+    out = {"python": sys.version.split()[0]}
+    for name in ("torch", "transformers", "peft", "accelerate", "safetensors"):
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            out[name] = "missing"
+    return out
+
+
+def _load_kwargs(dtype: Any) -> dict[str, Any]:
+    """from_pretrained's dtype argument: `dtype` since transformers 4.56, `torch_dtype` before."""
+    import transformers
+
+    major, minor = (int(x) for x in re.findall(r"\d+", transformers.__version__)[:2])
+    key = "dtype" if (major, minor) >= (4, 56) else "torch_dtype"
+    return {key: dtype}
+
+
+# --- the job ------------------------------------------------------------------
+
+
+def _on_sigterm(signum: int, frame: FrameType | None) -> None:
+    raise TerminatedError()
+
+
+def run(job_path: Path) -> int:
+    """The whole job; answers the exit status."""
+    started = time.time()
+    job = parse_job(_read_job(job_path))
+    p = job.params
+    records = load_records(job.data_path, job.data_sha256)
+    train_idx, eval_idx = split_records(len(records), p.eval_fraction, p.seed)
+    versions = _versions()
+    log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    log(f"{len(records)} records: {len(train_idx)} to train on, {len(eval_idx)} held out")
+
+    if job.hf_offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"
+    emit("state", state="preparing", message="loading the tokenizer and the base weights")
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
+    dtype = resolve_dtype(p.dtype, job.device)
+    device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    random.seed(p.seed)
+    torch.manual_seed(p.seed)
+
+    base_dir = resolve_base(job.base, job.hf_offline)
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
+    template = chat_template_of(tokenizer)
+    if template is PLAIN_TEMPLATE:
+        log("the tokenizer has no chat template; records are rendered with the plain one")
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+
+    encoded: list[Encoded] = []
+    for i, conv in enumerate(records):
+        try:
+            encoded.append(encode_conversation(tokenizer, template, conv, p.max_seq_len))
+        except Exception as e:
+            raise BadInputError(
+                f"record {i + 1} cannot be rendered with the model's chat template: {e}"
+            ) from e
+    cut = sum(e.cut for e in encoded)
+    empty = {i for i, e in enumerate(encoded) if e.answer_tokens == 0}
+    if cut:
+        log(
+            f"{cut} of {len(encoded)} records were longer than max_seq_len {p.max_seq_len} "
+            "tokens and were cut",
+            "warning",
+        )
+    if empty:
+        log(
+            f"{len(empty)} records have no answer token within max_seq_len {p.max_seq_len}; "
+            "they are skipped",
+            "warning",
+        )
+    train = [encoded[i] for i in train_idx if i not in empty]
+    held = [encoded[i] for i in eval_idx if i not in empty]
+    if not train:
+        raise BadInputError(
+            f"no record has an answer token within max_seq_len {p.max_seq_len}; raise it"
+        )
+
+    per_epoch = math.ceil(math.ceil(len(train) / p.batch_size) / p.gradient_accumulation)
+    total_steps = p.max_steps if p.max_steps > 0 else per_epoch * p.epochs
+
+    model = AutoModelForCausalLM.from_pretrained(
+        str(base_dir),
+        use_safetensors=True,
+        trust_remote_code=False,
+        **_load_kwargs(torch_dtype("fp32" if dtype == "fp32" else dtype)),
+        **({"device_map": {"": device}} if device.type == "cuda" else {}),
+    )
+    model.config.use_cache = False
+    loop = prepare_training(model, p, dtype, device, total_steps)
+    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
+    log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
+    eval_batches = [
+        to_batch(held[i : i + p.batch_size], pad_id, device)
+        for i in range(0, len(held), p.batch_size)
+    ]
+
+    progress = Progress()
+    epochs_done = 0
+    evaluated_at = -1
+
+    def do_eval(epoch: int) -> None:
+        nonlocal evaluated_at
+        if not eval_batches or evaluated_at == progress.step:
+            return
+        progress.last_eval = eval_loss(loop, eval_batches)
+        evaluated_at = progress.step
+        emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
+
+    emit("state", state="running", message=f"training {total_steps} steps")
+    epoch = 0
+    while progress.step < total_steps:
+        epoch += 1
+        plan = plan_steps(len(train), p.batch_size, p.gradient_accumulation, p.seed + epoch)
+        plan = plan[: total_steps - progress.step]
+
+        def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
+            for step in plan:
+                yield epoch, [to_batch([train[i] for i in mb], pad_id, device) for mb in step]
+
+        train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
+        epochs_done = epoch
+        do_eval(epoch)
+
+    emit("state", state="saving", message="saving the adapter")
+    adapter_dir = job.out_dir / "adapter"
+    adapter_dir.mkdir(parents=True, exist_ok=True)
+    peft_model = loop.model
+    peft_model.peft_config["default"].base_model_name_or_path = (
+        job.base.hf_repo or job.base.local_dir
+    )
+    peft_model.save_pretrained(str(adapter_dir), safe_serialization=True)
+    (adapter_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+    summary: dict[str, Any] = {
+        "job_id": job.job_id,
+        "final_loss": progress.last_loss,
+        "eval_loss": progress.last_eval,
+        "params": dataclasses.asdict(p),
+        "base": {
+            "hf_repo": job.base.hf_repo,
+            "hf_revision": job.base.hf_revision if job.base.hf_repo else None,
+            "local_dir": job.base.local_dir,
+            "base_dir": str(base_dir),
+        },
+        "data_sha256": job.data_sha256,
+        "records": len(records),
+        "records_train": len(train),
+        "records_eval": len(held),
+        "records_cut": cut,
+        "records_skipped": len(empty),
+        "chat_template": "plain" if template is PLAIN_TEMPLATE else "tokenizer",
+        "steps": progress.step,
+        "epochs": epochs_done,
+        "tokens_seen": progress.tokens,
+        "train_time_s": round(progress.train_s, 3),
+        "wall_time_s": round(time.time() - started, 3),
+        "peak_mib": peak_mib(device),
+        "device": str(device),
+        "dtype": dtype,
+        "trainable_parameters": n_trainable,
+        "versions": versions,
+    }
+    (adapter_dir / "training_summary.json").write_text(
+        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+    )
+    emit("done", adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
+    return 0
+
+
+def _read_job(path: Path) -> Any:
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInputError(f"the job file {path} does not exist") from None
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInputError(f"the job file {path} is not JSON: {e}") from None
+
+
+def main(argv: list[str]) -> int:
+    _own_stdout()
+    # Before anything: the agent's tests read who the trainer runs as.
+    emit("log", message=f"uid={os.getuid()} gid={os.getgid()} pid={os.getpid()}", level="info")
+    signal.signal(signal.SIGTERM, _on_sigterm)
+    if len(argv) != 2:
+        emit("error", message="usage: trainer_script.py job.json")
+        return 2
+    try:
+        return run(Path(argv[1]))
+    except BadInputError as e:
+        emit("error", message=str(e))
+        return 2
+    except TerminatedError:
+        emit("error", message="stopped by SIGTERM")
+        return 143
+    except Exception as e:
+        import traceback
+
+        traceback.print_exc(file=sys.stderr)
+        with contextlib.suppress(Exception):
+            emit("error", message=f"{type(e).__name__}: {e}")
+        return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv))
