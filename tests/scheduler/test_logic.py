@@ -1,0 +1,321 @@
+"""The scheduler's rules, with a hand-driven clock and no bus."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    Card,
+    Engine,
+    Heartbeat,
+    JobRecord,
+    JobState,
+    TrainerParams,
+)
+from lorafleet_services.scheduler import logic
+from lorafleet_services.scheduler.logic import (
+    BeatChange,
+    Node,
+    NodeTable,
+    busy_nodes,
+    lost_nodes,
+    plan_dispatch,
+    reconcile,
+)
+
+T0 = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
+
+
+def hb(
+    node: str,
+    *,
+    cards: list[tuple[int, int]] | None = None,
+    job: str | None = None,
+    cpu: bool = False,
+    started_at: dt.datetime = T0,
+    time: dt.datetime = T0,
+) -> Heartbeat:
+    """A heartbeat; `cards` is [(total_mib, free_mib)] by index."""
+    return Heartbeat(
+        node=node,
+        version="0.1.0",
+        started_at=started_at,
+        time=time,
+        cards=[
+            Card(index=i, name=f"Card {i}", total_mib=total, free_mib=free)
+            for i, (total, free) in enumerate(cards or [])
+        ],
+        job=job,
+        cpu_training=cpu,
+    )
+
+
+def job(
+    job_id: str,
+    *,
+    node: str | None = None,
+    mib: int = 1000,
+    state: JobState = JobState.QUEUED,
+    started_at: dt.datetime | None = None,
+) -> JobRecord:
+    return JobRecord(
+        id=job_id,
+        name="",
+        model="m",
+        engine=Engine.VLLM,
+        node=node,
+        gpu_memory_mib=mib,
+        dataset="sha256/x",
+        dataset_sha256="0" * 64,
+        records=10,
+        params=TrainerParams(),
+        state=state,
+        message="",
+        step=0,
+        steps=0,
+        loss=None,
+        eval_loss=None,
+        peak_mib=0,
+        attempt=0,
+        artifacts_expected=[ArtifactKind.PEFT],
+        artifacts_stored=[],
+        created_at=T0,
+        updated_at=T0,
+        started_at=started_at,
+    )
+
+
+def table(*beats: Heartbeat, now: float = 100.0) -> NodeTable:
+    t = NodeTable()
+    for b in beats:
+        t.beat(b, now)
+    return t
+
+
+# --- the node table ---------------------------------------------------------
+
+
+def test_beats_report_up_idle_and_same() -> None:
+    t = NodeTable()
+    assert t.beat(hb("a"), 1.0) is BeatChange.UP
+    assert t.beat(hb("a"), 2.0) is BeatChange.SAME
+    assert t.beat(hb("a", job="j1"), 3.0) is BeatChange.SAME
+    assert t.beat(hb("a"), 4.0) is BeatChange.IDLE
+    assert t.nodes["a"].last_seen == 4.0
+
+
+def test_expire_marks_lost_once_and_a_new_beat_brings_it_back() -> None:
+    t = table(hb("a"))
+    lost = t.expire("a")
+    assert lost is not None and lost.name == "a"
+    assert not t.nodes["a"].alive
+    assert t.expire("a") is None  # already lost
+    assert t.expire("nobody") is None
+    assert t.beat(hb("a"), 200.0) is BeatChange.UP
+    assert t.nodes["a"].alive
+
+
+def test_lost_nodes_by_silence() -> None:
+    nodes = [
+        Node(heartbeat=hb("old"), last_seen=10.0),
+        Node(heartbeat=hb("fresh"), last_seen=12.5),
+        Node(heartbeat=hb("gone"), last_seen=0.0, alive=False),
+    ]
+    assert [n.name for n in lost_nodes(nodes, 13.0, 3.0)] == ["old"]
+    assert lost_nodes(nodes, 12.9, 3.0) == []
+
+
+def test_sweep_waits_for_the_margin_and_marks_lost() -> None:
+    t = table(hb("a"), now=10.0)
+    assert t.sweep(13.0, 3) == []  # the expiry marker is the primary signal
+    lost = t.sweep(13.0 + logic.SWEEP_MARGIN_S, 3)
+    assert [n.name for n in lost] == ["a"]
+    assert t.sweep(20.0, 3) == []  # once
+
+
+def test_touch_all_forgives_our_own_outage() -> None:
+    t = table(hb("a"), now=10.0)
+    t.touch_all(30.0)
+    assert t.sweep(31.0, 3) == []
+
+
+# --- dispatch ---------------------------------------------------------------
+
+
+def test_named_job_goes_to_its_idle_node() -> None:
+    t = table(hb("a", cards=[(24000, 20000)]))
+    plan = plan_dispatch([job("j1", node="a", mib=8000)], t.nodes, {}, 100.0)
+    assert [(j.id, n) for j, n in plan.send] == [("j1", "a")]
+    assert plan.waiting == {}
+
+
+def test_one_job_per_node_oldest_first() -> None:
+    t = table(hb("a", cpu=True))
+    plan = plan_dispatch([job("old", node="a"), job("new", node="a")], t.nodes, {}, 100.0)
+    assert [j.id for j, _ in plan.send] == ["old"]
+    assert "new" in plan.waiting and "a" in plan.waiting["new"]
+
+
+def test_named_job_waits_for_unknown_offline_and_busy_nodes() -> None:
+    t = table(hb("busy", cpu=True, job="other"), hb("held", cpu=True), hb("dead", cpu=True))
+    t.expire("dead")
+    jobs = [
+        job("j-unknown", node="ghost"),
+        job("j-dead", node="dead"),
+        job("j-busy", node="busy"),
+        job("j-held", node="held"),
+    ]
+    plan = plan_dispatch(jobs, t.nodes, {"held": "running-job"}, 100.0)
+    assert plan.send == []
+    assert "ghost" in plan.waiting["j-unknown"] and "no agent" in plan.waiting["j-unknown"]
+    assert "stopped heartbeating" in plan.waiting["j-dead"]
+    assert "12:00:00 UTC" in plan.waiting["j-dead"]
+    assert "busy with job other" in plan.waiting["j-busy"]
+    assert "busy with job running-job" in plan.waiting["j-held"]
+
+
+def test_named_job_larger_than_any_card_says_so() -> None:
+    t = table(hb("gpu-1", cards=[(24000, 24000), (16000, 16000)]))
+    plan = plan_dispatch([job("big", node="gpu-1", mib=30000)], t.nodes, {}, 100.0)
+    assert plan.send == []
+    msg = plan.waiting["big"]
+    assert "no card on gpu-1 has 30000 MiB" in msg
+    assert "GPU 0" in msg and "24000 MiB" in msg
+
+
+def test_named_job_waits_for_free_memory() -> None:
+    t = table(hb("gpu-1", cards=[(24000, 5000)]))
+    plan = plan_dispatch([job("j", node="gpu-1", mib=8000)], t.nodes, {}, 100.0)
+    assert plan.send == []
+    assert "8000 MiB free" in plan.waiting["j"] and "5000" in plan.waiting["j"]
+
+
+def test_named_card_less_node_without_cpu_training_waits() -> None:
+    t = table(hb("n"))
+    plan = plan_dispatch([job("j", node="n")], t.nodes, {}, 100.0)
+    assert plan.send == [] and "no cards" in plan.waiting["j"]
+
+
+def test_unplaced_job_goes_to_the_most_free_card() -> None:
+    t = table(
+        hb("small", cards=[(24000, 9000)]),
+        hb("large", cards=[(80000, 70000), (80000, 10000)]),
+        hb("mid", cards=[(48000, 40000)]),
+        hb("cpu", cpu=True),
+    )
+    plan = plan_dispatch([job("a", mib=8000), job("b", mib=8000)], t.nodes, {}, 100.0)
+    assert [(j.id, n) for j, n in plan.send] == [("a", "large"), ("b", "mid")]
+
+
+def test_unplaced_job_skips_busy_dead_and_small_nodes() -> None:
+    t = table(
+        hb("busy", cards=[(80000, 80000)], job="x"),
+        hb("held", cards=[(80000, 80000)]),
+        hb("dead", cards=[(80000, 80000)]),
+        hb("small", cards=[(24000, 4000)]),
+    )
+    t.expire("dead")
+    plan = plan_dispatch([job("a", mib=8000)], t.nodes, {"held": "y"}, 100.0)
+    assert plan.send == []
+    assert "8000 MiB free" in plan.waiting["a"]
+
+
+def test_cpu_node_takes_unplaced_jobs_only_when_no_card_node_is_alive() -> None:
+    t = table(hb("cpu", cpu=True), hb("gpu", cards=[(24000, 1000)]))
+    plan = plan_dispatch([job("a", mib=8000)], t.nodes, {}, 100.0)
+    assert plan.send == []  # a card node is alive: wait for it
+    t.expire("gpu")
+    plan = plan_dispatch([job("a", mib=8000)], t.nodes, {}, 100.0)
+    assert [(j.id, n) for j, n in plan.send] == [("a", "cpu")]
+
+
+def test_no_node_at_all() -> None:
+    plan = plan_dispatch([job("a")], {}, {}, 100.0)
+    assert plan.send == [] and "no node is heartbeating" in plan.waiting["a"]
+
+
+def test_busy_nodes_ignore_delivered_uploads() -> None:
+    t = table(hb("a", cpu=True), hb("b", cpu=True, job="up2"))
+    sent = T0 + dt.timedelta(seconds=5)  # sent after the agent started: not restarted
+    jobs = [
+        job("up1", node="a", state=JobState.UPLOADING, started_at=sent),
+        job("up2", node="b", state=JobState.UPLOADING, started_at=sent),
+        job("run", node="c", state=JobState.RUNNING),
+    ]
+    assert busy_nodes(jobs, t.nodes) == {"b": "up2", "c": "run"}
+
+
+# --- reconcile --------------------------------------------------------------
+
+
+def test_reconcile_fails_a_job_the_agent_does_not_run_after_the_grace() -> None:
+    t = table(hb("a", cpu=True), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    first_seen = {"j": 99.0}
+    assert reconcile([running], t.nodes, 100.5, first_seen).fail == []  # within grace
+    t.beat(hb("a", cpu=True), 101.5)
+    result = reconcile([running], t.nodes, 101.5, first_seen)
+    assert [f.job.id for f in result.fail] == ["j"]
+    assert "the agent on a restarted" in result.fail[0].message
+
+
+def test_reconcile_needs_a_beat_newer_than_the_dispatch() -> None:
+    t = table(hb("a", cpu=True), now=100.0)
+    starting = job("j", node="a", state=JobState.STARTING)
+    # Dispatched at 100.2, after the last beat: wait for a later beat even past the grace.
+    assert reconcile([starting], t.nodes, 105.0, {"j": 100.2}).fail == []
+
+
+def test_reconcile_keeps_a_job_the_node_runs() -> None:
+    t = table(hb("a", cpu=True, job="j"), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    result = reconcile([running], t.nodes, 200.0, {"j": 0.0})
+    assert result.fail == [] and result.check == []
+
+
+def test_reconcile_fails_jobs_on_gone_and_unknown_nodes() -> None:
+    t = table(hb("dead", cpu=True, job="j1"))
+    t.expire("dead")
+    jobs = [
+        job("j1", node="dead", state=JobState.RUNNING),
+        job("j2", node="ghost", state=JobState.PREPARING),
+    ]
+    result = reconcile(jobs, t.nodes, 100.0, {})
+    msgs = {f.job.id: f.message for f in result.fail}
+    assert "node dead stopped heartbeating (last beat 12:00:00 UTC)" in msgs["j1"]
+    assert "node ghost is not heartbeating" in msgs["j2"]
+
+
+def test_reconcile_asks_about_jobs_nodes_run_that_the_recorder_does_not_hold() -> None:
+    t = table(hb("a", cpu=True, job="stale"), hb("b", cpu=True, job="j"))
+    result = reconcile([job("j", node="b", state=JobState.RUNNING)], t.nodes, 100.0, {})
+    assert [(c.node, c.job_id) for c in result.check] == [("a", "stale")]
+    assert logic.should_cancel_on_node(job("stale", state=JobState.CANCELLED))
+    assert logic.should_cancel_on_node(None)
+    assert not logic.should_cancel_on_node(job("stale", state=JobState.STARTING))
+
+
+def test_uploading_job_after_delivery_is_kept_unless_the_agent_restarted() -> None:
+    sent = T0 + dt.timedelta(seconds=5)
+    uploading = job("j", node="a", state=JobState.UPLOADING, started_at=sent)
+    t = table(hb("a", cpu=True))  # agent started at T0, before the job was sent
+    assert reconcile([uploading], t.nodes, 200.0, {"j": 0.0}).fail == []
+    t.beat(hb("a", cpu=True, started_at=sent + dt.timedelta(seconds=1)), 200.0)
+    result = reconcile([uploading], t.nodes, 200.0, {"j": 0.0})
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_jobs_lost_with_a_node() -> None:
+    t = table(hb("a", cpu=True, job="run"))
+    node = t.expire("a")
+    assert node is not None
+    sent = T0 + dt.timedelta(seconds=5)
+    jobs = [
+        job("run", node="a", state=JobState.RUNNING),
+        job("start", node="a", state=JobState.STARTING),
+        job("delivered", node="a", state=JobState.UPLOADING, started_at=sent),
+        job("elsewhere", node="b", state=JobState.RUNNING),
+    ]
+    assert [j.id for j in logic.jobs_lost_with(node, jobs)] == ["run", "start"]
+    assert "node a stopped heartbeating" in logic.node_lost_message(node)
