@@ -1,0 +1,654 @@
+"""One job on this node, from a StartRequest to delivered artifacts.
+
+    preparing  fetch the dataset into work_dir/jobs/<job>/, check its sha256,
+               prepare the trainer's environment, choose the card, write
+               job.json and the trainer script
+    running    the trainer in its own session (as the engines' user when
+               there is one); each stdout JSON line becomes a StatusReport
+    converting GGUF, when the start request asks for it
+    uploading  the PEFT adapter (tar.gz) and the GGUF, in chunks
+
+`done` is not the agent's to say: the artifact-store tells the recorder
+when every artifact is stored and verified. Any failure is one `failed`
+report whose message says what to do (the trainer's "error" line, else the
+last lines of its stderr).
+
+Reports go through a `Reporter`: a queue and one publisher task per job
+and attempt, so a slow or absent NATS never blocks reading the trainer's
+output (the trainer would stall on a full pipe). Each report is a JetStream
+publish, awaited for its ack and retried on failure, with the message id
+`<job>.<attempt>.<seq>` so a retry is stored once.
+
+Stopping: `JobRun.stop()` cancels the pipeline task; whatever step it is
+in stops (the trainer's process group gets SIGTERM, then SIGKILL after
+`cancel_grace_s`), and one final report says why (`cancelled`, or `failed`
+when the agent itself stops). A fenced agent sends no final report: its job
+was failed by the scheduler already, and NATS is out of reach anyway.
+
+The job directory is removed after success or cancel. After a failure it is
+kept, without the data and the adapter, so that job.json, the trainer and
+its stderr (trainer-stderr.txt) can be read; the newest KEEP_FAILED_DIRS are
+kept and every job directory goes when the agent restarts.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import hashlib
+import importlib
+import json
+import os
+import shutil
+import sys
+import threading
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import msgspec
+from nats.js import JetStreamContext
+
+from lorafleet import log
+from lorafleet.bus import encode
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    JobState,
+    StartRequest,
+    StatusReport,
+    TrainerDone,
+    TrainerError,
+    TrainerEval,
+    TrainerLine,
+    TrainerLog,
+    TrainerState,
+    TrainerStep,
+)
+from lorafleet_services.agent import cards as cards_mod
+from lorafleet_services.agent.cards import CardChoice, NoCardError
+from lorafleet_services.agent.config import AgentConfig, EngineUser
+from lorafleet_services.agent.process import ManagedProcess, ProcessResult
+
+#: Seconds one status publish waits for its ack before it is retried.
+PUBLISH_TIMEOUT_S = 2.0
+#: Longest pause between retries of a status publish; seconds.
+PUBLISH_RETRY_MAX_S = 2.0
+#: Seconds the final reports of a job may take to publish when the agent stops.
+STOP_DRAIN_TIMEOUT_S = 5.0
+#: Seconds between NVML samples of the trainer's card memory.
+NVML_SAMPLE_S = 1.0
+#: Seconds a card read for the card choice may take.
+CARD_READ_TIMEOUT_S = 10.0
+#: Failed job directories kept for reading (the newest ones).
+KEEP_FAILED_DIRS = 5
+
+_line_decoder: msgspec.json.Decoder[TrainerLine] = msgspec.json.Decoder(TrainerLine)
+
+
+class JobFailedError(Exception):
+    """A step of the job failed; the message is what the job's `failed` report says."""
+
+
+class TrainerEnvironment(Protocol):
+    """What agent/environment.py prepares (the stand-in has its own)."""
+
+    python: str
+    user: EngineUser | None
+    notes: tuple[str, ...]
+
+    def process_env(self, choice: CardChoice) -> dict[str, str]: ...
+
+    def give(self, path: Path) -> None: ...
+
+
+@dataclass(slots=True)
+class StandinEnvironment:
+    """The stand-in trainer's environment: the agent's own Python and user.
+
+    The LORAFLEET_STANDIN_* knobs reach the trainer from the agent's
+    environment; the agent's other LORAFLEET_* settings do not.
+    """
+
+    python: str = sys.executable
+    user: EngineUser | None = None
+    notes: tuple[str, ...] = ()
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def process_env(self, choice: CardChoice) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in self.base_env.items()
+            if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
+        }
+        env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
+        return env
+
+    def give(self, path: Path) -> None:
+        return None
+
+
+def trainer_env(env: TrainerEnvironment, choice: CardChoice) -> dict[str, str]:
+    """The trainer process's environment: the environment's, plus what every run needs."""
+    out = env.process_env(choice)
+    out.update(
+        CUDA_VISIBLE_DEVICES="" if choice.index is None else str(choice.index),
+        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
+        PYTHONUNBUFFERED="1",
+        TOKENIZERS_PARALLELISM="false",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+    )
+    return out
+
+
+def job_file(
+    req: StartRequest, cfg: AgentConfig, job_dir: Path, data_path: Path, choice: CardChoice
+) -> dict[str, Any]:
+    """job.json for the trainer (the format is in trainer_script.py's docstring)."""
+    return {
+        "job_id": req.job_id,
+        "base": {
+            "hf_repo": req.model.hf_repo,
+            "hf_revision": req.model.hf_revision,
+            "local_dir": req.model.local_dir,
+        },
+        "data_path": str(data_path),
+        "data_sha256": req.dataset_sha256,
+        "out_dir": str(job_dir / "out"),
+        "params": msgspec.to_builtins(req.params),
+        "device": choice.device,
+        "hf_offline": cfg.hf_offline,
+    }
+
+
+def sha256_file(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(1 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def session_pids(sid: int) -> set[int]:
+    """Every live process in session `sid` (the trainer and whatever it started), from /proc."""
+    pids: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        # Fields after the command (which may hold spaces) are after the last ')'.
+        rest = stat[stat.rfind(b")") + 2 :].split()
+        if len(rest) > 3 and int(rest[3]) == sid:
+            pids.add(int(entry.name))
+    return pids
+
+
+def card_choice_text(choice: CardChoice, node: str) -> str:
+    if choice.index is None:
+        return f"training on the CPU of {node} (it has no card; CPU training is allowed)"
+    return f"training on GPU {choice.index} ({choice.name}) of {node}, {choice.free_mib} MiB free"
+
+
+def remove_job_dirs(work_dir: Path) -> list[str]:
+    """Remove every job directory (at agent start: no job survives a restart)."""
+    root = work_dir / "jobs"
+    removed: list[str] = []
+    if not root.is_dir():
+        return removed
+    for d in root.iterdir():
+        shutil.rmtree(d, ignore_errors=True)
+        removed.append(d.name)
+    return removed
+
+
+class MemorySampler:
+    """The trainer's card memory from NVML, sampled in a thread; keeps the peak."""
+
+    def __init__(self, sid: int, interval_s: float = NVML_SAMPLE_S) -> None:
+        self.sid = sid
+        self.interval_s = interval_s
+        self.peak_mib = 0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def start(self) -> None:
+        if not cards_mod.nvml_available()[0]:
+            return
+        self._thread = threading.Thread(target=self._run, name="nvml-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            with contextlib.suppress(Exception):
+                used = cards_mod.process_memory_mib(session_pids(self.sid))
+                self.peak_mib = max(self.peak_mib, used)
+            self._stop.wait(self.interval_s)
+
+    def stop(self) -> None:
+        self._stop.set()
+
+
+class Reporter:
+    """The job's status reports, published in order, each until acknowledged."""
+
+    def __init__(self, js: JetStreamContext, names: Names, node: str, req: StartRequest) -> None:
+        self.js = js
+        self.subject = names.status(node, req.job_id)
+        self.node = node
+        self.job_id = req.job_id
+        self.attempt = req.attempt
+        self.seq = 0
+        self.published = 0
+        self._queue: asyncio.Queue[StatusReport | None] = asyncio.Queue()
+        self._task = asyncio.create_task(self._publish_all())
+        self.logger = log.get(node=node, job_id=req.job_id)
+
+    def report(self, state: JobState | None = None, message: str = "", **fields: Any) -> None:
+        self.seq += 1
+        self._queue.put_nowait(
+            StatusReport(
+                job_id=self.job_id,
+                node=self.node,
+                attempt=self.attempt,
+                seq=self.seq,
+                time=dt.datetime.now(dt.UTC),
+                state=state,
+                message=message,
+                **fields,
+            )
+        )
+
+    async def _publish_all(self) -> None:
+        while (report := await self._queue.get()) is not None:
+            payload = encode(report)
+            headers = {"Nats-Msg-Id": f"{self.job_id}.{self.attempt}.{report.seq}"}
+            delay_s = 0.1
+            while True:
+                try:
+                    await self.js.publish(
+                        self.subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers
+                    )
+                    break
+                except Exception as e:
+                    self.logger.warning(Event.STATUS_RETRY, seq=report.seq, error=repr(e))
+                    await asyncio.sleep(delay_s)
+                    delay_s = min(delay_s * 2, PUBLISH_RETRY_MAX_S)
+            self.published = report.seq
+
+    async def close(self, timeout_s: float | None = None) -> None:
+        """Publish what is queued (at most `timeout_s` seconds; None: until done)."""
+        self._queue.put_nowait(None)
+        await asyncio.wait({self._task}, timeout=timeout_s)
+        self.abandon()
+
+    def abandon(self) -> None:
+        """Drop what is not published yet (fenced: no one is listening for it)."""
+        if not self._task.done():
+            self._task.cancel()
+            self.logger.warning(Event.STATUS_DROPPED, dropped=self.seq - self.published)
+
+
+class JobRun:
+    """One StartRequest's pipeline, as a task. `stop()` ends it from anywhere."""
+
+    def __init__(
+        self,
+        js: JetStreamContext,
+        names: Names,
+        cfg: AgentConfig,
+        req: StartRequest,
+    ) -> None:
+        self.js = js
+        self.names = names
+        self.cfg = cfg
+        self.req = req
+        self.node = cfg.node
+        self.job_id = req.job_id
+        self.job_dir = cfg.work_dir / "jobs" / req.job_id
+        self.logger = log.get(node=cfg.node, job_id=req.job_id, attempt=req.attempt)
+        self.reporter = Reporter(js, names, cfg.node, req)
+        self.trainer_pid: int | None = None
+        self.final_state: JobState | None = None
+        self.done_line: TrainerDone | None = None
+        self.error_line: str | None = None
+        self.peak_trainer_mib = 0
+        self.sampler: MemorySampler | None = None
+        self._stop_state: JobState | None = None
+        self._stop_message = ""
+        self._stopping = False
+        self.task: asyncio.Task[None] | None = None
+
+    def start(self) -> None:
+        self.reporter.report(JobState.PREPARING, f"preparing on {self.node}: fetching the dataset")
+        self.task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
+
+    async def stop(self, state: JobState | None, message: str, timeout_s: float) -> None:
+        """Stop the job; report `state` with `message` (none when `state` is None)."""
+        if self.task is None or self.task.done():
+            return
+        if not self._stopping:
+            self._stopping = True
+            self._stop_state, self._stop_message = state, message
+            self.task.cancel()
+        await asyncio.wait({self.task}, timeout=timeout_s)
+
+    async def wait(self) -> None:
+        if self.task is not None:
+            await asyncio.wait({self.task})
+
+    # --- the pipeline -------------------------------------------------------
+
+    async def _run(self) -> None:
+        drain_timeout_s: float | None = None
+        try:
+            await self._pipeline()
+        except asyncio.CancelledError:
+            if not self._stopping:  # the loop is going away: nothing more to say
+                self.reporter.abandon()
+                raise
+            self.final_state = self._stop_state
+            if self._stop_state is None:
+                self.reporter.abandon()
+            else:
+                self.reporter.report(self._stop_state, self._stop_message)
+                drain_timeout_s = STOP_DRAIN_TIMEOUT_S
+            self.logger.info(
+                Event.JOB_CANCELLED, state=self._stop_state, message=self._stop_message
+            )
+        except JobFailedError as e:
+            self._fail(str(e))
+        except Exception as e:
+            self.logger.exception(Event.JOB_FAILED, error=repr(e))
+            self._fail(f"the agent on {self.node} failed on this job: {e!r}; it is in its log")
+        finally:
+            if self.sampler is not None:
+                self.sampler.stop()
+            await self.reporter.close(drain_timeout_s)
+            await asyncio.to_thread(self._clean_dir)
+
+    def _fail(self, message: str) -> None:
+        self.final_state = JobState.FAILED
+        self.reporter.report(JobState.FAILED, message, peak_mib=self._peak() or None)
+        self.logger.warning(Event.JOB_FAILED, message=message)
+
+    async def _pipeline(self) -> None:
+        await asyncio.to_thread(self._make_dir)
+        data_path = self.job_dir / "data.jsonl"
+        await self._fetch_dataset(data_path)
+        self.reporter.report(message="preparing the trainer's environment")
+        env = await self._environment()
+        for note in env.notes:
+            self.reporter.report(message=note)
+            self.logger.info(Event.JOB_STATE, message=note)
+        choice = await self._choose_card()
+        self.reporter.report(message=card_choice_text(choice, self.node))
+        script, job_json = await asyncio.to_thread(self._write_files, data_path, choice)
+        await asyncio.to_thread(env.give, self.job_dir)
+        done = await self._train(env, choice, script, job_json)
+
+        adapter_dir = Path(done.adapter_dir)
+        files: list[tuple[ArtifactKind, Path]] = []
+        if ArtifactKind.GGUF in self.req.artifacts:
+            self.reporter.report(JobState.CONVERTING, "converting the adapter to GGUF")
+            gguf = await self._convert(env, adapter_dir, Path(done.base_dir))
+        self.reporter.report(JobState.UPLOADING, "delivering the artifacts")
+        delivery = self._module("delivery", "delivering artifacts")
+        if ArtifactKind.PEFT in self.req.artifacts:
+            packed = self.job_dir / "adapter.tar.gz"
+            await asyncio.to_thread(delivery.pack_adapter, adapter_dir, packed)
+            files.append((ArtifactKind.PEFT, packed))
+        if ArtifactKind.GGUF in self.req.artifacts:
+            files.append((ArtifactKind.GGUF, gguf))
+        delivered: list[str] = []
+        for kind, path in files:
+            try:
+                size, sha = await delivery.deliver(
+                    self.js,
+                    self.names,
+                    node=self.node,
+                    job_id=self.job_id,
+                    attempt=self.req.attempt,
+                    kind=kind,
+                    path=path,
+                    chunk_bytes=self.cfg.chunk_bytes,
+                )
+            except delivery.DeliveryError as e:
+                raise JobFailedError(f"delivering the {kind.value} artifact: {e}") from None
+            delivered.append(f"{kind.value} ({size} bytes, sha256 {sha[:12]}…)")
+        self.final_state = JobState.UPLOADING
+        self.reporter.report(
+            message="delivered "
+            + ", ".join(delivered or ["nothing (no artifact asked for)"])
+            + "; the artifact-store finishes the job"
+        )
+
+    def _module(self, name: str, what: str) -> Any:
+        # Imported when used: the environment, conversion and delivery
+        # modules are separate pieces, and a build without one still runs
+        # everything up to the step that needs it.
+        try:
+            return importlib.import_module(f"lorafleet_services.agent.{name}")
+        except ModuleNotFoundError as e:
+            raise JobFailedError(
+                f"this agent build cannot do {what}: {e}; install a complete lorafleet"
+            ) from None
+
+    def _make_dir(self) -> None:
+        shutil.rmtree(self.job_dir, ignore_errors=True)
+        self.job_dir.mkdir(parents=True, mode=0o755)
+
+    async def _fetch_dataset(self, path: Path) -> None:
+        bucket = self.names.datasets_bucket
+        name = self.req.dataset
+        try:
+            store = await self.js.object_store(bucket)
+            f = await asyncio.to_thread(path.open, "wb")
+            try:
+                # writeinto: nats-py's plain get grows its buffer quadratically.
+                await store.get(name, writeinto=f)
+            finally:
+                await asyncio.to_thread(f.close)
+        except Exception as e:
+            kind = type(e).__name__
+            if "NotFound" in kind:
+                raise JobFailedError(
+                    f"the dataset {name!r} is not in the object store {bucket}: "
+                    "submit the job's data again"
+                ) from None
+            raise JobFailedError(f"fetching the dataset {name!r} from {bucket}: {e!r}") from None
+        sha = await asyncio.to_thread(sha256_file, path)
+        if sha != self.req.dataset_sha256:
+            raise JobFailedError(
+                f"the dataset {name!r} in {bucket} has sha256 {sha}, but the job says "
+                f"{self.req.dataset_sha256}: it was replaced or damaged; submit the data again"
+            )
+
+    async def _environment(self) -> TrainerEnvironment:
+        if self.cfg.trainer == "standin":
+            return StandinEnvironment()
+        environment = self._module("environment", "preparing the trainer's environment")
+        try:
+            env: TrainerEnvironment = await environment.prepare(self.cfg)
+        except environment.TrainerSetupError as e:
+            raise JobFailedError(str(e)) from None
+        return env
+
+    async def _choose_card(self) -> CardChoice:
+        try:
+            cards = await asyncio.wait_for(
+                asyncio.to_thread(cards_mod.read_cards), CARD_READ_TIMEOUT_S
+            )
+        except TimeoutError:
+            raise JobFailedError(
+                f"reading the cards of {self.node} from NVML took over "
+                f"{CARD_READ_TIMEOUT_S:g} s; check the NVIDIA driver (nvidia-smi)"
+            ) from None
+        try:
+            return cards_mod.choose_card(
+                cards, self.req.gpu_memory_mib, self.cfg.allow_cpu, self.node
+            )
+        except NoCardError as e:
+            raise JobFailedError(str(e)) from None
+
+    def _write_files(self, data_path: Path, choice: CardChoice) -> tuple[Path, Path]:
+        here = Path(__file__).parent
+        source = here / (
+            "standin_trainer.py" if self.cfg.trainer == "standin" else "trainer_script.py"
+        )
+        script = self.job_dir / "trainer.py"
+        shutil.copyfile(source, script)
+        job_json = self.job_dir / "job.json"
+        spec = job_file(self.req, self.cfg, self.job_dir, data_path, choice)
+        job_json.write_text(json.dumps(spec, indent=2))
+        return script, job_json
+
+    def _peak(self) -> int:
+        sampled = self.sampler.peak_mib if self.sampler is not None else 0
+        return max(self.peak_trainer_mib, sampled)
+
+    async def _on_line(self, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        try:
+            line = _line_decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            self.logger.warning(
+                Event.TRAINER_LINE_BAD, error=str(e), line=raw[:200].decode(errors="replace")
+            )
+            return
+        r = self.reporter
+        if isinstance(line, TrainerStep):
+            self.peak_trainer_mib = max(self.peak_trainer_mib, line.peak_mib)
+            peak = self._peak()
+            r.report(
+                step=line.step,
+                steps=line.steps,
+                loss=line.loss,
+                learning_rate=line.learning_rate,
+                tokens_per_s=line.tokens_per_s,
+                eta_s=line.eta_s,
+                peak_mib=peak,
+            )
+            self.logger.info(
+                Event.JOB_PROGRESS, step=line.step, steps=line.steps, loss=line.loss, peak_mib=peak
+            )
+        elif isinstance(line, TrainerState):
+            if line.state == "running":
+                r.report(JobState.RUNNING, line.message or "training")
+            else:
+                r.report(message=line.message or line.state)
+            self.logger.info(Event.TRAINER_LINE, state=line.state, message=line.message)
+        elif isinstance(line, TrainerEval):
+            r.report(step=line.step, eval_loss=line.eval_loss)
+            self.logger.info(Event.JOB_EVAL, step=line.step, eval_loss=line.eval_loss)
+        elif isinstance(line, TrainerLog):
+            r.report(message=line.message)
+            self.logger.info(Event.TRAINER_LINE, message=line.message, trainer_level=line.level)
+        elif isinstance(line, TrainerError):
+            self.error_line = line.message
+            self.logger.warning(Event.TRAINER_LINE, error=line.message)
+        elif isinstance(line, TrainerDone):
+            self.done_line = line
+            self.logger.info(Event.TRAINER_LINE, message="done", adapter_dir=line.adapter_dir)
+
+    async def _train(
+        self, env: TrainerEnvironment, choice: CardChoice, script: Path, job_json: Path
+    ) -> TrainerDone:
+        mp = ManagedProcess()
+        await mp.start(
+            [env.python, str(script), str(job_json)],
+            env=trainer_env(env, choice),
+            cwd=self.job_dir,
+            user=env.user,
+            on_line=self._on_line,
+        )
+        self.trainer_pid = mp.pid
+        self.logger.info(
+            Event.TRAINER_STARTED,
+            pid=mp.pid,
+            python=env.python,
+            device=choice.device,
+            card=choice.index,
+        )
+        self.sampler = MemorySampler(mp.pid)
+        self.sampler.start()
+        try:
+            result = await mp.wait()
+        except asyncio.CancelledError:
+            await mp.stop(self.cfg.cancel_grace_s)
+            result = await mp.wait()
+            self._log_exit(result)
+            raise
+        finally:
+            self.sampler.stop()
+        self._log_exit(result)
+        if result.returncode != 0 or self.done_line is None:
+            await asyncio.to_thread(self._keep_stderr, mp)
+            raise JobFailedError(self._failure(result))
+        return self.done_line
+
+    def _log_exit(self, result: ProcessResult) -> None:
+        if result.returncode == -9:
+            self.logger.warning(
+                Event.TRAINER_KILLED,
+                pid=self.trainer_pid,
+                message=f"SIGKILL after {self.cfg.cancel_grace_s:g} s of grace",
+            )
+        self.logger.info(
+            Event.TRAINER_EXITED,
+            pid=self.trainer_pid,
+            returncode=result.returncode,
+            stopped=result.stopped,
+        )
+
+    def _failure(self, result: ProcessResult) -> str:
+        if self.error_line:
+            return f"the trainer failed: {self.error_line}"
+        tail = result.stderr_tail or "(no stderr)"
+        if result.returncode == 0:
+            return f"the trainer exited without saving an adapter; its last words: {tail}"
+        return f"the trainer exited with code {result.returncode}: {tail}"
+
+    def _keep_stderr(self, mp: ManagedProcess) -> None:
+        with contextlib.suppress(OSError):
+            (self.job_dir / "trainer-stderr.txt").write_text(mp.stderr_tail(lines=200) + "\n")
+
+    async def _convert(self, env: TrainerEnvironment, adapter_dir: Path, base_dir: Path) -> Path:
+        out = self.job_dir / "adapter.gguf"
+        if self.cfg.trainer == "standin":
+            from lorafleet_services.agent.standin_trainer import gguf_bytes
+
+            await asyncio.to_thread(out.write_bytes, gguf_bytes(self.job_id))
+            self.reporter.report(message="stand-in trainer: a stand-in GGUF, not a conversion")
+            return out
+        conversion = self._module("conversion", "GGUF conversion")
+        try:
+            path: Path = await conversion.convert_to_gguf(self.cfg, env, adapter_dir, base_dir, out)
+        except conversion.ConversionError as e:
+            raise JobFailedError(f"converting the adapter to GGUF: {e}") from None
+        return path
+
+    def _clean_dir(self) -> None:
+        if self.final_state != JobState.FAILED:
+            shutil.rmtree(self.job_dir, ignore_errors=True)
+            return
+        # Keep what explains the failure; drop the bulk.
+        for name in ("data.jsonl", "out", "adapter.tar.gz", "adapter.gguf"):
+            p = self.job_dir / name
+            if p.is_dir():
+                shutil.rmtree(p, ignore_errors=True)
+            else:
+                with contextlib.suppress(OSError):
+                    p.unlink()
+        root = self.job_dir.parent
+        with contextlib.suppress(OSError):
+            dirs = sorted(root.iterdir(), key=lambda d: d.stat().st_mtime, reverse=True)
+            for old in dirs[KEEP_FAILED_DIRS:]:
+                shutil.rmtree(old, ignore_errors=True)

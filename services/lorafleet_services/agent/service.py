@@ -1,0 +1,249 @@
+"""The node agent process: heartbeat, start and cancel requests, fencing.
+
+Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`
+and `.cancel`), so a node can run with credentials limited to them. One
+job at a time:
+
+- a start while idle is accepted and runs as a `JobRun` task;
+- a start for the job (and attempt) it runs already is a retried request:
+  accepted again, nothing started twice;
+- any other start while busy is answered busy, naming the running job.
+
+Fencing: when no heartbeat has been acknowledged for `node_timeout_s`, the
+scheduler has declared this node lost and failed its job, so the agent
+stops its trainer (`agent.fenced`) and drops the job's unsent reports. Once
+a beat is acknowledged again it heartbeats with no job.
+
+At start no job survives from a previous run: stale job directories are
+removed. On SIGTERM the running job is stopped and reported `failed`, and
+the node's heartbeat key is deleted so the scheduler knows at once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
+
+import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+
+import lorafleet
+from lorafleet import bus, log
+from lorafleet.log import Event
+from lorafleet.names import InvalidNameError, check_token
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import (
+    ErrorCode,
+    JobState,
+    NodeCancelReply,
+    NodeCancelRequest,
+    StartReply,
+    StartRequest,
+)
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.heartbeat import Heartbeater
+from lorafleet_services.agent.job import JobRun, remove_job_dirs
+
+Req = TypeVar("Req")
+
+#: Seconds between checks of the fencing condition.
+FENCE_CHECK_S = 0.25
+#: Seconds beyond the cancel grace a cancel request waits for the job to end.
+CANCEL_SLACK_S = 5.0
+
+
+class Agent:
+    """The node's agent on one NATS connection."""
+
+    def __init__(self, nc: Client, js: JetStreamContext, settings: Settings, cfg: AgentConfig):
+        self.nc = nc
+        self.js = js
+        self.settings = settings
+        self.names = settings.names
+        self.cfg = cfg
+        self.node = cfg.node
+        self.job: JobRun | None = None
+        self.fenced = False
+        self._fence_task: asyncio.Task[None] | None = None
+        self.logger = log.get(node=cfg.node)
+        self.heartbeat = Heartbeater(
+            js, settings, cfg, version=lorafleet.__version__, current_job=self.current_job
+        )
+
+    def current_job(self) -> str | None:
+        return self.job.job_id if self.job is not None else None
+
+    # --- requests -------------------------------------------------------------
+
+    async def start_job(self, req: StartRequest) -> StartReply:
+        running = self.job
+        if running is not None:
+            if running.job_id == req.job_id and running.req.attempt == req.attempt:
+                return StartReply(accepted=True)  # a retried request: already running
+            self.logger.info(Event.NODE_BUSY, job_id=req.job_id, running_job=running.job_id)
+            return StartReply(
+                accepted=False,
+                reason=f"{self.node} is busy with job {running.job_id} "
+                f"(attempt {running.req.attempt})",
+                running_job=running.job_id,
+            )
+        try:
+            check_token(req.job_id, "job id")
+        except InvalidNameError as e:
+            self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=str(e))
+            return StartReply(accepted=False, reason=str(e))
+        run = JobRun(self.js, self.names, self.cfg, req)
+        self.job = run
+        run.start()
+        assert run.task is not None
+        run.task.add_done_callback(lambda _t: self._job_ended(run))
+        self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
+        self.heartbeat.poke()
+        return StartReply(accepted=True)
+
+    def _job_ended(self, run: JobRun) -> None:
+        if self.job is run:
+            self.job = None
+            self.logger.info(Event.JOB_FINISHED, job_id=run.job_id, state=run.final_state)
+            self.heartbeat.poke()
+
+    async def cancel_job(self, req: NodeCancelRequest) -> NodeCancelReply:
+        run = self.job
+        if run is None or run.job_id != req.job_id:
+            return NodeCancelReply(stopped=False)
+        reason = req.reason or "cancelled"
+        await run.stop(
+            JobState.CANCELLED,
+            f"cancelled on {self.node}: {reason}",
+            self.cfg.cancel_grace_s + CANCEL_SLACK_S,
+        )
+        return NodeCancelReply(stopped=run.task is not None and run.task.done())
+
+    # --- fencing --------------------------------------------------------------
+
+    async def watch_fence(self, stop: asyncio.Event) -> None:
+        loop = asyncio.get_running_loop()
+        timeout_s = self.settings.node_timeout_s
+        while not stop.is_set():
+            await asyncio.sleep(FENCE_CHECK_S)
+            silent_s = loop.time() - self.heartbeat.last_ack
+            if silent_s > timeout_s and not self.fenced:
+                self.fenced = True
+                run = self.job
+                self.logger.warning(
+                    Event.AGENT_FENCED,
+                    job_id=run.job_id if run else None,
+                    message=f"no heartbeat acknowledged for {silent_s:.1f} s: this node is "
+                    "presumed lost and its job failed; stopping the trainer",
+                )
+                if run is not None:
+                    # Not awaited here: the fence keeps watching while the group stops.
+                    self._fence_task = asyncio.create_task(
+                        run.stop(None, "fenced", self.cfg.cancel_grace_s + CANCEL_SLACK_S)
+                    )
+            elif silent_s <= timeout_s and self.fenced:
+                self.fenced = False
+                self.logger.info(Event.AGENT_UNFENCED)
+
+    # --- shutdown -------------------------------------------------------------
+
+    async def shutdown(self) -> None:
+        run = self.job
+        if run is not None:
+            await run.stop(
+                JobState.FAILED,
+                f"the agent on {self.node} stopped while running this job; submit it again",
+                self.cfg.cancel_grace_s + CANCEL_SLACK_S,
+            )
+        with contextlib.suppress(Exception):
+            kv = await self.js.key_value(self.names.nodes_bucket)
+            await asyncio.wait_for(kv.delete(self.node), 2)
+
+
+async def _answer(
+    nc: Client, msg: Msg, typ: type[Req], fn: Callable[[Req], Awaitable[Any]]
+) -> None:
+    """Decode, call, reply; a bad request gets lorafleet's error body and micro headers."""
+    logger = log.get()
+    if not msg.reply:
+        return
+    try:
+        req = msgspec.json.decode(msg.data, type=typ)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        text = f"the request is not a valid {typ.__name__}: {e}"
+        headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "400"}
+        await nc.publish(msg.reply, bus.error_body(ErrorCode.BAD_REQUEST, text), headers=headers)
+        return
+    try:
+        reply = await fn(req)
+    except Exception as e:
+        logger.exception(Event.REQUEST_FAILED, subject=msg.subject, error=repr(e))
+        text = f"the agent failed on this request: {e!r}; it is logged"
+        headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "500"}
+        await nc.publish(msg.reply, bus.error_body(ErrorCode.INTERNAL, text), headers=headers)
+        return
+    await msg.respond(bus.encode(reply))
+
+
+async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None = None) -> None:
+    """Run the agent until `stop` is set; `cfg` defaults to AgentConfig.from_env()."""
+    cfg = cfg or AgentConfig.from_env()
+    logger = log.get(node=cfg.node)
+    removed = await asyncio.to_thread(remove_job_dirs, cfg.work_dir)
+    if removed:
+        logger.info(Event.JOB_DIR_REMOVED, jobs=removed,
+                    message="job directories left by an earlier run")  # fmt: skip
+    nc = await bus.connect(settings, f"lorafleet-agent-{cfg.node}")
+    js = nc.jetstream()
+    try:
+        await bus.ensure_layout(js, bus.layout_for(settings))
+    except Exception as e:
+        # A node's credentials may not allow creating streams; the services do.
+        logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
+    agent = Agent(nc, js, settings, cfg)
+    names = settings.names
+
+    async def on_start(msg: Msg) -> None:
+        await _answer(nc, msg, StartRequest, agent.start_job)
+
+    async def on_cancel(msg: Msg) -> None:
+        await _answer(nc, msg, NodeCancelRequest, agent.cancel_job)
+
+    # Separate subscriptions: a cancel that waits for a trainer to stop does
+    # not hold up a start's busy reply, and neither waits on the other.
+    subs = [
+        await nc.subscribe(names.node_start(cfg.node), cb=on_start),
+        await nc.subscribe(names.node_cancel(cfg.node), cb=on_cancel),
+    ]
+    await nc.flush()
+    inner_stop = asyncio.Event()
+    tasks = [
+        asyncio.create_task(agent.heartbeat.run(inner_stop), name="heartbeat"),
+        asyncio.create_task(agent.watch_fence(inner_stop), name="fence"),
+    ]
+    logger.info(
+        Event.SERVICE_STARTED,
+        version=lorafleet.__version__,
+        trainer=cfg.trainer,
+        allow_cpu=cfg.allow_cpu,
+        work_dir=str(cfg.work_dir),
+    )
+    try:
+        await stop.wait()
+    finally:
+        for s in subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        inner_stop.set()
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await agent.shutdown()
+        await bus.drain_quietly(nc)
+        logger.info(Event.SERVICE_STOPPED)
