@@ -1,0 +1,184 @@
+"""Artifacts on the bus: the chunk headers, the object store's format, and download.
+
+Delivery (agent -> artifact-store) puts chunks on
+`<prefix>.artifacts.<node>.<job>.<kind>` with two headers: `Nats-Msg-Id`
+(`msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
+(an ArtifactChunkHeader as JSON). The artifact-store commits each whole
+artifact into the object store `<prefix>_artifacts` as `<job>/<kind>`, in
+the NATS object store's own format, with lorafleet's fields in the object's
+metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
+<job>/<kind>`).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import hashlib
+import os
+from pathlib import Path
+
+import msgspec
+from nats.js import JetStreamContext
+from nats.js.errors import NotFoundError
+
+from lorafleet.names import Names, artifact_object_name
+from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
+
+#: The header that carries an ArtifactChunkHeader as JSON.
+CHUNK_HEADER = "Lorafleet-Chunk"
+#: JetStream's de-duplication header.
+MSG_ID_HEADER = "Nats-Msg-Id"
+#: Bytes read per step when hashing a file.
+_HASH_STEP_BYTES = 1 << 20
+
+
+class ArtifactNotFoundError(LookupError):
+    """No stored artifact of that kind for that job."""
+
+
+class ArtifactDigestError(ValueError):
+    """What was downloaded is not what was stored (sha256 differs)."""
+
+
+def msg_id(job_id: str, kind: str, attempt: int, seq: int) -> str:
+    """The Nats-Msg-Id of one chunk: a retried publish of it is stored once."""
+    return f"{job_id}.{kind}.{attempt}.{seq}"
+
+
+# --- the NATS object store's own format ---------------------------------------
+
+
+def object_stream(names: Names) -> str:
+    """The stream behind the artifacts object store."""
+    return f"OBJ_{names.artifacts_bucket}"
+
+
+def object_meta_subject(names: Names, job_id: str, kind: str) -> str:
+    name = artifact_object_name(job_id, kind)
+    return f"$O.{names.artifacts_bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def object_chunk_subject(names: Names, nuid: str) -> str:
+    return f"$O.{names.artifacts_bucket}.C.{nuid}"
+
+
+def object_digest(sha256_hex: str) -> str:
+    """The object store's digest field for a sha256 (`SHA-256=<base64url>`)."""
+    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
+class ObjectInfo(msgspec.Struct):
+    """The fields of an object info message that lorafleet reads."""
+
+    name: str
+    bucket: str = ""
+    nuid: str = ""
+    size: int = 0
+    chunks: int = 0
+    digest: str = ""
+    deleted: bool = False
+    metadata: dict[str, str] = msgspec.field(default_factory=dict)
+
+
+def decode_info(data: bytes) -> ObjectInfo | None:
+    """An object info message, or None when it is not one."""
+    try:
+        return msgspec.json.decode(data, type=ObjectInfo)
+    except msgspec.DecodeError:
+        return None
+
+
+def record_from_info(info: ObjectInfo) -> ArtifactRecord | None:
+    """The ArtifactRecord an object's metadata describes; None for a deleted or foreign object."""
+    md = info.metadata
+    if info.deleted or "sha256" not in md or "job_id" not in md:
+        return None
+    try:
+        return ArtifactRecord(
+            job_id=md["job_id"],
+            kind=ArtifactKind(md["kind"]),
+            node=md.get("node", ""),
+            object=info.name,
+            size=info.size,
+            sha256=md["sha256"],
+            base_model=md.get("base_model", ""),
+            stored_at=dt.datetime.fromisoformat(md["stored_at"].replace("Z", "+00:00")),
+        )
+    except (KeyError, ValueError):
+        return None
+
+
+async def read_info(
+    js: JetStreamContext, names: Names, job_id: str, kind: str
+) -> ObjectInfo | None:
+    """The stored object's info (deleted ones included), or None when there is none."""
+    try:
+        raw = await js.get_last_msg(object_stream(names), object_meta_subject(names, job_id, kind))
+    except NotFoundError:
+        return None
+    return decode_info(raw.data or b"")
+
+
+async def get_record(
+    js: JetStreamContext, names: Names, job_id: str, kind: str
+) -> ArtifactRecord | None:
+    """The stored artifact's record, or None when it is not stored."""
+    info = await read_info(js, names, job_id, kind)
+    return None if info is None else record_from_info(info)
+
+
+async def list_records(js: JetStreamContext, names: Names, job_id: str) -> list[ArtifactRecord]:
+    """Every stored artifact of a job, in ArtifactKind order."""
+    out = []
+    for kind in ArtifactKind:
+        rec = await get_record(js, names, job_id, kind.value)
+        if rec is not None:
+            out.append(rec)
+    return out
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while block := f.read(_HASH_STEP_BYTES):
+            h.update(block)
+    return h.hexdigest()
+
+
+async def download_artifact(
+    js: JetStreamContext, names: Names, job_id: str, kind: ArtifactKind | str, out_file: Path
+) -> ArtifactRecord:
+    """Write a stored artifact into `out_file` and check its sha256.
+
+    The bytes go into a file handed to nats-py (its plain `get` grows one
+    buffer and copies it per chunk, quadratic in the size). `out_file`
+    appears only once whole and verified; raises ArtifactNotFoundError or
+    ArtifactDigestError.
+    """
+    kind = ArtifactKind(kind)
+    record = await get_record(js, names, job_id, kind.value)
+    if record is None:
+        raise ArtifactNotFoundError(
+            f"job {job_id} has no stored {kind.value} artifact "
+            f"(object {artifact_object_name(job_id, kind.value)} in {names.artifacts_bucket})"
+        )
+    out_file = Path(out_file)
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out_file.with_name(f".{out_file.name}.part")
+    try:
+        obs = await js.object_store(names.artifacts_bucket)
+        with tmp.open("wb") as f:
+            await obs.get(record.object, writeinto=f)
+        got = file_sha256(tmp)
+        if got != record.sha256 or tmp.stat().st_size != record.size:
+            raise ArtifactDigestError(
+                f"{record.object}: downloaded {tmp.stat().st_size} bytes with sha256 {got}, "
+                f"but {record.size} bytes with sha256 {record.sha256} were stored"
+            )
+        os.replace(tmp, out_file)
+    finally:
+        with contextlib.suppress(FileNotFoundError):
+            tmp.unlink()
+    return record

@@ -1,0 +1,284 @@
+"""Delivering an artifact to the artifact-store: chunks on a JetStream stream.
+
+`deliver()` streams a file as chunks on `<prefix>.artifacts.<node>.<job>.<kind>`.
+Each chunk carries `Nats-Msg-Id: <job>.<kind>.<attempt>.<seq>` (a retried
+publish is stored once) and `Lorafleet-Chunk` (an ArtifactChunkHeader; the
+last one also carries count, size and sha256). Up to `WINDOW_CHUNKS`
+publishes are in flight at once (asynchronous publish: about twice the
+throughput of waiting for each acknowledgement); a chunk without an
+acknowledgement within `timeout_s` is published again under the same id.
+The last chunk goes out only after every other chunk is acknowledged, so
+when the artifact-store sees it, the whole delivery is in the stream.
+
+`pack_adapter()` makes the `peft` artifact: a tar.gz of the adapter
+directory that is the same bytes for the same files.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import os
+import tarfile
+import time
+from collections import deque
+from dataclasses import dataclass
+from pathlib import Path
+from typing import BinaryIO
+
+import msgspec
+import nats.errors
+import nats.js.errors
+from nats.js import JetStreamContext
+from nats.js.api import PubAck
+
+from lorafleet import log
+from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, msg_id
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
+
+#: Bytes of one chunk body; default 512 KiB (well below the default 1 MiB max payload).
+DEFAULT_CHUNK_BYTES = 512 * 1024
+#: Publishes awaiting an acknowledgement at once.
+WINDOW_CHUNKS = 32
+#: Times one chunk is published before the delivery fails.
+MAX_TRIES = 4
+#: Smallest room left between a chunk body and the server's max payload; bytes.
+#: A body of exactly max payload plus headers makes the server close the connection.
+MIN_HEADROOM_BYTES = 16 * 1024
+
+_encoder = msgspec.json.Encoder()
+
+
+class DeliveryError(RuntimeError):
+    """An artifact could not be delivered; the message says why and what to do."""
+
+
+def chunk_size_for(chunk_bytes: int, max_payload: int) -> int:
+    """`chunk_bytes`, clamped well below the server's `max_payload` (bytes)."""
+    if chunk_bytes < 1:
+        raise DeliveryError(f"chunk_bytes must be at least 1, not {chunk_bytes}")
+    headroom = max(MIN_HEADROOM_BYTES, max_payload // 8)
+    return max(1024, min(chunk_bytes, max_payload - headroom))
+
+
+# --- packing -------------------------------------------------------------------
+
+
+def _tarinfo(name: str, *, is_dir: bool, size: int = 0) -> tarfile.TarInfo:
+    ti = tarfile.TarInfo(name)
+    ti.type = tarfile.DIRTYPE if is_dir else tarfile.REGTYPE
+    ti.mode = 0o755 if is_dir else 0o644
+    ti.size = size
+    ti.mtime = 0
+    ti.uid = ti.gid = 0
+    ti.uname = ti.gname = ""
+    return ti
+
+
+def pack_adapter(adapter_dir: Path, out_file: Path) -> Path:
+    """Pack `adapter_dir` into `out_file` as a tar.gz that is the same bytes for the same files.
+
+    Names are sorted and relative, times, owners and modes are fixed, gzip
+    carries no name or time. Links and other special files are refused.
+    `out_file` appears only once complete.
+    """
+    adapter_dir = Path(adapter_dir)
+    out_file = Path(out_file)
+    if not adapter_dir.is_dir():
+        raise DeliveryError(f"the adapter directory {adapter_dir} does not exist")
+    entries: list[tuple[str, Path]] = []
+    for root, dirs, files in os.walk(adapter_dir):
+        dirs.sort()
+        rel_root = Path(root).relative_to(adapter_dir)
+        for name in sorted(dirs) + sorted(files):
+            p = Path(root) / name
+            if p.is_symlink() or not (p.is_dir() or p.is_file()):
+                raise DeliveryError(
+                    f"{p} is a link or a special file; an adapter holds only regular files"
+                )
+            entries.append(((rel_root / name).as_posix(), p))
+    entries.sort(key=lambda e: e[0])
+    tmp = out_file.with_name(f".{out_file.name}.part")
+    out_file.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with (
+            tmp.open("wb") as raw,
+            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz,
+            tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar,
+        ):
+            for name, p in entries:
+                if p.is_dir():
+                    tar.addfile(_tarinfo(name, is_dir=True))
+                else:
+                    with p.open("rb") as f:
+                        tar.addfile(_tarinfo(name, is_dir=False, size=p.stat().st_size), f)
+        os.replace(tmp, out_file)
+    finally:
+        tmp.unlink(missing_ok=True)
+    return out_file
+
+
+# --- delivery ------------------------------------------------------------------
+
+
+@dataclass(slots=True)
+class _InFlight:
+    seq: int
+    body: bytes
+    headers: dict[str, str]
+    future: asyncio.Future[PubAck]
+    tries: int = 1
+
+
+def _future() -> asyncio.Future[PubAck]:
+    """A placeholder until the first publish replaces it."""
+    return asyncio.get_running_loop().create_future()
+
+
+def _headers(
+    job_id: str, kind: ArtifactKind, attempt: int, header: ArtifactChunkHeader
+) -> dict[str, str]:
+    return {
+        MSG_ID_HEADER: msg_id(job_id, kind.value, attempt, header.seq),
+        CHUNK_HEADER: _encoder.encode(header).decode(),
+    }
+
+
+def _refused(stream: str, job_id: str, kind: ArtifactKind, seq: int, e: Exception) -> DeliveryError:
+    if isinstance(e, nats.js.errors.NoStreamResponseError):
+        return DeliveryError(
+            f"no JetStream stream took chunk {seq} of the {kind.value} artifact of job {job_id}: "
+            f"is stream {stream} there (the services create it at start)?"
+        )
+    desc = getattr(e, "description", None) or str(e)
+    full = "maximum" in desc.lower() or "storage" in desc.lower()
+    why = (
+        f"the stream is full and refuses new chunks (DiscardPolicy.NEW): {desc}; "
+        "free space in it or raise its limits, then deliver again"
+        if full
+        else desc
+    )
+    return DeliveryError(
+        f"stream {stream} refused chunk {seq} of the {kind.value} artifact of job {job_id}: {why}"
+    )
+
+
+async def deliver(
+    js: JetStreamContext,
+    names: Names,
+    *,
+    node: str,
+    job_id: str,
+    attempt: int,
+    kind: ArtifactKind,
+    path: Path,
+    chunk_bytes: int = DEFAULT_CHUNK_BYTES,
+    timeout_s: float = 10.0,
+) -> tuple[int, str]:
+    """Deliver the file at `path` as the `kind` artifact of a job; return (size, sha256).
+
+    chunk_bytes: bytes per chunk, default 512 KiB, clamped well below the
+    server's max payload. timeout_s: seconds to wait for one chunk's
+    acknowledgement before publishing it again (at most MAX_TRIES times);
+    default 10. Raises DeliveryError when the stream refuses a chunk (full,
+    missing) or never acknowledges it.
+    """
+    kind = ArtifactKind(kind)
+    path = Path(path)
+    subject = names.artifact_chunks(node, job_id, kind.value)
+    stream = names.artifacts_stream
+    # nats-py keeps the connection private on the context; its INFO's max_payload is public.
+    step = chunk_size_for(chunk_bytes, js._nc.max_payload)
+    try:
+        size = path.stat().st_size
+    except OSError as e:
+        raise DeliveryError(f"cannot read the {kind.value} artifact {path}: {e}") from None
+    count = max(1, -(-size // step))
+    logger = log.get(job_id=job_id, node=node, kind=kind.value)
+    started = time.perf_counter()
+    window: deque[_InFlight] = deque()
+
+    def header(seq: int) -> ArtifactChunkHeader:
+        return ArtifactChunkHeader(job_id=job_id, node=node, kind=kind, attempt=attempt, seq=seq)
+
+    async def publish(item: _InFlight) -> None:
+        try:
+            item.future = await js.publish_async(subject, item.body, headers=dict(item.headers))
+        except nats.errors.Error as e:
+            raise DeliveryError(
+                f"publishing chunk {item.seq} of the {kind.value} artifact of job {job_id}: {e!r}"
+            ) from e
+
+    async def settle(item: _InFlight) -> None:
+        while True:
+            try:
+                await asyncio.wait_for(item.future, timeout_s)
+                return
+            except TimeoutError:
+                if item.tries >= MAX_TRIES:
+                    raise DeliveryError(
+                        f"chunk {item.seq} of the {kind.value} artifact of job {job_id} was not "
+                        f"acknowledged after {MAX_TRIES} tries of {timeout_s:g} s each: "
+                        "is the NATS server reachable and the stream there?"
+                    ) from None
+                item.tries += 1
+                logger.warning(
+                    Event.ARTIFACT_CHUNK, seq=item.seq, message="no ack; publishing again"
+                )
+                await publish(item)
+            except nats.js.errors.APIError as e:
+                raise _refused(stream, job_id, kind, item.seq, e) from None
+
+    h = hashlib.sha256()
+
+    def read_next(f: BinaryIO) -> bytes:
+        # Reading and hashing release the GIL: done in a thread, they overlap
+        # the event loop's sending and acknowledging.
+        body = f.read(step)
+        h.update(body)
+        return body
+
+    sent = 0
+    f = await asyncio.to_thread(path.open, "rb")
+    try:
+        for seq in range(count):
+            body = await asyncio.to_thread(read_next, f)
+            sent += len(body)
+            if seq < count - 1:
+                if len(body) != step:
+                    raise DeliveryError(f"{path} shrank while it was being delivered")
+                hdrs = _headers(job_id, kind, attempt, header(seq))
+                item = _InFlight(seq, body, hdrs, _future())
+                await publish(item)
+                window.append(item)
+                while len(window) >= WINDOW_CHUNKS:
+                    await settle(window.popleft())
+                continue
+            if await asyncio.to_thread(f.read, 1) or sent != size:
+                raise DeliveryError(f"{path} changed size while it was being delivered")
+            while window:
+                await settle(window.popleft())
+            digest = h.hexdigest()
+            last = ArtifactChunkHeader(
+                job_id=job_id, node=node, kind=kind, attempt=attempt, seq=seq,
+                last=True, count=count, size=size, sha256=digest,
+            )  # fmt: skip
+            item = _InFlight(seq, body, _headers(job_id, kind, attempt, last), _future())
+            await publish(item)
+            await settle(item)
+    finally:
+        for pending in window:
+            pending.future.cancel()
+        f.close()
+    seconds = time.perf_counter() - started
+    logger.info(
+        Event.ARTIFACT_DELIVERED,
+        size=size,
+        sha256=digest,
+        chunks=count,
+        seconds=round(seconds, 3),
+    )
+    return size, digest

@@ -1,0 +1,1 @@
+"""The artifact-store: chunked deliveries in, whole verified objects out."""

@@ -1,0 +1,286 @@
+"""Chunk assembly and verification, as plain code with no bus.
+
+An artifact arrives as chunks on `<prefix>.artifacts.<node>.<job>.<kind>`,
+each with an `ArtifactChunkHeader` (JSON in the `Lorafleet-Chunk` header).
+`Assembly` takes chunks in any order and any number of times, hands back
+the bytes that have become contiguous (so the caller can stream them into
+the object store while the delivery goes on), and, once the last chunk is
+known and nothing is missing, says whether count, size and sha256 agree.
+
+Everything here decides; nothing here talks to NATS.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import hashlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import msgspec
+
+from lorafleet.artifacts import CHUNK_HEADER, object_chunk_subject, object_digest
+from lorafleet.names import Names, artifact_object_name
+from lorafleet.states import ON_NODE
+from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
+
+#: Chunks held while waiting for an earlier one; bytes. A delivery that
+#: needs more is corrupt (the agent keeps a small window), not worth the memory.
+MAX_PENDING_BYTES = 256 * 1024 * 1024
+
+
+class ChunkError(ValueError):
+    """A message on the artifacts stream that is not a well-formed chunk."""
+
+
+class AssemblyError(ValueError):
+    """A delivery that cannot be a whole artifact (missing, extra or corrupt chunks)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Key:
+    """One delivery: the same artifact of the same attempt of a job."""
+
+    node: str
+    job_id: str
+    kind: ArtifactKind
+    attempt: int
+
+    @property
+    def label(self) -> str:
+        return f"the {self.kind.value} artifact of job {self.job_id} (attempt {self.attempt})"
+
+
+@dataclass(frozen=True, slots=True)
+class Chunk:
+    key: Key
+    header: ArtifactChunkHeader
+    subject: str
+
+
+def subject_parts(names: Names, subject: str) -> tuple[str, str, str]:
+    """(node, job, kind) of a chunk subject, or ChunkError."""
+    head = f"{names.prefix}.artifacts."
+    if not subject.startswith(head):
+        raise ChunkError(
+            f"{subject!r} is not an artifact chunk subject ({head}<node>.<job>.<kind>)"
+        )
+    parts = subject[len(head) :].split(".")
+    if len(parts) != 3 or not all(parts):
+        raise ChunkError(f"{subject!r}: expected {head}<node>.<job>.<kind>")
+    return parts[0], parts[1], parts[2]
+
+
+_header_decoder = msgspec.json.Decoder(ArtifactChunkHeader)
+
+
+def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> Chunk:
+    """The chunk a message is, checked against its subject; ChunkError if it is none."""
+    node, job_id, kind = subject_parts(names, subject)
+    raw = (headers or {}).get(CHUNK_HEADER)
+    if raw is None:
+        raise ChunkError(f"a message on {subject} has no {CHUNK_HEADER} header")
+    try:
+        header = _header_decoder.decode(raw)
+    except msgspec.DecodeError as e:
+        raise ChunkError(f"the {CHUNK_HEADER} header on {subject} is not valid: {e}") from None
+    if (header.node, header.job_id, header.kind.value) != (node, job_id, kind):
+        raise ChunkError(
+            f"the chunk header names {header.node}/{header.job_id}/{header.kind.value} "
+            f"but was published on {subject}"
+        )
+    if header.last and (header.count is None or header.size is None or header.sha256 is None):
+        raise ChunkError(f"the last chunk on {subject} lacks its count, size or sha256")
+    if header.last and header.count is not None and header.seq != header.count - 1:
+        raise ChunkError(
+            f"the last chunk on {subject} has seq {header.seq} but says the count is {header.count}"
+        )
+    return Chunk(Key(node, job_id, header.kind, header.attempt), header, subject)
+
+
+@dataclass(frozen=True, slots=True)
+class Whole:
+    """A verified artifact: its size (bytes), sha256 and chunk count."""
+
+    size: int
+    sha256: str
+    count: int
+
+
+@dataclass(slots=True)
+class Assembly:
+    """Chunks of one delivery, put in order as they come.
+
+    `add` returns the bodies that are now next in order (feed them to the
+    object store in that order); duplicates return nothing.
+    """
+
+    key: Key
+    next_seq: int = 0
+    size: int = 0
+    pending: dict[int, bytes] = field(default_factory=dict)
+    pending_bytes: int = 0
+    last: ArtifactChunkHeader | None = None
+    #: Stream sequence of the newest chunk seen (for purging up to it).
+    stream_seq: int = 0
+    _hash: Any = field(default_factory=hashlib.sha256)
+
+    def add(self, header: ArtifactChunkHeader, body: bytes, stream_seq: int = 0) -> list[bytes]:
+        self.stream_seq = max(self.stream_seq, stream_seq)
+        if header.last:
+            if self.last is not None and (self.last.count, self.last.size, self.last.sha256) != (
+                header.count,
+                header.size,
+                header.sha256,
+            ):
+                raise AssemblyError(
+                    f"{self.key.label}: two last chunks disagree (count {self.last.count} "
+                    f"vs {header.count}, size {self.last.size} vs {header.size})"
+                )
+            self.last = header
+        if self.last is not None and self.last.count is not None and header.seq >= self.last.count:
+            raise AssemblyError(
+                f"{self.key.label}: chunk {header.seq} is beyond the count {self.last.count} "
+                "that the last chunk gives"
+            )
+        if header.seq < self.next_seq or header.seq in self.pending:
+            return []
+        if header.seq > self.next_seq:
+            self.pending_bytes += len(body)
+            if self.pending_bytes > MAX_PENDING_BYTES:
+                raise AssemblyError(
+                    f"{self.key.label}: more than {MAX_PENDING_BYTES >> 20} MiB of chunks "
+                    f"arrived ahead of the missing chunk {self.next_seq}"
+                )
+            self.pending[header.seq] = body
+            return []
+        ready = [body]
+        self._take(body)
+        while self.next_seq in self.pending:
+            nxt = self.pending.pop(self.next_seq)
+            self.pending_bytes -= len(nxt)
+            ready.append(nxt)
+            self._take(nxt)
+        return ready
+
+    def _take(self, body: bytes) -> None:
+        self._hash.update(body)
+        self.size += len(body)
+        self.next_seq += 1
+
+    @property
+    def has_last(self) -> bool:
+        return self.last is not None
+
+    def missing(self) -> list[int]:
+        """Chunk numbers not yet seen, once the last chunk says how many there are."""
+        if self.last is None or self.last.count is None:
+            return []
+        return [s for s in range(self.next_seq, self.last.count) if s not in self.pending]
+
+    @property
+    def complete(self) -> bool:
+        return self.last is not None and self.next_seq == self.last.count
+
+    def verify(self) -> Whole:
+        """The whole artifact, or AssemblyError saying what is wrong with it."""
+        last = self.last
+        if last is None or last.count is None or last.size is None or last.sha256 is None:
+            raise AssemblyError(f"{self.key.label}: the last chunk has not arrived")
+        gaps = self.missing()
+        if gaps:
+            shown = ", ".join(str(s) for s in gaps[:10]) + (", ..." if len(gaps) > 10 else "")
+            raise AssemblyError(
+                f"{self.key.label} is short: {len(gaps)} of its {last.count} chunks never "
+                f"arrived (chunk {shown})"
+            )
+        extra = sorted(s for s in self.pending if s >= last.count)
+        if extra:
+            raise AssemblyError(
+                f"{self.key.label}: chunk {extra[0]} is beyond the count {last.count} "
+                "that the last chunk gives"
+            )
+        if self.size != last.size:
+            raise AssemblyError(
+                f"{self.key.label} is {self.size} bytes, but the delivery said {last.size}"
+            )
+        digest = self._hash.hexdigest()
+        if digest != last.sha256:
+            raise AssemblyError(
+                f"{self.key.label} is corrupt: its sha256 is {digest}, but the delivery said "
+                f"{last.sha256}"
+            )
+        return Whole(size=self.size, sha256=digest, count=last.count)
+
+
+def refusal(job: JobRecord | None, key: Key) -> str | None:
+    """Why `key.node` may not deliver this artifact now, or None when it may.
+
+    A node delivers only for a job on it, for the job's current attempt,
+    while the job is on a node, and only kinds the job makes.
+    """
+    if job is None:
+        return f"job {key.job_id} does not exist"
+    if job.node != key.node:
+        return f"job {key.job_id} is assigned to node {job.node!r}, not {key.node!r}"
+    if job.attempt != key.attempt:
+        return (
+            f"job {key.job_id} is on attempt {job.attempt}, "
+            f"the delivery is of attempt {key.attempt}"
+        )
+    if job.state not in ON_NODE:
+        return f"job {key.job_id} is {job.state.value}: it takes no artifacts"
+    if key.kind not in job.artifacts_expected:
+        return (
+            f"job {key.job_id} makes {', '.join(k.value for k in job.artifacts_expected)}, "
+            f"not {key.kind.value}"
+        )
+    return None
+
+
+# --- the object store's own format (so `nats object get` reads what we write) ---
+
+
+def object_chunk_token(key: Key) -> str:
+    """The `nuid` of an artifact's object: fixed per delivery, so chunks left
+    by a store that died mid-write are found (and purged) by the next one."""
+    return f"{key.job_id}_{key.kind.value}_{key.attempt}"
+
+
+def chunk_subject(names: Names, key: Key) -> str:
+    return object_chunk_subject(names, object_chunk_token(key))
+
+
+def object_info(
+    names: Names,
+    key: Key,
+    whole: Whole,
+    *,
+    chunks: int,
+    chunk_bytes: int,
+    base_model: str,
+    now: dt.datetime,
+) -> dict[str, Any]:
+    """The object's info message, as the NATS object store (any client) reads it."""
+    stamp = now.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+    return {
+        "name": artifact_object_name(key.job_id, key.kind.value),
+        "description": f"lorafleet {key.kind.value} artifact of job {key.job_id}",
+        "metadata": {
+            "sha256": whole.sha256,
+            "size": str(whole.size),
+            "job_id": key.job_id,
+            "node": key.node,
+            "kind": key.kind.value,
+            "attempt": str(key.attempt),
+            "base_model": base_model,
+            "stored_at": stamp,
+        },
+        "options": {"max_chunk_size": chunk_bytes},
+        "bucket": names.artifacts_bucket,
+        "nuid": object_chunk_token(key),
+        "size": whole.size,
+        "mtime": stamp,
+        "chunks": chunks,
+        "digest": object_digest(whole.sha256),
+    }

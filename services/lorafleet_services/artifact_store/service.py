@@ -1,0 +1,531 @@
+"""The artifact-store: assembles chunked deliveries into whole, verified objects.
+
+How it stays exact when killed at any moment:
+
+- Chunks stay in the artifacts stream (limits retention) until their
+  artifact is committed; only then is the delivery's subject purged. The
+  in-memory assembly is a cache of what the stream holds.
+- Whenever a delivery is first seen (a new delivery, or the first chunk
+  after a restart), its subject is read back from the stream from its start
+  up to that chunk, so chunks acknowledged before a crash are not lost. At
+  start, every subject still in the stream is read back the same way.
+- Bytes that are in order are written straight onto the object's chunk
+  subject (`$O.<bucket>.C.<job>_<kind>_<attempt>`, a fixed name so a dead
+  store's half-written chunks are purged by the next one) while the
+  delivery goes on. The object exists only once its info message is
+  published, after count, size and sha256 are checked: whole or not at all.
+- The durable pull consumer acknowledges ordinary chunks as they are
+  taken, and the last chunk only once the artifact is committed (or failed).
+
+Handlers stay thin; the decisions are in `assembly`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import datetime as dt
+import json
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any
+
+import nats.errors
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js import JetStreamContext
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
+
+from lorafleet import log
+from lorafleet.artifacts import (
+    get_record,
+    list_records,
+    object_meta_subject,
+    object_stream,
+    read_info,
+)
+from lorafleet.bus import (
+    RemoteError,
+    connect,
+    drain_quietly,
+    ensure_layout,
+    layout_for,
+    request,
+)
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet.service import Route, not_found, start_service
+from lorafleet.settings import Settings
+from lorafleet.states import FINAL
+from lorafleet_schemas.messages import (
+    ArtifactGetRequest,
+    ArtifactList,
+    ArtifactListRequest,
+    ArtifactRecord,
+    ArtifactStoredRequest,
+    JobGetRequest,
+    JobRecord,
+    JobState,
+    TransitionReply,
+    TransitionRequest,
+)
+from lorafleet_services.artifact_store.assembly import (
+    Assembly,
+    AssemblyError,
+    Chunk,
+    ChunkError,
+    Key,
+    chunk_subject,
+    object_chunk_token,
+    object_info,
+    parse_chunk,
+    refusal,
+)
+
+VERSION = "0.1.0"
+#: Messages fetched from the durable consumer at once.
+FETCH_BATCH = 64
+#: Seconds one fetch waits for messages.
+FETCH_WAIT_S = 1.0
+#: Object chunk publishes awaiting their acknowledgement at once.
+WRITE_WINDOW = 64
+#: Seconds to wait for one object chunk's acknowledgement.
+WRITE_ACK_TIMEOUT_S = 30.0
+#: Seconds the durable consumer waits for an acknowledgement before redelivering.
+ACK_WAIT_S = 60.0
+#: Seconds to wait for chunks missing when the last one has arrived, before
+#: reading the stream a final time and failing the delivery.
+MISSING_GRACE_S = 1.0
+#: Deliveries remembered as finished, so late duplicates are dropped.
+FINISHED_MEMORY = 4096
+
+
+@dataclass(slots=True)
+class _Delivery:
+    """One delivery being assembled, and its object chunks being written."""
+
+    key: Key
+    subject: str
+    assembly: Assembly
+    job: JobRecord
+    writes: deque[asyncio.Future[PubAck]] = field(default_factory=deque)
+    chunks_written: int = 0
+    max_chunk: int = 0
+    #: The unacknowledged last chunk, acknowledged once committed or failed.
+    held: list[Msg] = field(default_factory=list)
+
+
+class ArtifactStore:
+    """The artifact-store on one connection. `start()`, then `close()`."""
+
+    def __init__(self, nc: Client, settings: Settings) -> None:
+        self.nc = nc
+        self.js: JetStreamContext = nc.jetstream()
+        self.settings = settings
+        self.names: Names = settings.names
+        self.logger = log.get()
+        self._deliveries: dict[Key, _Delivery] = {}
+        self._finished: dict[Key, None] = {}
+        self._task: asyncio.Task[None] | None = None
+        self._sub: JetStreamContext.PullSubscription | None = None
+        self._stopping = False
+
+    # --- life cycle ---------------------------------------------------------
+
+    async def start(self) -> None:
+        names = self.names
+        config = ConsumerConfig(
+            durable_name=names.artifact_store_consumer,
+            ack_policy=AckPolicy.EXPLICIT,
+            deliver_policy=DeliverPolicy.ALL,
+            ack_wait=ACK_WAIT_S,
+            max_ack_pending=4 * FETCH_BATCH * 16,
+            filter_subject=names.artifacts_subjects,
+        )
+        self._sub = await self.js.pull_subscribe(
+            names.artifacts_subjects,
+            durable=names.artifact_store_consumer,
+            stream=names.artifacts_stream,
+            config=config,
+        )
+        await self._recover_all()
+        self._task = asyncio.create_task(self._loop(), name="artifact-store-loop")
+        await start_service(
+            self.nc,
+            names.artifact_store_service,
+            VERSION,
+            "lorafleet artifacts: chunked delivery in, whole verified objects out",
+            [
+                Route(names.artifacts_list, ArtifactListRequest, self.list_artifacts),
+                Route(names.artifacts_get, ArtifactGetRequest, self.get_artifact),
+            ],
+            names.queue_group,
+        )
+
+    async def close(self) -> None:
+        self._stopping = True
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await self._task
+
+    # --- the API ---------------------------------------------------------------
+
+    async def list_artifacts(self, req: ArtifactListRequest) -> ArtifactList:
+        return ArtifactList(artifacts=await list_records(self.js, self.names, req.job_id))
+
+    async def get_artifact(self, req: ArtifactGetRequest) -> ArtifactRecord:
+        rec = await get_record(self.js, self.names, req.job_id, req.kind.value)
+        if rec is None:
+            raise not_found(f"job {req.job_id} has no stored {req.kind.value} artifact", "$.kind")
+        return rec
+
+    # --- consuming -------------------------------------------------------------
+
+    async def _loop(self) -> None:
+        assert self._sub is not None
+        while not self._stopping:
+            try:
+                msgs = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
+            except TimeoutError:
+                continue
+            except nats.errors.Error as e:
+                self.logger.warning(Event.NATS_ERROR, error=repr(e))
+                await asyncio.sleep(0.5)
+                continue
+            for msg in msgs:
+                try:
+                    await self._on_message(msg)
+                except Exception as e:  # one bad delivery must not stop the others
+                    self.logger.exception(Event.ARTIFACT_REJECTED, error=repr(e))
+                    with contextlib.suppress(Exception):
+                        await msg.nak(delay=2.0)
+
+    async def _on_message(self, msg: Msg) -> None:
+        stream_seq = msg.metadata.sequence.stream
+        try:
+            chunk = parse_chunk(self.names, msg.subject, msg.headers)
+        except ChunkError as e:
+            self.logger.warning(Event.ARTIFACT_REJECTED, error=str(e))
+            await self._purge_delivery(msg.subject, stream_seq)
+            await msg.ack()
+            return
+        key = chunk.key
+        if key in self._finished:
+            await msg.ack()
+            return
+        try:
+            await self._on_chunk(msg, chunk, stream_seq)
+        except Exception:
+            await self._drop(key)
+            raise
+
+    async def _on_chunk(self, msg: Msg, chunk: Chunk, stream_seq: int) -> None:
+        key = chunk.key
+        d = self._deliveries.get(key)
+        if d is None:
+            d = await self._open(chunk, stream_seq)
+            if d is None:
+                await msg.ack()
+                return
+        else:
+            await self._take(d, chunk, msg.data, stream_seq)
+        if chunk.header.last:
+            d.held.append(msg)
+        else:
+            await msg.ack()
+        if d.assembly.has_last:
+            await self._finish(d)
+
+    async def _recover_all(self) -> None:
+        """Read back every delivery still in the stream (a restart loses the cache)."""
+        try:
+            info = await self.js.stream_info(
+                self.names.artifacts_stream, subjects_filter=self.names.artifacts_subjects
+            )
+        except nats.js.errors.NotFoundError:
+            return
+        for subject in sorted((info.state.subjects or {}).keys()):
+            try:
+                last = await self.js.get_last_msg(self.names.artifacts_stream, subject)
+            except nats.js.errors.NotFoundError:
+                continue
+            try:
+                chunk = parse_chunk(self.names, subject, last.headers)
+            except ChunkError as e:
+                self.logger.warning(Event.ARTIFACT_REJECTED, error=str(e))
+                await self._purge_delivery(subject, last.seq or 0)
+                continue
+            if chunk.key in self._deliveries or chunk.key in self._finished:
+                continue
+            try:
+                d = await self._open(chunk, last.seq or 0)
+                if d is not None and d.assembly.has_last:
+                    await self._finish(d)
+            except Exception as e:
+                self.logger.exception(
+                    Event.ARTIFACT_REJECTED, job_id=chunk.key.job_id, error=repr(e)
+                )
+                await self._drop(chunk.key)
+
+    # --- one delivery -----------------------------------------------------------
+
+    async def _job(self, job_id: str) -> JobRecord | None:
+        try:
+            return await request(
+                self.nc,
+                self.names.jobs_get,
+                JobGetRequest(id=job_id),
+                JobRecord,
+                timeout_s=self.settings.request_timeout_s,
+            )
+        except RemoteError as e:
+            if e.code == "not_found":
+                return None
+            raise
+
+    async def _open(self, chunk: Chunk, upto_seq: int) -> _Delivery | None:
+        """Start assembling a delivery, from the stream's first chunk of it up to `upto_seq`.
+
+        Returns None when the delivery is refused or already stored.
+        """
+        key = chunk.key
+        job = await self._job(key.job_id)
+        # Already committed (a store that died after the commit, before the purge)?
+        info = await read_info(self.js, self.names, key.job_id, key.kind.value)
+        if info is not None and not info.deleted and info.nuid == object_chunk_token(key):
+            self.logger.info(Event.ARTIFACT_STORED, job_id=key.job_id, kind=key.kind.value,
+                             message="already stored; finishing its clean-up")  # fmt: skip
+            if job is not None and key.kind not in job.artifacts_stored:
+                await self._tell_recorder(key, info.size, info.metadata.get("sha256", ""))
+            await self._purge_delivery(chunk.subject, upto_seq)
+            self._remember(key)
+            return None
+        why = refusal(job, key)
+        if why is not None:
+            self.logger.warning(
+                Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node, kind=key.kind.value,
+                error=f"refused a delivery from node {key.node}: {why}",
+            )  # fmt: skip
+            await self._purge_delivery(chunk.subject, upto_seq)
+            self._remember(key)
+            return None
+        assert job is not None
+        # Chunks a dead store half-wrote under this object's fixed name.
+        await self.js.purge_stream(
+            object_stream(self.names), subject=chunk_subject(self.names, key)
+        )
+        d = _Delivery(key=key, subject=chunk.subject, assembly=Assembly(key), job=job)
+        self._deliveries[key] = d
+        await self._read_back(d, upto_seq)
+        return d
+
+    async def _read_back(self, d: _Delivery, upto_seq: int) -> None:
+        """Feed every chunk of `d` in the stream with a sequence up to `upto_seq`."""
+        stream = self.names.artifacts_stream
+        sub = await self.js.pull_subscribe(
+            d.subject,
+            stream=stream,
+            config=ConsumerConfig(
+                ack_policy=AckPolicy.NONE,
+                deliver_policy=DeliverPolicy.ALL,
+                inactive_threshold=30.0,
+                mem_storage=True,
+            ),
+        )
+        try:
+            while True:
+                try:
+                    msgs = await sub.fetch(FETCH_BATCH, timeout=2.0)
+                except TimeoutError:
+                    return
+                for m in msgs:
+                    seq = m.metadata.sequence.stream
+                    if seq > upto_seq:
+                        return
+                    try:
+                        chunk = parse_chunk(self.names, m.subject, m.headers)
+                    except ChunkError:
+                        continue
+                    if chunk.key == d.key:
+                        await self._take(d, chunk, m.data, seq)
+                    if seq >= upto_seq or m.metadata.num_pending == 0:
+                        return
+        finally:
+            with contextlib.suppress(Exception):
+                await sub.unsubscribe()
+            with contextlib.suppress(Exception):
+                info = await sub.consumer_info()
+                await self.js.delete_consumer(stream, info.name)
+
+    async def _take(self, d: _Delivery, chunk: Chunk, body: bytes, stream_seq: int) -> None:
+        for ready in d.assembly.add(chunk.header, body, stream_seq):
+            if not ready:
+                continue
+            d.max_chunk = max(d.max_chunk, len(ready))
+            d.writes.append(await self.js.publish_async(chunk_subject(self.names, d.key), ready))
+            d.chunks_written += 1
+            while len(d.writes) >= WRITE_WINDOW:
+                await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
+
+    async def _finish(self, d: _Delivery) -> None:
+        """The last chunk is here: verify, commit, tell the recorder, clean up."""
+        key = d.key
+        if d.assembly.missing():
+            # A well-behaved agent sends the last chunk after all the others
+            # are stored; read the stream again before calling it short.
+            await self._read_back(d, d.assembly.stream_seq)
+            if d.assembly.missing():
+                await asyncio.sleep(MISSING_GRACE_S)
+                latest = await self._last_seq(d.subject)
+                await self._read_back(d, max(latest, d.assembly.stream_seq))
+        try:
+            whole = d.assembly.verify()
+        except AssemblyError as e:
+            await self._fail(d, str(e))
+            return
+        while d.writes:
+            await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
+        job = await self._job(key.job_id)
+        why = refusal(job, key)
+        if why is not None:
+            self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
+                                kind=key.kind.value, error=f"not stored: {why}")  # fmt: skip
+            await self._discard(d)
+            return
+        assert job is not None
+        stored = await self._stored_chunks(d)
+        if stored != d.chunks_written:
+            raise RuntimeError(
+                f"{key.label}: {stored} object chunks are stored, {d.chunks_written} were written"
+            )
+        info = object_info(
+            self.names, key, whole,
+            chunks=d.chunks_written, chunk_bytes=max(d.max_chunk, 1),
+            base_model=job.model, now=dt.datetime.now(dt.UTC),
+        )  # fmt: skip
+        await self.js.publish(
+            object_meta_subject(self.names, key.job_id, key.kind.value),
+            json.dumps(info).encode(),
+            headers={"Nats-Rollup": "sub"},
+        )
+        check = await read_info(self.js, self.names, key.job_id, key.kind.value)
+        if check is None or (check.size, check.digest, check.nuid) != (
+            whole.size,
+            info["digest"],
+            info["nuid"],
+        ):
+            raise RuntimeError(f"{key.label}: the stored object's info does not read back")
+        await self._tell_recorder(key, whole.size, whole.sha256)
+        await self._purge_delivery(d.subject, d.assembly.stream_seq)
+        self.logger.info(
+            Event.ARTIFACT_STORED, job_id=key.job_id, node=key.node, kind=key.kind.value,
+            size=whole.size, sha256=whole.sha256, chunks=whole.count,
+        )  # fmt: skip
+        await self._close(d)
+
+    async def _stored_chunks(self, d: _Delivery) -> int:
+        subject = chunk_subject(self.names, d.key)
+        info = await self.js.stream_info(object_stream(self.names), subjects_filter=subject)
+        return int((info.state.subjects or {}).get(subject, 0))
+
+    async def _last_seq(self, subject: str) -> int:
+        try:
+            raw = await self.js.get_last_msg(self.names.artifacts_stream, subject)
+        except nats.js.errors.NotFoundError:
+            return 0
+        return raw.seq or 0
+
+    async def _tell_recorder(self, key: Key, size: int, sha256: str) -> None:
+        await request(
+            self.nc,
+            self.names.store_artifact,
+            ArtifactStoredRequest(id=key.job_id, kind=key.kind, size=size, sha256=sha256),
+            JobRecord,
+            timeout_s=self.settings.request_timeout_s,
+        )
+
+    async def _fail(self, d: _Delivery, message: str) -> None:
+        """A short or corrupt delivery: nothing stored, the job failed, saying why."""
+        key = d.key
+        self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
+                            kind=key.kind.value, error=message)  # fmt: skip
+        await self._discard(d)
+        await self._fail_job(key.job_id, message)
+
+    async def _fail_job(self, job_id: str, message: str) -> None:
+        for _ in range(5):
+            job = await self._job(job_id)
+            if job is None or job.state in FINAL:
+                return
+            reply = await request(
+                self.nc,
+                self.names.store_transition,
+                TransitionRequest(
+                    id=job_id, from_state=job.state, to_state=JobState.FAILED, message=message
+                ),
+                TransitionReply,
+                timeout_s=self.settings.request_timeout_s,
+            )
+            if reply.applied or reply.job.state in FINAL:
+                return
+
+    async def _discard(self, d: _Delivery) -> None:
+        for fut in d.writes:
+            fut.cancel()
+        d.writes.clear()
+        await self.js.purge_stream(
+            object_stream(self.names), subject=chunk_subject(self.names, d.key)
+        )
+        await self._purge_delivery(d.subject, d.assembly.stream_seq)
+        await self._close(d)
+
+    async def _close(self, d: _Delivery) -> None:
+        self._deliveries.pop(d.key, None)
+        self._remember(d.key)
+        for m in d.held:
+            with contextlib.suppress(Exception):
+                await m.ack()
+        d.held.clear()
+
+    async def _drop(self, key: Key) -> None:
+        """Forget a delivery after an error; the stream still has it for a retry."""
+        d = self._deliveries.pop(key, None)
+        if d is None:
+            return
+        for fut in d.writes:
+            fut.cancel()
+        for m in d.held:
+            with contextlib.suppress(Exception):
+                await m.nak(delay=2.0)
+
+    def _remember(self, key: Key) -> None:
+        self._finished[key] = None
+        while len(self._finished) > FINISHED_MEMORY:
+            self._finished.pop(next(iter(self._finished)))
+
+    async def _purge_delivery(self, subject: str, upto_seq: int) -> None:
+        """Remove a delivery's chunks, up to and including stream sequence `upto_seq`."""
+        kwargs: dict[str, Any] = {"subject": subject}
+        if upto_seq:
+            kwargs["seq"] = upto_seq + 1
+        await self.js.purge_stream(self.names.artifacts_stream, **kwargs)
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    logger = log.get()
+    nc = await connect(settings, "lorafleet-artifact-store")
+    store: ArtifactStore | None = None
+    try:
+        js = nc.jetstream()
+        await ensure_layout(js, layout_for(settings))
+        store = ArtifactStore(nc, settings)
+        await store.start()
+        logger.info(Event.SERVICE_STARTED, version=VERSION)
+        await stop.wait()
+    finally:
+        if store is not None:
+            await store.close()
+        await drain_quietly(nc)
+        logger.info(Event.SERVICE_STOPPED)
