@@ -1,0 +1,294 @@
+"""The recorder's request handlers and status application, as plain async code.
+
+`RecorderApi` holds what the handlers need: the session factory, the names,
+the datasets bucket (behind the small `Datasets` protocol) and a `publish`
+function for events. Each method is load -> process -> apply: checks and
+object-store reads first, then one short store transaction, then the event
+published after commit. service.py binds these methods to NATS subjects.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Any, Protocol
+
+from lorafleet import log
+from lorafleet.bus import encode
+from lorafleet.log import Event
+from lorafleet.names import Names, dataset_object_name
+from lorafleet.service import ApiError, Route, bad_request, not_found
+from lorafleet.states import FINAL, IllegalTransitionError
+from lorafleet_schemas.messages import (
+    ArtifactStoredRequest,
+    ErrorCode,
+    JobCurve,
+    JobCurveRequest,
+    JobEvent,
+    JobGetRequest,
+    JobList,
+    JobListRequest,
+    JobRecord,
+    JobSpec,
+    ModelList,
+    ModelListRequest,
+    ModelRecord,
+    ModelSpec,
+    StatusReport,
+    TransitionReply,
+    TransitionRequest,
+)
+from lorafleet_services.recorder import data, store
+from lorafleet_services.recorder.db import Sessions
+from lorafleet_services.recorder.store import JobChange, StatusResult
+
+
+class Datasets(Protocol):
+    """The datasets object-store bucket, as the recorder uses it."""
+
+    async def put(self, name: str, content: bytes) -> None:
+        """Store `content` under `name` (a no-op when that object exists)."""
+
+    async def get(self, name: str) -> bytes | None:
+        """The object's bytes, or None when there is no such object."""
+
+
+Publish = Callable[[str, bytes], Awaitable[None]]
+
+
+def conflict(message: str, field: str | None = None) -> ApiError:
+    return ApiError(ErrorCode.CONFLICT, message, field)
+
+
+class RecorderApi:
+    """Everything the recorder answers and applies, without a bus of its own."""
+
+    def __init__(self, sm: Sessions, names: Names, datasets: Datasets, publish: Publish) -> None:
+        self.sm = sm
+        self.names = names
+        self.datasets = datasets
+        self.publish = publish
+        self.log = log.get()
+
+    def routes(self) -> list[Route]:
+        n = self.names
+        return [
+            Route(n.models_add, ModelSpec, self.models_add),
+            Route(n.models_list, ModelListRequest, self.models_list),
+            Route(n.jobs_submit, JobSpec, self.jobs_submit),
+            Route(n.jobs_get, JobGetRequest, self.jobs_get),
+            Route(n.jobs_list, JobListRequest, self.jobs_list),
+            Route(n.jobs_curve, JobCurveRequest, self.jobs_curve),
+            Route(n.store_transition, TransitionRequest, self.transition),
+            Route(n.store_artifact, ArtifactStoredRequest, self.artifact),
+        ]
+
+    # --- the catalog ---
+
+    async def models_add(self, spec: ModelSpec) -> ModelRecord:
+        if spec.hf_repo is None and spec.local_dir is None:
+            raise bad_request(
+                "give the model's weights: hf_repo (a Hugging Face repo) or local_dir "
+                "(a directory on the nodes)",
+                "$.hf_repo",
+            )
+        if spec.hf_repo is not None and spec.local_dir is not None:
+            raise bad_request("give hf_repo or local_dir, not both", "$.local_dir")
+        for name in ("hf_repo", "local_dir"):
+            if getattr(spec, name) == "":
+                raise bad_request(f"{name} is empty", f"$.{name}")
+        try:
+            record = await store.add_model(self.sm, spec)
+        except store.ModelExistsError:
+            raise conflict(
+                f"the catalog has a model named {spec.name} already: choose another name",
+                "$.name",
+            ) from None
+        self.log.info(Event.MODEL_ADDED, model=record.name, engine=record.engine.value)
+        return record
+
+    async def models_list(self, _req: ModelListRequest) -> ModelList:
+        return ModelList(models=await store.list_models(self.sm))
+
+    # --- jobs ---
+
+    async def jobs_submit(self, spec: JobSpec) -> JobRecord:
+        model = await store.get_model(self.sm, spec.model)
+        if model is None:
+            known = [m.name for m in await store.list_models(self.sm)]
+            listing = ", ".join(known) if known else "none yet (add one with models.add)"
+            raise not_found(
+                f"no model {spec.model} in the catalog; known models: {listing}", "$.model"
+            )
+        if (spec.data is None) == (spec.dataset is None):
+            raise bad_request(
+                'give the training data either inline ("data": NDJSON text) or by name '
+                '("dataset": an object in the datasets bucket), exactly one of the two',
+                "$.data",
+            )
+        if spec.data is not None:
+            content = spec.data.encode()
+            records, sha = self._check_data(content, "$.data")
+            dataset = dataset_object_name(sha)
+            # Stored before the job exists, so a job never names missing data.
+            await self.datasets.put(dataset, content)
+        else:
+            assert spec.dataset is not None
+            dataset = spec.dataset
+            stored = await self.datasets.get(dataset)
+            if stored is None:
+                raise not_found(
+                    f"no object {dataset} in bucket {self.names.datasets_bucket}: upload it "
+                    f"with `nats object put {self.names.datasets_bucket} FILE` or send the "
+                    "data inline",
+                    "$.dataset",
+                )
+            records, sha = self._check_data(stored, "$.dataset")
+        job = await store.create_job(self.sm, spec, model, dataset, sha, records)
+        self.log.info(
+            Event.JOB_QUEUED,
+            job_id=job.id,
+            node=job.node,
+            state=job.state.value,
+            model=job.model,
+            records=job.records,
+            sha256=job.dataset_sha256,
+        )
+        await self._publish(JobChange(job, "state", []))
+        return job
+
+    @staticmethod
+    def _check_data(content: bytes, where: str) -> tuple[int, str]:
+        try:
+            return data.validate(content)
+        except data.DataError as e:
+            raise bad_request(f"the training data: {e}", where) from None
+
+    async def jobs_get(self, req: JobGetRequest) -> JobRecord:
+        job = await store.get_job(self.sm, req.id)
+        if job is None:
+            raise not_found(f"no job {req.id}: list jobs with jobs.list", "$.id")
+        return job
+
+    async def jobs_list(self, req: JobListRequest) -> JobList:
+        jobs = await store.list_jobs(
+            self.sm,
+            state=req.state,
+            states=req.states,
+            node=req.node,
+            model=req.model,
+            limit=req.limit,
+            oldest_first=req.oldest_first,
+        )
+        return JobList(jobs=jobs)
+
+    async def jobs_curve(self, req: JobCurveRequest) -> JobCurve:
+        try:
+            return await store.curve(self.sm, req.id)
+        except store.NotFoundError:
+            raise not_found(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
+
+    # --- internal ---
+
+    async def transition(self, req: TransitionRequest) -> TransitionReply:
+        try:
+            applied, job = await store.transition(
+                self.sm, req.id, req.from_state, req.to_state, req.message, req.node
+            )
+        except IllegalTransitionError as e:
+            raise conflict(str(e), "$.to_state") from None
+        except store.NotFoundError:
+            raise not_found(f"no job {req.id}", "$.id") from None
+        if applied:
+            change = JobChange(
+                job, "state", [store.Move(req.from_state, req.to_state, req.message)]
+            )
+            self._log_moves(change)
+            await self._publish(change)
+        else:
+            self.log.info(
+                Event.TRANSITION_REFUSED,
+                job_id=req.id,
+                node=req.node,
+                state=job.state.value,
+                message=f"asked {req.from_state.value} -> {req.to_state.value}; "
+                f"the job is {job.state.value} on {job.node}",
+            )
+        return TransitionReply(applied=applied, job=job)
+
+    async def artifact(self, req: ArtifactStoredRequest) -> JobRecord:
+        try:
+            job, change = await store.record_artifact(
+                self.sm, req.id, req.kind, req.size, req.sha256
+            )
+        except store.NotFoundError:
+            raise not_found(f"no job {req.id}", "$.id") from None
+        except store.ArtifactKindError as e:
+            raise bad_request(str(e), "$.kind") from None
+        if change is not None:
+            self._log_moves(change)
+            await self._publish(change)
+        return job
+
+    # --- status reports (the consumer calls these) ---
+
+    async def apply_status(self, reports: Sequence[StatusReport]) -> StatusResult:
+        """Apply a batch in one transaction; log refusals. Publish with `after_status`."""
+        result = await store.apply_status(self.sm, reports)
+        for report, why in result.refused:
+            self.log.warning(
+                Event.STATUS_REFUSED,
+                job_id=report.job_id,
+                node=report.node,
+                seq=report.seq,
+                message=why,
+            )
+        return result
+
+    async def after_status(self, result: StatusResult) -> None:
+        """Log and publish each change of a committed batch."""
+        for change in result.changes:
+            job = change.job
+            self.log.info(
+                Event.JOB_PROGRESS,
+                job_id=job.id,
+                node=job.node,
+                state=job.state.value,
+                step=job.step,
+                steps=job.steps,
+                loss=job.loss,
+                peak_mib=job.peak_mib,
+            )
+            self._log_moves(change)
+            await self._publish(change)
+
+    def _log_moves(self, change: JobChange) -> None:
+        job = change.job
+        for move in change.moves:
+            self.log.info(
+                Event.JOB_STATE,
+                job_id=job.id,
+                node=job.node,
+                state=move.to_state.value,
+                message=move.message,
+            )
+            if move.to_state in FINAL:
+                fields: dict[str, Any] = {
+                    "job_id": job.id,
+                    "node": job.node,
+                    "state": move.to_state.value,
+                    "message": move.message,
+                    "step": job.step,
+                    "steps": job.steps,
+                    "loss": job.loss,
+                    "peak_mib": job.peak_mib,
+                }
+                self.log.info(Event.JOB_FINISHED, **fields)
+
+    async def _publish(self, change: JobChange) -> None:
+        # Best effort: the change is committed; a watcher that missed the
+        # event reads the job. A failed publish must not fail the request.
+        event = JobEvent(kind=change.kind, job=change.job)
+        try:
+            await self.publish(self.names.job_events(change.job.id), encode(event))
+        except Exception as e:
+            self.log.warning(Event.NATS_ERROR, job_id=change.job.id, error=repr(e))
