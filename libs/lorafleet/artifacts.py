@@ -12,6 +12,7 @@ metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
 
 from __future__ import annotations
 
+import asyncio
 import base64
 import contextlib
 import datetime as dt
@@ -20,6 +21,9 @@ import os
 from pathlib import Path
 
 import msgspec
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
@@ -45,6 +49,103 @@ class ArtifactDigestError(ValueError):
 def msg_id(job_id: str, kind: str, attempt: int, seq: int) -> str:
     """The Nats-Msg-Id of one chunk: a retried publish of it is stored once."""
     return f"{job_id}.{kind}.{attempt}.{seq}"
+
+
+# --- asynchronous JetStream publish ------------------------------------------
+
+
+class PublishRefusedError(Exception):
+    """JetStream answered a publish with an error (a full stream, a wrong subject, ...)."""
+
+    def __init__(self, description: str, code: int = 0, err_code: int = 0) -> None:
+        super().__init__(description)
+        self.description = description
+        self.code = code
+        self.err_code = err_code
+
+
+class NoStreamError(PublishRefusedError):
+    """No stream took the publish (no responders)."""
+
+
+class _PubError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubReply(msgspec.Struct):
+    error: _PubError | None = None
+    seq: int = 0
+    duplicate: bool = False
+
+
+class AsyncPublisher:
+    """JetStream publishes whose acknowledgements are collected on one inbox.
+
+    `publish()` returns a future of the stored message's stream sequence,
+    or of PublishRefusedError. (nats-py's own publish_async raises a
+    stream's refusal inside its reply callback, so its future never ends.)
+    Cancel a future to stop waiting for it.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._futures: dict[str, asyncio.Future[int]] = {}
+        self._next = 0
+
+    async def start(self) -> AsyncPublisher:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+        return self
+
+    async def close(self) -> None:
+        for fut in list(self._futures.values()):
+            fut.cancel()
+        self._futures.clear()
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    async def __aenter__(self) -> AsyncPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]:
+        if self._sub is None:
+            raise RuntimeError("AsyncPublisher.start() first")
+        self._next += 1
+        token = str(self._next)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._futures[token] = fut
+        fut.add_done_callback(lambda _: self._futures.pop(token, None))
+        await self._nc.publish(subject, body, reply=f"{self._prefix}.{token}", headers=headers)
+        return fut
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._futures.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if fut is None or fut.done():
+            return
+        if msg.headers and msg.headers.get("Status") == "503":
+            fut.set_exception(NoStreamError("no stream answered (no responders)", 503))
+            return
+        try:
+            reply = msgspec.json.decode(msg.data, type=_PubReply)
+        except msgspec.DecodeError:
+            fut.set_exception(PublishRefusedError(f"not a JetStream reply: {msg.data[:200]!r}"))
+            return
+        if reply.error is not None:
+            e = reply.error
+            fut.set_exception(PublishRefusedError(e.description, e.code, e.err_code))
+        else:
+            fut.set_result(reply.seq)
 
 
 # --- the NATS object store's own format ---------------------------------------

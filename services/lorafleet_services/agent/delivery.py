@@ -29,12 +29,17 @@ from typing import BinaryIO
 
 import msgspec
 import nats.errors
-import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import PubAck
 
 from lorafleet import log
-from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, msg_id
+from lorafleet.artifacts import (
+    CHUNK_HEADER,
+    MSG_ID_HEADER,
+    AsyncPublisher,
+    NoStreamError,
+    PublishRefusedError,
+    msg_id,
+)
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
@@ -129,11 +134,11 @@ class _InFlight:
     seq: int
     body: bytes
     headers: dict[str, str]
-    future: asyncio.Future[PubAck]
+    future: asyncio.Future[int]
     tries: int = 1
 
 
-def _future() -> asyncio.Future[PubAck]:
+def _future() -> asyncio.Future[int]:
     """A placeholder until the first publish replaces it."""
     return asyncio.get_running_loop().create_future()
 
@@ -148,12 +153,12 @@ def _headers(
 
 
 def _refused(stream: str, job_id: str, kind: ArtifactKind, seq: int, e: Exception) -> DeliveryError:
-    if isinstance(e, nats.js.errors.NoStreamResponseError):
+    if isinstance(e, NoStreamError):
         return DeliveryError(
             f"no JetStream stream took chunk {seq} of the {kind.value} artifact of job {job_id}: "
             f"is stream {stream} there (the services create it at start)?"
         )
-    desc = getattr(e, "description", None) or str(e)
+    desc = e.description if isinstance(e, PublishRefusedError) else str(e)
     full = "maximum" in desc.lower() or "storage" in desc.lower()
     why = (
         f"the stream is full and refuses new chunks (DiscardPolicy.NEW): {desc}; "
@@ -190,7 +195,7 @@ async def deliver(
     path = Path(path)
     subject = names.artifact_chunks(node, job_id, kind.value)
     stream = names.artifacts_stream
-    # nats-py keeps the connection private on the context; its INFO's max_payload is public.
+    # nats-py keeps the connection private on the context; the publishes go on it.
     step = chunk_size_for(chunk_bytes, js._nc.max_payload)
     try:
         size = path.stat().st_size
@@ -206,7 +211,7 @@ async def deliver(
 
     async def publish(item: _InFlight) -> None:
         try:
-            item.future = await js.publish_async(subject, item.body, headers=dict(item.headers))
+            item.future = await pub.publish(subject, item.body, item.headers)
         except nats.errors.Error as e:
             raise DeliveryError(
                 f"publishing chunk {item.seq} of the {kind.value} artifact of job {job_id}: {e!r}"
@@ -229,7 +234,7 @@ async def deliver(
                     Event.ARTIFACT_CHUNK, seq=item.seq, message="no ack; publishing again"
                 )
                 await publish(item)
-            except nats.js.errors.APIError as e:
+            except PublishRefusedError as e:
                 raise _refused(stream, job_id, kind, item.seq, e) from None
 
     h = hashlib.sha256()
@@ -242,6 +247,7 @@ async def deliver(
         return body
 
     sent = 0
+    pub = await AsyncPublisher(js._nc).start()
     f = await asyncio.to_thread(path.open, "rb")
     try:
         for seq in range(count):
@@ -270,9 +276,8 @@ async def deliver(
             await publish(item)
             await settle(item)
     finally:
-        for pending in window:
-            pending.future.cancel()
         f.close()
+        await pub.close()
     seconds = time.perf_counter() - started
     logger.info(
         Event.ARTIFACT_DELIVERED,

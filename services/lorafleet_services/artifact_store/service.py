@@ -35,10 +35,11 @@ import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, PubAck
+from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorafleet import log
 from lorafleet.artifacts import (
+    AsyncPublisher,
     get_record,
     list_records,
     object_meta_subject,
@@ -109,7 +110,7 @@ class _Delivery:
     subject: str
     assembly: Assembly
     job: JobRecord
-    writes: deque[asyncio.Future[PubAck]] = field(default_factory=deque)
+    writes: deque[asyncio.Future[int]] = field(default_factory=deque)
     chunks_written: int = 0
     max_chunk: int = 0
     #: The unacknowledged last chunk, acknowledged once committed or failed.
@@ -130,11 +131,13 @@ class ArtifactStore:
         self._task: asyncio.Task[None] | None = None
         self._sub: JetStreamContext.PullSubscription | None = None
         self._stopping = False
+        self._pub = AsyncPublisher(nc)
 
     # --- life cycle ---------------------------------------------------------
 
     async def start(self) -> None:
         names = self.names
+        await self._pub.start()
         config = ConsumerConfig(
             durable_name=names.artifact_store_consumer,
             ack_policy=AckPolicy.EXPLICIT,
@@ -169,6 +172,7 @@ class ArtifactStore:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        await self._pub.close()
 
     # --- the API ---------------------------------------------------------------
 
