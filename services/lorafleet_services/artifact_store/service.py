@@ -368,7 +368,7 @@ class ArtifactStore:
             if not ready:
                 continue
             d.max_chunk = max(d.max_chunk, len(ready))
-            d.writes.append(await self.js.publish_async(chunk_subject(self.names, d.key), ready))
+            d.writes.append(await self._pub.publish(chunk_subject(self.names, d.key), ready))
             d.chunks_written += 1
             while len(d.writes) >= WRITE_WINDOW:
                 await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
