@@ -198,7 +198,10 @@ class RecorderApi:
             raise conflict(str(e), "$.to_state") from None
         except store.NotFoundError:
             raise not_found(f"no job {req.id}", "$.id") from None
-        if applied:
+        if applied and req.from_state is req.to_state:
+            # A queued job's new message (what it waits for): no move to log.
+            await self._publish(JobChange(job, "progress", []))
+        elif applied:
             change = JobChange(
                 job, "state", [store.Move(req.from_state, req.to_state, req.message)]
             )

@@ -309,7 +309,13 @@ async def transition(
     Raises IllegalTransitionError for a move the state machine forbids (and
     for `done`, which only storing every artifact reaches), NotFoundError
     for an unknown job.
+
+    queued -> queued is not a move: it sets the message of a job that is
+    still queued (the scheduler says what the job waits for), records no
+    event, and is applied only when the message changes.
     """
+    if from_state is JobState.QUEUED and to_state is JobState.QUEUED:
+        return await _set_queued_message(sm, job_id, message)
     check_move(from_state, to_state)
     if to_state is JobState.DONE:
         raise IllegalTransitionError(
@@ -339,6 +345,23 @@ async def transition(
             await s.execute(
                 insert(_events).values(_event_row(job_id, t, from_state, to_state, message))
             )
+        row = await _load_job(s, job_id)
+    if row is None:
+        raise NotFoundError(job_id)
+    return applied, job_record(row)
+
+
+async def _set_queued_message(sm: Sessions, job_id: str, message: str) -> tuple[bool, JobRecord]:
+    guard = update(_jobs).where(
+        _jobs.c.id == job_id,
+        _jobs.c.state == JobState.QUEUED.value,
+        _jobs.c.message != message,
+    )
+    async with sm() as s, s.begin():
+        result = await s.execute(
+            guard.values(message=message, updated_at=now(), version=_jobs.c.version + 1)
+        )
+        applied = result.rowcount == 1  # type: ignore[attr-defined]
         row = await _load_job(s, job_id)
     if row is None:
         raise NotFoundError(job_id)
