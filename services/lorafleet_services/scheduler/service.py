@@ -476,7 +476,7 @@ class Scheduler:
                 )
             )
         except RemoteError as e:
-            if e.code == ErrorCode.BAD_REQUEST.value:
+            if e.code in (ErrorCode.BAD_REQUEST.value, ErrorCode.CONFLICT.value):
                 self._message_updates = False
                 self.log.warning(
                     Event.TRANSITION_REFUSED,

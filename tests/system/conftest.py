@@ -1,0 +1,270 @@
+"""System tests: recorder, scheduler, artifact-store and agents as real processes
+on a real nats-server and a real PostgreSQL, driven with raw JSON over NATS
+(what any NATS client, the `nats` CLI included, would send)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import json
+import os
+import signal
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+from nats.js import JetStreamContext
+
+from lorafleet import bus
+from lorafleet.natsserver import NatsServer
+from lorafleet.settings import Settings
+from lorafleet.states import ON_NODE
+from lorafleet_schemas.messages import (
+    Card,
+    Heartbeat,
+    JobCurve,
+    JobList,
+    JobRecord,
+    JobState,
+    NodeList,
+)
+from lorafleet_services.agent.config import AgentConfig
+from tests.procs import ServiceProcess
+
+DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
+
+#: Seconds a job may take to reach a state in these tests (the stand-in is fast).
+STATE_TIMEOUT_S = 30.0
+
+
+def has_artifact_store() -> bool:
+    return importlib.util.find_spec("lorafleet_services.artifact_store.__main__") is not None
+
+
+def pid_alive(pid: int) -> bool:
+    """True while `pid` exists and is not a zombie."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    with contextlib.suppress(OSError):
+        stat = Path(f"/proc/{pid}/stat").read_text()
+        if stat.rsplit(")", 1)[1].split()[0] == "Z":
+            return False
+    return True
+
+
+@dataclass
+class Stack:
+    """The running system and a client connection to it."""
+
+    settings: Settings
+    nats_server: NatsServer
+    nc: Client
+    js: JetStreamContext
+    tmp_path: Path
+    recorder: ServiceProcess
+    schedulers: list[ServiceProcess] = field(default_factory=list)
+    agents: dict[str, ServiceProcess] = field(default_factory=dict)
+    artifact_store: ServiceProcess | None = None
+    procs: list[ServiceProcess] = field(default_factory=list)
+
+    # --- processes ------------------------------------------------------
+
+    async def scheduler(self) -> ServiceProcess:
+        proc = ServiceProcess("lorafleet_services.scheduler", self.settings)
+        self.schedulers.append(proc)
+        self.procs.append(proc)
+        return await proc.start()
+
+    async def agent(
+        self, node: str = "node-1", env: Mapping[str, str] | None = None, **cfg: Any
+    ) -> ServiceProcess:
+        config = AgentConfig(
+            node=node,
+            work_dir=self.tmp_path / f"agent-{node}",
+            engines_dir=self.tmp_path / "engines",
+            trainer="standin",
+            allow_cpu=True,
+            cancel_grace_s=cfg.pop("cancel_grace_s", 1.0),
+            **cfg,
+        )
+        proc = ServiceProcess(
+            "lorafleet_services.agent",
+            self.settings,
+            env={**config.to_env(), **(env or {})},
+        )
+        self.agents[node] = proc
+        self.procs.append(proc)
+        return await proc.start()
+
+    # --- raw JSON requests ----------------------------------------------
+
+    async def call(self, subject: str, body: dict[str, Any], timeout_s: float = 10.0) -> Any:
+        """Send `body` as JSON; return the decoded JSON reply (raise on an error reply)."""
+        msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
+        bus.raise_for_error(msg.data, msg.headers)
+        return json.loads(msg.data)
+
+    async def add_model(self, name: str = "tiny") -> None:
+        base = self.tmp_path / "models" / name
+        base.mkdir(parents=True, exist_ok=True)
+        await self.call(
+            self.settings.names.models_add,
+            {"name": name, "engine": "vllm", "local_dir": str(base)},
+        )
+
+    async def submit(
+        self, node: str | None = "node-1", mib: int = 1000, model: str = "tiny", **extra: Any
+    ) -> JobRecord:
+        body: dict[str, Any] = {"model": model, "gpu_memory_mib": mib, "data": DATA, **extra}
+        if node is not None:
+            body["node"] = node
+        reply = await self.call(self.settings.names.jobs_submit, body)
+        return msgspec.convert(reply, JobRecord)
+
+    async def get(self, job_id: str) -> JobRecord:
+        return msgspec.convert(
+            await self.call(self.settings.names.jobs_get, {"id": job_id}), JobRecord
+        )
+
+    async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
+        return msgspec.convert(
+            await self.call(self.settings.names.jobs_cancel, {"id": job_id, "reason": reason}),
+            JobRecord,
+        )
+
+    async def curve(self, job_id: str) -> JobCurve:
+        return msgspec.convert(
+            await self.call(self.settings.names.jobs_curve, {"id": job_id}), JobCurve
+        )
+
+    async def nodes(self) -> NodeList:
+        return msgspec.convert(await self.call(self.settings.names.nodes_list, {}), NodeList)
+
+    async def active_jobs(self) -> list[JobRecord]:
+        reply = await self.call(
+            self.settings.names.jobs_list,
+            {"states": sorted(s.value for s in {*ON_NODE, JobState.QUEUED}), "limit": 1000},
+        )
+        return msgspec.convert(reply, JobList).jobs
+
+    async def wait_state(
+        self, job_id: str, *states: JobState, timeout_s: float = STATE_TIMEOUT_S
+    ) -> JobRecord:
+        """Poll jobs.get until the job is in one of `states`."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        job: JobRecord | None = None
+        while loop.time() < deadline:
+            with contextlib.suppress(Exception):
+                job = await self.get(job_id)
+                if job.state in states:
+                    return job
+            await asyncio.sleep(0.05)
+        seen = f"{job.state.value}: {job.message}" if job else "no answer"
+        raise AssertionError(f"job {job_id} never reached {states}; it is {seen}")
+
+    async def wait_for(self, pred: Any, what: str, timeout_s: float = STATE_TIMEOUT_S) -> Any:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while loop.time() < deadline:
+            value = await pred()
+            if value:
+                return value
+            await asyncio.sleep(0.05)
+        raise AssertionError(f"timed out waiting for {what}")
+
+    # --- a fake node: a real heartbeat publisher with cards -------------
+
+    async def fake_node(self, node: str, cards: list[tuple[int, int]], stop: asyncio.Event) -> None:
+        """Heartbeat as node `node` with cards [(total_mib, free_mib)] until `stop`:
+        this machine has no GPU, so a node with cards can only be pretended."""
+        import datetime as dt
+
+        started = dt.datetime.now(dt.UTC)
+        subject = f"$KV.{self.settings.names.nodes_bucket}.{node}"
+        while not stop.is_set():
+            beat = Heartbeat(
+                node=node,
+                version="fake",
+                started_at=started,
+                time=dt.datetime.now(dt.UTC),
+                cards=[
+                    Card(index=i, name="Fake H100", total_mib=t, free_mib=f)
+                    for i, (t, f) in enumerate(cards)
+                ],
+                heartbeat_s=self.settings.heartbeat_s,
+                ttl_s=self.settings.node_timeout_s,
+            )
+            await self.js.publish(subject, bus.encode(beat), msg_ttl=self.settings.node_timeout_s)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.settings.heartbeat_s)
+
+
+def trainer_pids(agent: ServiceProcess, job_id: str | None = None) -> list[int]:
+    """Pids of the stand-in trainers (and their children) an agent started,
+    from its log lines (`trainer.started` pid, the stand-in's `pid=... child_pid=...`)."""
+    pids: list[int] = []
+    for line in agent.lines:
+        if job_id is not None and line.get("job_id") not in (None, job_id):
+            continue
+        if line.get("event") == "trainer.started" and isinstance(line.get("pid"), int):
+            pids.append(line["pid"])
+        text = str(line.get("message", ""))
+        if text.startswith("pid="):
+            for part in text.split():
+                key, _, value = part.partition("=")
+                if key in ("pid", "child_pid") and value.isdigit() and int(value):
+                    pids.append(int(value))
+    return sorted(set(pids))
+
+
+def start_requests(agent: ServiceProcess) -> list[str]:
+    """Job ids of the start requests an agent accepted (one log line each)."""
+    return [str(line.get("job_id")) for line in agent.events("job.accepted")]
+
+
+@pytest.fixture
+async def stack(nats_server: NatsServer, pg_url: str, tmp_path: Path) -> AsyncIterator[Stack]:
+    """Recorder (PostgreSQL), one scheduler and the artifact-store when it exists;
+    agents are started by the test (`await stack.agent("node-1")`)."""
+    settings = Settings(
+        nats_url=nats_server.url,
+        data_dir=str(tmp_path / "data"),
+        database_url=pg_url,
+        heartbeat_s=0.5,
+        node_timeout_s=3,
+        request_timeout_s=3.0,
+    )
+    nc = await bus.connect(settings, "system-test")
+    js = nc.jetstream()
+    await bus.ensure_layout(js, bus.layout_for(settings))
+    recorder = ServiceProcess("lorafleet_services.recorder", settings)
+    s = Stack(settings, nats_server, nc, js, tmp_path, recorder, procs=[recorder])
+    try:
+        await recorder.start()
+        if has_artifact_store():
+            s.artifact_store = ServiceProcess("lorafleet_services.artifact_store", settings)
+            s.procs.append(s.artifact_store)
+            await s.artifact_store.start()
+        await s.scheduler()
+        yield s
+    finally:
+        # Agents first, so their jobs end while the others still answer.
+        for proc in [*s.agents.values(), *s.procs]:
+            with contextlib.suppress(Exception):
+                await proc.stop(timeout_s=5)
+        await bus.drain_quietly(nc)
+
+
+def kill_pid(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):
+        os.kill(pid, signal.SIGKILL)
