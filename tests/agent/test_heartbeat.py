@@ -1,0 +1,102 @@
+"""The heartbeat: its record in KV, its expiry after a SIGKILL, its pace under load."""
+
+from __future__ import annotations
+
+import asyncio
+from pathlib import Path
+
+import msgspec
+
+from lorafleet_schemas.messages import Heartbeat, JobState
+from tests.agent.conftest import Bus, start_request
+
+
+def _install_engines(root: Path) -> None:
+    for v in ("0.9.2", "0.10.1"):
+        py = root / "vllm" / v / "bin" / "python3"
+        py.parent.mkdir(parents=True)
+        py.write_text("")
+    (root / "llamacpp" / "b6100-cuda12").mkdir(parents=True)
+
+
+async def test_heartbeat_record_and_expiry_after_sigkill(fleet: Bus) -> None:
+    fleet.settings = fleet.settings.with_(heartbeat_s=0.5, node_timeout_s=2)
+    _install_engines(fleet.tmp_path / "engines")
+    stale = fleet.tmp_path / "agent-node-1" / "jobs" / "job-from-before"
+    stale.mkdir(parents=True)
+    kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
+    watcher = await kv.watch("node-1")
+    loop = asyncio.get_running_loop()
+
+    agent = await fleet.agent()
+    assert not stale.exists(), "a job directory from an earlier run survived the restart"
+
+    beat_times: list[float] = []
+    record: Heartbeat | None = None
+    while len(beat_times) < 3:
+        entry = await watcher.updates(timeout=5)
+        if entry is None or entry.operation is not None:
+            continue
+        beat_times.append(loop.time())
+        record = msgspec.json.decode(entry.value, type=Heartbeat, strict=True)
+    assert record is not None
+    assert record.node == "node-1"
+    assert record.job is None
+    assert record.cards == []  # no NVIDIA driver here
+    assert record.cpu_training is True
+    assert record.heartbeat_s == 0.5 and record.ttl_s == 2
+    assert record.engines.vllm == ["0.9.2", "0.10.1"]
+    assert record.engines.llamacpp == "b6100"
+    assert record.version
+    assert record.started_at <= record.time
+    assert len(agent.events("node.no_cards")) == 1, "say 'no cards' once, not every beat"
+
+    agent.kill()
+    killed_at = loop.time()
+    while True:
+        entry = await watcher.updates(timeout=10)
+        if entry is not None and entry.operation == "PURGE":
+            gone_after_s = loop.time() - killed_at
+            break
+    # The marker comes one TTL after the last beat, which was at most one
+    # period before the kill.
+    assert 2 - 0.5 - 0.3 <= gone_after_s <= 2 + 1.5, gone_after_s
+    await watcher.stop()
+
+
+async def test_heartbeat_keeps_its_pace_while_the_trainer_floods_lines(fleet: Bus) -> None:
+    # The stand-in with no pause between steps prints lines as fast as it
+    # can; every one becomes a JetStream publish on the agent's connection.
+    await fleet.agent(
+        env={"LORAFLEET_STANDIN_STEPS": "6000", "LORAFLEET_STANDIN_STEP_S": "0"},
+    )
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "flood")
+    kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
+    watcher = await kv.watch("node-1")
+    loop = asyncio.get_running_loop()
+
+    assert (await fleet.start(start_request("flood", name, sha))).accepted
+    await reports.until_state(JobState.RUNNING)
+    beats: list[tuple[float, str | None]] = []
+
+    async def watch() -> None:
+        while True:
+            entry = await watcher.updates(timeout=10)
+            if entry is not None and entry.operation is None:
+                hb = msgspec.json.decode(entry.value, type=Heartbeat)
+                beats.append((loop.time(), hb.job))
+
+    watching = asyncio.create_task(watch())
+    await reports.until_state(JobState.UPLOADING, JobState.FAILED, timeout_s=90)
+    watching.cancel()
+    await watcher.stop()
+    assert reports.states()[-1] == JobState.UPLOADING
+    steps = [r.step for r in reports.items if r.loss is not None]
+    assert steps[-1] == 6000 and len(steps) == 6000
+    during = [t for t, job in beats if job == "flood"]
+    assert len(during) >= 3, f"too few beats while training: {beats}"
+    gaps = [b - a for a, b in zip(during, during[1:], strict=False)]
+    # One beat a second; a beat held up by the flood would show as a gap
+    # near the node timeout (3 s), and the scheduler would fail the job.
+    assert max(gaps) < 1.8, gaps

@@ -1,0 +1,284 @@
+"""One job through a real agent process and the stand-in trainer, over NATS."""
+
+from __future__ import annotations
+
+import asyncio
+import gzip
+import hashlib
+import io
+import re
+import tarfile
+
+import msgspec
+import nats
+import psutil
+
+from lorafleet import bus
+from lorafleet.artifacts import CHUNK_HEADER
+from lorafleet_schemas.messages import (
+    ArtifactChunkHeader,
+    ArtifactKind,
+    Heartbeat,
+    JobState,
+    NodeCancelReply,
+    NodeCancelRequest,
+    StatusReport,
+)
+from lorafleet_services.agent.standin_trainer import adapter_files, gguf_bytes
+from tests.agent.conftest import Bus, Reports, start_request
+
+_PIDS_RE = re.compile(r"pid=(\d+) child_pid=(\d+)")
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+async def trainer_pids(reports: Reports) -> tuple[int, int]:
+    r = await reports.until(lambda r: bool(_PIDS_RE.search(r.message)), what="the pids line")
+    m = _PIDS_RE.search(r.message)
+    assert m is not None
+    return int(m.group(1)), int(m.group(2))
+
+
+async def delivered(fleet: Bus, node: str, job_id: str, kind: ArtifactKind) -> bytes:
+    """The artifact's bytes, reassembled from its chunks on the artifacts stream."""
+    subject = fleet.settings.names.artifact_chunks(node, job_id, kind.value)
+    sub = await fleet.js.subscribe(subject, ordered_consumer=True)
+    parts: dict[int, bytes] = {}
+    while True:
+        msg = await sub.next_msg(timeout=10)
+        assert msg.headers is not None
+        h = msgspec.json.decode(msg.headers[CHUNK_HEADER], type=ArtifactChunkHeader)
+        parts[h.seq] = msg.data
+        if h.last:
+            break
+    await sub.unsubscribe()
+    data = b"".join(parts[i] for i in sorted(parts))
+    assert h.count == len(parts) and h.size == len(data)
+    assert h.sha256 == hashlib.sha256(data).hexdigest()
+    return data
+
+
+async def test_a_job_runs_to_delivery_with_ordered_reports(fleet: Bus) -> None:
+    agent = await fleet.agent(env={"LORAFLEET_STANDIN_STEPS": "6"})
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-ok")
+    req = start_request("job-ok", name, sha, artifacts=[ArtifactKind.PEFT, ArtifactKind.GGUF])
+    assert (await fleet.start(req)).accepted
+    last = await reports.until(lambda r: r.message.startswith("delivered"), what="delivered")
+
+    assert [r.seq for r in reports.items] == list(range(1, last.seq + 1))
+    assert all(r.attempt == 1 and r.node == "node-1" for r in reports.items)
+    assert reports.states() == [
+        JobState.PREPARING,
+        JobState.RUNNING,
+        JobState.CONVERTING,
+        JobState.UPLOADING,
+    ]
+    steps = [r for r in reports.items if r.loss is not None]
+    assert [r.step for r in steps] == [1, 2, 3, 4, 5, 6]
+    assert all(r.steps == 6 for r in steps)
+    losses = [r.loss for r in steps]
+    assert losses == sorted(losses, reverse=True) and losses[0] != losses[-1]
+    assert [r.peak_mib for r in steps] == [101, 102, 103, 104, 105, 106]
+    assert all(r.learning_rate and r.tokens_per_s and r.eta_s is not None for r in steps)
+    assert any(r.eval_loss is not None for r in reports.items)
+    assert "training on the CPU of node-1" in " ".join(r.message for r in reports.items)
+
+    # What was delivered is what the trainer wrote.
+    tgz = await delivered(fleet, "node-1", "job-ok", ArtifactKind.PEFT)
+    with tarfile.open(fileobj=io.BytesIO(gzip.decompress(tgz))) as tar:
+        files = {
+            m.name.rsplit("/", 1)[-1]: tar.extractfile(m).read()  # type: ignore[union-attr]
+            for m in tar.getmembers()
+            if m.isfile()
+        }
+    assert files == adapter_files("job-ok")
+    assert await delivered(fleet, "node-1", "job-ok", ArtifactKind.GGUF) == gguf_bytes("job-ok")
+
+    # The job directory is gone after success; the agent is idle again.
+    await agent.wait_for_event("job.finished")
+    assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-ok").exists()
+    assert len(agent.events("trainer.started")) == 1
+
+
+async def test_busy_retry_cancel_whole_group_then_next_job_and_agent_stop(fleet: Bus) -> None:
+    agent = await fleet.agent(
+        env={
+            "LORAFLEET_STANDIN_STEPS": "400",
+            "LORAFLEET_STANDIN_STEP_S": "0.05",
+            "LORAFLEET_STANDIN_CHILD": "1",
+        }
+    )
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-a")
+    assert (await fleet.start(start_request("job-a", name, sha))).accepted
+    pid, child = await trainer_pids(reports)
+    await reports.until(lambda r: (r.step or 0) >= 2, what="step 2")
+    assert alive(pid) and alive(child)
+
+    # Busy: another job is refused, naming the running one.
+    busy = await fleet.start(start_request("job-b", name, sha))
+    assert not busy.accepted and busy.running_job == "job-a" and "busy" in busy.reason
+    # A retried start of the running job is accepted and starts nothing.
+    assert (await fleet.start(start_request("job-a", name, sha))).accepted
+    assert len(agent.events("trainer.started")) == 1
+    # The heartbeat names the job it runs.
+    kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
+    hb = msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat)
+    assert hb.job == "job-a"
+
+    reply = await bus.request(
+        fleet.nc,
+        fleet.settings.names.node_cancel("node-1"),
+        NodeCancelRequest(job_id="job-a", reason="asked by a test"),
+        NodeCancelReply,
+        timeout_s=15,
+    )
+    assert reply.stopped
+    assert not alive(pid) and not alive(child), "a process of the cancelled job survived"
+    r = await reports.until_state(JobState.CANCELLED)
+    assert "asked by a test" in r.message
+    assert reports.states()[-1] == JobState.CANCELLED
+    # A cancel for a job it does not run stops nothing.
+    other = await bus.request(
+        fleet.nc,
+        fleet.settings.names.node_cancel("node-1"),
+        NodeCancelRequest(job_id="job-zzz"),
+        NodeCancelReply,
+    )
+    assert not other.stopped
+
+    # Idle again: the next job is taken.
+    reports_b = await fleet.reports("node-1", "job-b")
+    assert (await fleet.start(start_request("job-b", name, sha))).accepted
+    pid_b, child_b = await trainer_pids(reports_b)
+    await reports_b.until_state(JobState.RUNNING)
+    # The agent stopped (SIGTERM) mid-job: the job fails, saying so; nothing survives.
+    await agent.stop()
+    r = await reports_b.until_state(JobState.FAILED)
+    assert "stopped" in r.message and "node-1" in r.message
+    assert not alive(pid_b) and not alive(child_b)
+
+
+async def test_a_trainer_ignoring_sigterm_is_killed_after_the_grace(fleet: Bus) -> None:
+    agent = await fleet.agent(
+        env={"LORAFLEET_STANDIN_HANG": "1", "LORAFLEET_STANDIN_CHILD": "1"},
+        cancel_grace_s=1.0,
+    )
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-hang")
+    assert (await fleet.start(start_request("job-hang", name, sha))).accepted
+    pid, child = await trainer_pids(reports)
+    await reports.until_state(JobState.RUNNING)
+    loop = asyncio.get_running_loop()
+    t0 = loop.time()
+    reply = await bus.request(
+        fleet.nc,
+        fleet.settings.names.node_cancel("node-1"),
+        NodeCancelRequest(job_id="job-hang"),
+        NodeCancelReply,
+        timeout_s=15,
+    )
+    assert reply.stopped
+    assert loop.time() - t0 >= 1.0, "SIGKILL came before the grace"
+    assert not alive(pid) and not alive(child)
+    await reports.until_state(JobState.CANCELLED)
+    killed = await agent.wait_for_event("trainer.killed")
+    assert killed["pid"] == pid
+
+
+async def test_failures_say_why(fleet: Bus) -> None:
+    await fleet.agent(env={"LORAFLEET_STANDIN_FAIL_AT": "3"})
+    name, sha = await fleet.upload()
+
+    # The trainer fails: its error line is the job's message.
+    reports = await fleet.reports("node-1", "job-fail")
+    assert (await fleet.start(start_request("job-fail", name, sha))).accepted
+    r = await reports.until_state(JobState.FAILED)
+    assert "failed at step 3" in r.message
+    assert [x.step for x in reports.items if x.loss is not None] == [1, 2]
+    # Kept for reading, without the data.
+    kept = fleet.tmp_path / "agent-node-1" / "jobs" / "job-fail"
+    await asyncio.sleep(0.3)
+    assert (kept / "job.json").exists() and not (kept / "data.jsonl").exists()
+    assert "failing at step 3" in (kept / "trainer-stderr.txt").read_text()
+
+    # A dataset whose bytes do not match the job's sha256 is refused before training.
+    bad = await fleet.reports("node-1", "job-badsha")
+    other_sha = hashlib.sha256(b"something else").hexdigest()
+    assert (await fleet.start(start_request("job-badsha", name, other_sha))).accepted
+    r = await bad.until_state(JobState.FAILED)
+    assert "sha256" in r.message and other_sha in r.message
+    assert not any(x.state == JobState.RUNNING for x in bad.items)
+    assert not any("pid=" in x.message for x in bad.items), "the trainer ran"
+
+    # A dataset that is not there.
+    missing = await fleet.reports("node-1", "job-nodata")
+    assert (await fleet.start(start_request("job-nodata", "sha256/none", sha))).accepted
+    r = await missing.until_state(JobState.FAILED)
+    assert "sha256/none" in r.message and "not in the object store" in r.message
+
+    # A job id that cannot be a subject token is refused outright.
+    reply = await fleet.start(start_request("bad.id", name, sha))
+    assert not reply.accepted and "bad.id" in reply.reason
+
+
+async def test_no_card_and_no_cpu_fails_naming_the_node(fleet: Bus) -> None:
+    await fleet.agent(allow_cpu=False)
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-nocard")
+    req = start_request("job-nocard", name, sha, gpu_memory_mib=10_000_000)
+    assert (await fleet.start(req)).accepted
+    r = await reports.until_state(JobState.FAILED)
+    assert "node-1" in r.message
+    assert "10000000 MiB" in r.message or "no GPU" in r.message
+    assert not any(x.state == JobState.RUNNING for x in reports.items)
+
+
+async def test_fenced_agent_stops_its_trainer_and_comes_back_idle(fleet: Bus, nats_server) -> None:  # type: ignore[no-untyped-def]
+    fleet.settings = fleet.settings.with_(heartbeat_s=0.5, node_timeout_s=2)
+    agent = await fleet.agent(
+        env={
+            "LORAFLEET_STANDIN_STEPS": "1000",
+            "LORAFLEET_STANDIN_STEP_S": "0.05",
+            "LORAFLEET_STANDIN_CHILD": "1",
+        }
+    )
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-fence")
+    assert (await fleet.start(start_request("job-fence", name, sha))).accepted
+    pid, child = await trainer_pids(reports)
+    await reports.until_state(JobState.RUNNING)
+
+    await nats_server.stop()
+    fenced = await agent.wait_for_event("agent.fenced", timeout_s=15)
+    assert fenced["job_id"] == "job-fence"
+    for _ in range(50):
+        if not alive(pid) and not alive(child):
+            break
+        await asyncio.sleep(0.1)
+    assert not alive(pid) and not alive(child), "the fenced agent's trainer survived"
+
+    await nats_server.start()
+    await agent.wait_for_event("agent.unfenced", timeout_s=20)
+    kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
+    for _ in range(50):
+        try:
+            entry = await kv.get("node-1")
+            if msgspec.json.decode(entry.value, type=Heartbeat).job is None:
+                break
+        except (nats.errors.Error, nats.js.errors.Error):
+            pass
+        await asyncio.sleep(0.2)
+    hb = msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat)
+    assert hb.job is None
+    # Nothing about the fenced job was reported after the fence (it is failed elsewhere).
+    assert not any(
+        isinstance(x, StatusReport) and x.state in (JobState.CANCELLED, JobState.FAILED)
+        for x in reports.items
+    )

@@ -1,0 +1,69 @@
+"""The agent's plain pieces, without a bus: engines found, the stand-in's output."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
+from lorafleet_services.agent.job import remove_job_dirs, session_pids
+from lorafleet_services.agent.standin_trainer import adapter_files
+
+
+def _engine(root: Path, *parts: str) -> None:
+    p = root.joinpath(*parts)
+    p.parent.mkdir(parents=True, exist_ok=True)
+    p.write_text("")
+
+
+def test_engines_newest_by_version_not_by_text(tmp_path: Path) -> None:
+    for v in ("0.9.2", "0.10.1", "0.10.1rc1"):
+        _engine(tmp_path, "vllm", v, "bin", "python3")
+    (tmp_path / "vllm" / "0.11.0").mkdir()  # no interpreter: not installed
+    for tag in ("b987-cpu", "b6100-cuda12", "notes"):
+        (tmp_path / "llamacpp" / tag).mkdir(parents=True)
+    found = find_engines(tmp_path)
+    assert found.vllm == ["0.9.2", "0.10.1rc1", "0.10.1"]
+    assert found.llamacpp == "b6100"
+    assert newest_vllm_python(tmp_path) == tmp_path / "vllm" / "0.10.1" / "bin" / "python3"
+    assert find_engines(tmp_path, "b42").llamacpp == "b42"
+    assert find_engines(tmp_path / "missing").vllm == []
+    assert version_key("0.10.0") > version_key("0.9.9")
+
+
+def test_standin_adapter_is_deterministic_per_job() -> None:
+    a, b, c = adapter_files("job-a"), adapter_files("job-a"), adapter_files("job-b")
+    assert a == b
+    assert a["adapter_model.safetensors"] != c["adapter_model.safetensors"]
+    assert set(a) == {"adapter_config.json", "adapter_model.safetensors"}
+
+
+def test_session_pids_sees_the_whole_session() -> None:
+    code = (
+        "import subprocess, sys, time\n"
+        "subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(30)'])\n"
+        "print('up', flush=True)\n"
+        "time.sleep(30)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE
+    )
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"up"
+        pids = session_pids(p.pid)
+        assert p.pid in pids and len(pids) == 2
+        assert os.getpid() not in pids
+    finally:
+        os.killpg(p.pid, 9)
+        p.wait()
+        assert p.stdout is not None
+        p.stdout.close()
+
+
+def test_remove_job_dirs(tmp_path: Path) -> None:
+    (tmp_path / "jobs" / "old" / "out").mkdir(parents=True)
+    assert remove_job_dirs(tmp_path) == ["old"]
+    assert list((tmp_path / "jobs").iterdir()) == []
+    assert remove_job_dirs(tmp_path / "none") == []
