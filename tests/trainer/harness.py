@@ -1,0 +1,129 @@
+"""Running the real trainer script as a subprocess, for tests and benchmarks.
+
+`write_job(...)` writes data.jsonl and job.json into a directory;
+`run_trainer(job_path)` runs `sys.executable trainer_script.py job.json` and
+answers its exit status, its stdout lines (raw and parsed) and its stderr.
+`load_trainer_module()` imports the script from its path without running it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+# By path, not by import: the trainer is a file the agent copies, not a module.
+TRAINER_PATH = (
+    Path(__file__).resolve().parents[2] / "services/lorafleet_services/agent/trainer_script.py"
+)
+
+#: Short, repetitive Q/A pairs (their words are in the tiny tokenizer's text).
+QA = [
+    ("What is the capital of France?", "The capital of France is Paris."),
+    ("What is the capital of Italy?", "The capital of Italy is Rome."),
+    ("What is the capital of Spain?", "The capital of Spain is Madrid."),
+    ("What colour is the sky?", "The sky is blue on a clear day."),
+    ("How many legs does a cat have?", "A cat has four legs."),
+    ("How many days are in a week?", "There are seven days in a week."),
+    ("What do bees make?", "Bees make honey and wax."),
+    ("Say hello.", "Hello! How can I help you today?"),
+]
+
+
+def qa_records(repeat: int = 2) -> list[dict[str, Any]]:
+    return [{"q": q, "a": a} for q, a in QA] * repeat
+
+
+def ndjson(records: list[dict[str, Any]]) -> str:
+    return "".join(json.dumps(r) + "\n" for r in records)
+
+
+def write_job(
+    job_dir: Path,
+    base_dir: Path,
+    *,
+    data: str,
+    params: dict[str, Any] | None = None,
+    data_sha256: str | None = None,
+    **overrides: Any,
+) -> Path:
+    """Write `data` and a CPU job for the base at `base_dir`; answer job.json's path."""
+    job_dir.mkdir(parents=True, exist_ok=True)
+    data_path = job_dir / "data.jsonl"
+    data_path.write_text(data, encoding="utf-8")
+    job: dict[str, Any] = {
+        "job_id": job_dir.name,
+        "base": {"hf_repo": None, "hf_revision": "main", "local_dir": str(base_dir)},
+        "data_path": str(data_path),
+        "data_sha256": data_sha256 or hashlib.sha256(data.encode()).hexdigest(),
+        "out_dir": str(job_dir / "out"),
+        "params": params or {},
+        "device": "cpu",
+        "hf_offline": True,
+    }
+    job.update(overrides)
+    path = job_dir / "job.json"
+    path.write_text(json.dumps(job), encoding="utf-8")
+    return path
+
+
+@dataclasses.dataclass
+class TrainerRun:
+    rc: int
+    raw_lines: list[str]
+    lines: list[dict[str, Any]]
+    stderr: str
+
+    def events(self, event: str) -> list[dict[str, Any]]:
+        return [x for x in self.lines if x["event"] == event]
+
+    def states(self) -> list[str]:
+        return [x["state"] for x in self.events("state")]
+
+
+def run_trainer(job_path: Path, *, timeout_s: float = 150) -> TrainerRun:
+    """Run the trainer on `job_path` to its end (HF offline, no progress bars)."""
+    env = _env()
+    p = subprocess.run(
+        [sys.executable, str(TRAINER_PATH), str(job_path)],
+        capture_output=True,
+        text=True,
+        timeout=timeout_s,
+        env=env,
+        cwd=job_path.parent,
+        check=False,
+    )
+    raw = p.stdout.splitlines()
+    return TrainerRun(p.returncode, raw, [json.loads(x) for x in raw], p.stderr)
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        HF_HUB_DISABLE_PROGRESS_BARS="1",
+        TOKENIZERS_PARALLELISM="false",
+        PYTHONUNBUFFERED="1",
+        # Two cores shared with other work: torch's own pool would oversubscribe.
+        OMP_NUM_THREADS="1",
+    )
+    return env
+
+
+def load_trainer_module() -> ModuleType:
+    """The trainer script as a module (importing it runs nothing)."""
+    spec = importlib.util.spec_from_file_location("lorafleet_trainer_script", TRAINER_PATH)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    # dataclasses look their module up in sys.modules while the class is made.
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod

@@ -1,0 +1,242 @@
+"""Real LoRA training of tiny Llama and Qwen2 models by the trainer script, on the CPU."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.trainer.conftest import TRAIN_PARAMS
+from tests.trainer.harness import (
+    TRAINER_PATH,
+    TrainerRun,
+    _env,
+    ndjson,
+    qa_records,
+    run_trainer,
+    write_job,
+)
+
+pytestmark = pytest.mark.slow
+
+ARCHS = ["llama", "qwen2"]
+Trained = Callable[[str], tuple[TrainerRun, Path]]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_training_lowers_the_loss(trained: Trained, arch: str) -> None:
+    run, _ = trained(arch)
+    steps = run.events("step")
+    # 14 training records, batches of 4: 4 steps an epoch.
+    assert [s["step"] for s in steps] == list(range(1, 6 * 4 + 1))
+    assert {s["steps"] for s in steps} == {24}
+    assert [s["epoch"] for s in steps] == [e for e in range(1, 7) for _ in range(4)]
+    first, last = steps[0]["loss"], steps[-1]["loss"]
+    assert last < 0.5 * first, [round(s["loss"], 3) for s in steps]
+    assert all(s["peak_mib"] > 0 and s["tokens_per_s"] > 0 for s in steps)
+    # Warm-up from 0 over 2 steps, then a cosine decay.
+    lrs = [s["learning_rate"] for s in steps]
+    assert lrs[0] == 0.0
+    assert lrs[2] == pytest.approx(TRAIN_PARAMS["learning_rate"])
+    assert all(a >= b for a, b in itertools.pairwise(lrs[2:]))
+    assert steps[-1]["eta_s"] == 0.0
+    evals = run.events("eval")
+    assert [(e["step"], e["epoch"]) for e in evals] == [(4 * e, e) for e in range(1, 7)]
+    assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
+    assert run.states() == ["preparing", "running", "saving"]
+    assert run.lines[-1]["event"] == "done"
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_done_reports_the_base_dir_and_writes_the_summary(
+    trained: Trained, tiny_model: Callable[[str], Path], trainer_module: ModuleType, arch: str
+) -> None:
+    from transformers import AutoTokenizer
+
+    run, job_path = trained(arch)
+    job = json.loads(job_path.read_text())
+    (done,) = run.events("done")
+    assert Path(done["base_dir"]) == tiny_model(arch)
+    adapter = Path(done["adapter_dir"])
+    assert adapter == Path(job["out_dir"]) / "adapter"
+    for name in ("adapter_model.safetensors", "adapter_config.json", "chat_template.jinja"):
+        assert (adapter / name).is_file(), name
+    assert (adapter / "chat_template.jinja").read_text() == (
+        tiny_model(arch) / "chat_template.jinja"
+    ).read_text()
+    summary = json.loads((adapter / "training_summary.json").read_text())
+    assert summary == done["summary"]
+    assert summary["final_loss"] == run.events("step")[-1]["loss"]
+    assert summary["eval_loss"] == run.events("eval")[-1]["eval_loss"]
+    assert summary["data_sha256"] == job["data_sha256"]
+    assert summary["base"]["local_dir"] == str(tiny_model(arch))
+    assert summary["records"] == 16
+    assert (summary["records_train"], summary["records_eval"]) == (14, 2)
+    assert summary["records_cut"] == 0
+    assert summary["params"]["rank"] == TRAIN_PARAMS["rank"]
+    assert summary["device"] == "cpu" and summary["dtype"] == "fp32"
+    # Every training record once an epoch, padding not counted.
+    records = trainer_module.load_records(Path(job["data_path"]), job["data_sha256"])
+    train_idx, _ = trainer_module.split_records(16, 0.125, TRAIN_PARAMS["seed"])
+    tok = AutoTokenizer.from_pretrained(done["base_dir"])
+    template = (adapter / "chat_template.jinja").read_text()
+    lengths = [
+        len(trainer_module.encode_conversation(tok, template, records[i], 64).input_ids)
+        for i in train_idx
+    ]
+    assert summary["tokens_seen"] == 6 * sum(lengths)
+    assert summary["wall_time_s"] >= summary["train_time_s"] > 0
+    assert set(summary["versions"]) >= {"torch", "transformers", "peft"}
+    config = json.loads((adapter / "adapter_config.json").read_text())
+    assert config["r"] == TRAIN_PARAMS["rank"] and config["peft_type"] == "LORA"
+
+
+def _reload(mod: ModuleType, run: TrainerRun, job_path: Path) -> tuple[Any, list[Any], Any]:
+    """The base with the saved adapter, and the held-out records encoded as trained."""
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    job = json.loads(job_path.read_text())
+    (done,) = run.events("done")
+    records = mod.load_records(Path(job["data_path"]), job["data_sha256"])
+    _, eval_idx = mod.split_records(
+        len(records), TRAIN_PARAMS["eval_fraction"], TRAIN_PARAMS["seed"]
+    )
+    tok = AutoTokenizer.from_pretrained(done["base_dir"])
+    template = (Path(done["adapter_dir"]) / "chat_template.jinja").read_text()
+    held = [
+        mod.encode_conversation(tok, template, records[i], TRAIN_PARAMS["max_seq_len"])
+        for i in eval_idx
+    ]
+    base = AutoModelForCausalLM.from_pretrained(done["base_dir"], dtype=torch.float32)
+    with warnings.catch_warnings():
+        # peft 0.21 still calls transformers' deprecated is_gradient_checkpointing.
+        warnings.simplefilter("ignore", FutureWarning)
+        model = PeftModel.from_pretrained(base, done["adapter_dir"])
+    model.eval()
+    return model, held, torch
+
+
+def _loss_and_logits(model: Any, held: list[Any], torch: Any) -> tuple[float, list[Any]]:
+    import torch.nn.functional as F
+
+    total, count, logits = 0.0, 0, []
+    with torch.no_grad():
+        for e in held:
+            out = model(input_ids=torch.tensor([e.input_ids])).logits[0]
+            labels = torch.tensor(e.labels[1:])
+            total += float(F.cross_entropy(out[:-1], labels, ignore_index=-100, reduction="sum"))
+            count += int((labels != -100).sum())
+            logits.append(out)
+    return total / count, logits
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_the_reloaded_adapter_reproduces_the_eval_loss_and_changes_outputs(
+    trained: Trained, trainer_module: ModuleType, arch: str
+) -> None:
+    run, job_path = trained(arch)
+    model, held, torch = _reload(trainer_module, run, job_path)
+    assert len(held) == 2
+    adapted_loss, adapted = _loss_and_logits(model, held, torch)
+    reported = run.events("eval")[-1]["eval_loss"]
+    assert adapted_loss == pytest.approx(reported, rel=1e-4)
+    with model.disable_adapter():
+        base_loss, base = _loss_and_logits(model, held, torch)
+    assert base_loss > adapted_loss + 1.0, (base_loss, adapted_loss)
+    diff = max(float((a - b).abs().max()) for a, b in zip(adapted, base, strict=True))
+    assert diff > 1.0
+
+
+def test_messages_records_accumulation_max_steps_and_no_eval(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """max_steps wins over epochs, steps count optimizer steps (not micro-batches),
+    eval_fraction 0 prints no eval line, gradient checkpointing trains."""
+    convs = [
+        {
+            "messages": [
+                {"role": "system", "content": "Answer briefly."},
+                {"role": "user", "content": q},
+                {"role": "assistant", "content": a},
+            ]
+        }
+        for q, a in [(r["q"], r["a"]) for r in qa_records(1)]
+    ]
+    job = write_job(
+        tmp_path / "j",
+        tiny_model("llama"),
+        data=ndjson(convs),
+        params={
+            "max_steps": 3,
+            "epochs": 50,
+            "batch_size": 2,
+            "gradient_accumulation": 3,
+            "eval_fraction": 0,
+            "gradient_checkpointing": True,
+            "target_modules": ["q_proj", "v_proj"],
+            "lr_scheduler": "constant",
+            "max_seq_len": 36,
+            "dtype": "auto",
+        },
+    )
+    run = run_trainer(job)
+    assert run.rc == 0, run.stderr[-3000:]
+    steps = run.events("step")
+    assert [(s["step"], s["steps"]) for s in steps] == [(1, 3), (2, 3), (3, 3)]
+    # 8 records, 2 a micro-batch, 3 micro-batches a step: 2 steps an epoch.
+    assert [s["epoch"] for s in steps] == [1, 1, 2]
+    assert run.events("eval") == []
+    (done,) = run.events("done")
+    summary = done["summary"]
+    assert summary["eval_loss"] is None and summary["records_eval"] == 0
+    assert summary["records_cut"] == 8  # 41 to 48 tokens each, the answer starting by token 35
+    assert summary["records_skipped"] == 0
+    cut_logs = [x for x in run.events("log") if "were cut" in x["message"]]
+    assert cut_logs and cut_logs[0]["level"] == "warning"
+    config = json.loads((Path(done["adapter_dir"]) / "adapter_config.json").read_text())
+    assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:
+    job = write_job(
+        tmp_path / "j",
+        tiny_model("qwen2"),
+        data=ndjson(qa_records()),
+        params={"max_steps": 100_000, "batch_size": 2},
+    )
+    with subprocess.Popen(
+        [sys.executable, str(TRAINER_PATH), str(job)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    ) as p:
+        try:
+            assert p.stdout is not None
+            seen = []
+            for line in p.stdout:
+                seen.append(json.loads(line))
+                if seen[-1]["event"] == "step":
+                    break
+            assert seen[-1]["event"] == "step", seen
+            os.kill(p.pid, signal.SIGTERM)
+            rest = [json.loads(x) for x in p.stdout]
+            assert p.wait(timeout=30) == 143
+        finally:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+    assert rest[-1] == {"event": "error", "message": "stopped by SIGTERM"}
+    assert not (tmp_path / "j" / "out" / "adapter").exists()
