@@ -838,6 +838,7 @@ def run(job_path: Path) -> int:
     if job.hf_offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
     emit("state", state="preparing", message="loading the tokenizer and the base weights")
+    base_dir = resolve_base(job.base, job.hf_offline)
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -848,7 +849,6 @@ def run(job_path: Path) -> int:
     random.seed(p.seed)
     torch.manual_seed(p.seed)
 
-    base_dir = resolve_base(job.base, job.hf_offline)
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
     template = chat_template_of(tokenizer)
     if template is PLAIN_TEMPLATE:
