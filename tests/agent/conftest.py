@@ -60,7 +60,7 @@ class Bus:
             node=node,
             work_dir=self.tmp_path / f"agent-{node}",
             engines_dir=self.tmp_path / "engines",
-            trainer="standin",
+            trainer=cfg.pop("trainer", "standin"),
             allow_cpu=cfg.pop("allow_cpu", True),
             cancel_grace_s=cfg.pop("cancel_grace_s", 1.0),
             **cfg,

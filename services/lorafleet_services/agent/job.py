@@ -96,9 +96,14 @@ class JobFailedError(Exception):
 class TrainerEnvironment(Protocol):
     """What agent/environment.py prepares (the stand-in has its own)."""
 
-    python: str
-    user: EngineUser | None
-    notes: tuple[str, ...]
+    @property
+    def python(self) -> str: ...
+
+    @property
+    def user(self) -> EngineUser | None: ...
+
+    @property
+    def notes(self) -> tuple[str, ...]: ...
 
     def process_env(self, choice: CardChoice) -> dict[str, str]: ...
 
@@ -324,6 +329,8 @@ class JobRun:
         self._stop_message = ""
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
+        #: Set by stop(); steps that stop on an event (the conversion) get it too.
+        self.stopping = asyncio.Event()
 
     def start(self) -> None:
         self.reporter.report(JobState.PREPARING, f"preparing on {self.node}: fetching the dataset")
@@ -336,6 +343,7 @@ class JobRun:
         if not self._stopping:
             self._stopping = True
             self._stop_state, self._stop_message = state, message
+            self.stopping.set()
             self.task.cancel()
         await asyncio.wait({self.task}, timeout=timeout_s)
 
@@ -630,7 +638,9 @@ class JobRun:
             return out
         conversion = self._module("conversion", "GGUF conversion")
         try:
-            path: Path = await conversion.convert_to_gguf(self.cfg, env, adapter_dir, base_dir, out)
+            path: Path = await conversion.convert_to_gguf(
+                self.cfg, env, adapter_dir, base_dir, out, cancel=self.stopping
+            )
         except conversion.ConversionError as e:
             raise JobFailedError(f"converting the adapter to GGUF: {e}") from None
         return path
