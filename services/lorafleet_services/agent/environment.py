@@ -415,10 +415,13 @@ async def ensure_overlay(cfg: AgentConfig, python: str) -> Path:
     async with _loop_lock(), _file_lock(cfg.work_dir / OVERLAY_LOCK):
         if _read_marker(target) is not None:  # another agent built it while we waited
             return target
-        partial = target.with_name(target.name + ".partial")
-        # Leftovers of a crash: a partial build, or a directory never marked complete.
-        shutil.rmtree(partial, ignore_errors=True)
+        # Leftovers of a crash: partial builds, or a directory never marked complete.
+        # Each build has its own partial name: an installer orphaned by a crashed
+        # agent may still write into its old one.
+        for old in cfg.work_dir.glob(f"{target.name}.partial-*"):
+            shutil.rmtree(old, ignore_errors=True)
         shutil.rmtree(target, ignore_errors=True)
+        partial = target.with_name(f"{target.name}.partial-{os.getpid()}-{os.urandom(3).hex()}")
         partial.mkdir(mode=0o755)
         try:
             started = time.monotonic()
@@ -429,10 +432,15 @@ async def ensure_overlay(cfg: AgentConfig, python: str) -> Path:
             )
             # An interpreter that already has exactly the pins needs nothing on top
             # (the embedded default: the project's own Python); the overlay stays empty.
-            installer = "none: the interpreter has them" if satisfied else ""
-            if not satisfied:
+            # Its own pip resolved them against its torch and transformers, so the
+            # import check (seconds: it imports torch) is spared on this path, which
+            # every fresh work directory of the embedded default takes.
+            if satisfied:
+                installer = "none: the interpreter has them"
+                found = dict(pins)
+            else:
                 installer = await _install(cfg, python, partial)
-            found = await _check(cfg, python, partial, pins, installed=not satisfied)
+                found = await _check(cfg, python, partial, pins)
             _make_readable(partial)
             _write_marker(
                 partial,
@@ -499,11 +507,11 @@ async def _install(cfg: AgentConfig, python: str, into: Path) -> str:
 
 
 async def _check(
-    cfg: AgentConfig, python: str, overlay: Path, pins: Mapping[str, str], *, installed: bool
+    cfg: AgentConfig, python: str, overlay: Path, pins: Mapping[str, str]
 ) -> dict[str, str]:
     """Imports each pinned package in `python` with only the overlay on
-    PYTHONPATH; answers {name: version}. When installed, each must come from
-    the overlay at its pinned version."""
+    PYTHONPATH; answers {name: version}. Each must come from the overlay, at
+    its pinned version."""
     names = [n for n in pins] or [
         re.split(r"[<>=!~;\[ ]", p, maxsplit=1)[0] for p in cfg.overlay_packages
     ]
@@ -523,7 +531,7 @@ async def _check(
     for n in names:
         v, f = str(got[n]["version"]), str(got[n]["file"])
         versions[n] = v
-        if installed and not Path(f).resolve().is_relative_to(overlay.resolve()):
+        if not Path(f).resolve().is_relative_to(overlay.resolve()):
             raise TrainerSetupError(f"{n} imports from {f}, not from the overlay {overlay}")
         if n in pins and v != pins[n]:
             raise TrainerSetupError(f"{n} is {v} in the overlay for {python}, not {pins[n]}")
