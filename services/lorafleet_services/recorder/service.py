@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
+import os
 
 import msgspec
 import nats.errors
@@ -31,7 +32,7 @@ from lorafleet import bus, log
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.service import start_service
-from lorafleet.settings import Settings
+from lorafleet.settings import Settings, SettingsError
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.api import RecorderApi
@@ -40,8 +41,11 @@ from lorafleet_services.recorder.api import RecorderApi
 FETCH_BATCH = 256
 #: Seconds one fetch waits for the first report.
 FETCH_TIMEOUT_S = 1.0
-#: Seconds the server waits for an ack before redelivering.
+#: Seconds the server waits for an ack before redelivering; the environment
+#: variable LORAFLEET_RECORDER_ACK_WAIT_S overrides it (fault tests use a few
+#: seconds so that reports held by a killed recorder come back quickly).
 ACK_WAIT_S = 30.0
+ACK_WAIT_ENV = "LORAFLEET_RECORDER_ACK_WAIT_S"
 #: Reports delivered and not yet acked, at most (a few batches' worth).
 MAX_ACK_PENDING = 20_000
 #: Seconds to wait before fetching again after a NATS or database error.
@@ -77,13 +81,24 @@ class ObjectStoreDatasets:
         return buf.getvalue()
 
 
+def ack_wait_s() -> float:
+    raw = os.environ.get(ACK_WAIT_ENV, "")
+    try:
+        value = float(raw) if raw else ACK_WAIT_S
+    except ValueError:
+        raise SettingsError(f"{ACK_WAIT_ENV}={raw!r} is not a number of seconds") from None
+    if value <= 0:
+        raise SettingsError(f"{ACK_WAIT_ENV} must be > 0 seconds")
+    return value
+
+
 def consumer_config(names: Names) -> ConsumerConfig:
     return ConsumerConfig(
         durable_name=names.recorder_consumer,
         filter_subject=names.status_subjects,
         ack_policy=AckPolicy.EXPLICIT,
         deliver_policy=DeliverPolicy.ALL,
-        ack_wait=ACK_WAIT_S,
+        ack_wait=ack_wait_s(),
         max_ack_pending=MAX_ACK_PENDING,
         max_deliver=-1,
     )
@@ -131,6 +146,9 @@ class Recorder:
         )
         self._sub = sub
         self._consumer = asyncio.create_task(self._consume(sub))
+        # The server knows the endpoints' subscriptions once this returns:
+        # only then may `service.started` promise that requests are answered.
+        await self.nc.flush()
 
     async def stop(self) -> None:
         self._stop.set()
