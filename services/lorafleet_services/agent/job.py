@@ -79,6 +79,10 @@ PUBLISH_TIMEOUT_S = 2.0
 PUBLISH_RETRY_MAX_S = 2.0
 #: Seconds the final reports of a job may take to publish when the agent stops.
 STOP_DRAIN_TIMEOUT_S = 5.0
+#: Seconds the last reports of a finished job may take to publish. Longer
+#: outages fence the agent first; a server that keeps refusing them (no
+#: status stream, no permission) must not keep the node busy for ever.
+DRAIN_TIMEOUT_S = 60.0
 #: Seconds between NVML samples of the trainer's card memory.
 NVML_SAMPLE_S = 1.0
 #: Seconds a card read for the card choice may take.
@@ -354,7 +358,7 @@ class JobRun:
     # --- the pipeline -------------------------------------------------------
 
     async def _run(self) -> None:
-        drain_timeout_s: float | None = None
+        drain_timeout_s = DRAIN_TIMEOUT_S
         try:
             await self._pipeline()
         except asyncio.CancelledError:
