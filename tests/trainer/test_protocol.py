@@ -1,0 +1,74 @@
+"""Every line the real trainer prints decodes strictly as the schemas' TrainerLine."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+
+from lorafleet_schemas.messages import TrainerLine
+from tests.trainer.harness import TrainerRun, ndjson, qa_records, run_trainer, write_job
+
+
+def _decode_strictly(run: TrainerRun) -> list[TrainerLine]:
+    out = []
+    for raw in run.raw_lines:
+        line = msgspec.json.decode(raw, type=TrainerLine)  # type: ignore[arg-type]
+        # msgspec ignores unknown fields: a field the schema lacks must fail too.
+        assert msgspec.to_builtins(line) == json.loads(raw), raw
+        out.append(line)
+    return out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_every_line_of_a_training_run_decodes(
+    trained: Callable[[str], tuple[TrainerRun, Path]], arch: str
+) -> None:
+    run, _ = trained(arch)
+    lines = _decode_strictly(run)
+    assert len(lines) == len(run.raw_lines) > 24
+    assert {type(x).__name__ for x in lines} == {
+        "TrainerLog",
+        "TrainerState",
+        "TrainerStep",
+        "TrainerEval",
+        "TrainerDone",
+    }
+
+
+def test_the_first_line_says_who_the_trainer_runs_as(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    job = write_job(
+        tmp_path / "j", tiny_model("llama"), data=ndjson(qa_records()), params={"rank": 0}
+    )
+    run = run_trainer(job)
+    lines = _decode_strictly(run)
+    assert run.lines[0]["event"] == "log"
+    assert run.lines[0]["message"].startswith(f"uid={os.getuid()} gid={os.getgid()} ")
+    assert type(lines[-1]).__name__ == "TrainerError"
+
+
+def test_a_missing_job_file_is_an_error_line(tmp_path: Path) -> None:
+    run = run_trainer(tmp_path / "job.json")
+    _decode_strictly(run)
+    assert run.rc == 2
+    assert run.lines[-1] == {
+        "event": "error",
+        "message": f"the job file {tmp_path / 'job.json'} does not exist",
+    }
+
+
+def test_a_schema_field_the_trainer_would_drop_fails_the_check() -> None:
+    """The strict check itself: an unknown field or a wrong type does not pass."""
+    extra = '{"event":"eval","step":1,"epoch":1,"eval_loss":1.0,"extra":2}'
+    with pytest.raises(AssertionError):
+        _decode_strictly(TrainerRun(0, [extra], [json.loads(extra)], ""))
+    wrong = '{"event":"step","step":1,"steps":2,"loss":"low"}'
+    with pytest.raises(msgspec.ValidationError):
+        _decode_strictly(TrainerRun(0, [wrong], [json.loads(wrong)], ""))

@@ -1,0 +1,131 @@
+"""The trainer's pure parts, imported from its file: rendering, answer-only labels,
+the held-out split, the step plan, and that it imports nothing of lorafleet's."""
+
+from __future__ import annotations
+
+import ast
+import sys
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+from tests.trainer.harness import TRAINER_PATH
+from tests.trainer.tiny_models import build_tokenizer
+
+IGNORE = -100
+
+
+@pytest.fixture(scope="module")
+def tok() -> Any:
+    return build_tokenizer()
+
+
+def _trained_text(tok: Any, enc: Any) -> str:
+    return str(
+        tok.decode([i for i, lab in zip(enc.input_ids, enc.labels, strict=True) if lab != IGNORE])
+    )
+
+
+def test_importing_the_script_runs_nothing(trainer_module: ModuleType) -> None:
+    assert callable(trainer_module.main)
+    assert trainer_module._out is sys.stdout  # main() was not called
+
+
+def test_the_script_imports_only_the_engine_pythons_packages() -> None:
+    allowed = {"torch", "transformers", "peft", "accelerate", "safetensors", "huggingface_hub"}
+    tree = ast.parse(TRAINER_PATH.read_text())
+    roots = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            roots |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            roots.add(node.module.split(".")[0])
+    assert roots - allowed - set(sys.stdlib_module_names) - {"__future__"} == set()
+    assert "torch" in roots and "peft" in roots
+
+
+def test_qa_record_trains_on_the_answer_only(trainer_module: ModuleType, tok: Any) -> None:
+    conv = trainer_module.parse_record('{"q": "What do bees make?", "a": "Honey."}', 1)
+    assert conv == [
+        {"role": "user", "content": "What do bees make?"},
+        {"role": "assistant", "content": "Honey."},
+    ]
+    enc = trainer_module.encode_conversation(tok, tok.chat_template, conv, 1024)
+    assert not enc.cut
+    assert tok.decode(enc.input_ids) == (
+        "<s><|user|>\nWhat do bees make?</s>\n<|assistant|>\nHoney.</s>\n"
+    )
+    assert _trained_text(tok, enc) == "Honey.</s>\n"
+    # The masked part is exactly the prompt that asks for the answer.
+    first = enc.labels.index(next(x for x in enc.labels if x != IGNORE))
+    assert tok.decode(enc.input_ids[:first]) == tok.apply_chat_template(
+        conv[:1], tokenize=False, add_generation_prompt=True
+    )
+    assert enc.labels[first:] == enc.input_ids[first:]
+
+
+def test_every_assistant_turn_is_trained_and_nothing_else(
+    trainer_module: ModuleType, tok: Any
+) -> None:
+    conv = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Say hello."},
+        {"role": "assistant", "content": "Hello!"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "Hello again!"},
+    ]
+    enc = trainer_module.encode_conversation(tok, tok.chat_template, conv, 1024)
+    assert _trained_text(tok, enc) == "Hello!</s>\nHello again!</s>\n"
+    assert tok.decode(enc.input_ids) == tok.apply_chat_template(conv, tokenize=False)
+
+
+def test_without_a_chat_template_the_plain_one_is_used(
+    trainer_module: ModuleType, tok: Any
+) -> None:
+    plain = build_tokenizer()
+    plain.chat_template = None
+    template = trainer_module.chat_template_of(plain)
+    assert template == trainer_module.PLAIN_TEMPLATE
+    conv = trainer_module.parse_record('{"q": "What is the capital of Italy?", "a": "Rome."}', 1)
+    enc = trainer_module.encode_conversation(plain, template, conv, 1024)
+    assert plain.decode(enc.input_ids) == (
+        "<s>### Question:\nWhat is the capital of Italy?\n\n### Answer:\nRome.</s>"
+    )
+    assert _trained_text(plain, enc) == "Rome.</s>"
+
+
+def test_long_records_are_cut_and_flagged(trainer_module: ModuleType, tok: Any) -> None:
+    conv = trainer_module.parse_record('{"q": "Say hello.", "a": "' + "hello " * 50 + '"}', 1)
+    full = trainer_module.encode_conversation(tok, tok.chat_template, conv, 10_000)
+    cut = trainer_module.encode_conversation(tok, tok.chat_template, conv, 16)
+    assert not full.cut and cut.cut
+    assert cut.input_ids == full.input_ids[:16] and cut.labels == full.labels[:16]
+
+
+def test_the_held_out_split_is_seeded_and_disjoint(trainer_module: ModuleType) -> None:
+    split = trainer_module.split_records
+    train, held = split(20, 0.1, 3)
+    assert (train, held) == split(20, 0.1, 3)
+    assert len(held) == 2 and sorted(train + held) == list(range(20))
+    assert split(20, 0.1, 4) != (train, held)
+    assert split(5, 0.0, 3) == ([0, 1, 2, 3, 4], [])
+    assert len(split(5, 0.01, 3)[1]) == 1  # any fraction above 0 holds one out
+
+
+def test_the_step_plan_covers_each_record_once(trainer_module: ModuleType) -> None:
+    plan = trainer_module.plan_steps(10, 3, 2, 1)
+    # 4 micro-batches (3, 3, 3, 1 records), 2 a step.
+    assert [[len(mb) for mb in step] for step in plan] == [[3, 3], [3, 1]]
+    assert sorted(i for step in plan for mb in step for i in mb) == list(range(10))
+    assert plan == trainer_module.plan_steps(10, 3, 2, 1)
+
+
+def test_collate_pads_right_and_masks_the_padding(trainer_module: ModuleType) -> None:
+    enc = trainer_module.Encoded
+    ids, mask, labels = trainer_module.collate(
+        [enc([1, 2, 3], [IGNORE, 2, 3], False), enc([4], [4], False)], 0
+    )
+    assert ids == [[1, 2, 3], [4, 0, 0]]
+    assert mask == [[1, 1, 1], [1, 0, 0]]
+    assert labels == [[IGNORE, 2, 3], [4, IGNORE, IGNORE]]
