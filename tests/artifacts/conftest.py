@@ -1,14 +1,22 @@
-"""Fixtures for the artifact tests: a connection with the lorafleet layout."""
+"""Fixtures for the artifact tests: a connection with the lorafleet layout, the
+recorder as a real process, and jobs set up as if the scheduler had dispatched them."""
 
 from __future__ import annotations
 
+import json
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.bus import connect, drain_quietly, ensure_layout, layout_for
+from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
+from lorafleet.names import Names
 from lorafleet.settings import Settings
+from lorafleet_schemas.messages import JobRecord
+from tests.procs import ServiceProcess
+
+QA = '{"q": "2+2?", "a": "4"}\n{"q": "3+3?", "a": "6"}\n'
 
 
 @pytest.fixture
@@ -19,3 +27,41 @@ async def nc(settings: Settings) -> AsyncIterator[Client]:
         yield client
     finally:
         await drain_quietly(client)
+
+
+@pytest.fixture
+async def recorder(settings: Settings, pg_url: str) -> AsyncIterator[ServiceProcess]:
+    proc = ServiceProcess("lorafleet_services.recorder", settings.with_(database_url=pg_url))
+    await proc.start()
+    try:
+        yield proc
+    finally:
+        await proc.stop()
+
+
+async def api(nc: Client, subject: str, body: dict[str, Any]) -> dict[str, Any]:
+    msg = await nc.request(subject, json.dumps(body).encode(), timeout=10)
+    out: dict[str, Any] = json.loads(msg.data)
+    assert "error" not in out, out
+    return out
+
+
+async def get_job(nc: Client, names: Names, job_id: str) -> JobRecord:
+    got = await nc.request(names.jobs_get, json.dumps({"id": job_id}).encode(), timeout=10)
+    return decode(got.data, JobRecord)
+
+
+async def dispatched_job(
+    nc: Client, names: Names, *, node: str = "n1", engine: str = "llamacpp"
+) -> JobRecord:
+    """A job on `node`, uploading (as the scheduler and the agent would leave it)."""
+    model = f"tiny-{engine}"
+    listed = await api(nc, names.models_list, {})
+    if model not in {m["name"] for m in listed["models"]}:
+        await api(nc, names.models_add, {"name": model, "engine": engine, "hf_repo": "org/tiny"})
+    job = await api(nc, names.jobs_submit, {"model": model, "gpu_memory_mib": 1, "data": QA})
+    for frm, to, extra in (("queued", "starting", {"node": node}), ("starting", "uploading", {})):
+        body = {"id": job["id"], "from_state": frm, "to_state": to, **extra}
+        moved = await api(nc, names.store_transition, body)
+        assert moved["applied"], moved
+    return await get_job(nc, names, job["id"])

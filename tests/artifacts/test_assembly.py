@@ -9,7 +9,13 @@ import random
 import msgspec
 import pytest
 
-from lorafleet.artifacts import CHUNK_HEADER, ObjectInfo, decode_info, object_digest, record_from_info
+from lorafleet.artifacts import (
+    CHUNK_HEADER,
+    ObjectInfo,
+    decode_info,
+    object_digest,
+    record_from_info,
+)
 from lorafleet.names import Names
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
@@ -37,12 +43,17 @@ def headers_for(data: bytes, step: int) -> list[tuple[ArtifactChunkHeader, bytes
     bodies = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
     out = []
     for seq, body in enumerate(bodies):
-        h = ArtifactChunkHeader(job_id="job1", node="node-a", kind=ArtifactKind.PEFT, attempt=1, seq=seq)
+        h = ArtifactChunkHeader(
+            job_id="job1", node="node-a", kind=ArtifactKind.PEFT, attempt=1, seq=seq
+        )
         if seq == len(bodies) - 1:
             h = msgspec.structs.replace(
-                h, last=True, count=len(bodies), size=len(data),
+                h,
+                last=True,
+                count=len(bodies),
+                size=len(data),
                 sha256=hashlib.sha256(data).hexdigest(),
-            )  # fmt: skip
+            )
         out.append((h, body))
     return out
 
@@ -125,7 +136,9 @@ def test_parse_chunk_checks_subject_against_header() -> None:
     raw = {CHUNK_HEADER: msgspec.json.encode(h).decode()}
     chunk = parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", raw)
     assert chunk.key == Key("node-a", "job1", ArtifactKind.GGUF, 2)
-    with pytest.raises(ChunkError, match="was published on lorafleet.artifacts.node-b.job1.gguf"):
+    with pytest.raises(
+        ChunkError, match=r"was published on lorafleet\.artifacts\.node-b\.job1\.gguf"
+    ):
         parse_chunk(names, "lorafleet.artifacts.node-b.job1.gguf", raw)
     with pytest.raises(ChunkError, match="no Lorafleet-Chunk header"):
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {})
@@ -133,20 +146,39 @@ def test_parse_chunk_checks_subject_against_header() -> None:
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {CHUNK_HEADER: "{"})
     last = msgspec.structs.replace(h, last=True)
     with pytest.raises(ChunkError, match="lacks its count"):
-        parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf",
-                    {CHUNK_HEADER: msgspec.json.encode(last).decode()})  # fmt: skip
+        parse_chunk(
+            names,
+            "lorafleet.artifacts.node-a.job1.gguf",
+            {CHUNK_HEADER: msgspec.json.encode(last).decode()},
+        )
 
 
 def job(**changes: object) -> JobRecord:
     now = dt.datetime.now(dt.UTC)
     base = JobRecord(
-        id="job1", name="", model="tiny", engine=Engine.LLAMACPP, node="node-a",
-        gpu_memory_mib=1, dataset="d", dataset_sha256="0" * 64, records=1,
-        params=TrainerParams(), state=JobState.UPLOADING, message="", step=0, steps=0,
-        loss=None, eval_loss=None, peak_mib=0, attempt=1,
-        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF], artifacts_stored=[],
-        created_at=now, updated_at=now,
-    )  # fmt: skip
+        id="job1",
+        name="",
+        model="tiny",
+        engine=Engine.LLAMACPP,
+        node="node-a",
+        gpu_memory_mib=1,
+        dataset="d",
+        dataset_sha256="0" * 64,
+        records=1,
+        params=TrainerParams(),
+        state=JobState.UPLOADING,
+        message="",
+        step=0,
+        steps=0,
+        loss=None,
+        eval_loss=None,
+        peak_mib=0,
+        attempt=1,
+        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF],
+        artifacts_stored=[],
+        created_at=now,
+        updated_at=now,
+    )
     return msgspec.structs.replace(base, **changes)
 
 
@@ -172,7 +204,21 @@ def test_object_info_reads_back_as_a_record() -> None:
     assert isinstance(decoded, ObjectInfo)
     rec = record_from_info(decoded)
     assert rec is not None
-    assert (rec.job_id, rec.kind, rec.size, rec.sha256, rec.base_model, rec.node, rec.stored_at) == (
-        "job1", ArtifactKind.PEFT, 3, whole.sha256, "tiny", "node-a", now,
-    )  # fmt: skip
+    assert (
+        rec.job_id,
+        rec.kind,
+        rec.size,
+        rec.sha256,
+        rec.base_model,
+        rec.node,
+        rec.stored_at,
+    ) == (
+        "job1",
+        ArtifactKind.PEFT,
+        3,
+        whole.sha256,
+        "tiny",
+        "node-a",
+        now,
+    )
     assert record_from_info(msgspec.structs.replace(decoded, deleted=True)) is None

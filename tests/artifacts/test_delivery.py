@@ -22,14 +22,17 @@ from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, del
 NAMES = Names()
 
 
-async def read_stream(nc: Client, subject: str) -> list[tuple[ArtifactChunkHeader, dict[str, str], bytes]]:
+async def read_stream(
+    nc: Client, subject: str
+) -> list[tuple[ArtifactChunkHeader, dict[str, str], bytes]]:
     js = nc.jetstream()
     info = await js.stream_info(NAMES.artifacts_stream)
     sub = await js.pull_subscribe(
-        subject, stream=NAMES.artifacts_stream,
+        subject,
+        stream=NAMES.artifacts_stream,
         config=ConsumerConfig(deliver_policy=DeliverPolicy.ALL),
-    )  # fmt: skip
-    out = []
+    )
+    out: list[tuple[ArtifactChunkHeader, dict[str, str], bytes]] = []
     try:
         while len(out) < info.state.messages:
             for m in await sub.fetch(64, timeout=2):
@@ -48,9 +51,15 @@ async def test_deliver_chunks_with_ids_and_a_last_header(nc: Client, tmp_path: P
     path = tmp_path / "a.gguf"
     path.write_bytes(data)
     size, sha = await deliver(
-        nc.jetstream(), NAMES, node="n1", job_id="j1", attempt=2, kind=ArtifactKind.GGUF,
-        path=path, chunk_bytes=100_000,
-    )  # fmt: skip
+        nc.jetstream(),
+        NAMES,
+        node="n1",
+        job_id="j1",
+        attempt=2,
+        kind=ArtifactKind.GGUF,
+        path=path,
+        chunk_bytes=100_000,
+    )
     assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
     chunks = await read_stream(nc, NAMES.artifact_chunks("n1", "j1", "gguf"))
     assert [h.seq for h, _, _ in chunks] == [0, 1, 2, 3]
@@ -70,8 +79,16 @@ async def test_delivering_again_is_deduplicated(nc: Client, tmp_path: Path) -> N
     path.write_bytes(os.urandom(250_000))
     js = nc.jetstream()
     for _ in range(2):
-        await deliver(js, NAMES, node="n1", job_id="j2", attempt=1, kind=ArtifactKind.PEFT,
-                      path=path, chunk_bytes=100_000)  # fmt: skip
+        await deliver(
+            js,
+            NAMES,
+            node="n1",
+            job_id="j2",
+            attempt=1,
+            kind=ArtifactKind.PEFT,
+            path=path,
+            chunk_bytes=100_000,
+        )
     info = await js.stream_info(NAMES.artifacts_stream)
     assert info.state.messages == 3
 
@@ -79,13 +96,20 @@ async def test_delivering_again_is_deduplicated(nc: Client, tmp_path: Path) -> N
 async def test_zero_byte_artifact_is_one_empty_last_chunk(nc: Client, tmp_path: Path) -> None:
     path = tmp_path / "empty"
     path.write_bytes(b"")
-    size, sha = await deliver(nc.jetstream(), NAMES, node="n1", job_id="j3", attempt=1,
-                              kind=ArtifactKind.PEFT, path=path)  # fmt: skip
+    size, sha = await deliver(
+        nc.jetstream(), NAMES, node="n1", job_id="j3", attempt=1, kind=ArtifactKind.PEFT, path=path
+    )
     chunks = await read_stream(nc, NAMES.artifact_chunks("n1", "j3", "peft"))
     assert len(chunks) == 1
     h, _, body = chunks[0]
     assert body == b""
-    assert (h.seq, h.last, h.count, h.size, h.sha256) == (0, True, 1, 0, hashlib.sha256(b"").hexdigest())
+    assert (h.seq, h.last, h.count, h.size, h.sha256) == (
+        0,
+        True,
+        1,
+        0,
+        hashlib.sha256(b"").hexdigest(),
+    )
     assert (size, sha) == (0, hashlib.sha256(b"").hexdigest())
 
 
@@ -101,8 +125,16 @@ async def test_chunk_bytes_at_max_payload_still_delivers(nc: Client, tmp_path: P
     path = tmp_path / "big"
     data = os.urandom(nc.max_payload * 2 + 5)
     path.write_bytes(data)
-    size, _ = await deliver(nc.jetstream(), NAMES, node="n1", job_id="j4", attempt=1,
-                            kind=ArtifactKind.GGUF, path=path, chunk_bytes=nc.max_payload)  # fmt: skip
+    size, _ = await deliver(
+        nc.jetstream(),
+        NAMES,
+        node="n1",
+        job_id="j4",
+        attempt=1,
+        kind=ArtifactKind.GGUF,
+        path=path,
+        chunk_bytes=nc.max_payload,
+    )
     assert size == len(data)
     assert nc.is_connected
     chunks = await read_stream(nc, NAMES.artifact_chunks("n1", "j4", "gguf"))
@@ -118,9 +150,19 @@ async def test_a_full_stream_refuses_with_a_clear_error(nc: Client, tmp_path: Pa
     await js.update_stream(cfg)
     path = tmp_path / "big"
     path.write_bytes(os.urandom(1_000_000))
-    with pytest.raises(DeliveryError, match=r"refused chunk \d+ of the gguf artifact of job j5: the stream is full"):
-        await deliver(js, NAMES, node="n1", job_id="j5", attempt=1, kind=ArtifactKind.GGUF,
-                      path=path, chunk_bytes=100_000)  # fmt: skip
+    with pytest.raises(
+        DeliveryError, match=r"refused chunk \d+ of the gguf artifact of job j5: the stream is full"
+    ):
+        await deliver(
+            js,
+            NAMES,
+            node="n1",
+            job_id="j5",
+            attempt=1,
+            kind=ArtifactKind.GGUF,
+            path=path,
+            chunk_bytes=100_000,
+        )
 
 
 def test_pack_adapter_is_deterministic(tmp_path: Path) -> None:
@@ -139,8 +181,11 @@ def test_pack_adapter_is_deterministic(tmp_path: Path) -> None:
     with tarfile.open(fileobj=io.BytesIO(a.read_bytes()), mode="r:gz") as tar:
         members = tar.getmembers()
         assert [m.name for m in members] == [
-            "adapter_config.json", "adapter_model.safetensors", "sub", "sub/README.md",
-        ]  # fmt: skip
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "sub",
+            "sub/README.md",
+        ]
         assert {m.mtime for m in members} == {0}
         f = tar.extractfile("adapter_config.json")
         assert f is not None and f.read() == b'{"r": 8}'

@@ -172,6 +172,9 @@ class ArtifactStore:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await self._task
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
         await self._pub.close()
 
     # --- the API ---------------------------------------------------------------
@@ -217,6 +220,9 @@ class ArtifactStore:
             return
         key = chunk.key
         if key in self._finished:
+            # A late duplicate, or more of a refused delivery: gone with the rest.
+            if not any(d.subject == msg.subject for d in self._deliveries.values()):
+                await self._purge_delivery(msg.subject, stream_seq)
             await msg.ack()
             return
         try:
@@ -476,9 +482,10 @@ class ArtifactStore:
                 return
 
     async def _discard(self, d: _Delivery) -> None:
-        for fut in d.writes:
-            fut.cancel()
-        d.writes.clear()
+        # Writes still in flight would land after the purge: let them land first.
+        while d.writes:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
         await self.js.purge_stream(
             object_stream(self.names), subject=chunk_subject(self.names, d.key)
         )
@@ -498,8 +505,10 @@ class ArtifactStore:
         d = self._deliveries.pop(key, None)
         if d is None:
             return
-        for fut in d.writes:
-            fut.cancel()
+        # Let in-flight object writes land, so that the next attempt's purge removes them.
+        while d.writes:
+            with contextlib.suppress(Exception):
+                await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
         for m in d.held:
             with contextlib.suppress(Exception):
                 await m.nak(delay=2.0)

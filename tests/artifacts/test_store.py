@@ -1,0 +1,300 @@
+"""The artifact-store with a real nats-server, a real recorder process and PostgreSQL."""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
+
+import msgspec
+import pytest
+from nats.aio.client import Client
+
+from lorafleet.artifacts import (
+    CHUNK_HEADER,
+    MSG_ID_HEADER,
+    download_artifact,
+    get_record,
+    msg_id,
+    object_stream,
+)
+from lorafleet.bus import connect, drain_quietly
+from lorafleet.names import Names
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
+from lorafleet_services.agent.delivery import deliver
+from lorafleet_services.artifact_store.service import ArtifactStore
+from tests.artifacts.conftest import api, dispatched_job, get_job
+from tests.procs import ServiceProcess
+
+N = Names()
+
+
+@pytest.fixture
+async def store(settings: Settings, recorder: ServiceProcess) -> AsyncIterator[ArtifactStore]:
+    client = await connect(settings, "artifact-store")
+    s = ArtifactStore(client, settings)
+    await s.start()
+    try:
+        yield s
+    finally:
+        await s.close()
+        await drain_quietly(client)
+
+
+async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not await check():
+        if loop.time() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.05)
+
+
+def chunks_of(
+    job: JobRecord,
+    kind: ArtifactKind,
+    data: bytes,
+    step: int,
+    *,
+    node: str | None = None,
+    sha256: str | None = None,
+) -> list[tuple[dict[str, str], bytes]]:
+    """The messages an agent would publish for `data`, as (headers, body)."""
+    node = node or job.node or ""
+    bodies = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
+    out = []
+    for seq, body in enumerate(bodies):
+        h = ArtifactChunkHeader(job_id=job.id, node=node, kind=kind, attempt=job.attempt, seq=seq)
+        if seq == len(bodies) - 1:
+            h = msgspec.structs.replace(
+                h,
+                last=True,
+                count=len(bodies),
+                size=len(data),
+                sha256=sha256 or hashlib.sha256(data).hexdigest(),
+            )
+        headers = {
+            MSG_ID_HEADER: msg_id(job.id, kind.value, job.attempt, seq),
+            CHUNK_HEADER: msgspec.json.encode(h).decode(),
+        }
+        out.append((headers, body))
+    return out
+
+
+async def publish(
+    nc: Client,
+    job: JobRecord,
+    kind: ArtifactKind,
+    msgs: list[tuple[dict[str, str], bytes]],
+    node: str | None = None,
+) -> None:
+    js = nc.jetstream()
+    subject = N.artifact_chunks(node or job.node or "", job.id, kind.value)
+    for headers, body in msgs:
+        await js.publish(subject, body, headers=dict(headers))
+
+
+async def stored(nc: Client, job_id: str, kind: ArtifactKind) -> bool:
+    return await get_record(nc.jetstream(), N, job_id, kind.value) is not None
+
+
+async def artifacts_stream_empty(nc: Client) -> bool:
+    info = await nc.jetstream().stream_info(N.artifacts_stream)
+    return info.state.messages == 0
+
+
+async def object_chunks(nc: Client) -> int:
+    info = await nc.jetstream().stream_info(object_stream(N))
+    return info.state.messages
+
+
+async def download(nc: Client, job_id: str, kind: ArtifactKind, tmp_path: Path) -> bytes:
+    out = tmp_path / f"dl-{job_id}-{kind.value}"
+    rec = await download_artifact(nc.jetstream(), N, job_id, kind, out)
+    data = out.read_bytes()
+    assert rec.sha256 == hashlib.sha256(data).hexdigest()
+    return data
+
+
+async def test_end_to_end_both_artifacts_make_the_job_done(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    job = await dispatched_job(nc, N, engine="llamacpp")
+    assert job.artifacts_expected == [ArtifactKind.PEFT, ArtifactKind.GGUF]
+    rng = random.Random(11)
+    peft = tmp_path / "adapter.tar.gz"
+    peft.write_bytes(rng.randbytes(5 * 1024 * 1024 + 4321))
+    gguf = tmp_path / "adapter.gguf"
+    gguf.write_bytes(rng.randbytes(3 * 1024 * 1024 + 7))
+    js = nc.jetstream()
+    size, sha = await deliver(
+        js,
+        N,
+        node="n1",
+        job_id=job.id,
+        attempt=job.attempt,
+        kind=ArtifactKind.PEFT,
+        path=peft,
+        chunk_bytes=256 * 1024,
+    )
+    await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the peft artifact")
+    # One of two expected artifacts: not done.
+    assert (await get_job(nc, N, job.id)).state is JobState.UPLOADING
+    assert (await get_job(nc, N, job.id)).artifacts_stored == [ArtifactKind.PEFT]
+
+    got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
+    assert (got["size"], got["sha256"], got["object"]) == (size, sha, f"{job.id}/peft")
+    assert (got["node"], got["base_model"], got["job_id"]) == ("n1", "tiny-llamacpp", job.id)
+    assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == peft.read_bytes()
+
+    await deliver(
+        js,
+        N,
+        node="n1",
+        job_id=job.id,
+        attempt=job.attempt,
+        kind=ArtifactKind.GGUF,
+        path=gguf,
+        chunk_bytes=256 * 1024,
+    )
+
+    async def done() -> bool:
+        return (await get_job(nc, N, job.id)).state is JobState.DONE
+
+    await until(done, "the job to be done")
+    listed = await api(nc, N.artifacts_list, {"job_id": job.id})
+    assert [(a["kind"], a["size"]) for a in listed["artifacts"]] == [
+        ("peft", peft.stat().st_size),
+        ("gguf", gguf.stat().st_size),
+    ]
+    assert await download(nc, job.id, ArtifactKind.GGUF, tmp_path) == gguf.read_bytes()
+    # The delivered chunks are gone from the stream once committed.
+    await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+    missing = await nc.request(
+        N.artifacts_get, json.dumps({"job_id": "nope", "kind": "gguf"}).encode()
+    )
+    assert json.loads(missing.data)["error"]["code"] == "not_found"
+
+
+async def test_duplicated_and_reordered_chunks_store_the_exact_bytes(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    job = await dispatched_job(nc, N, engine="vllm")
+    data = random.Random(12).randbytes(40 * 1000 + 17)
+    msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
+    body = msgs[:-1]
+    rng = random.Random(13)
+    shuffled = body + rng.sample(body, 10)
+    rng.shuffle(shuffled)
+    # Different message ids, so the stream keeps the duplicates (as after a redelivery).
+    dupes = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in body[:5]]
+    await publish(nc, job, ArtifactKind.PEFT, shuffled + dupes + [msgs[-1]] + body[:3])
+
+    async def done() -> bool:
+        return (await get_job(nc, N, job.id)).state is JobState.DONE
+
+    await until(done, "the job to be done")
+    assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
+
+
+@pytest.mark.parametrize("fault", ["sha256", "missing"])
+async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
+    nc: Client, store: ArtifactStore, fault: str
+) -> None:
+    job = await dispatched_job(nc, N, engine="vllm")
+    data = random.Random(14).randbytes(20_000)
+    if fault == "sha256":
+        msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000, sha256="ab" * 32)
+    else:
+        msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
+        del msgs[7]
+    await publish(nc, job, ArtifactKind.PEFT, msgs)
+
+    async def failed() -> bool:
+        return (await get_job(nc, N, job.id)).state is JobState.FAILED
+
+    await until(failed, "the job to fail")
+    message = (await get_job(nc, N, job.id)).message
+    assert "peft artifact of job" in message
+    if fault == "sha256":
+        assert "corrupt: its sha256 is" in message and "ab" * 32 in message
+    else:
+        assert "short: 1 of its 20 chunks never arrived (chunk 7)" in message
+    assert not await stored(nc, job.id, ArtifactKind.PEFT)
+    assert await object_chunks(nc) == 0
+    await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+
+
+async def test_a_node_delivering_for_another_nodes_job_is_refused(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    job = await dispatched_job(nc, N, node="n1", engine="vllm")
+    path = tmp_path / "x"
+    path.write_bytes(random.Random(15).randbytes(100_000))
+    await deliver(
+        nc.jetstream(),
+        N,
+        node="intruder",
+        job_id=job.id,
+        attempt=job.attempt,
+        kind=ArtifactKind.PEFT,
+        path=path,
+        chunk_bytes=10_000,
+    )
+    await until(lambda: artifacts_stream_empty(nc), "the refused chunks to be purged")
+    assert not await stored(nc, job.id, ArtifactKind.PEFT)
+    assert await object_chunks(nc) == 0
+    after = await get_job(nc, N, job.id)
+    assert after.state is JobState.UPLOADING and after.artifacts_stored == []
+    # A stale attempt of the right node is refused too.
+    await deliver(
+        nc.jetstream(),
+        N,
+        node="n1",
+        job_id=job.id,
+        attempt=job.attempt + 5,
+        kind=ArtifactKind.PEFT,
+        path=path,
+        chunk_bytes=10_000,
+    )
+    await until(lambda: artifacts_stream_empty(nc), "the stale chunks to be purged")
+    assert not await stored(nc, job.id, ArtifactKind.PEFT)
+
+
+async def test_store_killed_mid_delivery_stores_the_exact_artifact(
+    nc: Client, settings: Settings, recorder: ServiceProcess, tmp_path: Path
+) -> None:
+    job = await dispatched_job(nc, N, engine="vllm")
+    data = random.Random(16).randbytes(6 * 1024 * 1024 + 99)
+    msgs = chunks_of(job, ArtifactKind.PEFT, data, 64 * 1024)
+    half = len(msgs) // 2
+    js = nc.jetstream()
+    proc = await ServiceProcess("lorafleet_services.artifact_store", settings).start()
+    try:
+        await publish(nc, job, ArtifactKind.PEFT, msgs[:half])
+
+        async def half_taken() -> bool:
+            info = await js.consumer_info(N.artifacts_stream, N.artifact_store_consumer)
+            return info.ack_floor.stream_seq >= half and await object_chunks(nc) >= half
+
+        # The store has taken (acknowledged, and written into the object's chunks)
+        # the first half when it dies.
+        await until(half_taken, "the store to take the first half")
+        proc.kill()
+        await proc.stop()
+        await publish(nc, job, ArtifactKind.PEFT, msgs[half:])
+        proc = await ServiceProcess("lorafleet_services.artifact_store", settings).start()
+        await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact after restart")
+        event = await proc.wait_for_event("artifact.stored")
+        assert event["sha256"] == hashlib.sha256(data).hexdigest()
+        assert event["size"] == len(data)
+    finally:
+        await proc.stop()
+    assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
+    assert (await get_job(nc, N, job.id)).state is JobState.DONE
+    # Only the committed object's chunks are left in the object store.
+    assert await object_chunks(nc) == len(msgs) + 1
