@@ -114,3 +114,32 @@ async def test_sigkill_while_reports_stream_in(settings: Settings, pg_url: str) 
     finally:
         await nc.close()
         await proc.stop()
+
+
+async def test_process_on_sqlite_default_poison_and_clean_stop(settings: Settings) -> None:
+    """The embedded default: SQLite migrated at start; poison logged and acked; SIGTERM."""
+    proc = await ServiceProcess("lorafleet_services.recorder", settings).start()
+    nc = await nats.connect(settings.nats_url)
+    try:
+        await req(nc, N.models_add, {"name": "tiny", "engine": "llamacpp", "local_dir": "/m"})
+        job = await req(nc, N.jobs_submit, {"model": "tiny", "gpu_memory_mib": 1, "data": QA})
+        assert job["artifacts_expected"] == ["peft", "gguf"]
+        js = nc.jetstream()
+        await js.publish(N.status("n1", job["id"]), b'{"job_id": 1}')
+        poison = await proc.wait_for_event("status.refused", timeout_s=10)
+        assert poison["message"] == "poison" and "error" in poison
+        await js.publish(N.status("n1", job["id"]), reports(job["id"])[1])
+        for _ in range(200):
+            if len(proc.events("status.refused")) >= 2:
+                break
+            await asyncio.sleep(0.05)
+        refused = proc.events("status.refused")[-1]
+        assert refused["job_id"] == job["id"] and "not placed" in refused["message"]
+        info = await js.consumer_info(N.status_stream, N.recorder_consumer)
+        assert info.num_ack_pending == 0
+        assert proc.events("job.queued")[0]["job_id"] == job["id"]
+    finally:
+        await nc.close()
+        code = await proc.stop()
+    assert code == 0
+    assert proc.events("service.stopped")
