@@ -38,6 +38,7 @@ _HTTP_CODES = {
 }
 
 _PATH_RE = re.compile(r"^(?P<what>.*?) - at `(?P<path>[^`]+)`$", re.S)
+_KEY_RE = re.compile(r"^Object (?P<kind>contains unknown|missing required) field `(?P<key>[^`]+)`$")
 
 
 class ApiError(Exception):
@@ -67,9 +68,15 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
     except msgspec.ValidationError as e:
         text = str(e)
         m = _PATH_RE.match(text)
+        what, path = (m.group("what"), m.group("path")) if m else (text, "$")
+        # msgspec names an unknown or missing key in the text, not in the path.
+        key = _KEY_RE.match(what)
+        if key:
+            field = f"{path}.{key.group('key')}"
+            hint = "remove it" if key.group("kind") == "contains unknown" else "add it"
+            raise bad_request(f"{field}: {what}; {hint}", field=field) from None
         if m:
-            path = m.group("path")
-            raise bad_request(f"{path}: {m.group('what')}", field=path) from None
+            raise bad_request(f"{path}: {what}", field=path) from None
         raise bad_request(text) from None
     except msgspec.DecodeError as e:
         raise bad_request(f"the request is not valid JSON: {e}") from None

@@ -146,13 +146,13 @@ def _spec(**kw: Any) -> dict[str, Any]:
 BAD: list[tuple[str, Any, str, str | None, str]] = [
     (N.jobs_submit, b"{not json", "bad_request", None, "JSON"),
     (N.jobs_submit, b"", "bad_request", None, "empty"),
-    (N.jobs_submit, _spec(colour="red"), "bad_request", None, "unknown field `colour`"),
+    (N.jobs_submit, _spec(colour="red"), "bad_request", "$.colour", "remove it"),
     (N.jobs_submit, _spec(gpu_memory_mib=0), "bad_request", "$.gpu_memory_mib", ">"),
     (N.jobs_submit, _spec(gpu_memory_mib="lots"), "bad_request", "$.gpu_memory_mib", "int"),
     (N.jobs_submit, _spec(params={"rank": 0}), "bad_request", "$.params.rank", ">="),
     (N.jobs_submit, _spec(params={"learning_rate": 0}), "bad_request", "$.params.learning_rate", ">"),  # noqa: E501
     (N.jobs_submit, _spec(params={"epochs": 0}), "bad_request", "$.params.epochs", ">="),
-    (N.jobs_submit, _spec(params={"rnak": 8}), "bad_request", "$.params", "`rnak`"),
+    (N.jobs_submit, _spec(params={"rnak": 8}), "bad_request", "$.params.rnak", "unknown"),
     (N.jobs_submit, _spec(data=""), "bad_request", "$.data", "empty"),
     (N.jobs_submit, _spec(data=QA + "[1, 2]\n"), "bad_request", "$.data", "line 3"),
     (N.jobs_submit, _spec(data='{"q": "x", "a": "y", "z": 1}'), "bad_request", "$.data", '"z"'),
@@ -162,7 +162,7 @@ BAD: list[tuple[str, Any, str, str | None, str]] = [
     (N.jobs_submit, _spec(model="nope"), "not_found", "$.model", "tiny"),
     (N.jobs_submit, _spec(node="a b"), "bad_request", "$.node", "match"),
     (N.jobs_get, {"id": "nope"}, "not_found", "$.id", "nope"),
-    (N.jobs_get, {}, "bad_request", None, "id"),
+    (N.jobs_get, {}, "bad_request", "$.id", "add it"),
     (N.jobs_get, b"[]", "bad_request", None, "object"),
     (N.jobs_list, {"limit": 0}, "bad_request", "$.limit", ">="),
     (N.jobs_list, {"state": "sleeping"}, "bad_request", "$.state", "sleeping"),
@@ -171,7 +171,7 @@ BAD: list[tuple[str, Any, str, str | None, str]] = [
     (N.models_add, {"name": "m", "engine": "tgi", "hf_repo": "x"}, "bad_request", "$.engine", "tgi"),  # noqa: E501
     (N.models_add, {"name": "m", "engine": "vllm", "hf_repo": "x", "local_dir": "/m"}, "bad_request", "$.local_dir", "not both"),  # noqa: E501
     (N.models_add, {"name": "tiny", "engine": "vllm", "hf_repo": "x"}, "conflict", "$.name", "tiny"),  # noqa: E501
-    (N.models_list, {"x": 1}, "bad_request", None, "unknown field `x`"),
+    (N.models_list, {"x": 1}, "bad_request", "$.x", "unknown"),
     (N.store_transition, {"id": "nope", "from_state": "queued", "to_state": "starting"}, "not_found", "$.id", "nope"),  # noqa: E501
     (N.store_transition, {"id": "j", "from_state": "queued", "to_state": "running"}, "conflict", "$.to_state", "starting"),  # noqa: E501
     (N.store_transition, {"id": "j", "from_state": "done", "to_state": "failed"}, "conflict", "$.to_state", "final"),  # noqa: E501
