@@ -117,7 +117,7 @@ def _base_python() -> str:
     for cand in (f"/usr/bin/python{v}", f"/usr/local/bin/python{v}"):
         if os.access(cand, os.X_OK):
             return cand
-    return os.path.realpath(sys._base_executable)
+    return os.path.realpath(str(getattr(sys, "_base_executable", sys.executable)))
 
 
 @pytest.fixture(scope="session")
@@ -174,3 +174,32 @@ def engine_user() -> str:
             continue
         subprocess.run(["usermod", "-aG", g, TEST_USER], check=True)
     return TEST_USER
+
+
+@pytest.fixture(scope="session")
+def bare_python(open_dir: Path) -> Path:
+    """A venv with nothing: no torch, no pip."""
+    venv = open_dir / "bare-venv"
+    subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
+    return venv / "bin" / "python"
+
+
+@pytest.fixture(scope="session")
+def user_engine_venv(engine_venv: Path, engine_user: str) -> Path:
+    """engine_venv, when the engines' test user can start it."""
+    r = subprocess.run(
+        [str(engine_venv), "-c", "import torch"],
+        user=engine_user,
+        capture_output=True,
+        text=True,
+        cwd="/",
+        env={"PATH": "/usr/bin:/bin", "HOME": "/"},
+        timeout=120,
+    )
+    if r.returncode != 0:
+        pytest.skip(
+            f"{engine_user} cannot run {engine_venv} (made from {_base_python()}): "
+            f"{r.stderr.strip()[-300:]}; install a Python {sys.version_info.major}."
+            f"{sys.version_info.minor} outside /root (apt-get install python3) to run this test"
+        )
+    return engine_venv

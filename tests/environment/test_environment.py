@@ -156,7 +156,7 @@ def test_missing_user_runs_as_itself_and_says_how_to_fix(tmp_path: Path) -> None
         assert "not root" in why
 
 
-def test_not_root_runs_as_itself(engine_user: str, engine_venv: Path, open_dir: Path) -> None:
+def test_not_root_runs_as_itself(engine_user: str, user_engine_venv: Path, open_dir: Path) -> None:
     """Really not root: resolve_user run by the test user itself."""
     code = (
         "from pathlib import Path; from lorafleet_services.agent.config import AgentConfig; "
@@ -165,7 +165,7 @@ def test_not_root_runs_as_itself(engine_user: str, engine_venv: Path, open_dir: 
         f"print(json.dumps(resolve_user(AgentConfig(node='n', work_dir=Path('{open_dir}/w-nr')))))"
     )
     r = subprocess.run(
-        [str(engine_venv), "-c", code],
+        [str(user_engine_venv), "-c", code],
         user=engine_user,
         capture_output=True,
         text=True,
@@ -188,9 +188,9 @@ def test_a_work_dir_the_user_cannot_reach_runs_as_root(engine_user: str, tmp_pat
 
 
 async def test_trainer_runs_as_the_engines_user(
-    engine_user: str, engine_venv: Path, wheel_dir: Path, open_dir: Path
+    engine_user: str, user_engine_venv: Path, wheel_dir: Path, open_dir: Path
 ) -> None:
-    engines = make_engines(open_dir / "e-user", engine_venv)
+    engines = make_engines(open_dir / "e-user", user_engine_venv)
     work = open_dir / "w-user"
     env = await prepare(_cfg(engines.root, work, run_as=engine_user, wheel_dir=str(wheel_dir)))
     assert env.user is not None and env.user.name == engine_user
@@ -411,3 +411,22 @@ async def test_the_overlay_is_keyed_by_pins(
     c = envmod.overlay_dir(_cfg(tmp_path, tmp_path), "/py", "3.11.3", "cpython-311")
     d = envmod.overlay_dir(_cfg(tmp_path, tmp_path), "/other/py", "3.11.2", "cpython-311")
     assert len({a, b, c, d}) == 4
+
+
+async def test_a_python_without_pip_or_torch_fails_clearly(
+    bare_python: Path, wheel_dir: Path, uv_binary: Path, open_dir: Path
+) -> None:
+    # No pip and no uv: say how to get an installer.
+    engines = make_engines(open_dir / "e-bare", bare_python)
+    cfg = _cfg(engines.root, open_dir / "w-bare", wheel_dir=str(wheel_dir), run_as="")
+    with pytest.raises(TrainerSetupError, match=r"has no pip: put uv under .*/uv or on PATH"):
+        await prepare(cfg)
+    # With uv the wheels install, but peft cannot import without torch: refused, nothing kept.
+    engines = make_engines(open_dir / "e-bare-uv", bare_python, uv=uv_binary)
+    cfg = cfg.with_(engines_dir=engines.root)
+    with pytest.raises(
+        TrainerSetupError, match=r"do not import in .*No module named '(torch|transformers)'"
+    ):
+        await prepare(cfg)
+    assert engines.calls("uv pip install") == 1
+    assert _overlays(cfg.work_dir) == []
