@@ -303,3 +303,21 @@ async def test_done_only_when_every_artifact_stored(
     vjob = await started(models, "tiny-vllm")
     with pytest.raises(store.ArtifactKindError):
         await store.record_artifact(models, vjob.id, ArtifactKind.GGUF, 10, SHA)
+
+
+async def test_concurrent_batches_for_one_job(models: Sessions) -> None:
+    """Two consumers (replicated recorders) applying halves at once: the guard serialises."""
+    base = await started(models)
+    await store.apply_status(models, training_reports(base))
+    expected = await store.get_job(models, base.id)
+    assert expected is not None
+    job = await started(models)
+    reports = training_reports(job)
+    random.Random(3).shuffle(reports)
+    halves = [reports[i::2] for i in range(2)]
+    await asyncio.gather(
+        *(store.apply_status(models, h[i : i + 3]) for h in halves for i in range(0, len(h), 3))
+    )
+    got = await store.get_job(models, job.id)
+    assert got is not None and comparable(got) == comparable(expected)
+    assert len((await store.curve(models, job.id)).points) == 20
