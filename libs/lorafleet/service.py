@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 import msgspec
+import msgspec.inspect
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -59,6 +60,38 @@ def not_found(message: str, field: str | None = None) -> ApiError:
     return ApiError(ErrorCode.NOT_FOUND, message, field)
 
 
+_STEP_RE = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
+
+
+def _choices_at(typ: Any, path: str) -> list[str] | None:
+    """The values an enum or Literal field at `path` (`$.params.dtype`) accepts."""
+    info: Any = msgspec.inspect.type_info(typ)
+
+    def unwrap(i: Any) -> Any:
+        if isinstance(i, msgspec.inspect.UnionType):
+            rest = [t for t in i.types if not isinstance(t, msgspec.inspect.NoneType)]
+            return rest[0] if len(rest) == 1 else i
+        return i
+
+    for name, index in _STEP_RE.findall(path[1:]):
+        info = unwrap(info)
+        if index and isinstance(info, msgspec.inspect.ListType):
+            info = info.item_type
+        elif name and isinstance(info, msgspec.inspect.StructType):
+            found = [f.type for f in info.fields if f.encode_name == name]
+            if not found:
+                return None
+            info = found[0]
+        else:
+            return None
+    info = unwrap(info)
+    if isinstance(info, msgspec.inspect.EnumType):
+        return [str(member.value) for member in info.cls]
+    if isinstance(info, msgspec.inspect.LiteralType):
+        return [str(v) for v in info.values]
+    return None
+
+
 def decode_request(data: bytes, typ: type[Req]) -> Req:
     """Decode strictly; a bad request raises ApiError naming the field at fault."""
     if not data.strip():
@@ -76,6 +109,9 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
             hint = "remove it" if key.group("kind") == "contains unknown" else "add it"
             raise bad_request(f"{field}: {what}; {hint}", field=field) from None
         if m:
+            choices = _choices_at(typ, path) if what.startswith("Invalid enum value") else None
+            if choices:
+                what += "; use one of: " + ", ".join(choices)
             raise bad_request(f"{path}: {what}", field=path) from None
         raise bad_request(text) from None
     except msgspec.DecodeError as e:

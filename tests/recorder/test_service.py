@@ -165,10 +165,12 @@ BAD: list[tuple[str, Any, str, str | None, str]] = [
     (N.jobs_get, {}, "bad_request", "$.id", "add it"),
     (N.jobs_get, b"[]", "bad_request", None, "object"),
     (N.jobs_list, {"limit": 0}, "bad_request", "$.limit", ">="),
-    (N.jobs_list, {"state": "sleeping"}, "bad_request", "$.state", "sleeping"),
+    (N.jobs_list, {"state": "sleeping"}, "bad_request", "$.state", "queued, starting"),
+    (N.jobs_list, {"states": ["queued", "zzz"]}, "bad_request", "$.states[1]", "cancelled"),
+    (N.jobs_submit, _spec(params={"dtype": "fp8"}), "bad_request", "$.params.dtype", "auto, bf16"),
     (N.jobs_curve, {"id": "nope"}, "not_found", "$.id", "nope"),
     (N.models_add, {"name": "m", "engine": "vllm"}, "bad_request", "$.hf_repo", "local_dir"),
-    (N.models_add, {"name": "m", "engine": "tgi", "hf_repo": "x"}, "bad_request", "$.engine", "tgi"),  # noqa: E501
+    (N.models_add, {"name": "m", "engine": "tgi", "hf_repo": "x"}, "bad_request", "$.engine", "vllm, llamacpp"),  # noqa: E501
     (N.models_add, {"name": "m", "engine": "vllm", "hf_repo": "x", "local_dir": "/m"}, "bad_request", "$.local_dir", "not both"),  # noqa: E501
     (N.models_add, {"name": "tiny", "engine": "vllm", "hf_repo": "x"}, "conflict", "$.name", "tiny"),  # noqa: E501
     (N.models_list, {"x": 1}, "bad_request", "$.x", "unknown"),
