@@ -123,6 +123,16 @@ class Reports:
         return [f"{r.seq}:{r.state}:{r.step}:{r.message}" for r in self.items]
 
 
+async def finished(agent: ServiceProcess, job_id: str, timeout_s: float = 15.0) -> None:
+    """Wait until the agent has let go of `job_id` (its final report comes a
+    moment before: the agent is busy until the job's directory is cleaned)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    while not any(e.get("job_id") == job_id for e in agent.events("job.finished")):
+        assert loop.time() < deadline, f"{job_id} never finished"
+        await asyncio.sleep(0.02)
+
+
 def start_request(
     job_id: str,
     dataset: str,

@@ -26,8 +26,9 @@ from lorafleet_schemas.messages import (
     NodeCancelRequest,
     StatusReport,
 )
+from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.standin_trainer import adapter_files, gguf_bytes
-from tests.agent.conftest import Bus, Reports, start_request
+from tests.agent.conftest import Bus, Reports, finished, start_request
 
 _PIDS_RE = re.compile(r"pid=(\d+) child_pid=(\d+)")
 
@@ -89,7 +90,15 @@ async def test_a_job_runs_to_delivery_with_ordered_reports(fleet: Bus) -> None:
     assert [r.peak_mib for r in steps] == [101, 102, 103, 104, 105, 106]
     assert all(r.learning_rate and r.tokens_per_s and r.eta_s is not None for r in steps)
     assert any(r.eval_loss is not None for r in reports.items)
-    assert "training on the CPU of node-1" in " ".join(r.message for r in reports.items)
+    said = " ".join(r.message for r in reports.items)
+    cards = read_cards()
+    if cards:  # the card with the most free memory
+        best = max(cards, key=lambda c: c.free_mib)
+        assert f"training on GPU {best.index} ({best.name}) of node-1" in said
+        assert "steps on cuda" in said
+    else:
+        assert "training on the CPU of node-1" in said
+        assert "steps on cpu" in said
 
     # What was delivered is what the trainer wrote.
     tgz = await delivered(fleet, "node-1", "job-ok", ArtifactKind.PEFT)
@@ -103,7 +112,7 @@ async def test_a_job_runs_to_delivery_with_ordered_reports(fleet: Bus) -> None:
     assert await delivered(fleet, "node-1", "job-ok", ArtifactKind.GGUF) == gguf_bytes("job-ok")
 
     # The job directory is gone after success; the agent is idle again.
-    await agent.wait_for_event("job.finished")
+    await finished(agent, "job-ok")
     assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-ok").exists()
     assert len(agent.events("trainer.started")) == 1
 
@@ -146,6 +155,7 @@ async def test_busy_retry_cancel_whole_group_then_next_job_and_agent_stop(fleet:
     r = await reports.until_state(JobState.CANCELLED)
     assert "asked by a test" in r.message
     assert reports.states()[-1] == JobState.CANCELLED
+    await finished(agent, "job-a")
     # A cancel for a job it does not run stops nothing.
     other = await bus.request(
         fleet.nc,
@@ -195,7 +205,7 @@ async def test_a_trainer_ignoring_sigterm_is_killed_after_the_grace(fleet: Bus) 
 
 
 async def test_failures_say_why(fleet: Bus) -> None:
-    await fleet.agent(env={"LORAFLEET_STANDIN_FAIL_AT": "3"})
+    agent = await fleet.agent(env={"LORAFLEET_STANDIN_FAIL_AT": "3"})
     name, sha = await fleet.upload()
 
     # The trainer fails: its error line is the job's message.
@@ -206,7 +216,7 @@ async def test_failures_say_why(fleet: Bus) -> None:
     assert [x.step for x in reports.items if x.loss is not None] == [1, 2]
     # Kept for reading, without the data.
     kept = fleet.tmp_path / "agent-node-1" / "jobs" / "job-fail"
-    await asyncio.sleep(0.3)
+    await finished(agent, "job-fail")
     assert (kept / "job.json").exists() and not (kept / "data.jsonl").exists()
     assert "failing at step 3" in (kept / "trainer-stderr.txt").read_text()
 
@@ -218,14 +228,16 @@ async def test_failures_say_why(fleet: Bus) -> None:
     assert "sha256" in r.message and other_sha in r.message
     assert not any(x.state == JobState.RUNNING for x in bad.items)
     assert not any("pid=" in x.message for x in bad.items), "the trainer ran"
+    await finished(agent, "job-badsha")
 
     # A dataset that is not there.
     missing = await fleet.reports("node-1", "job-nodata")
     assert (await fleet.start(start_request("job-nodata", "sha256/none", sha))).accepted
     r = await missing.until_state(JobState.FAILED)
     assert "sha256/none" in r.message and "not in the object store" in r.message
+    await finished(agent, "job-nodata")
 
-    # A job id that cannot be a subject token is refused outright.
+    # A job id that cannot be a subject token is refused outright, busy or not.
     reply = await fleet.start(start_request("bad.id", name, sha))
     assert not reply.accepted and "bad.id" in reply.reason
 

@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import gzip
 import io
+import os
 import sys
 import tarfile
 
 import pytest
 
 from lorafleet_schemas.messages import ArtifactKind, JobState, TrainerParams
+from lorafleet_services.agent.cards import read_cards
 from tests.agent.conftest import Bus, start_request
 from tests.agent.test_job import delivered
 from tests.trainer.tiny_models import build_tiny_model
@@ -19,7 +21,14 @@ from tests.trainer.tiny_models import build_tiny_model
 @pytest.mark.slow
 async def test_real_trainer_through_the_agent(fleet: Bus) -> None:
     base = build_tiny_model("llama", fleet.tmp_path / "tiny-llama")
-    agent = await fleet.agent(trainer="real", python=sys.executable, hf_offline=True)
+    # LORAFLEET_TEST_WHEEL_DIR: where the pinned overlay wheels are, on a
+    # machine whose Python has other versions and no index to fetch from.
+    agent = await fleet.agent(
+        trainer="real",
+        python=sys.executable,
+        hf_offline=True,
+        wheel_dir=os.environ.get("LORAFLEET_TEST_WHEEL_DIR"),
+    )
     name, sha = await fleet.upload()
     reports = await fleet.reports("node-1", "job-real")
     req = start_request(
@@ -46,3 +55,5 @@ async def test_real_trainer_through_the_agent(fleet: Bus) -> None:
     assert {"adapter_model.safetensors", "adapter_config.json"} <= names
     started = await agent.wait_for_event("trainer.started")
     assert started["python"] == sys.executable
+    cards = read_cards()
+    assert started["device"] == ("cuda" if cards else "cpu")

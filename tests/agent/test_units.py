@@ -5,10 +5,14 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import pytest
+
+from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
-from lorafleet_services.agent.job import remove_job_dirs, session_pids
+from lorafleet_services.agent.job import MemorySampler, remove_job_dirs, session_pids
 from lorafleet_services.agent.standin_trainer import adapter_files
 
 
@@ -67,3 +71,33 @@ def test_remove_job_dirs(tmp_path: Path) -> None:
     assert remove_job_dirs(tmp_path) == ["old"]
     assert list((tmp_path / "jobs").iterdir()) == []
     assert remove_job_dirs(tmp_path / "none") == []
+
+
+def test_memory_sampler_reads_the_sessions_card_memory_from_nvml() -> None:
+    """Only where there is a card: a process in its own session holds 1 GiB on it."""
+    if not read_cards():
+        pytest.skip("no NVIDIA card here")
+    code = (
+        "import torch, time\n"
+        "x = torch.empty(1 << 30, dtype=torch.uint8, device='cuda')\n"
+        "print('up', flush=True)\n"
+        "time.sleep(30)"
+    )
+    p = subprocess.Popen(
+        [sys.executable, "-c", code], start_new_session=True, stdout=subprocess.PIPE
+    )
+    sampler = MemorySampler(p.pid, interval_s=0.2)
+    try:
+        assert p.stdout is not None and p.stdout.readline().strip() == b"up"
+        sampler.start()
+        for _ in range(50):
+            if sampler.peak_mib >= 1024:
+                break
+            time.sleep(0.1)
+        assert sampler.peak_mib >= 1024, sampler.peak_mib
+    finally:
+        sampler.stop()
+        os.killpg(p.pid, 9)
+        p.wait()
+        assert p.stdout is not None
+        p.stdout.close()

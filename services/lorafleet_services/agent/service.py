@@ -80,6 +80,11 @@ class Agent:
     # --- requests -------------------------------------------------------------
 
     async def start_job(self, req: StartRequest) -> StartReply:
+        try:
+            check_token(req.job_id, "job id")
+        except InvalidNameError as e:
+            self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=str(e))
+            return StartReply(accepted=False, reason=str(e))
         running = self.job
         if running is not None:
             if running.job_id == req.job_id and running.req.attempt == req.attempt:
@@ -91,11 +96,6 @@ class Agent:
                 f"(attempt {running.req.attempt})",
                 running_job=running.job_id,
             )
-        try:
-            check_token(req.job_id, "job id")
-        except InvalidNameError as e:
-            self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=str(e))
-            return StartReply(accepted=False, reason=str(e))
         run = JobRun(self.js, self.names, self.cfg, req)
         self.job = run
         run.start()
