@@ -394,6 +394,23 @@ def _write_marker(d: Path, data: Mapping[str, object]) -> None:
     _fsync_dir(d)
 
 
+def _clear_leftovers(target: Path) -> None:
+    """Leftovers of a crash: partial builds, or a directory never marked complete.
+    Each build has its own partial name: an installer orphaned by a crashed
+    agent may still write into its old one."""
+    for old in target.parent.glob(f"{target.name}.partial-*"):
+        shutil.rmtree(old, ignore_errors=True)
+    shutil.rmtree(target, ignore_errors=True)
+
+
+def _complete(partial: Path, target: Path, marker: Mapping[str, object]) -> None:
+    """Readable by all, on disk, marked complete (last), renamed into place."""
+    _make_readable(partial)
+    _write_marker(partial, marker)
+    os.rename(partial, target)
+    _fsync_dir(target.parent)
+
+
 def overlay_dir(cfg: AgentConfig, python: str, python_version: str, tag: str) -> Path:
     """Where the overlay for this interpreter and pin set lives."""
     key = "\0".join([python, python_version, tag, *sorted(cfg.overlay_packages)])
@@ -415,12 +432,7 @@ async def ensure_overlay(cfg: AgentConfig, python: str) -> Path:
     async with _loop_lock(), _file_lock(cfg.work_dir / OVERLAY_LOCK):
         if _read_marker(target) is not None:  # another agent built it while we waited
             return target
-        # Leftovers of a crash: partial builds, or a directory never marked complete.
-        # Each build has its own partial name: an installer orphaned by a crashed
-        # agent may still write into its old one.
-        for old in cfg.work_dir.glob(f"{target.name}.partial-*"):
-            shutil.rmtree(old, ignore_errors=True)
-        shutil.rmtree(target, ignore_errors=True)
+        await asyncio.to_thread(_clear_leftovers, target)
         partial = target.with_name(f"{target.name}.partial-{os.getpid()}-{os.urandom(3).hex()}")
         partial.mkdir(mode=0o755)
         try:
@@ -441,20 +453,16 @@ async def ensure_overlay(cfg: AgentConfig, python: str) -> Path:
             else:
                 installer = await _install(cfg, python, partial)
                 found = await _check(cfg, python, partial, pins)
-            _make_readable(partial)
-            _write_marker(
-                partial,
-                {
-                    "python": python,
-                    "python_version": version,
-                    "pins": list(cfg.overlay_packages),
-                    "versions": found,
-                    "installer": installer,
-                    "created_at": time.time(),
-                },
-            )
-            os.rename(partial, target)
-            _fsync_dir(cfg.work_dir)
+            marker = {
+                "python": python,
+                "python_version": version,
+                "pins": list(cfg.overlay_packages),
+                "versions": found,
+                "installer": installer,
+                "created_at": time.time(),
+            }
+            # Off the event loop: hundreds of chmods and fsyncs would stall heartbeats.
+            await asyncio.to_thread(_complete, partial, target, marker)
         except BaseException:
             shutil.rmtree(partial, ignore_errors=True)
             raise
@@ -661,7 +669,7 @@ async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
     Raises TrainerSetupError when the node cannot train (no Python, the
     overlay does not install or import)."""
     python = find_python(cfg)
-    user, why = resolve_user(cfg)
+    user, why = await asyncio.to_thread(resolve_user, cfg)  # may chown a home of caches
     notes = [why] if why else []
     if user is not None:
         cannot = await _user_can_run(python, user)
