@@ -113,6 +113,9 @@ async def test_a_job_runs_to_delivery_with_ordered_reports(fleet: Bus) -> None:
 
     # The job directory is gone after success; the agent is idle again.
     await finished(agent, "job-ok")
+    # A late retry of the same start does not run the job twice.
+    again = await fleet.start(req)
+    assert not again.accepted and "already ran attempt 1 of job job-ok" in again.reason
     assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-ok").exists()
     assert len(agent.events("trainer.started")) == 1
 

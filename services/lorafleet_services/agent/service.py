@@ -6,7 +6,8 @@ job at a time:
 
 - a start while idle is accepted and runs as a `JobRun` task;
 - a start for the job (and attempt) it runs already is a retried request:
-  accepted again, nothing started twice;
+  accepted again, nothing started twice; one for a job and attempt it has
+  already finished is refused, saying how it ended;
 - any other start while busy is answered busy, naming the running job.
 
 Fencing: when no heartbeat has been acknowledged for `node_timeout_s`, the
@@ -54,6 +55,8 @@ Req = TypeVar("Req")
 FENCE_CHECK_S = 0.25
 #: Seconds beyond the cancel grace a cancel request waits for the job to end.
 CANCEL_SLACK_S = 5.0
+#: Jobs whose end is remembered, so that a late retried start is not run twice.
+ENDED_KEPT = 256
 
 
 class Agent:
@@ -67,6 +70,8 @@ class Agent:
         self.cfg = cfg
         self.node = cfg.node
         self.job: JobRun | None = None
+        #: (job, attempt) -> how it ended, for the last ENDED_KEPT jobs.
+        self.ended: dict[tuple[str, int], str] = {}
         self.fenced = False
         self._fence_task: asyncio.Task[None] | None = None
         self.logger = log.get(node=cfg.node)
@@ -85,6 +90,12 @@ class Agent:
         except InvalidNameError as e:
             self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=str(e))
             return StartReply(accepted=False, reason=str(e))
+        ended = self.ended.get((req.job_id, req.attempt))
+        if ended is not None:
+            # A start retried after the job ran here already: running it again
+            # would deliver twice. The scheduler sends a new attempt to rerun.
+            reason = f"{self.node} already ran attempt {req.attempt} of job {req.job_id}"
+            return StartReply(accepted=False, reason=f"{reason}; it ended {ended}")
         running = self.job
         if running is not None:
             if running.job_id == req.job_id and running.req.attempt == req.attempt:
@@ -106,6 +117,12 @@ class Agent:
         return StartReply(accepted=True)
 
     def _job_ended(self, run: JobRun) -> None:
+        self.ended[(run.job_id, run.req.attempt)] = {
+            None: "when the agent was fenced",
+            JobState.UPLOADING: "with its artifacts delivered",
+        }.get(run.final_state, str(run.final_state))
+        while len(self.ended) > ENDED_KEPT:
+            self.ended.pop(next(iter(self.ended)))
         if self.job is run:
             self.job = None
             self.logger.info(Event.JOB_FINISHED, job_id=run.job_id, state=run.final_state)
