@@ -17,6 +17,7 @@ this package; there is no hand-written DDL.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -119,4 +120,8 @@ def migrate(url: str) -> None:
     """
     if _check(url) == "sqlite":
         _sqlite_parent(url)
+    # Alembic's INFO lines are plain text; the services log JSON lines only.
+    alembic_log = logging.getLogger("alembic")
+    if alembic_log.level == logging.NOTSET:
+        alembic_log.setLevel(logging.WARNING)
     command.upgrade(alembic_config(url), "head")
