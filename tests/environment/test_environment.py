@@ -430,3 +430,23 @@ async def test_a_python_without_pip_or_torch_fails_clearly(
         await prepare(cfg)
     assert engines.calls("uv pip install") == 1
     assert _overlays(cfg.work_dir) == []
+
+
+async def test_a_cancelled_install_leaves_no_installer_and_no_partial(
+    engine_venv: Path, wheel_dir: Path, open_dir: Path
+) -> None:
+    engines = make_engines(open_dir / "e-cancel", engine_venv)
+    cfg = _cfg(engines.root, open_dir / "w-cancel", wheel_dir=str(wheel_dir))
+    task = asyncio.create_task(ensure_overlay(cfg, str(engines.python)))
+    deadline = time.monotonic() + 60
+    while engines.calls("-m pip install") == 0:
+        assert not task.done(), task
+        assert time.monotonic() < deadline
+        await asyncio.sleep(0.02)
+    installer = [p for p in psutil.Process().children(recursive=True) if "pip" in p.cmdline()]
+    assert installer, "the installer is running"
+    task.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await task
+    assert not any(p.is_running() and p.status() != psutil.STATUS_ZOMBIE for p in installer)
+    assert _overlays(cfg.work_dir) == []

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import fcntl
+import grp
 import hashlib
 import json
 import os
@@ -627,8 +628,6 @@ def resolve_user(cfg: AgentConfig) -> tuple[EngineUser | None, str]:
 
 
 def _group_note(user: EngineUser) -> str:
-    import grp
-
     missing = []
     for g in DEVICE_GROUPS:
         try:
