@@ -300,3 +300,28 @@ async def test_status_consumer_survives_server_restart(
     assert done["state"] == "running" and done["loss"] == pytest.approx(0.1)
     curve, _ = await raw(nc, N.jobs_curve, {"id": jid})
     assert [p["step"] for p in curve["points"]] == list(range(1, 21))
+
+
+async def test_deleted_consumer_is_recreated_and_replay_changes_nothing(running: Running) -> None:
+    nc = running.nc
+    await add_model(nc)
+    job, _ = await raw(nc, N.jobs_submit, _spec())
+    jid = job["id"]
+    await raw(
+        nc,
+        N.store_transition,
+        {"id": jid, "from_state": "queued", "to_state": "starting", "node": "n1"},
+    )
+    js = nc.jetstream()
+    await js.publish(N.status("n1", jid), report(jid, 1, state="running"))
+    for i in range(1, 6):
+        await js.publish(N.status("n1", jid), report(jid, 1 + i, step=i, steps=9, loss=1.0 / i))
+    before = await wait_job(nc, jid, lambda j: j["step"] == 5)
+    await js.delete_consumer(N.status_stream, N.recorder_consumer)
+    await js.publish(N.status("n1", jid), report(jid, 7, step=6, steps=9, loss=0.1))
+    after = await wait_job(nc, jid, lambda j: j["step"] == 6)
+    assert after["state"] == "running" and after["updated_at"] > before["updated_at"]
+    curve, _ = await raw(nc, N.jobs_curve, {"id": jid})
+    assert [p["step"] for p in curve["points"]] == [1, 2, 3, 4, 5, 6]
+    # The replayed "running" report made no second state change.
+    assert [e["to_state"] for e in curve["events"]] == ["queued", "starting", "running"]

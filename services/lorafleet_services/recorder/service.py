@@ -50,6 +50,8 @@ ACK_WAIT_ENV = "LORAFLEET_RECORDER_ACK_WAIT_S"
 MAX_ACK_PENDING = 20_000
 #: Seconds to wait before fetching again after a NATS or database error.
 RETRY_PAUSE_S = 0.5
+#: Seconds of idle fetching between checks that the durable consumer exists.
+CONSUMER_CHECK_S = 10.0
 
 _report_decoder = msgspec.json.Decoder(StatusReport)
 
@@ -130,12 +132,7 @@ class Recorder:
     async def start(self) -> None:
         """Ensure the JetStream layout, then serve requests and consume status."""
         await bus.ensure_layout(self.js, bus.layout_for(self.settings))
-        sub = await self.js.pull_subscribe(
-            self.names.status_subjects,
-            durable=self.names.recorder_consumer,
-            stream=self.names.status_stream,
-            config=consumer_config(self.names),
-        )
+        self._sub = await self._subscribe()
         self._service = await start_service(
             self.nc,
             self.names.recorder_service,
@@ -144,11 +141,18 @@ class Recorder:
             self.api.routes(),
             self.names.queue_group,
         )
-        self._sub = sub
-        self._consumer = asyncio.create_task(self._consume(sub))
+        self._consumer = asyncio.create_task(self._consume())
         # The server knows the endpoints' subscriptions once this returns:
         # only then may `service.started` promise that requests are answered.
         await self.nc.flush()
+
+    async def _subscribe(self) -> JetStreamContext.PullSubscription:
+        return await self.js.pull_subscribe(
+            self.names.status_subjects,
+            durable=self.names.recorder_consumer,
+            stream=self.names.status_stream,
+            config=consumer_config(self.names),
+        )
 
     async def stop(self) -> None:
         self._stop.set()
@@ -163,21 +167,57 @@ class Recorder:
             with contextlib.suppress(Exception):
                 await self._service.stop()
 
-    async def _consume(self, sub: JetStreamContext.PullSubscription) -> None:
+    async def _ensure_consumer(self) -> None:
+        """Re-create the durable consumer if it is gone (deleted, or a new server store).
+
+        The new consumer replays the stream from its start; reports already
+        applied change nothing, so that costs time, not correctness.
+        """
+        try:
+            await self.js.consumer_info(self.names.status_stream, self.names.recorder_consumer)
+            return
+        except nats.js.errors.NotFoundError:
+            pass
+        except Exception:
+            return  # the server is not answering yet: the next fetch error retries
+        self.log.warning(
+            Event.NATS_ERROR,
+            error="the status consumer is gone",
+            message="re-creating it; the status stream replays and changes nothing twice",
+        )
+        try:
+            await bus.ensure_layout(self.js, bus.layout_for(self.settings))
+            old, self._sub = self._sub, await self._subscribe()
+        except Exception as e:
+            self.log.warning(Event.NATS_ERROR, error=repr(e), where="status re-subscribe")
+            return
+        if old is not None:
+            with contextlib.suppress(Exception):
+                await old.unsubscribe()
+
+    async def _consume(self) -> None:
+        loop = asyncio.get_running_loop()
+        last_check = loop.time()
         while not self._stop.is_set():
+            assert self._sub is not None
             try:
-                msgs = await sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
+                msgs = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_TIMEOUT_S)
             except (TimeoutError, nats.errors.TimeoutError):
+                # Idle: now and then make sure there is a consumer to idle on.
+                if loop.time() - last_check >= CONSUMER_CHECK_S:
+                    last_check = loop.time()
+                    await self._ensure_consumer()
                 continue
             except Exception as e:
-                # Server restarting, connection re-establishing: keep trying.
+                # Server restarting, connection re-establishing, consumer gone.
                 self.log.warning(Event.NATS_ERROR, error=repr(e), where="status fetch")
                 await asyncio.sleep(RETRY_PAUSE_S)
+                await self._ensure_consumer()
                 continue
             try:
                 await self._apply(msgs)
             except Exception as e:
-                # Unacked reports come back after ACK_WAIT_S; nak them sooner.
+                # Unacked reports come back after the ack wait; nak them sooner.
                 self.log.exception(Event.REQUEST_FAILED, error=repr(e), where="status apply")
                 for m in msgs:
                     with contextlib.suppress(Exception):
