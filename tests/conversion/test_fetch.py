@@ -96,6 +96,10 @@ async def test_fetch_keeps_only_the_conversion_code_and_caches_it(
     assert kept == sorted(
         [COMPLETE_MARKER, "convert_hf_to_gguf.py", "convert_lora_to_gguf.py", *expected]
     )
+    # Readable by the engines' user, whatever the agent's umask.
+    modes = {p.stat().st_mode & 0o777 for p in code.rglob("*") if p.is_dir()}
+    assert modes | {code.stat().st_mode & 0o777} == {0o755}
+    assert {p.stat().st_mode & 0o777 for p in code.rglob("*") if p.is_file()} == {0o644}
     # Nothing but the code is left in the work directory (no temp files).
     assert [p.name for p in cfg.work_dir.iterdir()] == [code.name]
     assert source_server.requests[before:] == [f"{TAG}.tar.gz"]

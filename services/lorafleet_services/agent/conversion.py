@@ -184,6 +184,7 @@ def _fetch_and_extract(source: str, target: Path) -> None:
         try:
             extract_conversion_code(tarball, staging, source)
             (staging / COMPLETE_MARKER).write_text(source + "\n")
+            _readable_by_all(staging)
             # A leftover without its marker is an interrupted earlier attempt.
             if target.exists() and not (target / COMPLETE_MARKER).is_file():
                 shutil.rmtree(target)
@@ -194,6 +195,17 @@ def _fetch_and_extract(source: str, target: Path) -> None:
                     raise
         finally:
             shutil.rmtree(staging, ignore_errors=True)
+
+
+def _readable_by_all(root: Path) -> None:
+    """Directories 0755, files 0644, whatever the agent's umask (mkdtemp
+    makes 0700): the converter runs as the engines' user."""
+    root.chmod(0o755)
+    for dirpath, dirnames, filenames in os.walk(root):
+        for d in dirnames:
+            os.chmod(os.path.join(dirpath, d), 0o755)
+        for f in filenames:
+            os.chmod(os.path.join(dirpath, f), 0o644)
 
 
 def _download(url: str, out: IO[bytes]) -> None:
