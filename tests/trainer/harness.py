@@ -87,9 +87,12 @@ class TrainerRun:
         return [x["state"] for x in self.events("state")]
 
 
-def run_trainer(job_path: Path, *, timeout_s: float = 150) -> TrainerRun:
-    """Run the trainer on `job_path` to its end (HF offline, no progress bars)."""
-    env = _env()
+def run_trainer(
+    job_path: Path, *, timeout_s: float = 150, env: dict[str, str] | None = None
+) -> TrainerRun:
+    """Run the trainer on `job_path` to its end (HF offline, no progress bars);
+    `env` adds to its environment."""
+    env = {**_env(), **(env or {})}
     p = subprocess.run(
         [sys.executable, str(TRAINER_PATH), str(job_path)],
         capture_output=True,
@@ -116,6 +119,21 @@ def _env() -> dict[str, str]:
         OMP_NUM_THREADS="1",
     )
     return env
+
+
+def fake_hf_cache(hf_home: Path, repo: str, model_dir: Path, revision: str = "main") -> Path:
+    """Put `model_dir`'s files into a Hugging Face cache under `hf_home`, as
+    snapshot_download leaves them, with `revision` pointing at them; answer the
+    snapshot directory."""
+    import shutil
+
+    commit = hashlib.sha1(repo.encode()).hexdigest()
+    repo_dir = hf_home / "hub" / ("models--" + repo.replace("/", "--"))
+    snapshot = repo_dir / "snapshots" / commit
+    shutil.copytree(model_dir, snapshot)
+    (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
+    (repo_dir / "refs" / revision).write_text(commit)
+    return snapshot
 
 
 def load_trainer_module() -> ModuleType:

@@ -21,6 +21,7 @@ from tests.trainer.harness import (
     TRAINER_PATH,
     TrainerRun,
     _env,
+    fake_hf_cache,
     ndjson,
     qa_records,
     run_trainer,
@@ -207,6 +208,47 @@ def test_messages_records_accumulation_max_steps_and_no_eval(
     assert cut_logs and cut_logs[0]["level"] == "warning"
     config = json.loads((Path(done["adapter_dir"]) / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
+
+
+def test_a_base_from_the_hugging_face_cache(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    hf_home = tmp_path / "hf"
+    snapshot = fake_hf_cache(hf_home, "lorafleet/tiny-qwen2", tiny_model("qwen2"), "v1")
+    base = {"hf_repo": "lorafleet/tiny-qwen2", "hf_revision": "v1", "local_dir": None}
+    job = write_job(
+        tmp_path / "j",
+        tiny_model("qwen2"),
+        data=ndjson(qa_records(1)),
+        params={"max_steps": 2, "eval_fraction": 0},
+        base=base,
+    )
+    run = run_trainer(job, env={"HF_HOME": str(hf_home)})
+    assert run.rc == 0, run.stderr[-3000:]
+    (done,) = run.events("done")
+    assert done["base_dir"] == str(snapshot)
+    assert done["summary"]["base"] == {
+        "hf_repo": "lorafleet/tiny-qwen2",
+        "hf_revision": "v1",
+        "local_dir": None,
+        "base_dir": str(snapshot),
+    }
+    config = json.loads((Path(done["adapter_dir"]) / "adapter_config.json").read_text())
+    assert config["base_model_name_or_path"] == "lorafleet/tiny-qwen2"
+
+    # A revision the cache does not hold: a failure of the node, not of the job's input.
+    other = write_job(
+        tmp_path / "k",
+        tiny_model("qwen2"),
+        data=ndjson(qa_records(1)),
+        base={**base, "hf_revision": "v2"},
+    )
+    run = run_trainer(other, env={"HF_HOME": str(hf_home)})
+    assert run.rc == 1
+    assert run.lines[-1]["event"] == "error"
+    assert run.lines[-1]["message"].startswith(
+        "lorafleet/tiny-qwen2@v2 is not in the node's Hugging Face cache: "
+    )
 
 
 def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_path: Path) -> None:

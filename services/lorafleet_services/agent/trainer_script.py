@@ -51,8 +51,9 @@ The protocol: stdout, one JSON object per line, the field "event" naming it
 Anything else (warnings, tracebacks, library chatter) goes to stderr.
 
 Exit status: 0 done; 2 bad input (parameters, data, the job file), after an
-"error" line naming what to change; 1 any other failure, after an "error" line
-when it can; 143 stopped by SIGTERM.
+"error" line naming what to change; 1 any other failure (the base not in the
+cache, no card, a diverging loss, an exception: its type is named), after an
+"error" line when it can; 143 stopped by SIGTERM.
 
 Data rendering: the tokenizer's chat template when it has one, else
 PLAIN_TEMPLATE ("### Question:\\n{q}\\n\\n### Answer:\\n{a}{eos}"). {"q", "a"} is
@@ -114,6 +115,11 @@ def log(message: str, level: str = "info") -> None:
 
 class BadInputError(Exception):
     """The job file, its parameters or its data are wrong: exit 2."""
+
+
+class TrainingError(Exception):
+    """Not the input's fault (the node's cache, its card, a diverging loss): exit 1,
+    the message shown as it is."""
 
 
 class TerminatedError(BaseException):
@@ -605,10 +611,12 @@ def train_steps(
     """Run optimizer steps from `steps_plan` ((epoch, micro-batches) per step).
 
     The only host sync per step is the loss's .item(), after the optimizer step.
+    A step's time runs from the end of the one before, so that making its
+    batches and reporting count too (tokens/s is what the job really gets).
     """
     model, opt, sched, scaler = loop.model, loop.optimizer, loop.scheduler, loop.scaler
+    t0 = time.perf_counter()
     for epoch, micro in steps_plan:
-        t0 = time.perf_counter()
         lr = sched.get_last_lr()[0]
         n = len(micro)
         total = None
@@ -632,11 +640,12 @@ def train_steps(
         assert total is not None
         step_loss = float(total.item())
         if not math.isfinite(step_loss):
-            raise RuntimeError(
+            raise TrainingError(
                 f"the loss became {step_loss} at step {progress.step + 1}; "
                 "lower learning_rate, or train in bf16 or fp32"
             )
-        dt = time.perf_counter() - t0
+        now = time.perf_counter()
+        dt, t0 = now - t0, now
         tokens = sum(b.tokens for b in micro)
         progress.step += 1
         progress.tokens += tokens
@@ -788,7 +797,7 @@ def resolve_base(base: Base, offline: bool) -> Path:
             )
         except Exception as e:
             where = "the node's Hugging Face cache" if offline else "the Hugging Face Hub"
-            raise RuntimeError(
+            raise TrainingError(
                 f"{base.hf_repo}@{base.hf_revision} is not in {where}: {type(e).__name__}: {e}"
             ) from e
     if not any(d.glob("*.safetensors")):
@@ -843,7 +852,7 @@ def run(job_path: Path) -> int:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     if job.device == "cuda" and not torch.cuda.is_available():
-        raise RuntimeError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
+        raise TrainingError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
     dtype = resolve_dtype(p.dtype, job.device)
     device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
     random.seed(p.seed)
@@ -999,6 +1008,9 @@ def main(argv: list[str]) -> int:
     except BadInputError as e:
         emit("error", message=str(e))
         return 2
+    except TrainingError as e:
+        emit("error", message=str(e))
+        return 1
     except TerminatedError:
         emit("error", message="stopped by SIGTERM")
         return 143
