@@ -319,3 +319,12 @@ def test_jobs_lost_with_a_node() -> None:
     ]
     assert [j.id for j in logic.jobs_lost_with(node, jobs)] == ["run", "start"]
     assert "node a stopped heartbeating" in logic.node_lost_message(node)
+
+
+def test_lost_nodes_are_forgotten_after_a_day() -> None:
+    t = table(hb("a"), now=10.0)
+    t.expire("a")
+    t.sweep(10.0 + logic.FORGET_AFTER_S - 1, 3)
+    assert "a" in t.nodes and [i.alive for i in t.infos()] == [False]
+    t.sweep(10.0 + logic.FORGET_AFTER_S + 1, 3)
+    assert t.nodes == {}

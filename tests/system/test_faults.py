@@ -67,16 +67,23 @@ async def test_agent_restarted_mid_job_fails_it_as_lost_and_takes_the_next(stack
 
 async def test_nats_server_restart_mid_job_and_the_job_completes(stack: Stack) -> None:
     await stack.add_model()
-    await stack.agent(
-        "node-1", env={"LORAFLEET_STANDIN_STEPS": "40", "LORAFLEET_STANDIN_STEP_S": "0.1"}
+    # 60 steps of 0.1 s: the job outlives the node timeout after the restart,
+    # so a scheduler that lost sight of the node's beats would fail it.
+    agent = await stack.agent(
+        "node-1", env={"LORAFLEET_STANDIN_STEPS": "60", "LORAFLEET_STANDIN_STEP_S": "0.1"}
     )
     job = await stack.submit("node-1")
     await stack.wait_state(job.id, JobState.RUNNING)
     await stack.nats_server.restart()
     done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=40)
     assert done.state in FINISHED, done.message
-    assert done.step == 40
+    assert done.step == 60
     assert done.attempt == 1
+    # The services still dispatch after the restart.
+    nxt = await stack.submit("node-1")
+    again = await stack.wait_state(nxt.id, *FINISHED, JobState.FAILED)
+    assert again.state in FINISHED, again.message
+    assert start_requests(agent) == [job.id, nxt.id]
 
 
 async def test_cancel_a_queued_job_and_a_running_one(stack: Stack) -> None:

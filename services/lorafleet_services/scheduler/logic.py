@@ -51,6 +51,9 @@ RECONCILE_GRACE_S = 2.0
 #: node lost: the KV expiry marker (which comes at the timeout) is the primary
 #: signal, and one late beat should not lose a node.
 SWEEP_MARGIN_S = 0.5
+#: Seconds a lost node stays in the table (and in nodes.list, as not alive)
+#: so that a job waiting for it can say when it was last heard from.
+FORGET_AFTER_S = 24 * 3600.0
 
 
 def utc_hms(t: dt.datetime) -> str:
@@ -129,6 +132,9 @@ class NodeTable:
         lost = lost_nodes(self.nodes.values(), now, timeout_s + SWEEP_MARGIN_S)
         for node in lost:
             node.alive = False
+        for name in [n.name for n in self.nodes.values() if not n.alive]:
+            if now - self.nodes[name].last_seen > FORGET_AFTER_S:
+                del self.nodes[name]
         return lost
 
     def touch_all(self, now: float) -> None:

@@ -135,6 +135,7 @@ class Scheduler:
         self._leader_changed = asyncio.Event()
         self._leader_rev = 0
         self._lease_until = 0.0
+        self._reconnected_at: float | None = None
         self._lost_pending: list[Node] = []
         self._first_seen: dict[str, float] = {}
         self._last_reconcile = 0.0
@@ -193,7 +194,8 @@ class Scheduler:
     def reconnected(self) -> None:
         """Called after the connection came back: re-watch, and forgive the
         silence (it was ours, not the nodes')."""
-        self.table.touch_all(self.clock())
+        self._reconnected_at = self.clock()
+        self.table.touch_all(self._reconnected_at)
         for w in list(self._watchers):
             self._spawn(w.stop())  # type: ignore[no-untyped-call]
         self._wake.set()
@@ -283,6 +285,12 @@ class Scheduler:
                 self._wake.set()
             return
         if entry.operation in (KV_PURGE, KV_DEL):
+            if self._in_reconnect_grace():
+                # The server may have expired beats that could not reach it
+                # while it was down; the sweep judges these nodes from now on.
+                self.log.info(Event.NODE_LOST, node=entry.key, message="expiry marker right "
+                              "after a reconnect: left to the sweep")  # fmt: skip
+                return
             node = self.table.expire(entry.key)
             if node is not None:
                 self._node_lost(node, "expired")
@@ -300,6 +308,10 @@ class Scheduler:
             self._wake.set()
         elif change is BeatChange.IDLE:
             self._wake.set()
+
+    def _in_reconnect_grace(self) -> bool:
+        since = self._reconnected_at
+        return since is not None and self.clock() - since < self.settings.node_timeout_s
 
     def _node_lost(self, node: Node, how: str) -> None:
         self.log.warning(
@@ -428,6 +440,8 @@ class Scheduler:
 
     async def round(self, now: float) -> None:
         """One pass: fail lost nodes' jobs, dispatch queued jobs, reconcile."""
+        if not self.synced:
+            return  # the node table is not complete yet: every node would look unknown
         on_node = await self._list(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT))
         failed: set[str] = set()
         lost, self._lost_pending = self._lost_pending, []
@@ -544,7 +558,7 @@ class Scheduler:
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
             # The agent may have the job: reconcile decides (see the module doc).
             self.log.warning(
-                Event.NODE_BUSY,
+                Event.REQUEST_FAILED,
                 job_id=job.id,
                 node=node,
                 message="the agent did not answer the start request; reconcile will decide",
