@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import nats
+import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
@@ -198,6 +199,9 @@ async def test_every_endpoint_refuses_bad_input(running: Running) -> None:
     assert listed["jobs"] == []
     models, _ = await raw(nc, N.models_list, {})
     assert [m["name"] for m in models["models"]] == ["tiny"]
+    obs = await nc.jetstream().object_store(N.datasets_bucket)
+    with pytest.raises(nats.js.errors.NotFoundError):
+        await obs.list()  # no data was stored for a refused job
     job, _ = await raw(nc, N.jobs_submit, _spec())
     assert job["state"] == "queued"
 

@@ -1,0 +1,61 @@
+"""The NDJSON check: each bad record named by its line, and what to change."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+
+import pytest
+
+from lorafleet_services.recorder.data import DataError, validate
+
+
+def turn(role: str, content: object = "x") -> dict[str, object]:
+    return {"role": role, "content": content}
+
+
+def chat(*turns: dict[str, object]) -> str:
+    return json.dumps({"messages": list(turns)})
+
+
+GOOD_CHAT = chat(turn("system"), turn("user"), turn("assistant"))
+
+
+def test_good_data_counts_records_and_hashes_exact_bytes() -> None:
+    text = '{"q": "a", "a": "b"}\n\n   \n' + GOOD_CHAT + "\r\n"
+    assert validate(text) == (2, hashlib.sha256(text.encode()).hexdigest())
+    assert validate(text.encode())[1] == hashlib.sha256(text.encode()).hexdigest()
+
+
+@pytest.mark.parametrize(
+    ("text", "line", "words"),
+    [
+        ("", 0, "empty"),
+        ("\n  \n", 0, "empty"),
+        ('{"q": "a", "a": "b"}\n{"q": "a"}', 2, 'no "a"'),
+        ('{"q": "", "a": "b"}', 1, '"q" is empty'),
+        ('{"q": "a", "a": 5}', 1, '"a" must be a string'),
+        ('{"q": "a", "a": "b", "extra": 1}', 1, 'unknown key "extra"'),
+        ('\n\n"just a string"', 3, "expected a JSON object"),
+        ("{oops", 1, "not valid JSON"),
+        ('{"messages": []}', 1, "non-empty list"),
+        (chat(turn("user")), 1, "no assistant turn"),
+        (chat(turn("assistant")), 1, "no user turn"),
+        (chat(turn("user"), turn("robot")), 1, "messages[1].role"),
+        (chat(turn("user"), turn("assistant", 3)), 1, "messages[1].content"),
+        (chat(turn("user"), {**turn("assistant"), "name": "x"}), 1, 'unknown key "name"'),
+        (json.dumps({"messages": [turn("user"), turn("assistant")], "q": "x"}), 1, '"q"'),
+    ],
+)
+def test_bad_data_names_the_line(text: str, line: int, words: str) -> None:
+    with pytest.raises(DataError) as info:
+        validate(text)
+    assert info.value.line == line
+    assert words in str(info.value)
+    if line:
+        assert str(info.value).startswith(f"line {line}: ")
+
+
+def test_not_utf8_names_the_line() -> None:
+    with pytest.raises(DataError, match="line 2: the data is not UTF-8"):
+        validate(b'{"q": "a", "a": "b"}\n{"q": "\xff", "a": "b"}\n')
