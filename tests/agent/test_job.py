@@ -304,3 +304,36 @@ async def test_fenced_agent_stops_its_trainer_and_comes_back_idle(
         isinstance(x, StatusReport) and x.state in (JobState.CANCELLED, JobState.FAILED)
         for x in reports.items
     )
+
+
+async def test_an_agent_killed_outright_leaves_no_trainer_after_its_restart(fleet: Bus) -> None:
+    # HANG: the trainer prints nothing more (a real one between two long
+    # steps), so no broken pipe would end it; only the parent-death signal can.
+    env = {"LORAFLEET_STANDIN_HANG": "1", "LORAFLEET_STANDIN_CHILD": "1"}
+    agent = await fleet.agent(env=env)
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-orphan")
+    assert (await fleet.start(start_request("job-orphan", name, sha))).accepted
+    pid, child = await trainer_pids(reports)
+    await reports.until_state(JobState.RUNNING)
+
+    agent.kill()  # SIGKILL: no chance to stop anything
+    # The trainer has a parent-death signal: it goes with the agent.
+    for _ in range(50):
+        if not alive(pid):
+            break
+        await asyncio.sleep(0.1)
+    assert not alive(pid), "the trainer outlived its agent"
+
+    # What it had started is found by its environment when the agent restarts.
+    again = await fleet.agent(env=env)
+    assert not alive(child), "a process of the earlier agent's job survived the restart"
+    killed = again.events("trainer.killed")
+    assert killed and child in killed[0]["pids"]
+    assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-orphan").exists()
+    kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
+    for _ in range(30):
+        if msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job is None:
+            break
+        await asyncio.sleep(0.1)
+    assert msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job is None

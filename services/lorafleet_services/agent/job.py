@@ -41,6 +41,7 @@ import importlib
 import json
 import os
 import shutil
+import signal
 import sys
 import threading
 from collections.abc import Mapping
@@ -140,9 +141,34 @@ class StandinEnvironment:
         return None
 
 
-def trainer_env(env: TrainerEnvironment, choice: CardChoice) -> dict[str, str]:
+#: In the trainer's environment (and so its children's): its job directory.
+#: A restarted agent finds what an earlier one left running by it.
+JOB_DIR_VAR = "LORAFLEET_JOB_DIR"
+
+#: Runs the trainer with a parent-death signal: if the agent dies (SIGKILL,
+#: OOM), the trainer gets SIGKILL instead of training on as an orphan that
+#: holds the card. Standard library only (it runs in the engine's Python);
+#: prctl's setting survives the exec. PR_SET_PDEATHSIG is 1.
+DIE_WITH_AGENT = (
+    "import ctypes, os, signal, sys\n"
+    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
+    "if os.getppid() != int(sys.argv[1]): os._exit(137)\n"
+    "os.execv(sys.argv[2], sys.argv[2:])"
+)
+
+
+def trainer_argv(python: str, script: Path, job_json: Path) -> list[str]:
+    """The trainer's command line, started through DIE_WITH_AGENT."""
+    return [python, "-c", DIE_WITH_AGENT, str(os.getpid()), python, str(script), str(job_json)]
+
+
+def trainer_env(
+    env: TrainerEnvironment, choice: CardChoice, job_dir: Path | None = None
+) -> dict[str, str]:
     """The trainer process's environment: the environment's, plus what every run needs."""
     out = env.process_env(choice)
+    if job_dir is not None:
+        out[JOB_DIR_VAR] = str(job_dir)
     out.update(
         CUDA_VISIBLE_DEVICES="" if choice.index is None else str(choice.index),
         PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
@@ -203,6 +229,33 @@ def card_choice_text(choice: CardChoice, node: str) -> str:
     if choice.index is None:
         return f"training on the CPU of {node} (it has no card; CPU training is allowed)"
     return f"training on GPU {choice.index} ({choice.name}) of {node}, {choice.free_mib} MiB free"
+
+
+def leftover_trainers(work_dir: Path) -> set[int]:
+    """Processes an earlier agent with this work directory left running: the
+    trainers (and whatever they started) whose LORAFLEET_JOB_DIR is under it."""
+    prefix = f"{JOB_DIR_VAR}={work_dir / 'jobs'}/".encode()
+    found: set[int] = set()
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+            continue
+        try:
+            with open(f"/proc/{entry.name}/environ", "rb") as f:
+                environ = f.read()
+        except OSError:  # gone, or another user's (the agent runs them as itself then)
+            continue
+        if any(var.startswith(prefix) for var in environ.split(b"\0")):
+            found.add(int(entry.name))
+    return found
+
+
+def kill_leftover_trainers(work_dir: Path) -> list[int]:
+    """SIGKILL what `leftover_trainers` finds; answers the pids."""
+    pids = sorted(leftover_trainers(work_dir))
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
+    return pids
 
 
 def remove_job_dirs(work_dir: Path) -> list[str]:
@@ -575,8 +628,8 @@ class JobRun:
     ) -> TrainerDone:
         mp = ManagedProcess()
         await mp.start(
-            [env.python, str(script), str(job_json)],
-            env=trainer_env(env, choice),
+            trainer_argv(env.python, script, job_json),
+            env=trainer_env(env, choice, self.job_dir),
             cwd=self.job_dir,
             user=env.user,
             on_line=self._on_line,

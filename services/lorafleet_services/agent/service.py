@@ -15,9 +15,12 @@ scheduler has declared this node lost and failed its job, so the agent
 stops its trainer (`agent.fenced`) and drops the job's unsent reports. Once
 a beat is acknowledged again it heartbeats with no job.
 
-At start no job survives from a previous run: stale job directories are
-removed. On SIGTERM the running job is stopped and reported `failed`, and
-the node's heartbeat key is deleted so the scheduler knows at once.
+At start no job survives from a previous run: processes an earlier agent
+left (found by LORAFLEET_JOB_DIR in their environment) are killed and
+stale job directories removed. While it runs, its trainer has a
+parent-death signal, so an agent killed outright takes its trainer along.
+On SIGTERM the running job is stopped and reported `failed`, and the
+node's heartbeat key is deleted so the scheduler knows at once.
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater
-from lorafleet_services.agent.job import JobRun, remove_job_dirs
+from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_job_dirs
 
 Req = TypeVar("Req")
 
@@ -210,10 +213,19 @@ async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None =
     """Run the agent until `stop` is set; `cfg` defaults to AgentConfig.from_env()."""
     cfg = cfg or AgentConfig.from_env()
     logger = log.get(node=cfg.node)
+    # No job survives a restart: what an earlier agent left running goes first.
+    killed = await asyncio.to_thread(kill_leftover_trainers, cfg.work_dir)
+    if killed:
+        logger.warning(
+            Event.TRAINER_KILLED,
+            pids=killed,
+            message="processes of jobs left by an earlier run of this agent",
+        )
     removed = await asyncio.to_thread(remove_job_dirs, cfg.work_dir)
     if removed:
-        logger.info(Event.JOB_DIR_REMOVED, jobs=removed,
-                    message="job directories left by an earlier run")  # fmt: skip
+        logger.info(
+            Event.JOB_DIR_REMOVED, jobs=removed, message="job directories left by an earlier run"
+        )
     nc = await bus.connect(settings, f"lorafleet-agent-{cfg.node}")
     js = nc.jetstream()
     try:
