@@ -192,7 +192,12 @@ async def test_trainer_runs_as_the_engines_user(
 ) -> None:
     engines = make_engines(open_dir / "e-user", user_engine_venv)
     work = open_dir / "w-user"
-    env = await prepare(_cfg(engines.root, work, run_as=engine_user, wheel_dir=str(wheel_dir)))
+    # A hardened agent (systemd UMask=0077): what it installs must still be readable.
+    umask = os.umask(0o077)
+    try:
+        env = await prepare(_cfg(engines.root, work, run_as=engine_user, wheel_dir=str(wheel_dir)))
+    finally:
+        os.umask(umask)
     assert env.user is not None and env.user.name == engine_user
     assert env.notes == ()
     assert env.home == work / "engine-home"
