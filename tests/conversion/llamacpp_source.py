@@ -58,8 +58,8 @@ CMAKE_FLAGS = (
     "-DGGML_VULKAN=OFF",
     "-DGGML_OPENMP=OFF",
 )
-#: Unoptimised: builds faster than Release here and runs a tiny model as fast
-#: (see bench/conversion_build.py for the measurement).
+#: Unoptimised: less CPU to build than Release, and a tiny model runs in
+#: milliseconds either way (bench/conversion_build.py measures both).
 BUILD_TYPE_FLAGS = ("-DCMAKE_BUILD_TYPE=None", "-DCMAKE_C_FLAGS=-O0", "-DCMAKE_CXX_FLAGS=-O0")
 
 SHIM = Path(__file__).with_name("llama_eval.c")
@@ -164,62 +164,61 @@ def release_tarball() -> Path:
     return path
 
 
+def _run(cmd: list[str], timeout_s: float) -> None:
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout_s)
+    if done.returncode != 0:
+        tail = (done.stdout + done.stderr)[-3000:]
+        raise RuntimeError(f"{' '.join(cmd[:3])} ... failed ({done.returncode}):\n{tail}")
+
+
+def build_library(src: Path, out: Path, type_flags: tuple[str, ...] = BUILD_TYPE_FLAGS) -> None:
+    """Configure and build llama.cpp's `llama` target (CPU only) into `out`."""
+    generator = ["-G", "Ninja"] if shutil.which("ninja") else []
+    _run(
+        ["cmake", "-S", str(src), "-B", str(out), *generator, *CMAKE_FLAGS, *type_flags],
+        BUILD_TIMEOUT_S,
+    )
+    _run(["cmake", "--build", str(out), "-j2", "--target", "llama"], BUILD_TIMEOUT_S)
+
+
+def compile_shim(src: Path, build: Path, out: Path) -> None:
+    """The C shim against `src`'s llama.h, linked to `build`'s libllama."""
+    partial = out.with_suffix(".partial")
+    _run(
+        [
+            "cc",
+            "-O1",
+            "-shared",
+            "-fPIC",
+            f"-I{src / 'include'}",
+            f"-I{src / 'ggml' / 'include'}",
+            str(SHIM),
+            f"-L{build / 'bin'}",
+            "-lllama",
+            f"-Wl,-rpath,{build / 'bin'}",
+            "-o",
+            str(partial),
+        ],
+        120,
+    )
+    os.replace(partial, out)
+
+
 def build_dir() -> Path:
     """llama.cpp's shared library (`bin/libllama.so`) and the C shim
-    (`liblfeval.so`), built once per source sha256."""
+    (`liblfeval-<sha12 of the shim>.so`), built once per source sha256."""
     root = cache_root()
     src = source_dir()
-    shim_sum = sha256_of(SHIM)[:12]
     out = root / f"build-{SDIST_SHA256[:12]}"
     with _locked(root):
         if not (out / ".complete").is_file():
             shutil.rmtree(out, ignore_errors=True)
             started = time.monotonic()
-            generator = ["-G", "Ninja"] if shutil.which("ninja") else []
-            subprocess.run(
-                [
-                    "cmake",
-                    "-S",
-                    str(src),
-                    "-B",
-                    str(out),
-                    *generator,
-                    *CMAKE_FLAGS,
-                    *BUILD_TYPE_FLAGS,
-                ],
-                check=True,
-                capture_output=True,
-                timeout=BUILD_TIMEOUT_S,
-            )
-            subprocess.run(
-                ["cmake", "--build", str(out), "-j2", "--target", "llama"],
-                check=True,
-                capture_output=True,
-                timeout=BUILD_TIMEOUT_S,
-            )
+            build_library(src, out)
             (out / ".complete").write_text(f"{time.monotonic() - started:.1f} s\n")
-        shim = out / f"liblfeval-{shim_sum}.so"
+        shim = out / f"liblfeval-{sha256_of(SHIM)[:12]}.so"
         if not shim.is_file():
-            subprocess.run(
-                [
-                    "cc",
-                    "-O1",
-                    "-shared",
-                    "-fPIC",
-                    f"-I{src / 'include'}",
-                    f"-I{src / 'ggml' / 'include'}",
-                    str(SHIM),
-                    f"-L{out / 'bin'}",
-                    "-lllama",
-                    f"-Wl,-rpath,{out / 'bin'}",
-                    "-o",
-                    str(shim.with_suffix(".partial")),
-                ],
-                check=True,
-                capture_output=True,
-                timeout=120,
-            )
-            os.replace(shim.with_suffix(".partial"), shim)
+            compile_shim(src, out, shim)
     return out
 
 

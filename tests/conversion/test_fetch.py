@@ -5,6 +5,7 @@ tarballs that try to write outside their directory."""
 from __future__ import annotations
 
 import io
+import socket
 import tarfile
 from pathlib import Path
 
@@ -119,8 +120,10 @@ async def test_an_unknown_release_fails_clearly(
 
 
 async def test_an_unreachable_source_fails_clearly(tmp_path: Path) -> None:
-    # Port 9 (discard) on localhost: nothing listens there.
-    cfg = config(tmp_path, conversion_source="http://127.0.0.1:9/{tag}.tar.gz")
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cfg = config(tmp_path, conversion_source=f"http://127.0.0.1:{port}/{{tag}}.tar.gz")
     with pytest.raises(ConversionError, match="mirror or a local file"):
         await ensure_conversion_code(cfg, TAG)
 
