@@ -692,15 +692,19 @@ def eval_loss(loop: Loop, batches: Sequence[Batch]) -> float:
 
 
 def resolve_dtype(requested: str, device: str) -> str:
-    """ "bf16" | "fp16" | "fp32" for the device; BadInputError when it cannot train so."""
-    import torch
+    """The dtype to train in ("bf16", "fp16" or "fp32") on `device` ("cpu" or "cuda").
 
+    BadInputError when the device cannot train so. On the CPU this needs no
+    torch (it runs before anything is loaded).
+    """
     if device == "cpu":
         if requested == "fp16":
             raise BadInputError(
                 'params.dtype "fp16" needs a card; on the CPU use "fp32", "bf16" or "auto"'
             )
         return "fp32" if requested == "auto" else requested
+    import torch
+
     bf16_ok = bool(torch.cuda.is_bf16_supported())
     if requested == "auto":
         return "bf16" if bf16_ok else "fp16"
@@ -840,6 +844,8 @@ def run(job_path: Path) -> int:
     p = job.params
     records = load_records(job.data_path, job.data_sha256)
     train_idx, eval_idx = split_records(len(records), p.eval_fraction, p.seed)
+    if job.device == "cpu":
+        resolve_dtype(p.dtype, "cpu")  # fp16 is refused before anything loads
     versions = _versions()
     log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
     log(f"{len(records)} records: {len(train_idx)} to train on, {len(eval_idx)} held out")
