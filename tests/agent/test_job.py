@@ -337,3 +337,33 @@ async def test_an_agent_killed_outright_leaves_no_trainer_after_its_restart(flee
             break
         await asyncio.sleep(0.1)
     assert msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job is None
+
+
+async def test_nats_restart_mid_job_loses_and_doubles_no_report(
+    fleet: Bus, nats_server: NatsServer
+) -> None:
+    agent = await fleet.agent(
+        env={"LORAFLEET_STANDIN_STEPS": "60", "LORAFLEET_STANDIN_STEP_S": "0.05"}
+    )
+    name, sha = await fleet.upload()
+    reports = await fleet.reports("node-1", "job-restart")
+    assert (await fleet.start(start_request("job-restart", name, sha))).accepted
+    await reports.until(lambda r: (r.step or 0) >= 5, what="step 5")
+    # Down for half the node timeout: publishes time out and are retried,
+    # and the agent does not fence.
+    await nats_server.stop()
+    await asyncio.sleep(1.5)
+    await nats_server.start()
+    await finished(agent, "job-restart", timeout_s=30)
+    # What the stream holds, read afresh (the old consumer is slow to notice
+    # the restart): every report once, in order, though some were published
+    # while the server was down.
+    reports = await fleet.reports("node-1", "job-restart")
+    last = await reports.until(
+        lambda r: r.message.startswith("delivered") or r.state == JobState.FAILED,
+        what="the end",
+    )
+    assert last.state != JobState.FAILED, reports.summary()
+    assert [r.seq for r in reports.items] == list(range(1, last.seq + 1))
+    assert [r.step for r in reports.items if r.loss is not None] == list(range(1, 61))
+    assert not agent.events("agent.fenced")
