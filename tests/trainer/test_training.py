@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import json
+import math
 import os
 import signal
 import subprocess
@@ -189,7 +190,8 @@ def test_messages_records_accumulation_max_steps_and_no_eval(
             "target_modules": ["q_proj", "v_proj"],
             "lr_scheduler": "constant",
             "max_seq_len": 36,
-            "dtype": "auto",
+            # The card path: a bf16 base, fp32 adapter weights, autocast.
+            "dtype": "bf16",
         },
     )
     run = run_trainer(job)
@@ -202,6 +204,8 @@ def test_messages_records_accumulation_max_steps_and_no_eval(
     (done,) = run.events("done")
     summary = done["summary"]
     assert summary["eval_loss"] is None and summary["records_eval"] == 0
+    assert summary["dtype"] == "bf16"
+    assert all(math.isfinite(s["loss"]) and s["loss"] > 0 for s in steps)
     assert summary["records_cut"] == 8  # 41 to 48 tokens each, the answer starting by token 35
     assert summary["records_skipped"] == 0
     cut_logs = [x for x in run.events("log") if "were cut" in x["message"]]
