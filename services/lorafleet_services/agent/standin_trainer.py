@@ -17,7 +17,8 @@ Knobs (environment of the job):
                                forever (the agent's SIGKILL path).
     LORAFLEET_STANDIN_CHILD    "1": start a child process that sleeps too
                                (the agent must kill the whole group).
-Its first log line names its pids: "pid=<pid> child_pid=<pid or 0>".
+Its first log line names its pids: "pid=<pid> child_pid=<pid or 0>"; the
+next stdout line is not JSON (as library chatter would be), for the agent to skip.
 """
 
 from __future__ import annotations
@@ -94,6 +95,8 @@ def main(argv: list[str]) -> int:
         )
         child_pid = child.pid
     emit("log", message=f"pid={os.getpid()} child_pid={child_pid}", level="info")
+    # Libraries print to stdout too: the agent must skip what is not the protocol.
+    print("stand-in: a stdout line that is not the protocol", flush=True)
     emit("state", state="preparing", message="stand-in trainer: no weights to load")
 
     data = Path(job["data_path"]).read_bytes()
