@@ -118,6 +118,9 @@ async def test_a_job_runs_to_delivery_with_ordered_reports(fleet: Bus) -> None:
     assert not again.accepted and "already ran attempt 1 of job job-ok" in again.reason
     assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-ok").exists()
     assert len(agent.events("trainer.started")) == 1
+    # The stand-in's line that is not the protocol was logged and skipped.
+    assert len(agent.events("trainer.line_bad")) == 1
+    assert not any("not the protocol" in r.message for r in reports.items)
 
 
 async def test_busy_retry_cancel_whole_group_then_next_job_and_agent_stop(fleet: Bus) -> None:
