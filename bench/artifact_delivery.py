@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import nats
+import psutil
 from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 
@@ -123,6 +124,19 @@ async def lorafleet_delivery(nc: Client, path: Path) -> tuple[float, str]:
     return seconds, job_id
 
 
+def cpu_s(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds (user + system) each process has used so far."""
+    out = {}
+    for name, pid in pids.items():
+        t = psutil.Process(pid).cpu_times()
+        out[name] = t.user + t.system
+    return out
+
+
+def cpu_used(before: dict[str, float], after: dict[str, float]) -> str:
+    return ", ".join(f"{k} {after[k] - before[k]:.2f}" for k in before)
+
+
 async def main(mib: int, rounds: int) -> None:
     with tempfile.TemporaryDirectory(prefix="lorafleet-bench-") as tmp:
         root = Path(tmp)
@@ -150,10 +164,17 @@ async def main(mib: int, rounds: int) -> None:
             sha = hashlib.sha256(path.read_bytes()).hexdigest()
             raw_s: list[float] = []
             lf_s: list[float] = []
+            assert server.proc is not None
+            pids = {"nats-server": server.proc.pid, "agent (this)": os.getpid(),
+                    "artifact-store": procs[1].pid}  # fmt: skip
             for r in range(rounds):
+                c0 = cpu_s(pids)
                 raw_s.append(await raw_publish(nc, path, r))
+                c1 = cpu_s(pids)
                 seconds, job_id = await lorafleet_delivery(nc, path)
                 lf_s.append(seconds)
+                c2 = cpu_s(pids)
+                print(f"  CPU s, raw: {cpu_used(c0, c1)}; lorafleet: {cpu_used(c1, c2)}")
                 out = root / "downloaded.bin"
                 rec = await download_artifact(js, N, job_id, ArtifactKind.PEFT, out)
                 if rec.sha256 != sha or out.read_bytes() != path.read_bytes():
@@ -171,6 +192,7 @@ async def main(mib: int, rounds: int) -> None:
             )
             print(f"deliver() + artifact-store commit:        {size / lf_best / 1e6:7.1f} MB/s")
             print(f"ratio lorafleet/raw: {raw_best / lf_best:.2f} (target >= 0.8)")
+            print(f"CPU cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
         finally:
             await nc.close()
             for p in procs:

@@ -15,7 +15,7 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import msgspec
 
@@ -27,6 +27,11 @@ from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRec
 #: Chunks held while waiting for an earlier one; bytes. A delivery that
 #: needs more is corrupt (the agent keeps a small window), not worth the memory.
 MAX_PENDING_BYTES = 256 * 1024 * 1024
+
+
+class Hasher(Protocol):
+    def update(self, data: bytes, /) -> None: ...
+    def hexdigest(self) -> str: ...
 
 
 class ChunkError(ValueError):
@@ -123,7 +128,8 @@ class Assembly:
     last: ArtifactChunkHeader | None = None
     #: Stream sequence of the newest chunk seen (for purging up to it).
     stream_seq: int = 0
-    _hash: Any = field(default_factory=hashlib.sha256)
+    #: Anything with hashlib's update() and hexdigest(); the service hashes in a thread.
+    hasher: Hasher = field(default_factory=hashlib.sha256)
 
     def add(self, header: ArtifactChunkHeader, body: bytes, stream_seq: int = 0) -> list[bytes]:
         self.stream_seq = max(self.stream_seq, stream_seq)
@@ -164,7 +170,7 @@ class Assembly:
         return ready
 
     def _take(self, body: bytes) -> None:
-        self._hash.update(body)
+        self.hasher.update(body)
         self.size += len(body)
         self.next_seq += 1
 
@@ -204,7 +210,7 @@ class Assembly:
             raise AssemblyError(
                 f"{self.key.label} is {self.size} bytes, but the delivery said {last.size}"
             )
-        digest = self._hash.hexdigest()
+        digest = self.hasher.hexdigest()
         if digest != last.sha256:
             raise AssemblyError(
                 f"{self.key.label} is corrupt: its sha256 is {digest}, but the delivery said "

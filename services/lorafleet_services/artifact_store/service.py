@@ -25,8 +25,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
+import hashlib
 import json
 from collections import deque
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -102,6 +104,36 @@ MISSING_GRACE_S = 1.0
 FINISHED_MEMORY = 4096
 
 
+class ThreadedSha256:
+    """sha256 computed in one worker thread, in the order of `update` calls.
+
+    hashlib releases the GIL on large buffers, so the event loop goes on
+    receiving and writing chunks while the previous ones are hashed.
+    `hexdigest()` blocks until every update is done; call `digest()` from async code.
+    """
+
+    def __init__(self) -> None:
+        self._h = hashlib.sha256()
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="sha256")
+        self._last: Future[None] | None = None
+
+    def update(self, data: bytes, /) -> None:
+        self._last = self._pool.submit(self._h.update, data)
+
+    def hexdigest(self) -> str:
+        if self._last is not None:
+            self._last.result()
+        return self._h.hexdigest()
+
+    async def settle(self) -> None:
+        """Wait (without blocking the loop) until every update is hashed."""
+        if self._last is not None:
+            await asyncio.wrap_future(self._last)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 @dataclass(slots=True)
 class _Delivery:
     """One delivery being assembled, and its object chunks being written."""
@@ -109,6 +141,7 @@ class _Delivery:
     key: Key
     subject: str
     assembly: Assembly
+    hasher: ThreadedSha256
     job: JobRecord
     writes: deque[asyncio.Future[int]] = field(default_factory=deque)
     chunks_written: int = 0
@@ -191,6 +224,25 @@ class ArtifactStore:
     # --- consuming -------------------------------------------------------------
 
     async def _loop(self) -> None:
+        # The next batch is fetched while this one is processed: fetching only
+        # between batches left the store idle for a round trip and a batch's transfer.
+        batches: asyncio.Queue[list[Msg]] = asyncio.Queue(maxsize=1)
+        fetcher = asyncio.create_task(self._fetch(batches), name="artifact-store-fetch")
+        try:
+            while not self._stopping:
+                for msg in await batches.get():
+                    try:
+                        await self._on_message(msg)
+                    except Exception as e:  # one bad delivery must not stop the others
+                        self.logger.exception(Event.ARTIFACT_REJECTED, error=repr(e))
+                        with contextlib.suppress(Exception):
+                            await msg.nak(delay=2.0)
+        finally:
+            fetcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await fetcher
+
+    async def _fetch(self, batches: asyncio.Queue[list[Msg]]) -> None:
         assert self._sub is not None
         while not self._stopping:
             try:
@@ -201,13 +253,7 @@ class ArtifactStore:
                 self.logger.warning(Event.NATS_ERROR, error=repr(e))
                 await asyncio.sleep(0.5)
                 continue
-            for msg in msgs:
-                try:
-                    await self._on_message(msg)
-                except Exception as e:  # one bad delivery must not stop the others
-                    self.logger.exception(Event.ARTIFACT_REJECTED, error=repr(e))
-                    with contextlib.suppress(Exception):
-                        await msg.nak(delay=2.0)
+            await batches.put(msgs)
 
     async def _on_message(self, msg: Msg) -> None:
         stream_seq = msg.metadata.sequence.stream
@@ -326,7 +372,11 @@ class ArtifactStore:
         await self.js.purge_stream(
             object_stream(self.names), subject=chunk_subject(self.names, key)
         )
-        d = _Delivery(key=key, subject=chunk.subject, assembly=Assembly(key), job=job)
+        hasher = ThreadedSha256()
+        d = _Delivery(
+            key=key, subject=chunk.subject, assembly=Assembly(key, hasher=hasher),
+            hasher=hasher, job=job,
+        )  # fmt: skip
         self._deliveries[key] = d
         await self._read_back(d, upto_seq)
         return d
@@ -390,6 +440,7 @@ class ArtifactStore:
                 await asyncio.sleep(MISSING_GRACE_S)
                 latest = await self._last_seq(d.subject)
                 await self._read_back(d, max(latest, d.assembly.stream_seq))
+        await d.hasher.settle()
         try:
             whole = d.assembly.verify()
         except AssemblyError as e:
@@ -493,6 +544,7 @@ class ArtifactStore:
         await self._close(d)
 
     async def _close(self, d: _Delivery) -> None:
+        d.hasher.close()
         self._deliveries.pop(d.key, None)
         self._remember(d.key)
         for m in d.held:
@@ -505,6 +557,7 @@ class ArtifactStore:
         d = self._deliveries.pop(key, None)
         if d is None:
             return
+        d.hasher.close()
         # Let in-flight object writes land, so that the next attempt's purge removes them.
         while d.writes:
             with contextlib.suppress(Exception):
