@@ -140,6 +140,7 @@ class Scheduler:
         self._first_seen: dict[str, float] = {}
         self._last_reconcile = 0.0
         self._waiting_said: dict[str, str] = {}
+        self._model_cache: dict[str, ModelRecord] = {}
         self._message_updates = True
         self._tasks: list[asyncio.Task[None]] = []
         self._background: set[asyncio.Task[Any]] = set()
@@ -442,16 +443,17 @@ class Scheduler:
         """One pass: fail lost nodes' jobs, dispatch queued jobs, reconcile."""
         if not self.synced:
             return  # the node table is not complete yet: every node would look unknown
-        on_node = await self._list(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT))
+        # Both lists at once: the round's latency is mostly these round trips.
+        on_node, queued = await asyncio.gather(
+            self._list(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT)),
+            self._list(JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)),
+        )
         failed: set[str] = set()
         lost, self._lost_pending = self._lost_pending, []
         for node in lost:
             for job in logic.jobs_lost_with(node, on_node):
                 if await self._fail(job, logic.node_lost_message(node)):
                     failed.add(job.id)
-        queued = await self._list(
-            JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)
-        )
         if queued:
             busy = logic.busy_nodes(on_node, self.table.nodes)
             plan = logic.plan_dispatch(queued, self.table.nodes, busy, now)
@@ -459,18 +461,22 @@ class Scheduler:
             for job_id, message in plan.waiting.items():
                 await self._say_waiting(by_id[job_id], message)
             if plan.send:
-                models = await self._models()
+                models = await self._models({j.model for j, _ in plan.send})
                 for job, target in plan.send:
                     await self._dispatch(job, target, models)
         if self.synced and now - self._last_reconcile >= RECONCILE_EVERY_S:
             self._last_reconcile = now
             await self._reconcile([j for j in on_node if j.id not in failed], now)
 
-    async def _models(self) -> dict[str, ModelRecord]:
-        result: ModelList = await self._request(
-            self.names.models_list, ModelListRequest(), ModelList
-        )
-        return {m.name: m for m in result.models}
+    async def _models(self, wanted: set[str]) -> dict[str, ModelRecord]:
+        """The catalog, asked again only when a job names a model not seen yet
+        (catalog entries are added, not changed)."""
+        if not wanted <= self._model_cache.keys():
+            result: ModelList = await self._request(
+                self.names.models_list, ModelListRequest(), ModelList
+            )
+            self._model_cache = {m.name: m for m in result.models}
+        return self._model_cache
 
     async def _say_waiting(self, job: JobRecord, message: str) -> None:
         if self._waiting_said.get(job.id) == message:
