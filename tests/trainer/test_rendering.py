@@ -141,3 +141,19 @@ def test_collate_pads_right_and_masks_the_padding(trainer_module: ModuleType) ->
     assert ids == [[1, 2, 3], [4, 0, 0]]
     assert mask == [[1, 1, 1], [1, 0, 0]]
     assert labels == [[IGNORE, 2, 3], [4, IGNORE, IGNORE]]
+
+
+def test_a_record_the_template_refuses_is_named_by_its_line(
+    trainer_module: ModuleType, tok: Any
+) -> None:
+    template = (
+        "{% for m in messages %}{% if m['role'] == 'system' %}"
+        "{{ raise_exception('System role not supported') }}{% endif %}"
+        "{{ m['content'] }}{% endfor %}"
+    )
+    ok = trainer_module.parse_record('{"q": "Say hello.", "a": "Hello!"}', 1)
+    bad = [{"role": "system", "content": "x"}, *ok]
+    with pytest.raises(trainer_module.BadInputError) as e:
+        trainer_module.encode_records(tok, template, [(1, ok), (4, bad)], ([0, 1], []), 64)
+    assert str(e.value).startswith("data line 4 cannot be rendered with the model's chat template")
+    assert "System role not supported" in str(e.value)

@@ -373,12 +373,17 @@ def parse_record(line: str, lineno: int) -> Conversation:
 
 def load_records(path: Path, want_sha256: str) -> list[Conversation]:
     """The data file's records, after checking its sha256 against the job's."""
+    return [conv for _, conv in load_numbered_records(path, want_sha256)]
+
+
+def load_numbered_records(path: Path, want_sha256: str) -> list[tuple[int, Conversation]]:
+    """(line number, record) of each non-blank line, after the sha256 check."""
     if not path.is_file():
         raise BadInputError(f"the data file {path} does not exist")
     got = file_sha256(path)
     if got != want_sha256:
         raise BadInputError(f"the data's sha256 is {got}, the job's is {want_sha256}")
-    records: list[Conversation] = []
+    records: list[tuple[int, Conversation]] = []
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
@@ -386,7 +391,7 @@ def load_records(path: Path, want_sha256: str) -> list[Conversation]:
             except UnicodeDecodeError:
                 raise BadInputError(f"data line {lineno} is not UTF-8") from None
             if line.strip():
-                records.append(parse_record(line, lineno))
+                records.append((lineno, parse_record(line, lineno)))
     if not records:
         raise BadInputError(f"the data file {path} holds no records")
     return records
@@ -837,18 +842,95 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise TerminatedError()
 
 
+@dataclasses.dataclass(frozen=True)
+class Prepared:
+    """The records as token ids, split, with what was cut and skipped."""
+
+    train: list[Encoded]
+    held: list[Encoded]
+    cut: int
+    skipped: int
+
+
+def encode_records(
+    tokenizer: Any,
+    template: str,
+    records: Sequence[tuple[int, Conversation]],
+    split: tuple[list[int], list[int]],
+    max_seq_len: int,
+) -> Prepared:
+    """Render and tokenize every record; log what was cut or skipped."""
+    encoded: list[Encoded] = []
+    for lineno, conv in records:
+        try:
+            encoded.append(encode_conversation(tokenizer, template, conv, max_seq_len))
+        except Exception as e:
+            raise BadInputError(
+                f"data line {lineno} cannot be rendered with the model's chat template: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+    cut = sum(e.cut for e in encoded)
+    empty = {i for i, e in enumerate(encoded) if e.answer_tokens == 0}
+    if cut:
+        log(
+            f"{cut} of {len(encoded)} records were longer than max_seq_len {max_seq_len} "
+            "tokens and were cut",
+            "warning",
+        )
+    if empty:
+        log(
+            f"{len(empty)} records have no answer token within max_seq_len {max_seq_len}; "
+            "they are skipped",
+            "warning",
+        )
+    train = [encoded[i] for i in split[0] if i not in empty]
+    if not train:
+        raise BadInputError(
+            f"no record has an answer token within max_seq_len {max_seq_len}; raise it"
+        )
+    return Prepared(train, [encoded[i] for i in split[1] if i not in empty], cut, len(empty))
+
+
+def train_epochs(
+    loop: Loop, data: Prepared, p: Params, total_steps: int, pad_id: int
+) -> tuple[Progress, int]:
+    """Epochs until total_steps, an eval after each (and so at the end); answers
+    the progress and the epochs run."""
+    device = loop.device
+    eval_batches = [
+        to_batch(data.held[i : i + p.batch_size], pad_id, device)
+        for i in range(0, len(data.held), p.batch_size)
+    ]
+    progress = Progress()
+
+    def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
+        for step in plan:
+            yield epoch, [to_batch([data.train[i] for i in mb], pad_id, device) for mb in step]
+
+    epoch = 0
+    while progress.step < total_steps:
+        epoch += 1
+        plan = plan_steps(len(data.train), p.batch_size, p.gradient_accumulation, p.seed + epoch)
+        plan = plan[: total_steps - progress.step]
+        train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
+        if eval_batches:
+            progress.last_eval = eval_loss(loop, eval_batches)
+            emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
+    return progress, epoch
+
+
 def run(job_path: Path) -> int:
     """The whole job; answers the exit status."""
     started = time.time()
     job = parse_job(_read_job(job_path))
     p = job.params
-    records = load_records(job.data_path, job.data_sha256)
-    train_idx, eval_idx = split_records(len(records), p.eval_fraction, p.seed)
+    records = load_numbered_records(job.data_path, job.data_sha256)
+    split = split_records(len(records), p.eval_fraction, p.seed)
     if job.device == "cpu":
         resolve_dtype(p.dtype, "cpu")  # fp16 is refused before anything loads
     versions = _versions()
     log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    log(f"{len(records)} records: {len(train_idx)} to train on, {len(eval_idx)} held out")
+    log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
 
     if job.hf_offline:
         os.environ["HF_HUB_OFFLINE"] = "1"
@@ -871,90 +953,33 @@ def run(job_path: Path) -> int:
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    data = encode_records(tokenizer, template, records, split, p.max_seq_len)
 
-    encoded: list[Encoded] = []
-    for i, conv in enumerate(records):
-        try:
-            encoded.append(encode_conversation(tokenizer, template, conv, p.max_seq_len))
-        except Exception as e:
-            raise BadInputError(
-                f"record {i + 1} cannot be rendered with the model's chat template: {e}"
-            ) from e
-    cut = sum(e.cut for e in encoded)
-    empty = {i for i, e in enumerate(encoded) if e.answer_tokens == 0}
-    if cut:
-        log(
-            f"{cut} of {len(encoded)} records were longer than max_seq_len {p.max_seq_len} "
-            "tokens and were cut",
-            "warning",
-        )
-    if empty:
-        log(
-            f"{len(empty)} records have no answer token within max_seq_len {p.max_seq_len}; "
-            "they are skipped",
-            "warning",
-        )
-    train = [encoded[i] for i in train_idx if i not in empty]
-    held = [encoded[i] for i in eval_idx if i not in empty]
-    if not train:
-        raise BadInputError(
-            f"no record has an answer token within max_seq_len {p.max_seq_len}; raise it"
-        )
-
-    per_epoch = math.ceil(math.ceil(len(train) / p.batch_size) / p.gradient_accumulation)
+    per_epoch = math.ceil(math.ceil(len(data.train) / p.batch_size) / p.gradient_accumulation)
     total_steps = p.max_steps if p.max_steps > 0 else per_epoch * p.epochs
-
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir),
         use_safetensors=True,
         trust_remote_code=False,
-        **_load_kwargs(torch_dtype("fp32" if dtype == "fp32" else dtype)),
+        **_load_kwargs(torch_dtype(dtype)),
         **({"device_map": {"": device}} if device.type == "cuda" else {}),
     )
     model.config.use_cache = False
     loop = prepare_training(model, p, dtype, device, total_steps)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
-    eval_batches = [
-        to_batch(held[i : i + p.batch_size], pad_id, device)
-        for i in range(0, len(held), p.batch_size)
-    ]
-
-    progress = Progress()
-    epochs_done = 0
-    evaluated_at = -1
-
-    def do_eval(epoch: int) -> None:
-        nonlocal evaluated_at
-        if not eval_batches or evaluated_at == progress.step:
-            return
-        progress.last_eval = eval_loss(loop, eval_batches)
-        evaluated_at = progress.step
-        emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
 
     emit("state", state="running", message=f"training {total_steps} steps")
-    epoch = 0
-    while progress.step < total_steps:
-        epoch += 1
-        plan = plan_steps(len(train), p.batch_size, p.gradient_accumulation, p.seed + epoch)
-        plan = plan[: total_steps - progress.step]
-
-        def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
-            for step in plan:
-                yield epoch, [to_batch([train[i] for i in mb], pad_id, device) for mb in step]
-
-        train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
-        epochs_done = epoch
-        do_eval(epoch)
+    progress, epochs = train_epochs(loop, data, p, total_steps, pad_id)
 
     emit("state", state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / "adapter"
     adapter_dir.mkdir(parents=True, exist_ok=True)
-    peft_model = loop.model
-    peft_model.peft_config["default"].base_model_name_or_path = (
+    # The adapter names its base as the catalog does, not by this node's path.
+    loop.model.peft_config["default"].base_model_name_or_path = (
         job.base.hf_repo or job.base.local_dir
     )
-    peft_model.save_pretrained(str(adapter_dir), safe_serialization=True)
+    loop.model.save_pretrained(str(adapter_dir), safe_serialization=True)
     (adapter_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
     summary: dict[str, Any] = {
         "job_id": job.job_id,
@@ -969,13 +994,13 @@ def run(job_path: Path) -> int:
         },
         "data_sha256": job.data_sha256,
         "records": len(records),
-        "records_train": len(train),
-        "records_eval": len(held),
-        "records_cut": cut,
-        "records_skipped": len(empty),
+        "records_train": len(data.train),
+        "records_eval": len(data.held),
+        "records_cut": data.cut,
+        "records_skipped": data.skipped,
         "chat_template": "plain" if template is PLAIN_TEMPLATE else "tokenizer",
         "steps": progress.step,
-        "epochs": epochs_done,
+        "epochs": epochs,
         "tokens_seen": progress.tokens,
         "train_time_s": round(progress.train_s, 3),
         "wall_time_s": round(time.time() - started, 3),
