@@ -298,3 +298,70 @@ async def test_store_killed_mid_delivery_stores_the_exact_artifact(
     assert (await get_job(nc, N, job.id)).state is JobState.DONE
     # Only the committed object's chunks are left in the object store.
     assert await object_chunks(nc) == len(msgs) + 1
+
+
+async def test_concurrent_deliveries_are_kept_apart(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    jobs = [await dispatched_job(nc, N, node=f"n{i}", engine="vllm") for i in range(3)]
+    paths = []
+    for i in range(len(jobs)):
+        p = tmp_path / f"a{i}"
+        p.write_bytes(random.Random(20 + i).randbytes(1_500_000 + i))
+        paths.append(p)
+    js = nc.jetstream()
+    await asyncio.gather(
+        *(
+            deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
+                    kind=ArtifactKind.PEFT, path=p, chunk_bytes=32 * 1024)
+            for job, p in zip(jobs, paths, strict=True)
+        )
+    )  # fmt: skip
+    for job, p in zip(jobs, paths, strict=True):
+
+        async def done(job_id: str = job.id) -> bool:
+            return await stored(nc, job_id, ArtifactKind.PEFT)
+
+        await until(done, f"job {job.id}")
+        assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == p.read_bytes()
+
+
+async def test_restart_after_commit_before_purge_keeps_the_object(
+    nc: Client, settings: Settings, recorder: ServiceProcess, tmp_path: Path
+) -> None:
+    """A store that died after committing, before purging the chunks: the next
+    one finds the object, leaves it as it is and purges the chunks."""
+    # Two artifacts expected, so the job is still uploading after the first.
+    job = await dispatched_job(nc, N, engine="llamacpp")
+    data = random.Random(30).randbytes(300_000)
+    msgs = chunks_of(job, ArtifactKind.PEFT, data, 50_000)
+    js = nc.jetstream()
+    client = await connect(settings, "artifact-store")
+    first = ArtifactStore(client, settings)
+    await first.start()
+    try:
+        await publish(nc, job, ArtifactKind.PEFT, msgs)
+        await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact")
+        await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+    finally:
+        await first.close()
+        await drain_quietly(client)
+    info_before = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    chunks_before = await object_chunks(nc)
+    # The chunks as they were before the purge (new ids: the stream would drop repeats).
+    again = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in msgs]
+    await publish(nc, job, ArtifactKind.PEFT, again)
+    client = await connect(settings, "artifact-store")
+    second = ArtifactStore(client, settings)
+    await second.start()
+    try:
+        await until(lambda: artifacts_stream_empty(nc), "the leftover chunks to be purged")
+    finally:
+        await second.close()
+        await drain_quietly(client)
+    info_after = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    assert info_after.seq == info_before.seq  # not committed a second time
+    assert await object_chunks(nc) == chunks_before
+    assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
+    after = await get_job(nc, N, job.id)
+    assert after.state is JobState.UPLOADING and after.artifacts_stored == [ArtifactKind.PEFT]
