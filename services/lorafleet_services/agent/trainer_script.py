@@ -79,6 +79,7 @@ import resource
 import signal
 import sys
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from types import FrameType
@@ -939,6 +940,11 @@ def run(job_path: Path) -> int:
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    # Progress bars would fill the stderr tail the agent keeps for the reason of a failure.
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        cast(Any, hf_logging).disable_progress_bar()
     if job.device == "cuda" and not torch.cuda.is_available():
         raise TrainingError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
     dtype = resolve_dtype(p.dtype, job.device)
@@ -962,7 +968,8 @@ def run(job_path: Path) -> int:
         use_safetensors=True,
         trust_remote_code=False,
         **_load_kwargs(torch_dtype(dtype)),
-        **({"device_map": {"": device}} if device.type == "cuda" else {}),
+        # Straight onto the card: no full copy of the weights in host memory.
+        **({"device_map": {"": str(device)}} if device.type == "cuda" else {}),
     )
     model.config.use_cache = False
     loop = prepare_training(model, p, dtype, device, total_steps)
@@ -1031,6 +1038,9 @@ def main(argv: list[str]) -> int:
     # Before anything: the agent's tests read who the trainer runs as.
     emit("log", message=f"uid={os.getuid()} gid={os.getgid()} pid={os.getpid()}", level="info")
     signal.signal(signal.SIGTERM, _on_sigterm)
+    # Libraries' deprecation notices among themselves (peft calling a renamed
+    # transformers method) are nothing a job's owner can act on.
+    warnings.filterwarnings("ignore", category=FutureWarning)
     if len(argv) != 2:
         emit("error", message="usage: trainer_script.py job.json")
         return 2
