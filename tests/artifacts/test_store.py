@@ -26,6 +26,7 @@ from lorafleet.names import Names
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
 from lorafleet_services.agent.delivery import deliver
+from lorafleet_services.artifact_store import service
 from lorafleet_services.artifact_store.service import ArtifactStore
 from tests.artifacts.conftest import api, dispatched_job, get_job
 from tests.procs import ServiceProcess
@@ -365,3 +366,22 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
     after = await get_job(nc, N, job.id)
     assert after.state is JobState.UPLOADING and after.artifacts_stored == [ArtifactKind.PEFT]
+
+
+async def test_an_abandoned_delivery_is_cleaned_up_once_its_job_is_over(
+    nc: Client, store: ArtifactStore, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(service, "IDLE_CHECK_S", 0.5)
+    job = await dispatched_job(nc, N, engine="vllm")
+    msgs = chunks_of(job, ArtifactKind.PEFT, random.Random(40).randbytes(100_000), 10_000)
+    await publish(nc, job, ArtifactKind.PEFT, msgs[:4])  # the agent died here
+
+    async def written() -> bool:
+        return await object_chunks(nc) == 4
+
+    await until(written, "the first chunks to be written")
+    body = {"id": job.id, "from_state": "uploading", "to_state": "failed", "message": "node lost"}
+    await api(nc, N.store_transition, body)
+    await until(lambda: artifacts_stream_empty(nc), "the abandoned chunks to be purged")
+    assert await object_chunks(nc) == 0
+    assert not await stored(nc, job.id, ArtifactKind.PEFT)

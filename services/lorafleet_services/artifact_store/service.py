@@ -100,6 +100,9 @@ ACK_WAIT_S = 60.0
 #: Seconds to wait for chunks missing when the last one has arrived, before
 #: reading the stream a final time and failing the delivery.
 MISSING_GRACE_S = 1.0
+#: Seconds without a new chunk after which an open delivery's job is checked
+#: again (an agent that died mid-delivery leaves one; its job is failed elsewhere).
+IDLE_CHECK_S = 60.0
 #: Deliveries remembered as finished, so late duplicates are dropped.
 FINISHED_MEMORY = 4096
 
@@ -148,6 +151,8 @@ class _Delivery:
     max_chunk: int = 0
     #: The unacknowledged last chunk, acknowledged once committed or failed.
     held: list[Msg] = field(default_factory=list)
+    #: Event-loop time of the newest chunk taken.
+    touched: float = 0.0
 
 
 class ArtifactStore:
@@ -230,7 +235,12 @@ class ArtifactStore:
         fetcher = asyncio.create_task(self._fetch(batches), name="artifact-store-fetch")
         try:
             while not self._stopping:
-                for msg in await batches.get():
+                try:
+                    batch = await asyncio.wait_for(batches.get(), IDLE_CHECK_S / 2)
+                except TimeoutError:
+                    batch = []
+                await self._check_idle()
+                for msg in batch:
                     try:
                         await self._on_message(msg)
                     except Exception as e:  # one bad delivery must not stop the others
@@ -241,6 +251,21 @@ class ArtifactStore:
             fetcher.cancel()
             with contextlib.suppress(asyncio.CancelledError, Exception):
                 await fetcher
+
+    async def _check_idle(self) -> None:
+        """Give up deliveries that stopped coming for a job that no longer takes them."""
+        now = asyncio.get_running_loop().time()
+        for d in [d for d in self._deliveries.values() if now - d.touched > IDLE_CHECK_S]:
+            d.touched = now
+            try:
+                why = refusal(await self._job(d.key.job_id), d.key)
+                if why is not None:
+                    self.logger.warning(Event.ARTIFACT_REJECTED, job_id=d.key.job_id,
+                                        node=d.key.node, kind=d.key.kind.value,
+                                        error=f"gave up an unfinished delivery: {why}")  # fmt: skip
+                    await self._discard(d)
+            except Exception as e:
+                self.logger.warning(Event.NATS_ERROR, job_id=d.key.job_id, error=repr(e))
 
     async def _fetch(self, batches: asyncio.Queue[list[Msg]]) -> None:
         assert self._sub is not None
@@ -420,6 +445,7 @@ class ArtifactStore:
                 await self.js.delete_consumer(stream, info.name)
 
     async def _take(self, d: _Delivery, chunk: Chunk, body: bytes, stream_seq: int) -> None:
+        d.touched = asyncio.get_running_loop().time()
         for ready in d.assembly.add(chunk.header, body, stream_seq):
             if not ready:
                 continue
@@ -512,8 +538,10 @@ class ArtifactStore:
         key = d.key
         self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                             kind=key.kind.value, error=message)  # fmt: skip
-        await self._discard(d)
+        # The job first: a store that dies after this finds the job failed and
+        # purges the chunks; the other way round, the job would wait for nothing.
         await self._fail_job(key.job_id, message)
+        await self._discard(d)
 
     async def _fail_job(self, job_id: str, message: str) -> None:
         for _ in range(5):
