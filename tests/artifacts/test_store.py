@@ -202,7 +202,7 @@ async def test_duplicated_and_reordered_chunks_store_the_exact_bytes(
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
 
 
-@pytest.mark.parametrize("fault", ["sha256", "missing"])
+@pytest.mark.parametrize("fault", ["sha256", "missing", "beyond"])
 async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
     nc: Client, store: ArtifactStore, fault: str
 ) -> None:
@@ -210,9 +210,14 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
     data = random.Random(14).randbytes(20_000)
     if fault == "sha256":
         msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000, sha256="ab" * 32)
-    else:
+    elif fault == "missing":
         msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
         del msgs[7]
+    else:
+        msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
+        h = json.loads(msgs[0][0][CHUNK_HEADER])
+        extra = {CHUNK_HEADER: json.dumps({**h, "seq": 23}), MSG_ID_HEADER: "extra"}
+        msgs.insert(5, (extra, b"x" * 1000))
     await publish(nc, job, ArtifactKind.PEFT, msgs)
 
     async def failed() -> bool:
@@ -223,8 +228,10 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
     assert "peft artifact of job" in message
     if fault == "sha256":
         assert "corrupt: its sha256 is" in message and "ab" * 32 in message
-    else:
+    elif fault == "missing":
         assert "short: 1 of its 20 chunks never arrived (chunk 7)" in message
+    else:
+        assert "chunk 23 is beyond the count 20" in message
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
     assert await object_chunks(nc) == 0
     await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")

@@ -298,6 +298,14 @@ class ArtifactStore:
             return
         try:
             await self._on_chunk(msg, chunk, stream_seq)
+        except AssemblyError as e:
+            # Chunks that cannot make an artifact (beyond the count, two
+            # different last chunks): retrying would not help.
+            d = self._deliveries.get(key)
+            if d is None:
+                raise
+            d.held.append(msg)
+            await self._fail(d, str(e))
         except Exception:
             await self._drop(key)
             raise
@@ -344,6 +352,9 @@ class ArtifactStore:
                 d = await self._open(chunk, last.seq or 0)
                 if d is not None and d.assembly.has_last:
                     await self._finish(d)
+            except AssemblyError as e:
+                if (bad := self._deliveries.get(chunk.key)) is not None:
+                    await self._fail(bad, str(e))
             except Exception as e:
                 self.logger.exception(
                     Event.ARTIFACT_REJECTED, job_id=chunk.key.job_id, error=repr(e)
