@@ -128,6 +128,27 @@ def test_fp16_on_the_cpu_is_refused(tiny_model: Callable[[str], Path], tmp_path:
     assert message == 'params.dtype "fp16" needs a card; on the CPU use "fp32", "bf16" or "auto"'
 
 
+def test_target_modules_the_model_lacks_are_refused_before_the_weights_load(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    job = write_job(
+        tmp_path / "j",
+        tiny_model("qwen2"),
+        data=ndjson(qa_records()),
+        params={"target_modules": ["q_proj", "self_attn.v_proj", "qkv_proj"]},
+    )
+    run = run_trainer(job)
+    assert run.rc == 2
+    assert run.lines[-1]["message"] == (
+        "params.target_modules names ['qkv_proj'], which this model does not have; its linear "
+        "layers are ['down_proj', 'gate_proj', 'k_proj', 'lm_head', 'o_proj', 'q_proj', "
+        """'up_proj', 'v_proj'] (or use "all-linear")"""
+    )
+    assert run.states() == ["preparing"]
+    assert not [x for x in run.events("log") if "LoRA parameters" in x["message"]]
+    assert not (tmp_path / "j" / "out").exists()
+
+
 def test_a_base_without_safetensors_is_refused(tmp_path: Path) -> None:
     base = tmp_path / "base"
     base.mkdir()

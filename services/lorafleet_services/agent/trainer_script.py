@@ -815,6 +815,37 @@ def resolve_base(base: Base, offline: bool) -> Path:
     return d
 
 
+def check_target_modules(base_dir: Path, target_modules: list[str] | str) -> None:
+    """Refuse module names the base does not have, before its weights load.
+
+    The model is built on torch's meta device from its config (no memory, no
+    weights) only to list its modules; peft matches a name against the end of
+    each module's dotted path.
+    """
+    if isinstance(target_modules, str):
+        return
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(base_dir), trust_remote_code=False)
+    with torch.device("meta"):
+        skeleton = cast(Any, AutoModelForCausalLM).from_config(config, trust_remote_code=False)
+    names = [n for n, _ in skeleton.named_modules() if n]
+    missing = [t for t in target_modules if not any(n == t or n.endswith("." + t) for n in names)]
+    if missing:
+        linear = sorted(
+            {
+                n.rsplit(".", 1)[-1]
+                for n, m in skeleton.named_modules()
+                if isinstance(m, torch.nn.Linear)
+            }
+        )
+        raise BadInputError(
+            f"params.target_modules names {missing}, which this model does not have; "
+            f'its linear layers are {linear} (or use "all-linear")'
+        )
+
+
 def _versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -960,6 +991,7 @@ def run(job_path: Path) -> int:
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     data = encode_records(tokenizer, template, records, split, p.max_seq_len)
+    check_target_modules(base_dir, p.target_modules)
 
     per_epoch = math.ceil(math.ceil(len(data.train) / p.batch_size) / p.gradient_accumulation)
     total_steps = p.max_steps if p.max_steps > 0 else per_epoch * p.epochs
