@@ -191,3 +191,42 @@ async def test_a_job_larger_than_any_card_stays_queued_saying_so(stack: Stack) -
     finally:
         stop.set()
         await beats
+
+
+async def test_a_node_running_a_job_the_recorder_holds_final_is_told_to_stop(
+    stack: Stack,
+) -> None:
+    await stack.add_model()
+    agent = await stack.agent("node-1", env=SLOW)
+    job = await stack.submit("node-1")
+    running = await stack.wait_state(job.id, JobState.RUNNING)
+    await stack.wait_for(lambda: _has_pids(agent, 1), "the trainer's pid in the agent log")
+    pids = trainer_pids(agent)
+    # Behind the scheduler's back (an operator, a lost race): the recorder ends the job.
+    reply = await stack.call(
+        stack.settings.names.store_transition,
+        {"id": job.id, "from_state": running.state.value, "to_state": "failed",
+         "message": "failed by hand"},
+    )  # fmt: skip
+    assert reply["applied"] is True
+
+    async def all_gone() -> bool:
+        return not any(pid_alive(p) for p in pids)
+
+    await stack.wait_for(all_gone, f"trainer processes {pids} to end", timeout_s=15)
+    assert any(
+        ln.get("job_id") == job.id and "told the node to stop" in str(ln.get("message"))
+        for s in stack.schedulers
+        for ln in s.events("job.cancelled")
+    )
+
+
+async def test_a_job_for_an_unknown_node_waits_saying_which(stack: Stack) -> None:
+    await stack.add_model()
+    job = await stack.submit("ghost-9")
+
+    async def says_so() -> bool:
+        return "waiting for node ghost-9" in (await stack.get(job.id)).message
+
+    await stack.wait_for(says_so, "the waiting message", timeout_s=10)
+    assert (await stack.get(job.id)).state is JobState.QUEUED
