@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import io
 import os
@@ -16,6 +17,7 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
 from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER
 from lorafleet.names import Names
+from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, deliver, pack_adapter
 
@@ -193,3 +195,25 @@ def test_pack_adapter_is_deterministic(tmp_path: Path) -> None:
     (tmp_path / "c" / "link").symlink_to(tmp_path / "a" / "adapter_config.json")
     with pytest.raises(DeliveryError, match="is a link"):
         pack_adapter(tmp_path / "c", tmp_path / "c.tar.gz")
+
+
+async def test_a_server_restart_mid_delivery_is_retried_to_completion(
+    nc: Client, nats_server: NatsServer, tmp_path: Path
+) -> None:
+    data = random.Random(8).randbytes(12 * 1024 * 1024)
+    path = tmp_path / "big"
+    path.write_bytes(data)
+    js = nc.jetstream()
+    task = asyncio.create_task(
+        deliver(js, NAMES, node="n1", job_id="j6", attempt=1, kind=ArtifactKind.GGUF,
+                path=path, chunk_bytes=64 * 1024, timeout_s=1.0)
+    )  # fmt: skip
+    while (await js.stream_info(NAMES.artifacts_stream)).state.messages < 20:  # noqa: ASYNC110
+        await asyncio.sleep(0.005)
+    await nats_server.restart()
+    size, sha = await asyncio.wait_for(task, 60)
+    assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
+    chunks = await read_stream(nc, NAMES.artifact_chunks("n1", "j6", "gguf"))
+    # Each chunk once (retried ones come later in the stream).
+    assert sorted(h.seq for h, _, _ in chunks) == list(range(len(data) // (64 * 1024)))
+    assert b"".join(b for _, _, b in sorted(chunks, key=lambda c: c[0].seq)) == data

@@ -197,7 +197,8 @@ async def deliver(
     subject = names.artifact_chunks(node, job_id, kind.value)
     stream = names.artifacts_stream
     # nats-py keeps the connection private on the context; the publishes go on it.
-    step = chunk_size_for(chunk_bytes, js._nc.max_payload)
+    nc = js._nc
+    step = chunk_size_for(chunk_bytes, nc.max_payload)
     try:
         size = path.stat().st_size
     except OSError as e:
@@ -211,6 +212,12 @@ async def deliver(
         return ArtifactChunkHeader(job_id=job_id, node=node, kind=kind, attempt=attempt, seq=seq)
 
     async def publish(item: _InFlight) -> None:
+        # While reconnecting, nats-py buffers publishes only up to its pending
+        # size (2 MiB) and then raises: wait for the connection instead.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s * MAX_TRIES
+        while not nc.is_connected and not nc.is_closed and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(0.05)
         try:
             item.future = await pub.publish(subject, item.body, item.headers)
         except nats.errors.Error as e:
@@ -230,11 +237,17 @@ async def deliver(
                         f"acknowledged after {MAX_TRIES} tries of {timeout_s:g} s each: "
                         "is the NATS server reachable and the stream there?"
                     ) from None
-                item.tries += 1
+                # What was lost with this one (a reconnect) was likely lost with
+                # the rest of the window: publish them all again now, not one
+                # timeout after another.
+                again = [item, *(w for w in window if not w.future.done())]
                 logger.warning(
-                    Event.ARTIFACT_CHUNK, seq=item.seq, message="no ack; publishing again"
-                )
-                await publish(item)
+                    Event.ARTIFACT_CHUNK, seq=item.seq, message=f"no ack; publishing "
+                    f"{len(again)} chunks again",
+                )  # fmt: skip
+                for w in again:
+                    w.tries += 1
+                    await publish(w)
             except PublishRefusedError as e:
                 raise _refused(stream, job_id, kind, item.seq, e) from None
 
@@ -248,7 +261,7 @@ async def deliver(
         return body
 
     sent = 0
-    pub = await AsyncPublisher(js._nc).start()
+    pub = await AsyncPublisher(nc).start()
     f = await asyncio.to_thread(path.open, "rb")
     ahead: asyncio.Future[bytes] | None = None
     try:
