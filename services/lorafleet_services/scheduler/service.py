@@ -177,7 +177,9 @@ class Scheduler:
         for w in self._watchers:
             with contextlib.suppress(Exception):
                 await w.stop()  # type: ignore[no-untyped-call]
-        for t in self._tasks:
+        # Pending start and node-cancel requests too: what they would have
+        # done, reconcile does for the next leader.
+        for t in [*self._tasks, *self._background]:
             t.cancel()
         for t in [*self._tasks, *self._background]:
             with contextlib.suppress(asyncio.CancelledError, Exception):
