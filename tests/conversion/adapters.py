@@ -3,7 +3,6 @@ tiny Llama's base prepared for llama.cpp's convert_hf_to_gguf.py."""
 
 from __future__ import annotations
 
-import json
 import shutil
 import warnings
 from pathlib import Path
@@ -55,92 +54,40 @@ def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1) -> Path:
     return out_dir
 
 
-def llama_style_tokenizer(vocab_size: int) -> dict[str, Any]:
-    """A SentencePiece-like BPE tokenizer.json (byte fallback, "▁" for space)
-    of exactly `vocab_size` tokens: `<unk>`, `<s>`, `</s>`, the 256 byte
-    tokens, then single characters. convert_hf_to_gguf.py converts it as a
-    "llama" vocabulary without a pre-tokenizer hash (which only known
-    upstream vocabularies have)."""
-    vocab: dict[str, int] = {}
-    for tok in ["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]:
-        vocab[tok] = len(vocab)
-    extra = ["▁"] + [chr(c) for c in range(33, 127)] + [chr(c) for c in range(0xC0, 0x250)]
-    for ch in extra:
-        if len(vocab) >= vocab_size:
-            break
-        vocab.setdefault(ch, len(vocab))
-    if len(vocab) != vocab_size:
-        raise ValueError(f"cannot fill a vocabulary of {vocab_size} tokens")
-    return {
-        "version": "1.0",
-        "truncation": None,
-        "padding": None,
-        "added_tokens": [
-            {
-                "id": i,
-                "content": t,
-                "single_word": False,
-                "lstrip": False,
-                "rstrip": False,
-                "normalized": False,
-                "special": True,
-            }
-            for i, t in enumerate(["<unk>", "<s>", "</s>"])
-        ],
-        "normalizer": {
-            "type": "Sequence",
-            "normalizers": [
-                {"type": "Prepend", "prepend": "▁"},
-                {"type": "Replace", "pattern": {"String": " "}, "content": "▁"},
-            ],
-        },
-        "pre_tokenizer": None,
-        "post_processor": None,
-        "decoder": {
-            "type": "Sequence",
-            "decoders": [
-                {"type": "Replace", "pattern": {"String": "▁"}, "content": " "},
-                {"type": "ByteFallback"},
-                {"type": "Fuse"},
-                {"type": "Strip", "content": " ", "start": 1, "stop": 0},
-            ],
-        },
-        "model": {
-            "type": "BPE",
-            "dropout": None,
-            "unk_token": "<unk>",
-            "continuing_subword_prefix": None,
-            "end_of_word_suffix": None,
-            "fuse_unk": True,
-            "byte_fallback": True,
-            "ignore_merges": False,
-            "vocab": vocab,
-            "merges": [],
-        },
-    }
+#: Pieces of the SentencePiece tokenizer the parity bases get (the 256 byte
+#: pieces, the meta pieces and the text's characters need about 320).
+SPM_VOCAB = 340
+
+
+def _sentencepiece_model() -> bytes:
+    import io
+
+    import sentencepiece as spm
+
+    from tests.trainer.tiny_models import TOKENIZER_TEXT
+
+    buf = io.BytesIO()
+    spm.SentencePieceTrainer.train(
+        sentence_iterator=iter(TOKENIZER_TEXT * 4),
+        model_writer=buf,
+        vocab_size=SPM_VOCAB,
+        model_type="bpe",
+        byte_fallback=True,
+        num_threads=1,
+        minloglevel=2,
+    )
+    return buf.getvalue()
 
 
 def base_for_gguf(base_dir: Path, out_dir: Path) -> Path:
-    """`base_dir`'s config and weights with a llama-style tokenizer of the
-    same size: the tiny models' byte-level BPE has a pre-tokenizer hash no
-    llama.cpp release knows, and the parity check feeds token ids to
+    """`base_dir`'s config and weights with a SentencePiece tokenizer
+    (`tokenizer.model`, SPM_VOCAB pieces; the converter pads the vocabulary
+    to the model's size). The tiny models' byte-level BPE has a pre-tokenizer
+    hash no llama.cpp release knows, and the parity check feeds token ids to
     llama.cpp directly, so the tokenizer only has to convert."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for name in ("config.json", "model.safetensors", "generation_config.json"):
         if (base_dir / name).is_file():
             shutil.copy2(base_dir / name, out_dir / name)
-    vocab_size = int(json.loads((base_dir / "config.json").read_text())["vocab_size"])
-    (out_dir / "tokenizer.json").write_text(json.dumps(llama_style_tokenizer(vocab_size)))
-    (out_dir / "tokenizer_config.json").write_text(
-        json.dumps(
-            {
-                "tokenizer_class": "PreTrainedTokenizerFast",
-                "bos_token": "<s>",
-                "eos_token": "</s>",
-                "unk_token": "<unk>",
-                "add_bos_token": True,
-                "add_eos_token": False,
-            }
-        )
-    )
+    (out_dir / "tokenizer.model").write_bytes(_sentencepiece_model())
     return out_dir

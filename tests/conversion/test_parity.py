@@ -2,7 +2,7 @@
 PEFT gives in transformers.
 
 llama.cpp's library is built once from the same source (CPU only, cached
-under the test cache, see llamacpp_source.py); the tiny Llama base goes to
+under the test cache, see llamacpp_source.py); each tiny base (Llama, Qwen2) goes to
 GGUF with that release's convert_hf_to_gguf.py (f32, so the only rounding
 left is the adapter's f16); a small C shim (llama_eval.c) loads base +
 adapter and evaluates token ids, called through ctypes.
@@ -24,7 +24,7 @@ import pytest
 from lorafleet_services.agent.config import AgentConfig
 from tests.conversion import llamacpp_source
 from tests.conversion.adapters import base_for_gguf
-from tests.conversion.conftest import Converted, Tiny
+from tests.conversion.conftest import ARCHES, Converted, Tiny
 
 PROMPTS = [
     "What is the capital of France?",
@@ -71,8 +71,13 @@ def _load_shim() -> Any:
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # the first run builds llama.cpp (minutes on 2 shared cores)
+@pytest.mark.parametrize("arch", ARCHES)
 def test_llamacpp_with_the_gguf_adapter_matches_peft(
-    converted: dict[str, Converted], tiny: dict[str, Tiny], fetched: AgentConfig, tmp_path: Path
+    arch: str,
+    converted: dict[str, Converted],
+    tiny: dict[str, Tiny],
+    fetched: AgentConfig,
+    tmp_path: Path,
 ) -> None:
     import torch
     from peft import PeftModel
@@ -90,7 +95,7 @@ def test_llamacpp_with_the_gguf_adapter_matches_peft(
             "f32",
             "--outfile",
             str(base_gguf),
-            str(base_for_gguf(tiny["llama"].base, tmp_path / "base")),
+            str(base_for_gguf(tiny[arch].base, tmp_path / "base")),
         ],
         env=env,
         cwd=tmp_path,
@@ -100,17 +105,17 @@ def test_llamacpp_with_the_gguf_adapter_matches_peft(
     )
     assert done.returncode == 0, done.stderr[-2000:]
 
-    tok = AutoTokenizer.from_pretrained(tiny["llama"].base)
+    tok = AutoTokenizer.from_pretrained(tiny[arch].base)
     prompts = [[tok.bos_token_id, *tok(p, add_special_tokens=False)["input_ids"]] for p in PROMPTS]
-    model = AutoModelForCausalLM.from_pretrained(tiny["llama"].base, dtype=torch.float32)
+    model = AutoModelForCausalLM.from_pretrained(tiny[arch].base, dtype=torch.float32)
     with torch.no_grad():
         hf_base = [model(torch.tensor([ids])).logits[0].numpy() for ids in prompts]
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "`is_gradient_checkpointing` is deprecated")
-            peft_model = PeftModel.from_pretrained(model, tiny["llama"].adapter)
+            peft_model = PeftModel.from_pretrained(model, tiny[arch].adapter)
         hf_lora = [peft_model(torch.tensor([ids])).logits[0].numpy() for ids in prompts]
 
-    adapter = converted["llama"].gguf
+    adapter = converted[arch].gguf
     base_diff = lora_diff = effect = 0.0
     for ids, want_base, want_lora in zip(prompts, hf_base, hf_lora, strict=True):
         got_base = _llamacpp(lib, base_gguf, None, ids)
