@@ -51,6 +51,8 @@ DEFAULT_CHUNK_BYTES = 512 * 1024
 WINDOW_CHUNKS = 32
 #: Times one chunk is published before the delivery fails.
 MAX_TRIES = 4
+#: Seconds to wait before publishing again after "no stream answered".
+NO_STREAM_PAUSE_S = 0.5
 #: Smallest room left between a chunk body and the server's max payload; bytes.
 #: A body of exactly max payload plus headers makes the server close the connection.
 MIN_HEADROOM_BYTES = 16 * 1024
@@ -142,6 +144,10 @@ class _InFlight:
 def _future() -> asyncio.Future[int]:
     """A placeholder until the first publish replaces it."""
     return asyncio.get_running_loop().create_future()
+
+
+def _no_stream(fut: asyncio.Future[int]) -> bool:
+    return fut.done() and not fut.cancelled() and isinstance(fut.exception(), NoStreamError)
 
 
 def _headers(
@@ -248,6 +254,15 @@ async def deliver(
                 for w in again:
                     w.tries += 1
                     await publish(w)
+            except NoStreamError as e:
+                # A restarted server answers "no responders" until its streams are loaded.
+                if item.tries >= MAX_TRIES:
+                    raise _refused(stream, job_id, kind, item.seq, e) from None
+                await asyncio.sleep(NO_STREAM_PAUSE_S)
+                again = [item, *(w for w in window if _no_stream(w.future))]
+                for w in again:
+                    w.tries += 1
+                    await publish(w)
             except PublishRefusedError as e:
                 raise _refused(stream, job_id, kind, item.seq, e) from None
 
@@ -296,6 +311,10 @@ async def deliver(
             await publish(item)
             await settle(item)
     finally:
+        for w in window:  # left behind by an error: nobody will wait for them
+            if w.future.done() and not w.future.cancelled():
+                w.future.exception()
+            w.future.cancel()
         if ahead is not None:
             with contextlib.suppress(Exception):
                 await ahead
