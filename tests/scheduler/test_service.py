@@ -105,17 +105,14 @@ async def test_nodes_list_follows_beats_and_their_expiry(pair: list[Scheduler]) 
     async def listed() -> NodeList:
         return await bus.request(s.nc, s.names.nodes_list, NodeListRequest(), NodeList)
 
-    t0 = time.monotonic()
-    while not (await listed()).nodes:
-        assert time.monotonic() - t0 < 5, "the node never showed up"
-        await asyncio.sleep(0.05)
+    # Either replica answers nodes.list: both must have seen the beat.
+    await _until(lambda: all("gpu-7" in r.table.nodes for r in pair), 5, "the node in both")
     (info,) = (await listed()).nodes
     assert info.alive and info.heartbeat.node == "gpu-7"
     # No more beats: the per-message TTL expires and the marker marks it lost.
     lost_s = await _until(
-        lambda: not all(n.alive for n in pair[1].table.nodes.values()), 5, "the node lost"
+        lambda: not any(r.table.nodes["gpu-7"].alive for r in pair), 5, "the node lost"
     )
     assert lost_s <= s.settings.node_timeout_s + 1.0
     (info,) = (await listed()).nodes
     assert not info.alive
-    assert pair[1].table.nodes["gpu-7"].alive is False
