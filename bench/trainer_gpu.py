@@ -216,8 +216,8 @@ def run_baseline(work: Path) -> None:
 
     model = AutoModelForCausalLM.from_pretrained(
         base,
-        dtype=tr.torch_dtype(dtype),
         use_safetensors=True,
+        **tr._load_kwargs(tr.torch_dtype(dtype)),  # dtype= or torch_dtype=, by version
         **({"device_map": {"": "cuda:0"}} if cuda else {}),
     )
     model.config.use_cache = False
