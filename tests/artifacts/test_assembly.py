@@ -31,7 +31,10 @@ from lorafleet_services.artifact_store.assembly import (
     ChunkError,
     Key,
     Whole,
+    is_committed_by,
+    object_chunk_token,
     object_info,
+    orphans,
     parse_chunk,
     refusal,
 )
@@ -197,7 +200,11 @@ def test_object_info_reads_back_as_a_record() -> None:
     names = Names()
     whole = Whole(size=3, sha256=hashlib.sha256(b"abc").hexdigest(), count=1)
     now = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
-    info = object_info(names, KEY, whole, chunks=1, chunk_bytes=3, base_model="tiny", now=now)
+    nuid = object_chunk_token(KEY, "w1")
+    info = object_info(
+        names, KEY, whole, chunks=1, chunk_bytes=3, base_model="tiny", now=now, nuid=nuid
+    )
+    assert info["nuid"] == "job1.peft.1.w1"
     assert info["digest"] == object_digest(whole.sha256)
     assert info["name"] == "job1/peft"
     decoded = decode_info(msgspec.json.encode(info))
@@ -222,3 +229,14 @@ def test_object_info_reads_back_as_a_record() -> None:
         now,
     )
     assert record_from_info(msgspec.structs.replace(decoded, deleted=True)) is None
+
+
+def test_object_tokens_and_leftovers() -> None:
+    mine = object_chunk_token(KEY, "abc")
+    assert is_committed_by(mine, KEY)
+    assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.PEFT, 2), "x"), KEY)
+    assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.GGUF, 1), "x"), KEY)
+    assert not is_committed_by("job10.peft.1.abc", KEY)
+    ages = {"c.committed": 900.0, "c.writing": 900.0, "c.dead": 900.0, "c.young": 5.0}
+    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=600) == ["c.dead"]
+    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=0) == ["c.dead", "c.young"]

@@ -295,7 +295,9 @@ async def test_store_killed_mid_delivery_stores_the_exact_artifact(
         proc.kill()
         await proc.stop()
         await publish(nc, job, ArtifactKind.PEFT, msgs[half:])
-        proc = await ServiceProcess("lorafleet_services.artifact_store", settings).start()
+        # Leftovers of the dead store are swept at start (at once, here).
+        env = {service.ORPHAN_AGE_ENV: "0"}
+        proc = await ServiceProcess("lorafleet_services.artifact_store", settings, env=env).start()
         await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact after restart")
         event = await proc.wait_for_event("artifact.stored")
         assert event["sha256"] == hashlib.sha256(data).hexdigest()

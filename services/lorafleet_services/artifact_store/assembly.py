@@ -19,7 +19,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from lorafleet.artifacts import CHUNK_HEADER, object_chunk_subject, object_digest
+from lorafleet.artifacts import CHUNK_HEADER, object_digest
 from lorafleet.names import Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
@@ -247,14 +247,41 @@ def refusal(job: JobRecord | None, key: Key) -> str | None:
 # --- the object store's own format (so `nats object get` reads what we write) ---
 
 
-def object_chunk_token(key: Key) -> str:
-    """The `nuid` of an artifact's object: fixed per delivery, so chunks left
-    by a store that died mid-write are found (and purged) by the next one."""
-    return f"{key.job_id}_{key.kind.value}_{key.attempt}"
+def object_chunk_token(key: Key, writer: str) -> str:
+    """The `nuid` of an object being written: its chunks go on `$O.<bucket>.C.<token>`.
+
+    One per writer (`writer` is random per assembly): two stores that both
+    assemble a delivery (replicas, a redelivery) never write into each
+    other's chunks, and discarding one never touches a committed object.
+    It starts with `<job>.<kind>.<attempt>.` so that a committed object of
+    the same delivery is recognised.
+    """
+    return f"{delivery_prefix(key)}{writer}"
 
 
-def chunk_subject(names: Names, key: Key) -> str:
-    return object_chunk_subject(names, object_chunk_token(key))
+def delivery_prefix(key: Key) -> str:
+    return f"{key.job_id}.{key.kind.value}.{key.attempt}."
+
+
+def is_committed_by(nuid: str, key: Key) -> bool:
+    """Whether an object's nuid says it was committed from this delivery."""
+    return nuid.startswith(delivery_prefix(key))
+
+
+def orphans(
+    ages_s: dict[str, float], committed: set[str], writing: set[str], *, min_age_s: float
+) -> list[str]:
+    """Object chunk subjects no object refers to, no assembly here writes, idle `min_age_s`.
+
+    `ages_s` maps each chunk subject to the age of its newest message
+    (seconds). A store that died mid-write leaves such subjects; a live
+    replica's are still being written to (hence the age).
+    """
+    return sorted(
+        subj
+        for subj, age_s in ages_s.items()
+        if subj not in committed and subj not in writing and age_s >= min_age_s
+    )
 
 
 def object_info(
@@ -266,6 +293,7 @@ def object_info(
     chunk_bytes: int,
     base_model: str,
     now: dt.datetime,
+    nuid: str,
 ) -> dict[str, Any]:
     """The object's info message, as the NATS object store (any client) reads it."""
     stamp = now.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
@@ -284,7 +312,7 @@ def object_info(
         },
         "options": {"max_chunk_size": chunk_bytes},
         "bucket": names.artifacts_bucket,
-        "nuid": object_chunk_token(key),
+        "nuid": nuid,
         "size": whole.size,
         "mtime": stamp,
         "chunks": chunks,

@@ -27,6 +27,8 @@ import contextlib
 import datetime as dt
 import hashlib
 import json
+import os
+import secrets
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -42,8 +44,10 @@ from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 from lorafleet import log
 from lorafleet.artifacts import (
     AsyncPublisher,
+    decode_info,
     get_record,
     list_records,
+    object_chunk_subject,
     object_meta_subject,
     object_stream,
     read_info,
@@ -59,7 +63,7 @@ from lorafleet.bus import (
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.service import Route, not_found, start_service
-from lorafleet.settings import Settings
+from lorafleet.settings import Settings, SettingsError
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
     ArtifactGetRequest,
@@ -79,9 +83,10 @@ from lorafleet_services.artifact_store.assembly import (
     Chunk,
     ChunkError,
     Key,
-    chunk_subject,
+    is_committed_by,
     object_chunk_token,
     object_info,
+    orphans,
     parse_chunk,
     refusal,
 )
@@ -103,6 +108,14 @@ MISSING_GRACE_S = 1.0
 #: Seconds without a new chunk after which an open delivery's job is checked
 #: again (an agent that died mid-delivery leaves one; its job is failed elsewhere).
 IDLE_CHECK_S = 60.0
+#: Seconds after its newest chunk that an object chunk subject no object refers
+#: to is taken for a dead store's leftovers and purged (a live replica writes
+#: more often); the environment variable LORAFLEET_ARTIFACT_ORPHAN_AGE_S
+#: overrides it (fault tests use 0).
+ORPHAN_AGE_S = 600.0
+ORPHAN_AGE_ENV = "LORAFLEET_ARTIFACT_ORPHAN_AGE_S"
+#: Seconds between sweeps for such leftovers (one also runs at start).
+SWEEP_EVERY_S = 300.0
 #: Deliveries remembered as finished, so late duplicates are dropped.
 FINISHED_MEMORY = 4096
 
@@ -143,6 +156,9 @@ class _Delivery:
 
     key: Key
     subject: str
+    #: This assembly's object nuid and the subject its object chunks go on.
+    nuid: str
+    chunks: str
     assembly: Assembly
     hasher: ThreadedSha256
     job: JobRecord
@@ -170,6 +186,8 @@ class ArtifactStore:
         self._sub: JetStreamContext.PullSubscription | None = None
         self._stopping = False
         self._pub = AsyncPublisher(nc)
+        self._orphan_age_s = orphan_age_s()
+        self._last_sweep = 0.0
 
     # --- life cycle ---------------------------------------------------------
 
@@ -190,6 +208,7 @@ class ArtifactStore:
             stream=names.artifacts_stream,
             config=config,
         )
+        await self._sweep()
         await self._recover_all()
         self._task = asyncio.create_task(self._loop(), name="artifact-store-loop")
         await start_service(
@@ -240,6 +259,8 @@ class ArtifactStore:
                 except TimeoutError:
                     batch = []
                 await self._check_idle()
+                if asyncio.get_running_loop().time() - self._last_sweep > SWEEP_EVERY_S:
+                    await self._sweep()
                 for msg in batch:
                     try:
                         await self._on_message(msg)
@@ -258,6 +279,11 @@ class ArtifactStore:
         for d in [d for d in self._deliveries.values() if now - d.touched > IDLE_CHECK_S]:
             d.touched = now
             try:
+                info = await read_info(self.js, self.names, d.key.job_id, d.key.kind.value)
+                if info is not None and not info.deleted and is_committed_by(info.nuid, d.key):
+                    # Another store (a replica) committed it.
+                    await self._discard(d)
+                    continue
                 why = refusal(await self._job(d.key.job_id), d.key)
                 if why is not None:
                     self.logger.warning(Event.ARTIFACT_REJECTED, job_id=d.key.job_id,
@@ -266,6 +292,37 @@ class ArtifactStore:
                     await self._discard(d)
             except Exception as e:
                 self.logger.warning(Event.NATS_ERROR, job_id=d.key.job_id, error=repr(e))
+
+    async def _sweep(self) -> None:
+        """Purge object chunks that a store which died mid-write left behind."""
+        loop = asyncio.get_running_loop()
+        self._last_sweep = loop.time()
+        stream = object_stream(self.names)
+        bucket = self.names.artifacts_bucket
+        try:
+            chunks = await self.js.stream_info(stream, subjects_filter=f"$O.{bucket}.C.>")
+            metas = await self.js.stream_info(stream, subjects_filter=f"$O.{bucket}.M.>")
+            committed: set[str] = set()
+            for subject in metas.state.subjects or {}:
+                raw = await self.js.get_last_msg(stream, subject)
+                info = decode_info(raw.data or b"")
+                if info is not None and not info.deleted:
+                    committed.add(object_chunk_subject(self.names, info.nuid))
+            writing = {d.chunks for d in self._deliveries.values()}
+            ages_s: dict[str, float] = {}
+            wall_now = dt.datetime.now(dt.UTC)
+            for subject in chunks.state.subjects or {}:
+                if subject in committed or subject in writing:
+                    continue
+                raw = await self.js.get_last_msg(stream, subject)
+                ages_s[subject] = (wall_now - raw.time).total_seconds() if raw.time else 0.0
+            for subject in orphans(ages_s, committed, writing, min_age_s=self._orphan_age_s):
+                self.logger.info(Event.ARTIFACT_REJECTED, error=f"purged leftover {subject}")
+                await self.js.purge_stream(stream, subject=subject)
+        except nats.js.errors.NotFoundError:
+            return
+        except nats.errors.Error as e:
+            self.logger.warning(Event.NATS_ERROR, error=f"sweeping leftovers: {e!r}")
 
     async def _fetch(self, batches: asyncio.Queue[list[Msg]]) -> None:
         assert self._sub is not None
@@ -386,7 +443,7 @@ class ArtifactStore:
         job = await self._job(key.job_id)
         # Already committed (a store that died after the commit, before the purge)?
         info = await read_info(self.js, self.names, key.job_id, key.kind.value)
-        if info is not None and not info.deleted and info.nuid == object_chunk_token(key):
+        if info is not None and not info.deleted and is_committed_by(info.nuid, key):
             self.logger.info(Event.ARTIFACT_STORED, job_id=key.job_id, kind=key.kind.value,
                              message="already stored; finishing its clean-up")  # fmt: skip
             if job is not None and key.kind not in job.artifacts_stored:
@@ -404,14 +461,12 @@ class ArtifactStore:
             self._remember(key)
             return None
         assert job is not None
-        # Chunks a dead store half-wrote under this object's fixed name.
-        await self.js.purge_stream(
-            object_stream(self.names), subject=chunk_subject(self.names, key)
-        )
         hasher = ThreadedSha256()
+        nuid = object_chunk_token(key, secrets.token_hex(8))
         d = _Delivery(
-            key=key, subject=chunk.subject, assembly=Assembly(key, hasher=hasher),
-            hasher=hasher, job=job,
+            key=key, subject=chunk.subject, nuid=nuid,
+            chunks=object_chunk_subject(self.names, nuid),
+            assembly=Assembly(key, hasher=hasher), hasher=hasher, job=job,
         )  # fmt: skip
         self._deliveries[key] = d
         await self._read_back(d, upto_seq)
@@ -461,7 +516,7 @@ class ArtifactStore:
             if not ready:
                 continue
             d.max_chunk = max(d.max_chunk, len(ready))
-            d.writes.append(await self._pub.publish(chunk_subject(self.names, d.key), ready))
+            d.writes.append(await self._pub.publish(d.chunks, ready))
             d.chunks_written += 1
             while len(d.writes) >= WRITE_WINDOW:
                 await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
@@ -501,7 +556,7 @@ class ArtifactStore:
         info = object_info(
             self.names, key, whole,
             chunks=d.chunks_written, chunk_bytes=max(d.max_chunk, 1),
-            base_model=job.model, now=dt.datetime.now(dt.UTC),
+            base_model=job.model, now=dt.datetime.now(dt.UTC), nuid=d.nuid,
         )  # fmt: skip
         await self.js.publish(
             object_meta_subject(self.names, key.job_id, key.kind.value),
@@ -524,9 +579,8 @@ class ArtifactStore:
         await self._close(d)
 
     async def _stored_chunks(self, d: _Delivery) -> int:
-        subject = chunk_subject(self.names, d.key)
-        info = await self.js.stream_info(object_stream(self.names), subjects_filter=subject)
-        return int((info.state.subjects or {}).get(subject, 0))
+        info = await self.js.stream_info(object_stream(self.names), subjects_filter=d.chunks)
+        return int((info.state.subjects or {}).get(d.chunks, 0))
 
     async def _last_seq(self, subject: str) -> int:
         try:
@@ -576,9 +630,7 @@ class ArtifactStore:
         while d.writes:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
-        await self.js.purge_stream(
-            object_stream(self.names), subject=chunk_subject(self.names, d.key)
-        )
+        await self.js.purge_stream(object_stream(self.names), subject=d.chunks)
         await self._purge_delivery(d.subject, d.assembly.stream_seq)
         await self._close(d)
 
@@ -597,10 +649,13 @@ class ArtifactStore:
         if d is None:
             return
         d.hasher.close()
-        # Let in-flight object writes land, so that the next attempt's purge removes them.
+        # Let in-flight object writes land, then remove them (the next try
+        # writes under a new nuid); what a failed purge leaves, the sweep takes.
         while d.writes:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(d.writes.popleft(), WRITE_ACK_TIMEOUT_S)
+        with contextlib.suppress(Exception):
+            await self.js.purge_stream(object_stream(self.names), subject=d.chunks)
         for m in d.held:
             with contextlib.suppress(Exception):
                 await m.nak(delay=2.0)
@@ -616,6 +671,19 @@ class ArtifactStore:
         if upto_seq:
             kwargs["seq"] = upto_seq + 1
         await self.js.purge_stream(self.names.artifacts_stream, **kwargs)
+
+
+def orphan_age_s() -> float:
+    raw = os.environ.get(ORPHAN_AGE_ENV, "")
+    if not raw:
+        return ORPHAN_AGE_S
+    try:
+        value = float(raw)
+    except ValueError:
+        raise SettingsError(f"{ORPHAN_AGE_ENV}={raw!r} is not a number of seconds") from None
+    if value < 0:
+        raise SettingsError(f"{ORPHAN_AGE_ENV} must be >= 0 seconds")
+    return value
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
