@@ -26,8 +26,9 @@ Then, each in a fresh process (so that peak memory is its own):
   same gradient checkpointing setting.
 
 tokens/s is measured over the steps after the first --warmup-steps (default
-5): the trainer's from its step lines, the baseline's from a callback that
-synchronizes the card at the step boundaries. Peak MiB is torch's peak
+5), from the end of one step to the end of the next (so making batches
+counts): the trainer's from its step lines, the baseline's from a callback
+that synchronizes the card at each step's end. Peak MiB is torch's peak
 reserved memory on the card (peak RSS on the CPU).
 
 It prints one JSON summary on stdout (progress on stderr). Without CUDA (and
@@ -38,9 +39,11 @@ from __future__ import annotations
 
 import argparse
 import hashlib
+import itertools
 import json
 import random
 import resource
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -167,9 +170,11 @@ def run_lorafleet(work: Path, args: argparse.Namespace, sha: str) -> dict[str, A
     done = next(x for x in lines if x["event"] == "done")["summary"]
     tokens_per_step = args.batch_size * args.seq_len
     timed = steps[args.warmup_steps :]
-    seconds = sum(tokens_per_step / s["tokens_per_s"] for s in timed)
+    step_s = [tokens_per_step / s["tokens_per_s"] for s in timed]
     return {
-        "tokens_per_s": round(len(timed) * tokens_per_step / seconds, 1),
+        "tokens_per_s": round(len(timed) * tokens_per_step / sum(step_s), 1),
+        # A median step is what a stall of the machine does not move.
+        "tokens_per_s_median_step": round(tokens_per_step / statistics.median(step_s), 1),
         "peak_mib": max(s["peak_mib"] for s in steps),
         "final_loss": steps[-1]["loss"],
         "first_loss": steps[0]["loss"],
@@ -234,21 +239,21 @@ def run_baseline(work: Path) -> None:
             task_type="CAUSAL_LM",
         ),
     )
-    marks: dict[str, float] = {}
+    ends: list[float] = []
 
     def sync() -> None:
         if cuda:
             torch.cuda.synchronize()
 
     class Clock(TrainerCallback):  # type: ignore[misc]
-        def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
-            if state.global_step == cfg["warmup_steps"]:
-                sync()
-                marks["start"] = time.perf_counter()
+        """From the end of the last warm-up step to the end of the last step: what
+        happens between steps (fetching and collating the batch) counts, as it
+        does in the trainer's own step times."""
 
         def on_step_end(self, args: Any, state: Any, control: Any, **kw: Any) -> None:
             sync()
-            marks["end"] = time.perf_counter()
+            if state.global_step >= cfg["warmup_steps"]:
+                ends.append(time.perf_counter())
 
     targs = TrainingArguments(
         output_dir=str(work / "hf"),
@@ -279,7 +284,8 @@ def run_baseline(work: Path) -> None:
     t0 = time.perf_counter()
     out = trainer.train()
     wall = time.perf_counter() - t0
-    timed = cfg["steps"] - cfg["warmup_steps"]
+    step_s = [b - a for a, b in itertools.pairwise(ends)]
+    tokens_per_step = cfg["batch_size"] * cfg["seq_len"]
     peak = (
         int(torch.cuda.max_memory_reserved() // (1 << 20))
         if cuda
@@ -288,9 +294,8 @@ def run_baseline(work: Path) -> None:
     print(
         json.dumps(
             {
-                "tokens_per_s": round(
-                    timed * cfg["batch_size"] * cfg["seq_len"] / (marks["end"] - marks["start"]), 1
-                ),
+                "tokens_per_s": round(len(step_s) * tokens_per_step / sum(step_s), 1),
+                "tokens_per_s_median_step": round(tokens_per_step / statistics.median(step_s), 1),
                 "peak_mib": peak,
                 "train_loss": out.training_loss,
                 "dtype": dtype,
@@ -394,6 +399,9 @@ def main() -> None:
         "lorafleet": ours,
         "hf_trainer": hf,
         "tokens_per_s_ratio": round(ours["tokens_per_s"] / hf["tokens_per_s"], 3),
+        "median_step_tokens_per_s_ratio": round(
+            ours["tokens_per_s_median_step"] / hf["tokens_per_s_median_step"], 3
+        ),
         "peak_mib_ratio": round(ours["peak_mib"] / hf["peak_mib"], 3),
     }
     say(
