@@ -394,3 +394,49 @@ async def test_an_abandoned_delivery_is_cleaned_up_once_its_job_is_over(
     await until(lambda: artifacts_stream_empty(nc), "the abandoned chunks to be purged")
     assert await object_chunks(nc) == 0
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
+
+
+async def test_two_replicas_share_the_work_and_store_each_artifact_exactly(
+    nc: Client,
+    settings: Settings,
+    recorder: ServiceProcess,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr(service, "IDLE_CHECK_S", 0.5)
+    replicas = []
+    clients = []
+    for i in range(2):
+        client = await connect(settings, f"artifact-store-{i}")
+        clients.append(client)
+        replicas.append(ArtifactStore(client, settings))
+        await replicas[-1].start()
+    try:
+        jobs = [await dispatched_job(nc, N, node=f"n{i}", engine="vllm") for i in range(3)]
+        datas = [random.Random(50 + i).randbytes(2_000_000 + i) for i in range(3)]
+        js = nc.jetstream()
+        for job, data in zip(jobs, datas, strict=True):
+            p = tmp_path / f"r-{job.id}"
+            p.write_bytes(data)
+            await deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
+                          kind=ArtifactKind.PEFT, path=p, chunk_bytes=64 * 1024)  # fmt: skip
+        for job, data in zip(jobs, datas, strict=True):
+
+            async def done(job_id: str = job.id) -> bool:
+                return (await get_job(nc, N, job_id)).state is JobState.DONE
+
+            await until(done, f"job {job.id} done")
+            assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
+        expected = sum(-(-len(d) // (64 * 1024)) for d in datas) + len(datas)
+
+        async def only_committed_chunks() -> bool:
+            return await object_chunks(nc) == expected
+
+        # A replica that saw part of a delivery the other committed gives its copy up.
+        await until(only_committed_chunks, "the replicas' partial copies to be given up")
+        await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+    finally:
+        for r in replicas:
+            await r.close()
+        for c in clients:
+            await drain_quietly(c)
