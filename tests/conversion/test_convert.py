@@ -156,3 +156,16 @@ def test_what_llamacpp_cannot_express_is_refused_before_converting(
 def test_a_missing_adapter_config_says_so(tmp_path: Path) -> None:
     with pytest.raises(ConversionError, match="not a PEFT adapter"):
         check_adapter(tmp_path)
+
+
+async def test_a_conversion_cancelled_before_it_starts_runs_nothing(
+    fetched: AgentConfig, tiny: dict[str, Tiny], tmp_path: Path
+) -> None:
+    record = tmp_path / "record.txt"
+    env = environment(tmp_path, recording_python(tmp_path / "python", record))
+    cancel = asyncio.Event()
+    cancel.set()
+    out = tmp_path / "out" / "adapter.gguf"
+    with pytest.raises(ConversionCancelledError):
+        await convert_to_gguf(fetched, env, tiny["qwen2"].adapter, tiny["qwen2"].base, out, cancel)
+    assert not record.exists() and not out.exists()

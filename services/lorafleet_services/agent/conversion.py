@@ -351,6 +351,8 @@ async def convert_to_gguf(
     check_adapter(adapter_dir)
     tag = find_llamacpp_tag(cfg)
     code = await ensure_conversion_code(cfg, tag)
+    if cancel is not None and cancel.is_set():
+        raise ConversionCancelledError("the GGUF conversion was cancelled")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     # The converter's cwd and output live beside out_file (same filesystem,
     # so the final rename is atomic) and are handed to the engines' user.
