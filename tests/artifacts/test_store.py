@@ -440,3 +440,21 @@ async def test_two_replicas_share_the_work_and_store_each_artifact_exactly(
             await r.close()
         for c in clients:
             await drain_quietly(c)
+
+
+async def test_a_zero_byte_artifact_is_stored_and_downloads(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    job = await dispatched_job(nc, N, engine="vllm")
+    empty = tmp_path / "empty"
+    empty.write_bytes(b"")
+    await deliver(nc.jetstream(), N, node="n1", job_id=job.id, attempt=job.attempt,
+                  kind=ArtifactKind.PEFT, path=empty)  # fmt: skip
+
+    async def done() -> bool:
+        return (await get_job(nc, N, job.id)).state is JobState.DONE
+
+    await until(done, "the job to be done")
+    got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
+    assert (got["size"], got["sha256"]) == (0, hashlib.sha256(b"").hexdigest())
+    assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == b""
