@@ -233,7 +233,15 @@ def start_requests(agent: ServiceProcess) -> list[str]:
 
 
 @pytest.fixture
-async def stack(nats_server: NatsServer, pg_url: str, tmp_path: Path) -> AsyncIterator[Stack]:
+def stack_settings() -> dict[str, Any]:
+    """Settings the stack runs with; a test module overrides this fixture to change them."""
+    return {}
+
+
+@pytest.fixture
+async def stack(
+    nats_server: NatsServer, pg_url: str, tmp_path: Path, stack_settings: dict[str, Any]
+) -> AsyncIterator[Stack]:
     """Recorder (PostgreSQL), one scheduler and the artifact-store when it exists;
     agents are started by the test (`await stack.agent("node-1")`)."""
     settings = Settings(
@@ -243,7 +251,7 @@ async def stack(nats_server: NatsServer, pg_url: str, tmp_path: Path) -> AsyncIt
         heartbeat_s=0.5,
         node_timeout_s=3,
         request_timeout_s=3.0,
-    )
+    ).with_(**stack_settings)
     nc = await bus.connect(settings, "system-test")
     js = nc.jetstream()
     await bus.ensure_layout(js, bus.layout_for(settings))
