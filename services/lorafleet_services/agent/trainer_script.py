@@ -562,15 +562,19 @@ class Batch:
 
 
 def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
+    """A micro-batch on `device`. For a card the tensors are made in pinned host
+    memory and copied without blocking: a copy from ordinary memory would wait
+    for the card to finish the work queued before it, and the next step's
+    batches are made while the card still runs this one (see train_steps)."""
     import torch
 
     ids, mask, labels = collate(encoded, pad_id)
-    return Batch(
-        input_ids=torch.tensor(ids, dtype=torch.long, device=device),
-        attention_mask=torch.tensor(mask, dtype=torch.long, device=device),
-        labels=torch.tensor(labels, dtype=torch.long, device=device),
-        tokens=sum(len(e.input_ids) for e in encoded),
-    )
+    t_ids, t_mask, t_labels = (torch.tensor(x, dtype=torch.long) for x in (ids, mask, labels))
+    if device.type == "cuda":
+        t_ids, t_mask, t_labels = (
+            t.pin_memory().to(device, non_blocking=True) for t in (t_ids, t_mask, t_labels)
+        )
+    return Batch(t_ids, t_mask, t_labels, tokens=sum(len(e.input_ids) for e in encoded))
 
 
 # --- training ---------------------------------------------------------------
@@ -616,13 +620,16 @@ def train_steps(
 ) -> None:
     """Run optimizer steps from `steps_plan` ((epoch, micro-batches) per step).
 
-    The only host sync per step is the loss's .item(), after the optimizer step.
+    The only host sync per step is the loss's .item(), after the optimizer step
+    and after the next step's batches are made (they overlap the card's work).
     A step's time runs from the end of the one before, so that making its
     batches and reporting count too (tokens/s is what the job really gets).
     """
     model, opt, sched, scaler = loop.model, loop.optimizer, loop.scheduler, loop.scaler
     t0 = time.perf_counter()
-    for epoch, micro in steps_plan:
+    upcoming = next(steps_plan, None)
+    while upcoming is not None:
+        epoch, micro = upcoming
         lr = sched.get_last_lr()[0]
         n = len(micro)
         total = None
@@ -643,6 +650,9 @@ def train_steps(
             opt.step()
         sched.step()
         opt.zero_grad(set_to_none=True)
+        # On a card all of the above is only queued: make the next step's
+        # batches now, while it runs, then wait for the loss.
+        upcoming = next(steps_plan, None)
         assert total is not None
         step_loss = float(total.item())
         if not math.isfinite(step_loss):
