@@ -43,7 +43,12 @@ def _children_cpu_s() -> float:
 
 
 def _convert(script: str, args: list[str], code: Path, cwd: Path) -> None:
-    env = {"PYTHONPATH": f"{code / 'gguf-py'}:{code}", "HF_HUB_OFFLINE": "1", "PATH": "/usr/bin"}
+    env = {
+        "PYTHONPATH": f"{code / 'gguf-py'}:{code}",
+        "HF_HUB_OFFLINE": "1",
+        "PATH": "/usr/bin",
+        "PYTHONDONTWRITEBYTECODE": "1",  # the cached source stays as released
+    }
     subprocess.run(
         [sys.executable, str(code / script), *args],
         check=True,

@@ -157,7 +157,7 @@ def release_tarball() -> Path:
             with tarfile.open(tmp, "w:gz", compresslevel=1) as tf:
                 for p in sorted(src.rglob("*")):
                     rel = p.relative_to(src)
-                    if rel.parts[0] == ".complete":
+                    if rel.parts[0] == ".complete" or "__pycache__" in rel.parts:
                         continue
                     tf.add(p, arcname=f"llama.cpp-{TAG}/{rel.as_posix()}", recursive=False)
             os.replace(tmp, path)
