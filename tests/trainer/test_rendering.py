@@ -157,3 +157,18 @@ def test_a_record_the_template_refuses_is_named_by_its_line(
         trainer_module.encode_records(tok, template, [(1, ok), (4, bad)], ([0, 1], []), 64)
     assert str(e.value).startswith("data line 4 cannot be rendered with the model's chat template")
     assert "System role not supported" in str(e.value)
+
+
+def test_a_batch_without_padding_carries_no_mask(trainer_module: ModuleType) -> None:
+    import torch
+
+    enc = trainer_module.Encoded
+    cpu = torch.device("cpu")
+    same = trainer_module.to_batch([enc([1, 2], [IGNORE, 2], False)] * 2, 0, cpu)
+    assert same.attention_mask is None and same.tokens == 4
+    assert same.input_ids.tolist() == [[1, 2], [1, 2]]
+    ragged = trainer_module.to_batch(
+        [enc([1, 2], [IGNORE, 2], False), enc([3], [3], False)], 0, cpu
+    )
+    assert ragged.attention_mask.tolist() == [[1, 1], [1, 0]] and ragged.tokens == 3
+    assert ragged.labels.tolist() == [[IGNORE, 2], [3, IGNORE]]

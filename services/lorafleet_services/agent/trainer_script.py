@@ -556,6 +556,7 @@ class Batch:
     """A micro-batch as tensors on the training device."""
 
     input_ids: Any
+    #: None when no record in the batch is padded.
     attention_mask: Any
     labels: Any
     tokens: int
@@ -574,7 +575,15 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
         t_ids, t_mask, t_labels = (
             t.pin_memory().to(device, non_blocking=True) for t in (t_ids, t_mask, t_labels)
         )
-    return Batch(t_ids, t_mask, t_labels, tokens=sum(len(e.input_ids) for e in encoded))
+    # Without padding no mask is needed, and none spares transformers a check of
+    # the mask's values that would wait for the card on every forward.
+    no_padding = len({len(e.input_ids) for e in encoded}) == 1
+    return Batch(
+        t_ids,
+        None if no_padding else t_mask,
+        t_labels,
+        tokens=sum(len(e.input_ids) for e in encoded),
+    )
 
 
 # --- training ---------------------------------------------------------------
