@@ -5,6 +5,7 @@ tarballs that try to write outside their directory."""
 from __future__ import annotations
 
 import io
+import shutil
 import socket
 import tarfile
 from pathlib import Path
@@ -18,6 +19,7 @@ from lorafleet_services.agent.conversion import (
     conversion_dir,
     ensure_conversion_code,
     find_llamacpp_tag,
+    local_conversion_source,
 )
 from tests.conversion import llamacpp_source
 from tests.conversion.conftest import SourceServer
@@ -249,3 +251,32 @@ async def test_an_interrupted_earlier_fetch_is_replaced(tmp_path: Path) -> None:
     code = await ensure_conversion_code(cfg, "b7")
     assert (code / COMPLETE_MARKER).is_file()
     assert not (code / "gguf-py" / "half-written.py").exists()
+
+
+# ------------------------------------------- the demo's source from PyPI
+
+
+async def test_the_pypi_sdist_becomes_a_release_source(tmp_path: Path) -> None:
+    # The sdist is put there beforehand (as pip would): the download itself is
+    # what llamacpp_source.sdist() does once per cache.
+    shutil.copy(llamacpp_source.sdist(), tmp_path / llamacpp_source.SDIST_NAME)
+    source, tag = await local_conversion_source(tmp_path)
+    assert (source, tag) == (str(tmp_path / "{tag}.tar.gz"), TAG)
+    tarball = tmp_path / f"{TAG}.tar.gz"
+    made = tarball.stat().st_mtime_ns
+    assert await local_conversion_source(tmp_path) == (source, tag)
+    assert tarball.stat().st_mtime_ns == made
+
+    code = await ensure_conversion_code(config(tmp_path, conversion_source=source), tag)
+    src = llamacpp_source.source_dir()
+    for rel in ("convert_lora_to_gguf.py", "convert_hf_to_gguf.py", "conversion/qwen.py"):
+        assert (code / rel).read_bytes() == (src / rel).read_bytes()
+    assert (code / "gguf-py" / "gguf" / "gguf_reader.py").is_file()
+
+
+async def test_a_pypi_sdist_with_another_sha256_is_refused(tmp_path: Path) -> None:
+    sdist = tmp_path / llamacpp_source.SDIST_NAME
+    sdist.write_bytes(b"not the sdist")
+    with pytest.raises(ConversionError, match="not the pinned"):
+        await local_conversion_source(tmp_path)
+    assert not sdist.exists()

@@ -12,17 +12,23 @@ path leaving its directory among them refuses the whole tarball.
 `convert_to_gguf` runs that release's `convert_lora_to_gguf.py` in the
 engine's Python, as the engines' user, with the release's own gguf-py first
 on PYTHONPATH, always with `--base <base dir>` and `--outtype f16`.
-See docs/gguf-conversion.md.
+
+`local_conversion_source` makes a release-shaped source from llama-cpp-python's
+sdist on PyPI (which vendors llama.cpp), for the demo on a machine without
+llama.cpp. See docs/gguf-conversion.md.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import hashlib
 import json
 import os
 import re
 import shutil
+import subprocess
+import sys
 import tarfile
 import tempfile
 import urllib.error
@@ -400,3 +406,78 @@ async def convert_to_gguf(
         return out_file
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+# ------------------------------------------------- a source for the demo
+
+#: llama-cpp-python's source distribution on PyPI vendors llama.cpp; this one
+#: carries ggml-org/llama.cpp@0c1e57098, release b11312 (the vendored copy has
+#: no git, so the tag comes from its CHANGELOG's commit).
+PYPI_SDIST = "llama-cpp-python==0.3.36"
+PYPI_SDIST_FILE = "llama_cpp_python-0.3.36.tar.gz"
+PYPI_SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
+PYPI_SDIST_TAG = "b11312"
+_VENDORED = "llama_cpp_python-0.3.36/vendor/llama.cpp/"
+#: Seconds pip may take to fetch the sdist (it also prepares its metadata).
+PIP_DOWNLOAD_TIMEOUT_S = 600.0
+
+
+async def local_conversion_source(directory: Path) -> tuple[str, str]:
+    """(conversion_source, llamacpp_tag) for a machine without llama.cpp
+    installed (the demo): llama-cpp-python's sdist (PYPI_SDIST) is fetched
+    with pip into `directory` (once; checked against PYPI_SDIST_SHA256) and
+    its llama.cpp's conversion code repacked there as `<tag>.tar.gz`, the
+    shape of a release tarball, so the agent's own fetch path reads it."""
+    return await asyncio.to_thread(_local_conversion_source, directory)
+
+
+def _local_conversion_source(directory: Path) -> tuple[str, str]:
+    directory.mkdir(parents=True, exist_ok=True)
+    tarball = directory / f"{PYPI_SDIST_TAG}.tar.gz"
+    if not tarball.is_file():
+        sdist = directory / PYPI_SDIST_FILE
+        if not sdist.is_file():
+            _pip_download(directory)
+        digest = hashlib.sha256()
+        with sdist.open("rb") as f:
+            while chunk := f.read(_CHUNK_BYTES):
+                digest.update(chunk)
+        if digest.hexdigest() != PYPI_SDIST_SHA256:
+            sdist.unlink()
+            raise ConversionError(
+                f"{PYPI_SDIST_FILE} from PyPI has sha256 {digest.hexdigest()}, not the pinned "
+                f"{PYPI_SDIST_SHA256}; removed it, try again"
+            )
+        partial = tarball.with_suffix(".partial")
+        top = f"llama.cpp-{PYPI_SDIST_TAG}/"
+        with tarfile.open(sdist) as src, tarfile.open(partial, "w:gz") as out:
+            for member in src:
+                if not member.name.startswith(_VENDORED):
+                    continue
+                rel = PurePosixPath(member.name[len(_VENDORED) :])
+                if not _kept(rel) or "__pycache__" in rel.parts:
+                    continue
+                data = src.extractfile(member) if member.isreg() else None
+                member.name = top + rel.as_posix()
+                out.addfile(member, data)
+        os.replace(partial, tarball)
+    return str(directory / "{tag}.tar.gz"), PYPI_SDIST_TAG
+
+
+def _pip_download(directory: Path) -> None:
+    with tempfile.TemporaryDirectory(dir=directory) as tmp:
+        cmd = [sys.executable, "-m", "pip", "download", "--quiet", "--no-deps"]
+        cmd += ["--no-binary", ":all:", PYPI_SDIST, "-d", tmp]
+        try:
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=PIP_DOWNLOAD_TIMEOUT_S
+            )
+        except (OSError, subprocess.TimeoutExpired) as e:
+            raise ConversionError(f"fetching {PYPI_SDIST} with pip failed ({e})") from None
+        if done.returncode != 0:
+            tail = " | ".join(done.stderr.strip().splitlines()[-3:])
+            raise ConversionError(
+                f"fetching {PYPI_SDIST} from PyPI with pip failed: {tail}; this needs PyPI "
+                "reachable (or put the sdist into the directory yourself)"
+            )
+        os.replace(Path(tmp) / PYPI_SDIST_FILE, directory / PYPI_SDIST_FILE)
