@@ -23,7 +23,10 @@ Then, each in a fresh process (so that peak memory is its own):
   (rank 16, alpha 32, dropout 0.05, all-linear), AdamW (torch), constant
   learning rate 2e-4, no gradient clipping (the trainer does none), the same
   dtype (bf16 on cards that have it, else fp16; fp32 on the CPU) and the
-  same gradient checkpointing setting.
+  same gradient checkpointing setting. Its collator passes an attention
+  mask, as Hugging Face's collators do; the trainer leaves it out of batches
+  that have no padding (all of them here), which spares transformers a
+  check that waits for the card on every forward: part of what is measured.
 
 tokens/s is measured over the steps after the first --warmup-steps (default
 5), from the end of one step to the end of the next (so making batches
