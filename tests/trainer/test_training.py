@@ -286,3 +286,38 @@ def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_
                 p.wait()
     assert rest[-1] == {"event": "error", "message": "stopped by SIGTERM"}
     assert not (tmp_path / "j" / "out" / "adapter").exists()
+
+
+def test_the_same_job_trains_the_same_way(
+    tiny_model: Callable[[str], Path],
+    trainer_module: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Seeded: two runs of one job (in this process, to spare the imports) print
+    the same losses, and another seed does not."""
+    import io
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+
+    def losses(name: str, seed: int) -> list[float]:
+        job = write_job(
+            tmp_path / name,
+            tiny_model("llama"),
+            data=ndjson(qa_records()),
+            params={"max_steps": 3, "batch_size": 4, "learning_rate": 0.01, "seed": seed},
+        )
+        out = io.StringIO()
+        monkeypatch.setattr(trainer_module, "_out", out)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
+            assert trainer_module.run(job) == 0
+        lines = [json.loads(x) for x in out.getvalue().splitlines()]
+        return [x["loss"] for x in lines if x["event"] == "step"] + [
+            x["eval_loss"] for x in lines if x["event"] == "eval"
+        ]
+
+    first = losses("a", 1)
+    assert len(first) == 4
+    assert losses("b", 1) == first
+    assert losses("c", 2) != first
