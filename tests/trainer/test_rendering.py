@@ -6,6 +6,7 @@ from __future__ import annotations
 import ast
 import subprocess
 import sys
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -172,3 +173,17 @@ def test_a_batch_without_padding_carries_no_mask(trainer_module: ModuleType) -> 
     )
     assert ragged.attention_mask.tolist() == [[1, 1], [1, 0]] and ragged.tokens == 3
     assert ragged.labels.tolist() == [[IGNORE, 2], [3, IGNORE]]
+
+
+def test_data_lines_bom_crlf_and_blank_lines(trainer_module: ModuleType, tmp_path: Path) -> None:
+    import hashlib
+
+    data = b'\xef\xbb\xbf{"q": "a", "a": "b"}\r\n\r\n{"q": "c", "a": "d"}\r\n  \n'
+    path = tmp_path / "data.jsonl"
+    path.write_bytes(data)
+    numbered = trainer_module.load_numbered_records(path, hashlib.sha256(data).hexdigest())
+    assert [n for n, _ in numbered] == [1, 3]
+    assert numbered[1][1][1] == {"role": "assistant", "content": "d"}
+    path.write_bytes(b'{"q": "a", "a": "b"}\n\xff\n')
+    with pytest.raises(trainer_module.BadInputError, match="data line 2 is not UTF-8"):
+        trainer_module.load_records(path, hashlib.sha256(path.read_bytes()).hexdigest())

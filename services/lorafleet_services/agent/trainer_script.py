@@ -388,7 +388,8 @@ def load_numbered_records(path: Path, want_sha256: str) -> list[tuple[int, Conve
     with path.open("rb") as f:
         for lineno, raw in enumerate(f, 1):
             try:
-                line = raw.decode("utf-8")
+                # A byte-order mark some editors write is not part of the record.
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
             except UnicodeDecodeError:
                 raise BadInputError(f"data line {lineno} is not UTF-8") from None
             if line.strip():
