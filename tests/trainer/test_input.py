@@ -78,9 +78,8 @@ def test_eval_fraction_that_leaves_nothing_to_train_on(
         ('{"messages": []}', "data line 3: messages must be a non-empty list"),
         ('{"messages": [{"role": "bot", "content": "hi"}]}', "data line 3: messages[0]"),
         (
-            '{"messages": [{"role": "assistant", "content": "a"}, '
-            '{"role": "user", "content": "q"}]}',
-            "data line 3: the last message must be the assistant's answer",
+            '{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "q"}]}',
+            "data line 3: messages has no assistant message",
         ),
     ],
 )

@@ -87,8 +87,10 @@ def test_every_assistant_turn_is_trained_and_nothing_else(
         {"role": "assistant", "content": "Hello!"},
         {"role": "user", "content": "Again."},
         {"role": "assistant", "content": "Hello again!"},
+        {"role": "user", "content": "Thanks."},
     ]
     enc = trainer_module.encode_conversation(tok, tok.chat_template, conv, 1024)
+    # A turn after the last answer is context only.
     assert _trained_text(tok, enc) == "Hello!</s>\nHello again!</s>\n"
     assert tok.decode(enc.input_ids) == tok.apply_chat_template(conv, tokenize=False)
 

@@ -17,8 +17,9 @@ The job file (JSON object; every key required unless a default is given)
                  directory holding config.json, tokenizer files and *.safetensors.
     data_path    str: NDJSON, one record a line: {"q": str, "a": str} or
                  {"messages": [{"role": "system"|"user"|"assistant",
-                 "content": str}, ...]} (at least one assistant message, the
-                 last message the assistant's). Blank lines are skipped.
+                 "content": str}, ...]} (at least one assistant message; every
+                 assistant message is trained on, turns after the last one are
+                 context only). Blank lines are skipped.
     data_sha256  str: lowercase hex sha256 of the data file; a mismatch is refused.
     out_dir      str: the adapter goes to <out_dir>/adapter.
     params       object: the TrainerParams fields (lorafleet_schemas.messages),
@@ -358,8 +359,10 @@ def parse_record(line: str, lineno: int) -> Conversation:
                     '"content": a string}'
                 )
             conv.append({"role": m["role"], "content": m["content"]})
-        if conv[-1]["role"] != "assistant":
-            raise BadInputError(f"{where}: the last message must be the assistant's answer")
+        if not any(m["role"] == "assistant" for m in conv):
+            raise BadInputError(
+                f"{where}: messages has no assistant message; there is nothing to learn from it"
+            )
         return conv
     q, a = rec.get("q"), rec.get("a")
     if set(rec) != {"q", "a"} or not isinstance(q, str) or not isinstance(a, str):
