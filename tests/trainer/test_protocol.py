@@ -6,11 +6,12 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import msgspec
 import pytest
 
-from lorafleet_schemas.messages import TrainerLine
+from lorafleet_schemas.messages import TrainerLine, TrainerParams
 from tests.trainer.harness import TrainerRun, ndjson, qa_records, run_trainer, write_job
 
 
@@ -72,3 +73,16 @@ def test_a_schema_field_the_trainer_would_drop_fails_the_check() -> None:
     wrong = '{"event":"step","step":1,"steps":2,"loss":"low"}'
     with pytest.raises(msgspec.ValidationError):
         _decode_strictly(TrainerRun(0, [wrong], [json.loads(wrong)], ""))
+
+
+def test_the_trainers_parameters_are_the_schemas(trainer_module: ModuleType) -> None:
+    """Params (the script's copy: it cannot import the schemas) has every
+    TrainerParams field with the same default, and accepts what it encodes."""
+    import dataclasses
+
+    ours = {f.name: f.default for f in dataclasses.fields(trainer_module.Params)}
+    theirs = msgspec.to_builtins(TrainerParams())
+    assert ours == theirs
+    assert dataclasses.asdict(trainer_module.parse_params(theirs)) == theirs
+    bounded = TrainerParams(rank=1024, dropout=0.0, epochs=1000, max_seq_len=8, eval_fraction=0)
+    trainer_module.parse_params(msgspec.to_builtins(bounded))
