@@ -86,3 +86,29 @@ def test_the_trainers_parameters_are_the_schemas(trainer_module: ModuleType) -> 
     assert dataclasses.asdict(trainer_module.parse_params(theirs)) == theirs
     bounded = TrainerParams(rank=1024, dropout=0.0, epochs=1000, max_seq_len=8, eval_fraction=0)
     trainer_module.parse_params(msgspec.to_builtins(bounded))
+
+
+def test_running_out_of_card_memory_says_what_to_change(
+    trainer_module: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    import io
+
+    import torch
+
+    def oom(job_path: Path) -> int:
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    out = io.StringIO()
+    monkeypatch.setattr(trainer_module, "run", oom)
+    monkeypatch.setattr(trainer_module, "_own_stdout", lambda: None)
+    monkeypatch.setattr(trainer_module, "_out", out)
+    monkeypatch.setattr(trainer_module.signal, "signal", lambda *a: None)
+    monkeypatch.setattr(trainer_module.warnings, "filterwarnings", lambda *a, **k: None)
+    assert trainer_module.main(["trainer_script.py", str(tmp_path / "job.json")]) == 1
+    last = json.loads(out.getvalue().splitlines()[-1])
+    assert last == {
+        "event": "error",
+        "message": "the card ran out of memory (CUDA out of memory); lower batch_size or "
+        "max_seq_len (raising gradient_accumulation keeps the batch), or turn on "
+        "gradient_checkpointing",
+    }

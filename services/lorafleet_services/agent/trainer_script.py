@@ -1114,8 +1114,16 @@ def main(argv: list[str]) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
+        message = f"{type(e).__name__}: {e}"
+        if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
+            first = str(e).split(".")[0]
+            message = (
+                f"the card ran out of memory ({first}); lower batch_size or max_seq_len "
+                "(raising gradient_accumulation keeps the batch), or turn on "
+                "gradient_checkpointing"
+            )
         with contextlib.suppress(Exception):
-            emit("error", message=f"{type(e).__name__}: {e}")
+            emit("error", message=message)
         return 1
 
 
