@@ -63,7 +63,14 @@ elsewhere). Records longer than max_seq_len are cut and counted; a record with
 no answer token left after the cut is skipped and counted.
 
 What it writes: <out_dir>/adapter/{adapter_model.safetensors,
-adapter_config.json, chat_template.jinja, training_summary.json}.
+adapter_config.json, chat_template.jinja, training_summary.json}. The summary
+(also the "done" line's) holds job_id, final_loss, eval_loss (null without a
+held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
+data_sha256, records, records_train, records_eval, records_cut,
+records_skipped, chat_template ("tokenizer" | "plain"), steps, epochs,
+tokens_seen (padding not counted), train_time_s, wall_time_s, peak_mib,
+device, dtype, trainable_parameters and versions {python, torch,
+transformers, peft, accelerate, safetensors}.
 """
 
 from __future__ import annotations
