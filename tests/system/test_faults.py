@@ -193,11 +193,16 @@ async def test_a_node_running_a_job_the_recorder_holds_final_is_told_to_stop(
         return not any(pid_alive(p) for p in pids)
 
     await stack.wait_for(all_gone, f"trainer processes {pids} to end", timeout_s=15)
-    assert any(
-        ln.get("job_id") == job.id and "told the node to stop" in str(ln.get("message"))
-        for s in stack.schedulers
-        for ln in s.events("job.cancelled")
-    )
+
+    async def told() -> bool:
+        # Logged once the agent has answered, which is after the trainer ended.
+        return any(
+            ln.get("job_id") == job.id and "told the node to stop" in str(ln.get("message"))
+            for s in stack.schedulers
+            for ln in s.events("job.cancelled")
+        )
+
+    await stack.wait_for(told, "the scheduler's job.cancelled line", timeout_s=10)
 
 
 async def test_a_job_for_an_unknown_node_waits_saying_which(stack: Stack) -> None:
