@@ -78,6 +78,14 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     ).read_text()
     summary = json.loads((adapter / "training_summary.json").read_text())
     assert summary == done["summary"]
+    # The keys the script's docstring lists.
+    assert set(summary) == {
+        "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
+        "records_train", "records_eval", "records_cut", "records_skipped", "chat_template",
+        "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
+        "dtype", "trainable_parameters", "versions",
+    }  # fmt: skip
+    assert summary["chat_template"] == "tokenizer" and summary["steps"] == 24
     assert summary["final_loss"] == run.events("step")[-1]["loss"]
     assert summary["eval_loss"] == run.events("eval")[-1]["eval_loss"]
     assert summary["data_sha256"] == job["data_sha256"]
