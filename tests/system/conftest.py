@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import importlib.util
 import json
 import os
@@ -184,10 +185,11 @@ class Stack:
 
     # --- a fake node: a real heartbeat publisher with cards -------------
 
-    async def fake_node(self, node: str, cards: list[tuple[int, int]], stop: asyncio.Event) -> None:
+    async def fake_node(
+        self, node: str, cards: list[tuple[int, int]], stop: asyncio.Event, cpu: bool = False
+    ) -> None:
         """Heartbeat as node `node` with cards [(total_mib, free_mib)] until `stop`:
         this machine has no GPU, so a node with cards can only be pretended."""
-        import datetime as dt
 
         started = dt.datetime.now(dt.UTC)
         subject = f"$KV.{self.settings.names.nodes_bucket}.{node}"
@@ -201,6 +203,7 @@ class Stack:
                     Card(index=i, name="Fake H100", total_mib=t, free_mib=f)
                     for i, (t, f) in enumerate(cards)
                 ],
+                cpu_training=cpu,
                 heartbeat_s=self.settings.heartbeat_s,
                 ttl_s=self.settings.node_timeout_s,
             )
