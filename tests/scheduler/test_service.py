@@ -78,7 +78,9 @@ async def test_the_other_takes_over_when_the_leader_dies(pair: list[Scheduler]) 
         return other.is_leader()
 
     took_s = await _until(taken, bus.LEADER_TTL_S + 3, "the follower to lead")
-    assert took_s <= bus.LEADER_TTL_S + 1.5
+    # The key expires LEADER_TTL_S (3 s, the node timeout) after the last
+    # renewal; the follower acts on the expiry marker (measured: ~3.0 s).
+    assert took_s <= bus.LEADER_TTL_S + 1.0
     assert not any(both)
 
 
