@@ -11,7 +11,7 @@ directory:
 - a Llama with random weights: "100m" is hidden 768, 12 layers, 12 heads,
   intermediate 2048, vocabulary 32000 (so the LM head costs what a real
   one does), about 134M parameters; "tiny" is the tests' 64-wide model;
-- the tests' byte-level tokenizer and chat template (tests/trainer/tiny_models.py);
+- the tests' byte-level tokenizer and chat template (services/lorafleet_services/tiny.py);
 - Q/A records whose answers run past --seq-len, so every record is cut to
   exactly --seq-len tokens and every step holds batch-size x seq-len tokens.
 
@@ -98,8 +98,9 @@ def say(msg: str) -> None:
 def build_base(size: str, out: Path, seq_len: int) -> int:
     """Write the random Llama and the tokenizer into `out`; answer its parameter count."""
     import torch
-    from tests.trainer.tiny_models import build_tokenizer
     from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lorafleet_services.tiny import build_tokenizer
 
     tok = build_tokenizer()
     dims = dict(SIZES[size])
@@ -121,7 +122,7 @@ def build_base(size: str, out: Path, seq_len: int) -> int:
 
 def build_data(path: Path, n: int, seq_len: int) -> str:
     """n Q/A records with answers long enough to be cut at seq_len; answer the sha256."""
-    from tests.trainer.tiny_models import TOKENIZER_TEXT
+    from lorafleet_services.tiny import TOKENIZER_TEXT
 
     words = " ".join(TOKENIZER_TEXT).split()
     rng = random.Random(0)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/trainer_overhead.py [--steps 40] [--rounds 5]
 
-Both run in this process on the same tiny Llama (tests/trainer/tiny_models.py)
+Both run in this process on the same tiny Llama (services/lorafleet_services/tiny.py)
 with the same peft LoRA, the same AdamW, and the same micro-batches, built
 once beforehand:
 
@@ -35,7 +35,8 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from tests.trainer.harness import load_trainer_module, qa_records  # noqa: E402
-from tests.trainer.tiny_models import build_tiny_model  # noqa: E402
+
+from lorafleet_services.tiny import build_tiny_model  # noqa: E402
 
 LORA = {"rank": 8, "alpha": 16, "dropout": 0.0, "learning_rate": 1e-3, "batch_size": 4}
 

@@ -13,9 +13,9 @@ import pytest
 
 from lorafleet_schemas.messages import ArtifactKind, JobState, TrainerParams
 from lorafleet_services.agent.cards import read_cards
+from lorafleet_services.tiny import build_tiny_model
 from tests.agent.conftest import Bus, start_request
 from tests.agent.test_job import delivered
-from tests.trainer.tiny_models import build_tiny_model
 
 
 @pytest.mark.slow

@@ -64,7 +64,7 @@ def _sentencepiece_model() -> bytes:
 
     import sentencepiece as spm
 
-    from tests.trainer.tiny_models import TOKENIZER_TEXT
+    from lorafleet_services.tiny import TOKENIZER_TEXT
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(

@@ -21,6 +21,7 @@ from lorafleet_services.agent.conversion import (
     check_adapter,
     convert_to_gguf,
 )
+from lorafleet_services.tiny import TINY_SIZES
 from tests.conversion.adapters import ALPHA, RANK, TARGETS
 from tests.conversion.conftest import (
     ARCHES,
@@ -30,7 +31,6 @@ from tests.conversion.conftest import (
     processes_mentioning,
     recording_python,
 )
-from tests.trainer.tiny_models import TINY_SIZES
 
 
 def _field(reader: GGUFReader, key: str) -> Any:

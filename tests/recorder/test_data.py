@@ -59,3 +59,13 @@ def test_bad_data_names_the_line(text: str, line: int, words: str) -> None:
 def test_not_utf8_names_the_line() -> None:
     with pytest.raises(DataError, match="line 2: the data is not UTF-8"):
         validate(b'{"q": "a", "a": "b"}\n{"q": "\xff", "a": "b"}\n')
+
+
+def test_line_separators_inside_a_string_do_not_split_a_record() -> None:
+    # U+2028 and a raw CR are legal inside a JSON string; the trainer reads
+    # lines split at "\n" only, so the recorder must count the same lines.
+    text = '{"q": "one\u2028two", "a": "b"}\n{"q": "c\\r", "a": "d"}\n'
+    assert validate(text)[0] == 2
+    with pytest.raises(DataError) as e:
+        validate('{"q": "x\u2028y", "a": "b"}\nnot json\n')
+    assert e.value.line == 2

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from lorafleet_services.tiny import build_tiny_model
 from tests.trainer.harness import (
     TrainerRun,
     load_trainer_module,
@@ -17,7 +18,6 @@ from tests.trainer.harness import (
     run_trainer,
     write_job,
 )
-from tests.trainer.tiny_models import build_tiny_model
 
 #: What the training runs use: 16 records, 2 held out, 4 steps an epoch.
 TRAIN_PARAMS: dict[str, Any] = {

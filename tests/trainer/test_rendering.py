@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
+from lorafleet_services.tiny import build_tokenizer
 from tests.trainer.harness import TRAINER_PATH
-from tests.trainer.tiny_models import build_tokenizer
 
 IGNORE = -100
 

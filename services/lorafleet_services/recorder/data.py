@@ -93,7 +93,9 @@ def validate(data: bytes | str) -> tuple[int, str]:
         line = raw[: e.start].count(b"\n") + 1
         raise DataError("the data is not UTF-8 text", line) from None
     records = 0
-    for number, line_text in enumerate(text.splitlines(), start=1):
+    # NDJSON lines end at "\n" only (as the trainer reads them): a JSON string
+    # may hold U+2028 or "\r", which str.splitlines() would cut.
+    for number, line_text in enumerate(text.split("\n"), start=1):
         if not line_text.strip():
             continue
         try:

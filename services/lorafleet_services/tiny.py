@@ -93,7 +93,7 @@ def build_tokenizer() -> Any:
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    tok = PreTrainedTokenizerFast(
+    tok = PreTrainedTokenizerFast(  # type: ignore[no-untyped-call]
         tokenizer_object=Tokenizer.from_str(_tokenizer_json()),
         bos_token="<s>",
         eos_token="</s>",
