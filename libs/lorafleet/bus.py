@@ -71,7 +71,13 @@ async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
     async def error_cb(e: Exception) -> None:
         logger.warning(Event.NATS_ERROR, error=repr(e))
 
+    # nats-py calls disconnected_cb on a deliberate close too: only a lost
+    # connection is worth a warning.
+    conn: list[Client] = []
+
     async def disconnected_cb() -> None:
+        if conn and (conn[0].is_closed or conn[0].is_draining):
+            return
         logger.warning(Event.NATS_DISCONNECTED)
 
     async def reconnected_cb() -> None:
@@ -94,13 +100,15 @@ async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
         options["user_credentials"] = settings.nats_creds
     options.update(kwargs)
     try:
-        return await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
+        nc = await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
         raise ConnectError(
             f"no NATS server answered at {settings.nats_url} within "
             f"{settings.connect_timeout_s:g} s; start one (`lorafleet up` runs an embedded one) "
             "or set LORAFLEET_NATS_URL"
         ) from e
+    conn.append(nc)
+    return nc
 
 
 @dataclass(frozen=True, slots=True)

@@ -48,6 +48,9 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
     model_dir = directory / "models" / "tiny-llama"
     if not (model_dir / "config.json").is_file():
         console.print("building a tiny Llama (no download) ...")
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
         build_tiny_model("llama", model_dir)
     agent = _local_agent(directory, DEMO_NODE)
     if engine is Engine.LLAMACPP:
@@ -82,7 +85,8 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
                 if event.kind == "state" or j.step != last.step:
                     loss = f" loss {j.loss:.4f}" if j.loss is not None else ""
                     step = f" step {j.step}/{j.steps}" if j.steps else ""
-                    console.print(f"  {j.state.value}{step}{loss} {j.message}".rstrip())
+                    said = f" - {j.message}" if event.kind == "state" and j.message else ""
+                    console.print(f"  {j.state.value}{step}{loss}{said}")
                 last = j
             if last.state is not JobState.DONE:
                 console.print(f"[red]the job ended {last.state.value}[/red]: {last.message}")
