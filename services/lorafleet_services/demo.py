@@ -50,7 +50,7 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
         console.print("building a tiny Llama (no download) ...")
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         build_tiny_model("llama", model_dir)
     agent = _local_agent(directory, DEMO_NODE)
     if engine is Engine.LLAMACPP:
