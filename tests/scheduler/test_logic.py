@@ -299,11 +299,34 @@ def test_reconcile_asks_about_jobs_nodes_run_that_the_recorder_does_not_hold() -
 def test_uploading_job_after_delivery_is_kept_unless_the_agent_restarted() -> None:
     sent = T0 + dt.timedelta(seconds=5)
     uploading = job("j", node="a", state=JobState.UPLOADING, started_at=sent)
-    t = table(hb("a", cpu=True))  # agent started at T0, before the job was sent
-    assert reconcile([uploading], t.nodes, 200.0, {"j": 0.0}).fail == []
-    t.beat(hb("a", cpu=True, started_at=sent + dt.timedelta(seconds=1)), 200.0)
-    result = reconcile([uploading], t.nodes, 200.0, {"j": 0.0})
+    t = table(hb("a", cpu=True), now=100.0)  # agent started at T0, before the job was sent
+    # The scheduler saw the job there at 150, from the same agent process: delivered.
+    assert reconcile([uploading], t.nodes, 200.0, {"j": 150.0}).fail == []
+    # A new agent process (another started_at) heard at 210: the delivery may be cut short.
+    t.beat(hb("a", cpu=True, started_at=T0 + dt.timedelta(seconds=1)), 210.0)
+    result = reconcile([uploading], t.nodes, 210.0, {"j": 150.0})
     assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_delivered_uploads_by_wall_clock_when_the_scheduler_did_not_see_the_job_sent() -> None:
+    sent = T0 + dt.timedelta(seconds=60)
+    uploading = job("j", node="a", state=JobState.UPLOADING, started_at=sent)
+    # The node's clock runs 3 s ahead: within the skew allowance, not a restart.
+    t = table(hb("a", cpu=True, started_at=sent + dt.timedelta(seconds=3)))
+    assert logic.is_delivered(uploading, t.nodes["a"])
+    # An agent that started well after the job was sent has restarted since.
+    later = sent + dt.timedelta(seconds=logic.CLOCK_SKEW_S + 1)
+    t.beat(hb("a", cpu=True, started_at=later), 101.0)
+    assert not logic.is_delivered(uploading, t.nodes["a"])
+    assert [f.job.id for f in reconcile([uploading], t.nodes, 102.0, {}).fail] == ["j"]
+
+
+def test_the_table_knows_when_each_agent_process_was_first_heard() -> None:
+    t = table(hb("a"), now=10.0)
+    t.beat(hb("a", job="x"), 11.0)
+    assert t.nodes["a"].agent_since == 10.0
+    t.beat(hb("a", started_at=T0 + dt.timedelta(seconds=30)), 12.0)
+    assert t.nodes["a"].agent_since == 12.0
 
 
 def test_jobs_lost_with_a_node() -> None:

@@ -28,8 +28,11 @@ The rules, in one place:
   artifacts stream (JetStream keeps them) it drops the job from its
   heartbeat and the artifact-store finishes the job. Such a *delivered* job
   neither holds its node nor is lost with it — unless the agent restarted
-  after the job was sent (its `started_at` is later), which means the
-  delivery may have been cut short.
+  after the job was sent, which means the delivery may have been cut short.
+  A restart is what the scheduler saw itself (the node's `started_at`
+  changed after it first saw the job there) or, for jobs sent before this
+  scheduler started, an agent `started_at` later than the job's by more
+  than `CLOCK_SKEW_S` (the two times come from different machines' clocks).
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ SWEEP_MARGIN_S = 0.5
 #: Seconds a lost node stays in the table (and in nodes.list, as not alive)
 #: so that a job waiting for it can say when it was last heard from.
 FORGET_AFTER_S = 24 * 3600.0
+#: Seconds by which a node's clock may differ from the recorder's before an
+#: agent `started_at` later than a job's counts as a restart. A job reaches
+#: `uploading` only after training, which takes longer than this.
+CLOCK_SKEW_S = 5.0
 
 
 def utc_hms(t: dt.datetime) -> str:
@@ -83,6 +90,8 @@ class Node:
     #: Monotonic seconds when the last beat arrived.
     last_seen: float
     alive: bool = True
+    #: Monotonic seconds when this agent process (its `started_at`) was first heard.
+    agent_since: float = 0.0
 
     @property
     def name(self) -> str:
@@ -112,7 +121,9 @@ class NodeTable:
 
     def beat(self, hb: Heartbeat, now: float) -> BeatChange:
         old = self.nodes.get(hb.node)
-        self.nodes[hb.node] = Node(heartbeat=hb, last_seen=now, alive=True)
+        same_agent = old is not None and old.heartbeat.started_at == hb.started_at
+        since = old.agent_since if old is not None and same_agent else now
+        self.nodes[hb.node] = Node(heartbeat=hb, last_seen=now, alive=True, agent_since=since)
         if old is None or not old.alive:
             return BeatChange.UP
         if old.heartbeat.job is not None and hb.job is None:
@@ -159,23 +170,34 @@ def lost_nodes(nodes: Iterable[Node], now: float, timeout_s: float) -> list[Node
 # --- dispatch ---------------------------------------------------------------
 
 
-def is_delivered(job: JobRecord, node: Node | None) -> bool:
-    """An `uploading` job whose agent has finished with it (see the module doc)."""
+def is_delivered(job: JobRecord, node: Node | None, first_seen: float | None = None) -> bool:
+    """An `uploading` job whose agent has finished with it (see the module doc).
+
+    first_seen: monotonic seconds when this scheduler first saw the job on
+    its node, if it did.
+    """
     if job.state is not JobState.UPLOADING or node is None:
         return False
     if node.running == job.id:
         return False
+    if first_seen is not None and node.agent_since > first_seen:
+        return False  # a new agent process since the job was on the node
     sent_at = job.started_at or job.created_at
-    return node.heartbeat.started_at <= sent_at
+    return node.heartbeat.started_at <= sent_at + dt.timedelta(seconds=CLOCK_SKEW_S)
 
 
-def busy_nodes(on_node_jobs: Iterable[JobRecord], nodes: Mapping[str, Node]) -> dict[str, str]:
+def busy_nodes(
+    on_node_jobs: Iterable[JobRecord],
+    nodes: Mapping[str, Node],
+    first_seen: Mapping[str, float] | None = None,
+) -> dict[str, str]:
     """node -> a job the recorder holds on it (delivered uploads do not count)."""
+    seen = first_seen or {}
     out: dict[str, str] = {}
     for job in on_node_jobs:
         if job.node is None or job.state not in ON_NODE:
             continue
-        if is_delivered(job, nodes.get(job.node)):
+        if is_delivered(job, nodes.get(job.node), seen.get(job.id)):
             continue
         out.setdefault(job.node, job.id)
     return out
@@ -309,12 +331,15 @@ def node_lost_message(node: Node) -> str:
     )
 
 
-def jobs_lost_with(node: Node, on_node_jobs: Iterable[JobRecord]) -> list[JobRecord]:
+def jobs_lost_with(
+    node: Node, on_node_jobs: Iterable[JobRecord], first_seen: Mapping[str, float] | None = None
+) -> list[JobRecord]:
     """The recorder's jobs on `node` that die with it (delivered uploads survive)."""
+    seen = first_seen or {}
     return [
         j
         for j in on_node_jobs
-        if j.node == node.name and j.state in ON_NODE and not is_delivered(j, node)
+        if j.node == node.name and j.state in ON_NODE and not is_delivered(j, node, seen.get(j.id))
     ]
 
 
@@ -371,13 +396,13 @@ def reconcile(
                     "submit it again"
                 )
                 out.fail.append(FailJob(job, msg))
-            elif not is_delivered(job, node):
+            elif not is_delivered(job, node, first_seen.get(job.id)):
                 out.fail.append(FailJob(job, node_lost_message(node)))
             continue
         if node.running == job.id:
             continue
         if job.state is JobState.UPLOADING:
-            if not is_delivered(job, node):
+            if not is_delivered(job, node, first_seen.get(job.id)):
                 out.fail.append(FailJob(job, agent_lost_message(job.node)))
             continue
         grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)

@@ -453,11 +453,11 @@ class Scheduler:
         failed: set[str] = set()
         lost, self._lost_pending = self._lost_pending, []
         for node in lost:
-            for job in logic.jobs_lost_with(node, on_node):
+            for job in logic.jobs_lost_with(node, on_node, self._first_seen):
                 if await self._fail(job, logic.node_lost_message(node)):
                     failed.add(job.id)
         if queued:
-            busy = logic.busy_nodes(on_node, self.table.nodes)
+            busy = logic.busy_nodes(on_node, self.table.nodes, self._first_seen)
             plan = logic.plan_dispatch(queued, self.table.nodes, busy, now)
             by_id = {j.id: j for j in queued}
             for job_id, message in plan.waiting.items():
