@@ -105,12 +105,13 @@ def main(argv: list[str]) -> int:
         return 2
     records = sum(1 for line in data.splitlines() if line.strip())
     emit("log", message=f"{records} records", level="info")
-    emit("state", state="running", message=f"stand-in: {steps} steps on {job['device']}")
-
     if hang:
+        # Ignore SIGTERM before saying "running": a cancel sent on that line
+        # must meet a trainer that already ignores it.
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        while True:
-            time.sleep(60)
+    emit("state", state="running", message=f"stand-in: {steps} steps on {job['device']}")
+    while hang:
+        time.sleep(60)
 
     per_epoch = max(1, -(-steps // epochs))
     loss = 2.5
