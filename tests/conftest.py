@@ -11,20 +11,14 @@
 
 from __future__ import annotations
 
-import os
-import secrets
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
 
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
-
-PG_ADMIN_DSN = os.environ.get(
-    "LORAFLEET_TEST_PG_ADMIN", "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
-)
+from tests.pg import throwaway_database
 
 
 @pytest.fixture
@@ -46,25 +40,11 @@ def settings(nats_server: NatsServer, tmp_path: Path) -> Settings:
     )
 
 
-def _admin() -> psycopg.Connection[tuple[object, ...]]:
-    return psycopg.connect(PG_ADMIN_DSN, autocommit=True)
-
-
 @pytest.fixture
 def pg_url() -> Iterator[str]:
     """A fresh, migrated PostgreSQL database; dropped after the test."""
-    from lorafleet_services.recorder.db import migrate
-
-    name = f"lorafleet_test_{secrets.token_hex(6)}"
-    with _admin() as conn:
-        conn.execute(f'CREATE DATABASE "{name}"')
-    url = f"postgresql+psycopg://postgres@127.0.0.1:5432/{name}"
-    try:
-        migrate(url)
+    with throwaway_database() as url:
         yield url
-    finally:
-        with _admin() as conn:
-            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
 
 
 @pytest.fixture

@@ -6,6 +6,7 @@ Every field is `LORAFLEET_<FIELD>` in upper case (`LORAFLEET_NATS_URL`, ...).
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
@@ -76,24 +77,9 @@ class Settings:
         return f"sqlite+aiosqlite:///{Path(self.data_dir) / 'lorafleet.db'}"
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> Settings:
-        """Read `LORAFLEET_*` variables; `overrides` win over the environment."""
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            key = f"LORAFLEET_{f.name.upper()}"
-            if key not in env:
-                continue
-            raw = env[key]
-            try:
-                if f.type in ("float",):
-                    values[f.name] = float(raw)
-                elif f.type in ("int",):
-                    values[f.name] = int(raw)
-                else:
-                    values[f.name] = raw or None if f.type == "str | None" else raw
-            except ValueError:
-                raise SettingsError(f"{key}={raw!r} is not a {f.type}") from None
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read `LORAFLEET_*` variables; `overrides` (not None) win over the environment."""
+        values = read_env(cls, "LORAFLEET_", os.environ if env is None else env, SettingsError)
         values.update({k: v for k, v in overrides.items() if v is not None})
         return cls(**values)
 
@@ -102,10 +88,53 @@ class Settings:
 
     def to_env(self) -> dict[str, str]:
         """These settings as `LORAFLEET_*` variables, for a child process."""
-        out: dict[str, str] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            out[f"LORAFLEET_{f.name.upper()}"] = str(value)
-        return out
+        return write_env(self, "LORAFLEET_")
+
+
+def read_env(
+    cls: Any, prefix: str, env: Mapping[str, str], error: type[ValueError]
+) -> dict[str, Any]:
+    """The dataclass fields of `cls` found in `env` as `<prefix><FIELD>`, typed.
+
+    Types understood: str, str | None ("" is None), int, float, bool
+    (1/true/yes/on), Path, tuple[str, ...] (comma separated). A value that
+    does not parse raises `error` naming the variable.
+    """
+    values: dict[str, Any] = {}
+    for f in fields(cls):
+        key = f"{prefix}{f.name.upper()}"
+        if key not in env:
+            continue
+        raw = env[key]
+        kind = str(f.type)
+        try:
+            if kind == "bool":
+                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
+            elif kind == "float":
+                values[f.name] = float(raw)
+            elif kind == "int":
+                values[f.name] = int(raw)
+            elif kind == "Path":
+                values[f.name] = Path(raw)
+            elif kind.startswith("tuple"):
+                values[f.name] = tuple(p.strip() for p in raw.split(",") if p.strip())
+            elif "None" in kind:
+                values[f.name] = raw or None
+            else:
+                values[f.name] = raw
+        except ValueError:
+            raise error(f"{key}={raw!r} is not a {kind}") from None
+    return values
+
+
+def write_env(obj: Any, prefix: str) -> dict[str, str]:
+    """The inverse of `read_env`: each field not None as `<prefix><FIELD>`."""
+    out: dict[str, str] = {}
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if value is None:
+            continue
+        out[f"{prefix}{f.name.upper()}"] = (
+            ",".join(value) if isinstance(value, tuple) else str(value)
+        )
+    return out

@@ -1,9 +1,12 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 
 from lorafleet.names import InvalidNameError, Names
 from lorafleet.settings import Settings, SettingsError
+from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 
 
 def test_settings_round_trip_through_the_environment() -> None:
@@ -33,3 +36,12 @@ def test_node_names_that_would_break_subjects_are_refused(bad: str) -> None:
         Names().node_start(bad)
     with pytest.raises(InvalidNameError):
         Names(bad)
+
+
+def test_agent_config_round_trips_through_the_environment(tmp_path: Path) -> None:
+    cfg = AgentConfig(node="n1", work_dir=tmp_path, allow_cpu=True, run_as="", python=None)
+    assert AgentConfig.from_env(cfg.to_env()) == cfg
+    with pytest.raises(AgentConfigError, match="LORAFLEET_AGENT_CANCEL_GRACE_S"):
+        AgentConfig.from_env({"LORAFLEET_AGENT_NODE": "n", "LORAFLEET_AGENT_CANCEL_GRACE_S": "x"})
+    with pytest.raises(AgentConfigError, match="node name"):
+        AgentConfig.from_env({})

@@ -7,11 +7,13 @@ Every field is `LORAFLEET_AGENT_<FIELD>` in the environment, or a
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, field, fields, replace
+from collections.abc import Mapping
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from lorafleet.names import check_token
+from lorafleet.settings import read_env, write_env
 
 #: What training needs besides the engine's Python, pinned. Installed with
 #: --no-deps: their dependencies are the engine's own, and resolving them
@@ -83,29 +85,10 @@ class AgentConfig:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
 
     @classmethod
-    def from_env(cls, env: dict[str, str] | None = None, **overrides: Any) -> AgentConfig:
-        env = dict(os.environ if env is None else env)
-        values: dict[str, Any] = {}
-        for f in fields(cls):
-            key = f"LORAFLEET_AGENT_{f.name.upper()}"
-            if key not in env:
-                continue
-            raw = env[key]
-            try:
-                if f.type == "bool":
-                    values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-                elif f.type == "float":
-                    values[f.name] = float(raw)
-                elif f.type == "int":
-                    values[f.name] = int(raw)
-                elif f.type == "Path":
-                    values[f.name] = Path(raw)
-                elif f.type.startswith("tuple"):
-                    values[f.name] = tuple(p for p in raw.split(",") if p.strip())
-                else:
-                    values[f.name] = raw or None if "None" in f.type else raw
-            except ValueError:
-                raise AgentConfigError(f"{key}={raw!r} is not a {f.type}") from None
+    def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:
+        """Read `LORAFLEET_AGENT_*` variables; `overrides` (not None) win."""
+        prefix = "LORAFLEET_AGENT_"
+        values = read_env(cls, prefix, os.environ if env is None else env, AgentConfigError)
         values.update({k: v for k, v in overrides.items() if v is not None})
         if "node" not in values:
             raise AgentConfigError(
@@ -114,15 +97,7 @@ class AgentConfig:
         return cls(**values)
 
     def to_env(self) -> dict[str, str]:
-        out: dict[str, str] = {}
-        for f in fields(self):
-            value = getattr(self, f.name)
-            if value is None:
-                continue
-            if isinstance(value, tuple):
-                value = ",".join(value)
-            out[f"LORAFLEET_AGENT_{f.name.upper()}"] = str(value)
-        return out
+        return write_env(self, "LORAFLEET_AGENT_")
 
     def with_(self, **changes: Any) -> AgentConfig:
         return replace(self, **changes)
