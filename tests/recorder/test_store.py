@@ -300,6 +300,7 @@ async def test_done_only_when_every_artifact_stored(
     final = await store.get_job(models, job.id)
     assert final is not None and final.state is JobState.DONE and final.finished_at is not None
     assert set(final.artifacts_stored) == {ArtifactKind.PEFT, ArtifactKind.GGUF}
+    assert final.message == "every artifact is stored and verified: peft, gguf"
     vjob = await started(models, "tiny-vllm")
     with pytest.raises(store.ArtifactKindError):
         await store.record_artifact(models, vjob.id, ArtifactKind.GGUF, 10, SHA)

@@ -450,8 +450,10 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
                 if state is JobState.UPLOADING and _all_stored(
                     job["artifacts_expected"], job["artifacts_stored"]
                 ):
-                    out.moves.append(Move(state, JobState.DONE, "every artifact is stored"))
+                    said = _stored_message(job["artifacts_stored"])
+                    out.moves.append(Move(state, JobState.DONE, said))
                     state = JobState.DONE
+                    scalars["message"] = said
             elif r.state is JobState.DONE:
                 out.refused.append((r, "a status report cannot make a job done"))
             elif r.state is not state:
@@ -578,6 +580,10 @@ async def record_artifact(
     raise AssertionError("unreachable")
 
 
+def _stored_message(stored: list[str]) -> str:
+    return f"every artifact is stored and verified: {', '.join(stored)}"
+
+
 async def _record_artifact_once(
     sm: Sessions, job_id: str, kind: ArtifactKind
 ) -> tuple[JobRecord, JobChange | None]:
@@ -597,8 +603,9 @@ async def _record_artifact_once(
         values: dict[str, Any] = {"artifacts_stored": stored, "updated_at": t}
         moves: list[Move] = []
         if state is JobState.UPLOADING and _all_stored(row["artifacts_expected"], stored):
-            moves.append(Move(state, JobState.DONE, "every artifact is stored"))
-            values.update(state=JobState.DONE.value, finished_at=t)
+            said = _stored_message(stored)
+            moves.append(Move(state, JobState.DONE, said))
+            values.update(state=JobState.DONE.value, finished_at=t, message=said)
         await _guarded_update(s, row, values)
         if moves:
             await s.execute(
