@@ -37,7 +37,6 @@ import asyncio
 import contextlib
 import datetime as dt
 import hashlib
-import importlib
 import json
 import os
 import shutil
@@ -70,6 +69,7 @@ from lorafleet_schemas.messages import (
     TrainerStep,
 )
 from lorafleet_services.agent import cards as cards_mod
+from lorafleet_services.agent import conversion, delivery, environment
 from lorafleet_services.agent.cards import CardChoice, NoCardError
 from lorafleet_services.agent.config import AgentConfig, EngineUser
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
@@ -110,7 +110,9 @@ class TrainerEnvironment(Protocol):
     @property
     def notes(self) -> tuple[str, ...]: ...
 
-    def process_env(self, choice: CardChoice) -> dict[str, str]: ...
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]: ...
 
     def give(self, path: Path) -> None: ...
 
@@ -128,13 +130,16 @@ class StandinEnvironment:
     notes: tuple[str, ...] = ()
     base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
 
-    def process_env(self, choice: CardChoice) -> dict[str, str]:
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
         env = {
             k: v
             for k, v in self.base_env.items()
             if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
         }
         env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
+        env.update(extra or {})
         return env
 
     def give(self, path: Path) -> None:
@@ -464,7 +469,6 @@ class JobRun:
             self.reporter.report(JobState.CONVERTING, "converting the adapter to GGUF")
             gguf = await self._convert(env, adapter_dir, Path(done.base_dir))
         self.reporter.report(JobState.UPLOADING, "delivering the artifacts")
-        delivery = self._module("delivery", "delivering artifacts")
         if ArtifactKind.PEFT in self.req.artifacts:
             packed = self.job_dir / "adapter.tar.gz"
             await asyncio.to_thread(delivery.pack_adapter, adapter_dir, packed)
@@ -493,17 +497,6 @@ class JobRun:
             + ", ".join(delivered or ["nothing (no artifact asked for)"])
             + "; the artifact-store finishes the job"
         )
-
-    def _module(self, name: str, what: str) -> Any:
-        # Imported when used: the environment, conversion and delivery
-        # modules are separate pieces, and a build without one still runs
-        # everything up to the step that needs it.
-        try:
-            return importlib.import_module(f"lorafleet_services.agent.{name}")
-        except ModuleNotFoundError as e:
-            raise JobFailedError(
-                f"this agent build cannot do {what}: {e}; install a complete lorafleet"
-            ) from None
 
     def _make_dir(self) -> None:
         shutil.rmtree(self.job_dir, ignore_errors=True)
@@ -538,7 +531,6 @@ class JobRun:
     async def _environment(self) -> TrainerEnvironment:
         if self.cfg.trainer == "standin":
             return StandinEnvironment()
-        environment = self._module("environment", "preparing the trainer's environment")
         try:
             env: TrainerEnvironment = await environment.prepare(self.cfg)
         except environment.TrainerSetupError as e:
@@ -693,7 +685,6 @@ class JobRun:
             await asyncio.to_thread(out.write_bytes, gguf_bytes(self.job_id))
             self.reporter.report(message="stand-in trainer: a stand-in GGUF, not a conversion")
             return out
-        conversion = self._module("conversion", "GGUF conversion")
         try:
             path: Path = await conversion.convert_to_gguf(
                 self.cfg, env, adapter_dir, base_dir, out, cancel=self.stopping
