@@ -842,6 +842,16 @@ def resolve_base(base: Base, offline: bool) -> Path:
             ) from e
     if not any(d.glob("*.safetensors")):
         raise BadInputError(f"no *.safetensors weights in {d}; only safetensors are read")
+    # The trainer runs as the engines' user; weights saved by another user
+    # (transformers writes them 0600) would otherwise fail deep inside
+    # safetensors with a misleading "No such file or directory".
+    unreadable = sorted(p.name for p in d.iterdir() if p.is_file() and not os.access(p, os.R_OK))
+    if unreadable:
+        raise TrainingError(
+            f"the trainer runs as uid {os.getuid()} and cannot read "
+            f"{', '.join(unreadable[:5])} in {d}; make the base's files readable by the "
+            f"engines' user (chmod -R a+rX {d})"
+        )
     return d
 
 
