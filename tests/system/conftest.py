@@ -92,8 +92,8 @@ class Stack:
             node=node,
             work_dir=self.tmp_path / f"agent-{node}",
             engines_dir=self.tmp_path / "engines",
-            trainer="standin",
-            allow_cpu=True,
+            trainer=cfg.pop("trainer", "standin"),
+            allow_cpu=cfg.pop("allow_cpu", True),
             cancel_grace_s=cfg.pop("cancel_grace_s", 1.0),
             **cfg,
         )

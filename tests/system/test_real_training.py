@@ -1,0 +1,67 @@
+"""The real trainer through the whole system: submit over NATS -> scheduler ->
+agent -> real LoRA training of a tiny Llama on the CPU -> loss curve, peak
+memory and the adapter in the recorder and the artifact-store."""
+
+from __future__ import annotations
+
+import sys
+
+import pytest
+
+from lorafleet_schemas.messages import JobState
+from lorafleet_services.tiny import build_tiny_model
+from tests.system.conftest import Stack, pid_alive, start_requests, trainer_pids
+
+#: The real trainer imports torch and transformers before its first step.
+REAL_TIMEOUT_S = 120.0
+
+
+async def real_stack(stack: Stack) -> None:
+    base = build_tiny_model("llama", stack.tmp_path / "models" / "tiny-llama")
+    await stack.call(
+        stack.settings.names.models_add,
+        {"name": "tiny-llama", "engine": "vllm", "local_dir": str(base)},
+    )
+    await stack.agent("node-1", trainer="real", python=sys.executable, hf_offline=True)
+
+
+@pytest.mark.slow
+async def test_submit_to_trained_adapter_through_the_system(stack: Stack) -> None:
+    await real_stack(stack)
+    params = {"max_steps": 4, "batch_size": 4, "max_seq_len": 64, "rank": 4, "alpha": 8}
+    job = await stack.submit("node-1", model="tiny-llama", params=params)
+    done = await stack.wait_state(
+        job.id, JobState.DONE, JobState.FAILED, JobState.CANCELLED, timeout_s=REAL_TIMEOUT_S
+    )
+    assert done.state is JobState.DONE, done.message
+    assert done.step == 4 and done.steps == 4
+    assert done.loss is not None and done.peak_mib > 0
+    curve = await stack.curve(job.id)
+    assert [p.step for p in curve.points] == [1, 2, 3, 4]
+    assert all(p.peak_mib and p.peak_mib > 0 for p in curve.points)
+    assert all(p.learning_rate is not None and p.tokens_per_s for p in curve.points)
+    arts = await stack.call(stack.settings.names.artifacts_list, {"job_id": job.id})
+    assert [a["kind"] for a in arts["artifacts"]] == ["peft"]
+    assert start_requests(stack.agents["node-1"]) == [job.id]
+
+
+@pytest.mark.slow
+async def test_cancel_mid_training_leaves_no_trainer(stack: Stack) -> None:
+    await real_stack(stack)
+    params = {"max_steps": 100_000, "batch_size": 2, "max_seq_len": 64, "rank": 4, "alpha": 8}
+    job = await stack.submit("node-1", model="tiny-llama", params=params)
+
+    async def training() -> bool:
+        return (await stack.get(job.id)).step >= 2
+
+    await stack.wait_for(training, "two optimizer steps", timeout_s=REAL_TIMEOUT_S)
+    pids = trainer_pids(stack.agents["node-1"], job.id)
+    assert pids and all(pid_alive(p) for p in pids)
+    stopped = await stack.cancel(job.id, reason="enough")
+    assert stopped.state is JobState.CANCELLED
+
+    async def gone() -> bool:
+        return not any(pid_alive(p) for p in pids)
+
+    await stack.wait_for(gone, f"trainer processes {pids} to end", timeout_s=15)
+    assert (await stack.get(job.id)).state is JobState.CANCELLED
