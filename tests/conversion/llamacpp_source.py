@@ -34,10 +34,13 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-SDIST_VERSION = "0.3.36"
-SDIST_NAME = f"llama_cpp_python-{SDIST_VERSION}.tar.gz"
-SDIST_SHA256 = "832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e"
-TAG = "b11312"
+from lorafleet_services.agent import conversion
+
+# The same pinned sdist the demo repacks: one pin, in the package.
+SDIST_NAME = conversion.PYPI_SDIST_FILE
+SDIST_SHA256 = conversion.PYPI_SDIST_SHA256
+TAG = conversion.PYPI_SDIST_TAG
+SDIST_VERSION = SDIST_NAME.removeprefix("llama_cpp_python-").removesuffix(".tar.gz")
 #: Seconds the one-time pip download may take.
 DOWNLOAD_TIMEOUT_S = 600.0
 #: Seconds the one-time library build may take (2 shared cores: ~2-4 minutes).
