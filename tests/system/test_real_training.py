@@ -65,3 +65,49 @@ async def test_cancel_mid_training_leaves_no_trainer(stack: Stack) -> None:
 
     await stack.wait_for(gone, f"trainer processes {pids} to end", timeout_s=15)
     assert (await stack.get(job.id)).state is JobState.CANCELLED
+
+
+@pytest.mark.slow
+async def test_a_llamacpp_model_ends_done_with_peft_and_gguf(stack: Stack) -> None:
+    from gguf import GGUFReader
+
+    from lorafleet.artifacts import download_artifact
+    from lorafleet_schemas.messages import ArtifactKind
+    from tests.conversion import llamacpp_source
+
+    tarball = llamacpp_source.release_tarball()  # cached; the agent's fetch reads it
+    base = build_tiny_model("llama", stack.tmp_path / "models" / "tiny-gguf")
+    await stack.call(
+        stack.settings.names.models_add,
+        {"name": "tiny-gguf", "engine": "llamacpp", "local_dir": str(base)},
+    )
+    await stack.agent(
+        "node-1",
+        trainer="real",
+        python=sys.executable,
+        hf_offline=True,
+        conversion_source=str(tarball.parent / "{tag}.tar.gz"),
+        llamacpp_tag=llamacpp_source.TAG,
+    )
+    params = {"max_steps": 2, "batch_size": 4, "max_seq_len": 64, "rank": 4, "alpha": 8}
+    job = await stack.submit("node-1", model="tiny-gguf", params=params)
+    done = await stack.wait_state(
+        job.id, JobState.DONE, JobState.FAILED, JobState.CANCELLED, timeout_s=REAL_TIMEOUT_S
+    )
+    assert done.state is JobState.DONE, done.message
+    assert sorted(done.artifacts_stored) == [ArtifactKind.GGUF, ArtifactKind.PEFT]
+    path = [e.to_state for e in (await stack.curve(job.id)).events]
+    assert JobState.CONVERTING in path and path[-2:] == [JobState.UPLOADING, JobState.DONE]
+    out = stack.tmp_path / "downloads"
+    out.mkdir()
+    gguf_rec = await download_artifact(
+        stack.js, stack.settings.names, job.id, ArtifactKind.GGUF, out / "a.gguf"
+    )
+    peft_rec = await download_artifact(
+        stack.js, stack.settings.names, job.id, ArtifactKind.PEFT, out / "a.tar.gz"
+    )
+    assert gguf_rec.node == peft_rec.node == "node-1"
+    reader = GGUFReader(out / "a.gguf")
+    field = reader.fields["general.type"]
+    assert bytes(field.parts[field.data[0]]).decode() == "adapter"
+    assert any(t.name.endswith(".lora_a") for t in reader.tensors)
