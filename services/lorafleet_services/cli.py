@@ -19,6 +19,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -200,8 +201,6 @@ def up_cmd(
         )
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
-        import signal
-
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         try:
