@@ -119,23 +119,32 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
 
 
 def endpoint(
-    typ: type[Req], fn: Callable[[Req], Awaitable[Any]], subject: str
+    typ: type[Req],
+    fn: Callable[[Req], Awaitable[Any]],
+    subject: str,
+    on_error: Callable[[str], None] | None = None,
 ) -> Callable[[Request], Awaitable[None]]:
-    """A micro handler: decode as `typ`, run `fn`, reply with its result encoded."""
+    """A micro handler: decode as `typ`, run `fn`, reply with its result encoded.
+
+    on_error: told "<code>: <message>" of every error reply.
+    """
     logger = log.get()
+
+    async def fail(req: Request, code: ErrorCode, message: str, field: str | None) -> None:
+        if on_error is not None:
+            on_error(f"{_HTTP_CODES[code]}: {message}")
+        await req.respond_error(_HTTP_CODES[code], message, data=error_body(code, message, field))
 
     async def handle(req: Request) -> None:
         try:
             result = await fn(decode_request(req.data, typ))
         except ApiError as e:
-            await req.respond_error(
-                _HTTP_CODES[e.code], e.message, data=error_body(e.code, e.message, e.field)
-            )
+            await fail(req, e.code, e.message, e.field)
             return
         except Exception as e:
             logger.exception(Event.REQUEST_FAILED, subject=subject, error=repr(e))
             message = f"the service failed on this request: {e!r}; it is logged"
-            await req.respond_error("500", message, data=error_body(ErrorCode.INTERNAL, message))
+            await fail(req, ErrorCode.INTERNAL, message, None)
             return
         await req.respond(result if isinstance(result, bytes) else encode(result))
 
@@ -168,12 +177,23 @@ async def start_service(
         ServiceConfig(name=name, version=version, description=description, queue_group=queue_group),
     )
     for r in routes:
+        slot: list[Any] = []
+
+        def count(error: str, slot: list[Any] = slot) -> None:
+            # micro counts only what its handler raises; ours answer with a
+            # JSON body as well, so they are counted here, where
+            # `nats micro stats` reads (num_errors, last_error).
+            if slot:
+                slot[0]._num_errors += 1
+                slot[0]._last_error = error
+
         await svc.add_endpoint(
             EndpointConfig(
                 name=r.subject.replace(".", "-"),
                 subject=r.subject,
-                handler=endpoint(r.request_type, r.fn, r.subject),
+                handler=endpoint(r.request_type, r.fn, r.subject, on_error=count),
                 queue_group=queue_group,
             )
         )
+        slot.append(svc._endpoints[-1])
     return svc
