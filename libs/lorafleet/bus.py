@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import re
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -64,12 +65,64 @@ class RemoteError(Exception):
         return f"{self.code}: {self.message}{where}"
 
 
-async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
-    """Connect with reconnect-forever, after failing fast on the first attempt."""
+def redact_url(url: str) -> str:
+    """`url` without the password of any `user:password@` in it (for messages)."""
+    return re.sub(r"//([^:@/,]*):[^/,]*@", r"//\1:***@", url)
+
+
+def refusal(e: BaseException) -> str | None:
+    """The server's words when `e` is a permissions violation, else None.
+
+    nats-py does not raise for a refused publish or subscription: the
+    server's `-ERR 'Permissions Violation for Publish to "..."'` reaches the
+    error callback only (a refused request then times out).
+    """
+    text = str(e)
+    return text.removeprefix("nats: ") if "permissions violation" in text.lower() else None
+
+
+def _unauthorized(settings: Settings) -> ConnectError:
+    return ConnectError(
+        f"the NATS server at {redact_url(settings.nats_url)} refused this user and "
+        "password (Authorization Violation): set LORAFLEET_NATS_URL to "
+        "nats://USER:PASSWORD@HOST:PORT with a user of its config (`lorafleet nats-config`)"
+    )
+
+
+async def connect(
+    settings: Settings,
+    name: str,
+    *,
+    on_refused: Callable[[str], None] | None = None,
+    **kwargs: Any,
+) -> Client:
+    """Connect with reconnect-forever, after failing fast on the first attempt.
+
+    Replies come on `settings.nats_inbox_prefix` inboxes. A refusal for
+    want of permission is logged as `nats.refused` with the server's words
+    and passed to `on_refused`; other asynchronous errors as `nats.error`.
+    """
     logger = log.get()
 
+    # A wrong user or password reaches only the error callback while nats-py
+    # retries the first connect: remembered, to say so when it gives up.
+    unauthorized: list[Exception] = []
+
     async def error_cb(e: Exception) -> None:
-        logger.warning(Event.NATS_ERROR, error=repr(e))
+        if "authorization violation" in str(e).lower():
+            unauthorized.append(e)
+        refused = refusal(e)
+        if refused is None:
+            logger.warning(Event.NATS_ERROR, error=repr(e))
+            return
+        logger.warning(
+            Event.NATS_REFUSED,
+            message=refused,
+            error="the server refused this for want of permission: check this process's "
+            "NATS user and its permissions (`lorafleet nats-config`)",
+        )
+        if on_refused is not None:
+            on_refused(refused)
 
     # nats-py calls disconnected_cb on a deliberate close too: only a lost
     # connection is worth a warning.
@@ -95,6 +148,7 @@ async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
         "error_cb": error_cb,
         "disconnected_cb": disconnected_cb,
         "reconnected_cb": reconnected_cb,
+        "inbox_prefix": settings.nats_inbox_prefix,
     }
     if settings.nats_creds:
         options["user_credentials"] = settings.nats_creds
@@ -102,11 +156,17 @@ async def connect(settings: Settings, name: str, **kwargs: Any) -> Client:
     try:
         nc = await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
+        if unauthorized:
+            raise _unauthorized(settings) from None
         raise ConnectError(
-            f"no NATS server answered at {settings.nats_url} within "
+            f"no NATS server answered at {redact_url(settings.nats_url)} within "
             f"{settings.connect_timeout_s:g} s; start one (`lorafleet up` runs an embedded one) "
             "or set LORAFLEET_NATS_URL"
         ) from e
+    except nats.errors.Error as e:
+        if "authorization violation" not in str(e).lower():
+            raise
+        raise _unauthorized(settings) from None
     conn.append(nc)
     return nc
 

@@ -25,6 +25,8 @@ class Event:
     NATS_DISCONNECTED: Final = "nats.disconnected"
     NATS_RECONNECTED: Final = "nats.reconnected"
     NATS_ERROR: Final = "nats.error"
+    #: The server refused a publish or subscription for want of permission.
+    NATS_REFUSED: Final = "nats.refused"
     MODEL_ADDED: Final = "model.added"
     JOB_QUEUED: Final = "job.queued"
     JOB_DISPATCHED: Final = "job.dispatched"

@@ -103,6 +103,18 @@ class Names:
     def node_cancel(self, node: str) -> str:
         return f"{self.prefix}.node.{check_token(node, 'node name')}.cancel"
 
+    def node_status_subjects(self, node: str) -> str:
+        """Every status subject of one node (`<prefix>.status.<node>.>`)."""
+        return f"{self.prefix}.status.{check_token(node, 'node name')}.>"
+
+    def node_artifact_subjects(self, node: str) -> str:
+        """Every artifact chunk subject of one node (`<prefix>.artifacts.<node>.>`)."""
+        return f"{self.prefix}.artifacts.{check_token(node, 'node name')}.>"
+
+    def node_heartbeat(self, node: str) -> str:
+        """The subject a node's heartbeat is put to: its key in the nodes KV."""
+        return f"$KV.{self.nodes_bucket}.{check_token(node, 'node name')}"
+
     # --- streams ---
     @property
     def status_stream(self) -> str:
@@ -177,6 +189,12 @@ class Names:
     @property
     def queue_group(self) -> str:
         return f"{self.prefix}-q"
+
+
+def node_inbox_prefix(node: str) -> str:
+    """The reply inbox prefix of a node's agent (`_INBOX_<node>`): with it a
+    node's credentials subscribe to its own replies only."""
+    return f"_INBOX_{check_token(node, 'node name')}"
 
 
 def dataset_object_name(sha256_hex: str) -> str:

@@ -52,12 +52,22 @@ class NatsServer:
 
     store_dir: where JetStream keeps its files (kept across restart()).
     port: 0 for a free port, chosen once and kept across restart().
+    config_file: a nats-server config (users and permissions, e.g. from
+        lorafleet.permissions.server_config); host, port, JetStream and
+        store_dir given here win over it. Default: none (no auth).
     """
 
-    def __init__(self, store_dir: str | Path, port: int = 0, host: str = "127.0.0.1") -> None:
+    def __init__(
+        self,
+        store_dir: str | Path,
+        port: int = 0,
+        host: str = "127.0.0.1",
+        config_file: str | Path | None = None,
+    ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
+        self.config_file = Path(config_file) if config_file is not None else None
         self.proc: asyncio.subprocess.Process | None = None
         self._log_task: asyncio.Task[None] | None = None
         self.output: list[str] = []
@@ -65,6 +75,10 @@ class NatsServer:
     @property
     def url(self) -> str:
         return f"nats://{self.host}:{self.port}"
+
+    def url_for(self, user: str, password: str) -> str:
+        """The URL with a user's name and password (a server with a config_file)."""
+        return f"nats://{user}:{password}@{self.host}:{self.port}"
 
     async def start(self) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
@@ -76,6 +90,8 @@ class NatsServer:
             "-sd", str(self.store_dir),
             "-m", "0",
         ]  # fmt: skip
+        if self.config_file is not None:
+            args += ["-c", str(self.config_file)]
         self.proc = await asyncio.create_subprocess_exec(
             *args,
             stdout=subprocess.DEVNULL,

@@ -6,12 +6,15 @@ Every field is `LORAFLEET_<FIELD>` in upper case (`LORAFLEET_NATS_URL`, ...).
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields, replace
 from pathlib import Path
 from typing import Any
 
 from lorafleet.names import DEFAULT_PREFIX, Names
+
+_INBOX_RE = re.compile(r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")
 
 
 class SettingsError(ValueError):
@@ -31,6 +34,10 @@ class Settings:
     nats_url: str = "nats://127.0.0.1:4222"
     #: A NATS credentials file (user JWT + seed), if the server wants one.
     nats_creds: str | None = None
+    #: Prefix of this process's reply inboxes; default "_INBOX" (nats-py's).
+    #: An agent whose credentials allow only its own subjects uses
+    #: "_INBOX_<node>" (`lorafleet nats-config` prints it).
+    nats_inbox_prefix: str = "_INBOX"
     #: Prefix of every subject, stream and bucket. Default "lorafleet".
     subject_prefix: str = DEFAULT_PREFIX
     #: SQLAlchemy URL of the system of record (postgresql+psycopg://... or
@@ -62,6 +69,11 @@ class Settings:
             raise SettingsError(
                 f"LORAFLEET_NODE_TIMEOUT_S ({self.node_timeout_s}) must exceed "
                 f"LORAFLEET_HEARTBEAT_S ({self.heartbeat_s}), or every node looks lost"
+            )
+        if not _INBOX_RE.match(self.nats_inbox_prefix):
+            raise SettingsError(
+                f"LORAFLEET_NATS_INBOX_PREFIX={self.nats_inbox_prefix!r}: use dot-separated "
+                "tokens of letters, digits, '-', '_' or '$' (no wildcards), e.g. _INBOX_node-1"
             )
         if self.replicas not in (1, 3, 5):
             raise SettingsError("LORAFLEET_REPLICAS must be 1, 3 or 5")

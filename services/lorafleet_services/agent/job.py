@@ -51,7 +51,7 @@ from typing import Any, Protocol
 import msgspec
 from nats.js import JetStreamContext
 
-from lorafleet import log
+from lorafleet import log, objects
 from lorafleet.bus import encode
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -506,20 +506,19 @@ class JobRun:
         bucket = self.names.datasets_bucket
         name = self.req.dataset
         try:
-            store = await self.js.object_store(bucket)
             f = await asyncio.to_thread(path.open, "wb")
             try:
-                # writeinto: nats-py's plain get grows its buffer quadratically.
-                await store.get(name, writeinto=f)
+                # Not nats-py's get: read_object needs one API subject on one
+                # stream, what a node's credentials allow (lorafleet.permissions).
+                await objects.read_object(self.js, bucket, name, f)
             finally:
                 await asyncio.to_thread(f.close)
+        except objects.ObjectNotFoundError:
+            raise JobFailedError(
+                f"the dataset {name!r} is not in the object store {bucket}: "
+                "submit the job's data again"
+            ) from None
         except Exception as e:
-            kind = type(e).__name__
-            if "NotFound" in kind:
-                raise JobFailedError(
-                    f"the dataset {name!r} is not in the object store {bucket}: "
-                    "submit the job's data again"
-                ) from None
             raise JobFailedError(f"fetching the dataset {name!r} from {bucket}: {e!r}") from None
         sha = await asyncio.to_thread(sha256_file, path)
         if sha != self.req.dataset_sha256:

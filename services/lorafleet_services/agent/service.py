@@ -54,6 +54,10 @@ from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_
 
 Req = TypeVar("Req")
 
+#: The header and value of a KV delete (what nats-py's KeyValue.delete sends).
+KV_OP = "KV-Operation"
+KV_DEL = "DEL"
+
 #: Seconds between checks of the fencing condition.
 FENCE_CHECK_S = 0.25
 #: Seconds beyond the cancel grace a cancel request waits for the job to end.
@@ -180,8 +184,43 @@ class Agent:
                 self.cfg.cancel_grace_s + CANCEL_SLACK_S,
             )
         with contextlib.suppress(Exception):
-            kv = await self.js.key_value(self.names.nodes_bucket)
-            await asyncio.wait_for(kv.delete(self.node), 2)
+            # What KV delete publishes, without its bucket lookup (a stream
+            # info request the node's credentials do not allow).
+            await self.js.publish(
+                self.names.node_heartbeat(self.node), b"", timeout=2, headers={KV_OP: KV_DEL}
+            )
+
+
+async def ensure_layout_if_allowed(
+    js: JetStreamContext, settings: Settings, refused: asyncio.Event
+) -> None:
+    """Create the JetStream layout, unless these credentials may not.
+
+    A node's credentials (lorafleet.permissions) do not allow creating
+    streams: the services create them. A refused request is not answered,
+    so the refusal (`refused`, set by the connection's error callback) ends
+    the attempt at once instead of a request timeout later.
+    """
+    logger = log.get()
+    refused.clear()
+    task = asyncio.ensure_future(bus.ensure_layout(js, bus.layout_for(settings)))
+    waiter = asyncio.ensure_future(refused.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        logger.info(
+            Event.NATS_REFUSED,
+            message="this node's credentials may not create the JetStream layout; "
+            "the services create it",
+        )
+        return
+    try:
+        task.result()
+    except Exception as e:
+        logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
 
 
 async def _answer(
@@ -226,13 +265,12 @@ async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None =
         logger.info(
             Event.JOB_DIR_REMOVED, jobs=removed, message="job directories left by an earlier run"
         )
-    nc = await bus.connect(settings, f"lorafleet-agent-{cfg.node}")
+    refused = asyncio.Event()
+    nc = await bus.connect(
+        settings, f"lorafleet-agent-{cfg.node}", on_refused=lambda _text: refused.set()
+    )
     js = nc.jetstream()
-    try:
-        await bus.ensure_layout(js, bus.layout_for(settings))
-    except Exception as e:
-        # A node's credentials may not allow creating streams; the services do.
-        logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
+    await ensure_layout_if_allowed(js, settings, refused)
     agent = Agent(nc, js, settings, cfg)
     names = settings.names
 
