@@ -128,7 +128,7 @@ class Assembly:
     last: ArtifactChunkHeader | None = None
     #: Stream sequence of the newest chunk seen (for purging up to it).
     stream_seq: int = 0
-    #: Anything with hashlib's update() and hexdigest(); the service hashes in a thread.
+    #: Anything with hashlib's update() and hexdigest(); default sha256.
     hasher: Hasher = field(default_factory=hashlib.sha256)
 
     def add(self, header: ArtifactChunkHeader, body: bytes, stream_seq: int = 0) -> list[bytes]:
