@@ -43,10 +43,15 @@ async def refused(refusals: list[str], verb: str, subject: str) -> str:
     raise AssertionError(f"the server did not refuse {want}; refusals: {refusals}")
 
 
-def server_logged(fleet: Fleet, what: str, subject: str, user: str = "node-1") -> bool:
-    return any(
-        f'"$G/user:{user}" - {what} - Subject "{subject}"' in line for line in fleet.server.output
-    )
+async def server_logged(fleet: Fleet, what: str, subject: str, user: str = "node-1") -> bool:
+    """True once the server's own log names `user` and `subject` (exact case); its
+    output is read by a task, so the line may come a moment after the client's error."""
+    want = f'"$G/user:{user}" - {what} - Subject "{subject}"'
+    for _ in range(100):
+        if any(want in line for line in fleet.server.output):
+            return True
+        await asyncio.sleep(0.02)
+    return False
 
 
 @pytest.fixture
@@ -81,7 +86,7 @@ async def test_node_1_credentials_reach_node_1_subjects_only(fleet: Fleet, servi
             await refused(refusals, "Publish to", subject)
         # The server's own log names the user and the subject (exact case).
         for subject in (names.node_heartbeat("node-2"), names.status("node-2", "job-a")):
-            assert server_logged(fleet, "Publish Violation", subject)
+            assert await server_logged(fleet, "Publish Violation", subject)
         kv = await sjs.key_value(names.nodes_bucket)
         assert (await kv.get("node-1")).value is not None
         with pytest.raises(nats.js.errors.KeyNotFoundError):
@@ -101,7 +106,7 @@ async def test_node_1_credentials_reach_node_1_subjects_only(fleet: Fleet, servi
         await nc.flush()
         await refused(refusals, "Subscription to", names.node_start("node-2"))
         await refused(refusals, "Subscription to", "_INBOX.>")
-        assert server_logged(fleet, "Subscription Violation", names.node_start("node-2"))
+        assert await server_logged(fleet, "Subscription Violation", names.node_start("node-2"))
         await service.publish(names.node_start("node-2"), b"for node-2")
         await service.publish(names.node_start("node-1"), b"for node-1")
         await service.flush()
