@@ -190,7 +190,7 @@ class Fleet:
             heartbeat_s=self.settings.heartbeat_s,
             ttl_s=self.settings.node_timeout_s,
         )
-        subject = f"$KV.{self.settings.names.nodes_bucket}.{node.name}"
+        subject = self.settings.names.node_heartbeat(node.name)
         await self.nc.publish(
             subject, bus.encode(hb), headers={Header.MSG_TTL: str(self.settings.node_timeout_s)}
         )

@@ -111,9 +111,14 @@ class Names:
         """Every artifact chunk subject of one node (`<prefix>.artifacts.<node>.>`)."""
         return f"{self.prefix}.artifacts.{check_token(node, 'node name')}.>"
 
+    def kv_subject(self, bucket: str, key: str) -> str:
+        """The subject a KV bucket's `key` is stored under (a JetStream publish
+        there is a put that can carry a per-message TTL, which kv.put cannot)."""
+        return f"$KV.{bucket}.{key}"
+
     def node_heartbeat(self, node: str) -> str:
         """The subject a node's heartbeat is put to: its key in the nodes KV."""
-        return f"$KV.{self.nodes_bucket}.{check_token(node, 'node name')}"
+        return self.kv_subject(self.nodes_bucket, check_token(node, "node name"))
 
     # --- streams ---
     @property

@@ -33,7 +33,7 @@ async def test_layout_is_idempotent_and_kv_expiry_leaves_a_marker(settings: Sett
     kv = await js.key_value(settings.names.nodes_bucket)
     watcher = await kv.watch("gpu-1")
     assert await watcher.updates(timeout=2) is None  # initial: nothing
-    await js.publish(f"$KV.{settings.names.nodes_bucket}.gpu-1", b"beat", msg_ttl=1)
+    await js.publish(settings.names.node_heartbeat("gpu-1"), b"beat", msg_ttl=1)
     put = await watcher.updates(timeout=2)
     assert put is not None and put.value == b"beat"
     gone = await watcher.updates(timeout=5)

@@ -95,7 +95,7 @@ async def test_a_clean_stop_hands_over_at_once(pair: list[Scheduler]) -> None:
 
 async def test_nodes_list_follows_beats_and_their_expiry(pair: list[Scheduler]) -> None:
     s = pair[0]
-    subject = f"$KV.{s.names.nodes_bucket}.gpu-7"
+    subject = s.names.node_heartbeat("gpu-7")
     beat = Heartbeat(
         node="gpu-7",
         version="t",

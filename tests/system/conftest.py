@@ -192,7 +192,7 @@ class Stack:
         this machine has no GPU, so a node with cards can only be pretended."""
 
         started = dt.datetime.now(dt.UTC)
-        subject = f"$KV.{self.settings.names.nodes_bucket}.{node}"
+        subject = self.settings.names.node_heartbeat(node)
         while not stop.is_set():
             beat = Heartbeat(
                 node=node,

@@ -41,11 +41,6 @@ CARD_READ_TIMEOUT_S = 0.5
 ENGINES_RESCAN_S = 30.0
 
 
-def kv_subject(bucket: str, key: str) -> str:
-    """The subject a KV put of `key` publishes to (nats-py's KV put has no TTL)."""
-    return f"$KV.{bucket}.{key}"
-
-
 class CardReader:
     """NVML reads in one worker thread; a read that hangs never blocks the loop,
     and no second read is queued behind it (the last cards are kept)."""
@@ -100,7 +95,7 @@ class Heartbeater:
         #: loop.time() of the last acknowledged beat (fencing reads it).
         self.last_ack = loop.time()
         self.beats = 0
-        self.subject = kv_subject(settings.names.nodes_bucket, cfg.node)
+        self.subject = settings.names.node_heartbeat(cfg.node)
         self.logger = log.get(node=cfg.node)
 
     def poke(self) -> None:

@@ -347,7 +347,7 @@ class Scheduler:
             self._leader_changed.set()
 
     async def _leadership(self) -> None:
-        kv_subject = f"$KV.{self.names.leader_bucket}.{LEADER_KEY}"
+        kv_subject = self.names.kv_subject(self.names.leader_bucket, LEADER_KEY)
         while not self._stopping.is_set():
             was = self.is_leader()
             try:
