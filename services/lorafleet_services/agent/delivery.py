@@ -17,6 +17,7 @@ directory that is the same bytes for the same files.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import gzip
 import hashlib
 import os
@@ -25,7 +26,6 @@ import time
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import BinaryIO
 
 import msgspec
 import nats.errors
@@ -48,6 +48,11 @@ from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 DEFAULT_CHUNK_BYTES = 512 * 1024
 #: Publishes awaiting an acknowledgement at once.
 WINDOW_CHUNKS = 32
+#: Chunks read from the file at once (in a thread), ahead of their publishes.
+#: Measured delivering 200 MiB to a lone nats-server: a thread call per chunk
+#: (read and hash in it) cost the agent 0.30-0.31 CPU-s, one per 16 chunks
+#: with the hash on the loop 0.25-0.27 (and 0.30 s instead of 0.35 s).
+READ_CHUNKS = 16
 #: Times one chunk is published before the delivery fails.
 MAX_TRIES = 4
 #: Seconds to wait before publishing again after "no stream answered".
@@ -266,23 +271,38 @@ async def deliver(
                 raise _refused(stream, job_id, kind, item.seq, e) from None
 
     h = hashlib.sha256()
-
-    def read_next(f: BinaryIO) -> bytes:
-        body = f.read(step)
-        h.update(body)
-        return body
-
     sent = 0
+    asked = 0
     pub = await AsyncPublisher(nc).start()
     f = await asyncio.to_thread(path.open, "rb")
+
+    def read_ahead() -> asyncio.Future[bytes] | None:
+        # The file is read in a thread (the loop never waits on the disk), one
+        # read of READ_CHUNKS chunks at a time, in file order, a block ahead
+        # of the publishes.
+        nonlocal asked
+        n = min(READ_CHUNKS, count - asked)
+        if n <= 0:
+            return None
+        asked += n
+        return asyncio.ensure_future(asyncio.to_thread(f.read, n * step))
+
+    bodies: deque[bytes] = deque()
+    ahead = read_ahead()
     try:
         for seq in range(count):
-            # Read and hash on the loop: a thread per chunk (to_thread) cost the
-            # agent 0.09 CPU-s more per 200 MiB in GIL hand-offs and wake-ups,
-            # and on a busy machine CPU is what bounds the delivery. The file
-            # was just written (page cache): a read blocks the loop well under
-            # a millisecond, the hash about 0.3 ms per 512 KiB.
-            body = read_next(f)
+            if not bodies:
+                blob = await ahead if ahead is not None else b""
+                ahead = read_ahead()
+                bodies.extend(blob[i : i + step] for i in range(0, len(blob), step))
+                if not bodies:
+                    if seq or size:
+                        raise DeliveryError(f"{path} shrank while it was being delivered")
+                    bodies.append(b"")  # an empty file is one empty chunk
+            body = bodies.popleft()
+            # Hashed on the loop: bounded CPU (about 0.3 ms per 512 KiB), and
+            # cheaper than in the reading thread, whose GIL hand-offs cost more.
+            h.update(body)
             sent += len(body)
             if seq < count - 1:
                 if len(body) != step:
@@ -311,6 +331,9 @@ async def deliver(
             if w.future.done() and not w.future.cancelled():
                 w.future.exception()
             w.future.cancel()
+        if ahead is not None:
+            with contextlib.suppress(Exception):
+                await ahead
         f.close()
         await pub.close()
     seconds = time.perf_counter() - started
