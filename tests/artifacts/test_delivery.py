@@ -9,16 +9,18 @@ import os
 import random
 import tarfile
 from pathlib import Path
+from typing import Any
 
 import msgspec
 import pytest
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
-from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER
+from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, AsyncPublisher
 from lorafleet.names import Names
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
+from lorafleet_services.agent import delivery
 from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, deliver, pack_adapter
 
 NAMES = Names()
@@ -217,3 +219,34 @@ async def test_a_server_restart_mid_delivery_is_retried_to_completion(
     # Each chunk once (retried ones come later in the stream).
     assert sorted(h.seq for h, _, _ in chunks) == list(range(len(data) // (64 * 1024)))
     assert b"".join(b for _, _, b in sorted(chunks, key=lambda c: c[0].seq)) == data
+
+
+@pytest.mark.parametrize("cut", ["at_a_chunk_boundary", "mid_chunk", "grows"])
+async def test_a_file_changing_size_mid_delivery_fails_it(
+    nc: Client, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, cut: str
+) -> None:
+    # One chunk per read, so the change lands between reads; chunks above
+    # the file object's own read buffer, so it is not hidden by buffering.
+    monkeypatch.setattr(delivery, "READ_CHUNKS", 1)
+    step = 64 * 1024
+    path = tmp_path / "a.bin"
+    path.write_bytes(os.urandom(4 * step))
+    publish = AsyncPublisher.publish
+    calls = 0
+
+    async def changing(self: AsyncPublisher, *args: Any, **kwargs: Any) -> asyncio.Future[int]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            if cut == "grows":
+                with path.open("ab") as f:
+                    f.write(b"more")
+            else:
+                os.truncate(path, 2 * step + (0 if cut == "at_a_chunk_boundary" else 500))
+        return await publish(self, *args, **kwargs)
+
+    monkeypatch.setattr(AsyncPublisher, "publish", changing)
+    with pytest.raises(DeliveryError) as e:
+        await deliver(nc.jetstream(), NAMES, node="n1", job_id="j9", attempt=1,
+                      kind=ArtifactKind.GGUF, path=path, chunk_bytes=step)  # fmt: skip
+    assert ("changed size" if cut == "grows" else "shrank") in str(e.value)
