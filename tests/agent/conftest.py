@@ -29,8 +29,7 @@ from lorafleet_schemas.messages import (
     StatusReport,
     TrainerParams,
 )
-from lorafleet_services.agent.config import AgentConfig
-from tests.procs import ServiceProcess
+from tests.procs import ServiceProcess, agent_process
 
 DATA = b"".join(
     msgspec.json.encode({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + b"\n" for i in range(20)
@@ -56,20 +55,7 @@ class Bus:
     async def agent(
         self, node: str = "node-1", env: Mapping[str, str] | None = None, **cfg: Any
     ) -> ServiceProcess:
-        config = AgentConfig(
-            node=node,
-            work_dir=self.tmp_path / f"agent-{node}",
-            engines_dir=self.tmp_path / "engines",
-            trainer=cfg.pop("trainer", "standin"),
-            allow_cpu=cfg.pop("allow_cpu", True),
-            cancel_grace_s=cfg.pop("cancel_grace_s", 1.0),
-            **cfg,
-        )
-        proc = ServiceProcess(
-            "lorafleet_services.agent",
-            self.settings,
-            env={**config.to_env(), **(env or {})},
-        )
+        proc = agent_process(self.settings, self.tmp_path, node, env, **cfg)
         self.agents.append(proc)
         return await proc.start()
 
