@@ -34,6 +34,7 @@ from nats.aio.msg import Msg
 from nats.js.api import Header
 
 from lorafleet import bus
+from lorafleet.errors import raise_for_error
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
@@ -61,7 +62,7 @@ class BenchStack:
 
     async def call(self, subject: str, body: dict[str, Any], timeout_s: float = 10.0) -> Any:
         msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
-        bus.raise_for_error(msg.data, msg.headers)
+        raise_for_error(msg.data, msg.headers)
         return json.loads(msg.data)
 
     async def add_model(self, name: str = "tiny") -> None:

@@ -31,10 +31,10 @@ from nats.js.api import (
 )
 
 from lorafleet import log
+from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import ErrorBody, ErrorCode, ErrorReply
 
 T = TypeVar("T")
 
@@ -49,20 +49,6 @@ LEADER_TTL_S = 3
 
 class ConnectError(ConnectionError):
     """No NATS server answered at the configured URL."""
-
-
-class RemoteError(Exception):
-    """A lorafleet service answered a request with an error body."""
-
-    def __init__(self, code: str, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
-
-    def __str__(self) -> str:
-        where = f" (at {self.field})" if self.field else ""
-        return f"{self.code}: {self.message}{where}"
 
 
 def redact_url(url: str) -> str:
@@ -275,24 +261,6 @@ def decode(data: bytes, typ: type[T]) -> T:
     return msgspec.json.decode(data, type=typ)
 
 
-def error_body(code: ErrorCode, message: str, field: str | None = None) -> bytes:
-    return encode(ErrorReply(error=ErrorBody(code=code, message=message, field=field)))
-
-
-def raise_for_error(data: bytes, headers: dict[str, str] | None) -> None:
-    """Raise RemoteError when a reply is a lorafleet (or micro) error."""
-    if (headers and "Nats-Service-Error-Code" in headers) or data.startswith(b'{"error"'):
-        try:
-            body = msgspec.json.decode(data, type=ErrorReply).error
-            raise RemoteError(body.code.value, body.message, body.field)
-        except msgspec.DecodeError:
-            hdr = headers or {}
-            raise RemoteError(
-                hdr.get("Nats-Service-Error-Code", "internal"),
-                hdr.get("Nats-Service-Error", data.decode(errors="replace")),
-            ) from None
-
-
 async def request(
     nc: Client,
     subject: str,
@@ -301,7 +269,8 @@ async def request(
     timeout_s: float = 5.0,
     no_responders_retry_s: float = 2.0,
 ) -> T:
-    """Send `message` and decode the reply as `reply_type`, raising RemoteError.
+    """Send `message` and decode the reply as `reply_type`; an error reply
+    raises its lorafleet.errors.ApiError.
 
     A responder that has just reconnected can be missed for a moment (a
     spurious no-responders); the request is retried for `no_responders_retry_s`.

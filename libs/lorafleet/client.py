@@ -7,8 +7,8 @@
             print(event.job.state, event.job.loss)
 
 Every call is a NATS request to a lorafleet service (see docs/api.md); a
-service's error reply raises `lorafleet.bus.RemoteError` with its code,
-message and the field at fault.
+service's error reply raises its `lorafleet.errors.ApiError` subclass
+(`NotFoundError`, `ConflictError`, ...) with the message and the field at fault.
 """
 
 from __future__ import annotations

@@ -23,41 +23,14 @@ from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, Service, ServiceConfig
 
 from lorafleet import log
-from lorafleet.bus import encode, error_body
+from lorafleet.bus import encode
+from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError
 from lorafleet.log import Event
-from lorafleet_schemas.messages import ErrorCode
 
 Req = TypeVar("Req")
 
-#: micro's numeric codes for ours: clients that only read headers see HTTP-like codes.
-_HTTP_CODES = {
-    ErrorCode.BAD_REQUEST: "400",
-    ErrorCode.NOT_FOUND: "404",
-    ErrorCode.CONFLICT: "409",
-    ErrorCode.UNAVAILABLE: "503",
-    ErrorCode.INTERNAL: "500",
-}
-
 _PATH_RE = re.compile(r"^(?P<what>.*?) - at `(?P<path>[^`]+)`$", re.S)
 _KEY_RE = re.compile(r"^Object (?P<kind>contains unknown|missing required) field `(?P<key>[^`]+)`$")
-
-
-class ApiError(Exception):
-    """An error a request is answered with. `message` says what to change."""
-
-    def __init__(self, code: ErrorCode, message: str, field: str | None = None) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.field = field
-
-
-def bad_request(message: str, field: str | None = None) -> ApiError:
-    return ApiError(ErrorCode.BAD_REQUEST, message, field)
-
-
-def not_found(message: str, field: str | None = None) -> ApiError:
-    return ApiError(ErrorCode.NOT_FOUND, message, field)
 
 
 _STEP_RE = re.compile(r"\.([^.\[]+)|\[(\d+)\]")
@@ -93,9 +66,9 @@ def _choices_at(typ: Any, path: str) -> list[str] | None:
 
 
 def decode_request(data: bytes, typ: type[Req]) -> Req:
-    """Decode strictly; a bad request raises ApiError naming the field at fault."""
+    """Decode strictly; a bad request raises BadRequestError naming the field at fault."""
     if not data.strip():
-        raise bad_request("the request is empty: send a JSON object")
+        raise BadRequestError("the request is empty: send a JSON object")
     try:
         return msgspec.json.decode(data, type=typ)
     except msgspec.ValidationError as e:
@@ -107,15 +80,15 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
         if key:
             field = f"{path}.{key.group('key')}"
             hint = "remove it" if key.group("kind") == "contains unknown" else "add it"
-            raise bad_request(f"{field}: {what}; {hint}", field=field) from None
+            raise BadRequestError(f"{field}: {what}; {hint}", field=field) from None
         if m:
             choices = _choices_at(typ, path) if what.startswith("Invalid enum value") else None
             if choices:
                 what += "; use one of: " + ", ".join(choices)
-            raise bad_request(f"{path}: {what}", field=path) from None
-        raise bad_request(text) from None
+            raise BadRequestError(f"{path}: {what}", field=path) from None
+        raise BadRequestError(text) from None
     except msgspec.DecodeError as e:
-        raise bad_request(f"the request is not valid JSON: {e}") from None
+        raise BadRequestError(f"the request is not valid JSON: {e}") from None
 
 
 def endpoint(
@@ -130,21 +103,23 @@ def endpoint(
     """
     logger = log.get()
 
-    async def fail(req: Request, code: ErrorCode, message: str, field: str | None) -> None:
+    async def fail(req: Request, e: ApiError) -> None:
+        http = HTTP_CODES[e.code]
         if on_error is not None:
-            on_error(f"{_HTTP_CODES[code]}: {message}")
-        await req.respond_error(_HTTP_CODES[code], message, data=error_body(code, message, field))
+            on_error(f"{http}: {e.message}")
+        await req.respond_error(http, e.message, data=e.body())
 
     async def handle(req: Request) -> None:
         try:
             result = await fn(decode_request(req.data, typ))
         except ApiError as e:
-            await fail(req, e.code, e.message, e.field)
+            await fail(req, e)
             return
         except Exception as e:
             logger.exception(Event.REQUEST_FAILED, subject=subject, error=repr(e))
-            message = f"the service failed on this request: {e!r}; it is logged"
-            await fail(req, ErrorCode.INTERNAL, message, None)
+            await fail(
+                req, InternalError(f"the service failed on this request: {e!r}; it is logged")
+            )
             return
         await req.respond(result if isinstance(result, bytes) else encode(result))
 

@@ -33,6 +33,7 @@ from rich.table import Table
 
 from lorafleet import bus
 from lorafleet.client import Client
+from lorafleet.errors import ApiError
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
@@ -86,7 +87,7 @@ def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
 
     try:
         return asyncio.run(main())
-    except bus.RemoteError as e:
+    except ApiError as e:
         err.print(f"[red]error[/red] {e}")
         raise typer.Exit(1) from None
     except bus.ConnectError as e:

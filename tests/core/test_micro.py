@@ -8,7 +8,8 @@ import json
 import msgspec
 
 from lorafleet import bus
-from lorafleet.service import Route, bad_request, start_service
+from lorafleet.errors import BadRequestError
+from lorafleet.service import Route, start_service
 from lorafleet.settings import Settings
 
 
@@ -18,7 +19,7 @@ class Echo(msgspec.Struct, forbid_unknown_fields=True):
 
 async def echo(req: Echo) -> Echo:
     if req.text == "no":
-        raise bad_request("$.text: 'no' is refused; send anything else", field="$.text")
+        raise BadRequestError("$.text: 'no' is refused; send anything else", field="$.text")
     return req
 
 

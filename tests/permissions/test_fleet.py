@@ -18,6 +18,7 @@ import pytest
 from nats.aio.client import Client
 
 from lorafleet import bus
+from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet_services.agent.config import AgentConfig
 from tests.permissions.conftest import Fleet
@@ -53,7 +54,7 @@ class System:
 
     async def call(self, subject: str, body: dict[str, Any]) -> Any:
         msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=10)
-        bus.raise_for_error(msg.data, msg.headers)
+        raise_for_error(msg.data, msg.headers)
         return json.loads(msg.data)
 
     async def submit(self) -> dict[str, Any]:

@@ -22,6 +22,7 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 from lorafleet import bus
+from lorafleet.errors import raise_for_error
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet.states import ON_NODE
@@ -97,7 +98,7 @@ class Stack:
     async def call(self, subject: str, body: dict[str, Any], timeout_s: float = 10.0) -> Any:
         """Send `body` as JSON; return the decoded JSON reply (raise on an error reply)."""
         msg = await self.nc.request(subject, json.dumps(body).encode(), timeout=timeout_s)
-        bus.raise_for_error(msg.data, msg.headers)
+        raise_for_error(msg.data, msg.headers)
         return json.loads(msg.data)
 
     async def add_model(self, name: str = "tiny") -> None:

@@ -8,7 +8,7 @@ import time
 
 import pytest
 
-from lorafleet.bus import RemoteError
+from lorafleet.errors import NotFoundError
 from lorafleet_schemas.messages import JobState
 from tests.procs import ServiceProcess
 from tests.system.conftest import (
@@ -100,7 +100,7 @@ async def test_cancel_a_queued_job_and_a_running_one(stack: Stack) -> None:
     # Cancelling a final job returns it unchanged; an unknown id is not found.
     again = await stack.cancel(running.id)
     assert again.state is JobState.CANCELLED and again.updated_at == stopped.updated_at
-    with pytest.raises(RemoteError, match="no job has id") as err:
+    with pytest.raises(NotFoundError, match="no job has id") as err:
         await stack.cancel("no-such-job")
     assert err.value.code == "not_found"
 

@@ -37,6 +37,7 @@ from nats.js import JetStreamContext
 
 import lorafleet
 from lorafleet import bus, log
+from lorafleet.errors import error_body
 from lorafleet.log import Event
 from lorafleet.names import InvalidNameError, check_token
 from lorafleet.settings import Settings
@@ -235,7 +236,7 @@ async def _answer(
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         text = f"the request is not a valid {typ.__name__}: {e}"
         headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "400"}
-        await nc.publish(msg.reply, bus.error_body(ErrorCode.BAD_REQUEST, text), headers=headers)
+        await nc.publish(msg.reply, error_body(ErrorCode.BAD_REQUEST, text), headers=headers)
         return
     try:
         reply = await fn(req)
@@ -243,7 +244,7 @@ async def _answer(
         logger.exception(Event.REQUEST_FAILED, subject=msg.subject, error=repr(e))
         text = f"the agent failed on this request: {e!r}; it is logged"
         headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "500"}
-        await nc.publish(msg.reply, bus.error_body(ErrorCode.INTERNAL, text), headers=headers)
+        await nc.publish(msg.reply, error_body(ErrorCode.INTERNAL, text), headers=headers)
         return
     await msg.respond(bus.encode(reply))
 

@@ -52,29 +52,24 @@ from lorafleet.artifacts import (
     read_info,
 )
 from lorafleet.bus import (
-    RemoteError,
     connect,
     drain_quietly,
     ensure_layout,
     layout_for,
-    request,
 )
+from lorafleet.errors import NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names
-from lorafleet.service import Route, not_found, start_service
+from lorafleet.recorder_client import RecorderClient
+from lorafleet.service import Route, start_service
 from lorafleet.settings import Settings, SettingsError
-from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
     ArtifactGetRequest,
     ArtifactList,
     ArtifactListRequest,
     ArtifactRecord,
     ArtifactStoredRequest,
-    JobGetRequest,
     JobRecord,
-    JobState,
-    TransitionReply,
-    TransitionRequest,
 )
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -152,6 +147,7 @@ class ArtifactStore:
         self.js: JetStreamContext = nc.jetstream()
         self.settings = settings
         self.names: Names = settings.names
+        self.recorder = RecorderClient(nc, self.names, settings.request_timeout_s)
         self.logger = log.get()
         self._deliveries: dict[Key, _Delivery] = {}
         self._finished: dict[Key, None] = {}
@@ -215,7 +211,9 @@ class ArtifactStore:
     async def get_artifact(self, req: ArtifactGetRequest) -> ArtifactRecord:
         rec = await get_record(self.js, self.names, req.job_id, req.kind.value)
         if rec is None:
-            raise not_found(f"job {req.job_id} has no stored {req.kind.value} artifact", "$.kind")
+            raise NotFoundError(
+                f"job {req.job_id} has no stored {req.kind.value} artifact", "$.kind"
+            )
         return rec
 
     # --- consuming -------------------------------------------------------------
@@ -394,18 +392,7 @@ class ArtifactStore:
     # --- one delivery -----------------------------------------------------------
 
     async def _job(self, job_id: str) -> JobRecord | None:
-        try:
-            return await request(
-                self.nc,
-                self.names.jobs_get,
-                JobGetRequest(id=job_id),
-                JobRecord,
-                timeout_s=self.settings.request_timeout_s,
-            )
-        except RemoteError as e:
-            if e.code == "not_found":
-                return None
-            raise
+        return await self.recorder.get_job(job_id)
 
     async def _open(self, chunk: Chunk, upto_seq: int) -> _Delivery | None:
         """Start assembling a delivery, from the stream's first chunk of it up to `upto_seq`.
@@ -567,12 +554,8 @@ class ArtifactStore:
         return raw.seq or 0
 
     async def _tell_recorder(self, key: Key, size: int, sha256: str) -> None:
-        await request(
-            self.nc,
-            self.names.store_artifact,
-            ArtifactStoredRequest(id=key.job_id, kind=key.kind, size=size, sha256=sha256),
-            JobRecord,
-            timeout_s=self.settings.request_timeout_s,
+        await self.recorder.artifact_stored(
+            ArtifactStoredRequest(id=key.job_id, kind=key.kind, size=size, sha256=sha256)
         )
 
     async def _fail(self, d: _Delivery, message: str) -> None:
@@ -586,21 +569,7 @@ class ArtifactStore:
         await self._discard(d)
 
     async def _fail_job(self, job_id: str, message: str) -> None:
-        for _ in range(5):
-            job = await self._job(job_id)
-            if job is None or job.state in FINAL:
-                return
-            reply = await request(
-                self.nc,
-                self.names.store_transition,
-                TransitionRequest(
-                    id=job_id, from_state=job.state, to_state=JobState.FAILED, message=message
-                ),
-                TransitionReply,
-                timeout_s=self.settings.request_timeout_s,
-            )
-            if reply.applied or reply.job.state in FINAL:
-                return
+        await self.recorder.fail_job(job_id, message)
 
     async def _discard(self, d: _Delivery) -> None:
         # Writes still in flight would land after the purge: let them land first.

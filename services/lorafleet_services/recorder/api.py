@@ -14,13 +14,13 @@ from typing import Any, Protocol
 
 from lorafleet import log
 from lorafleet.bus import encode
+from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
-from lorafleet.service import ApiError, Route, bad_request, not_found
+from lorafleet.service import Route
 from lorafleet.states import FINAL, IllegalTransitionError
 from lorafleet_schemas.messages import (
     ArtifactStoredRequest,
-    ErrorCode,
     JobCurve,
     JobCurveRequest,
     JobEvent,
@@ -55,10 +55,6 @@ class Datasets(Protocol):
 Publish = Callable[[str, bytes], Awaitable[None]]
 
 
-def conflict(message: str, field: str | None = None) -> ApiError:
-    return ApiError(ErrorCode.CONFLICT, message, field)
-
-
 class RecorderApi:
     """Everything the recorder answers and applies, without a bus of its own."""
 
@@ -86,20 +82,20 @@ class RecorderApi:
 
     async def models_add(self, spec: ModelSpec) -> ModelRecord:
         if spec.hf_repo is None and spec.local_dir is None:
-            raise bad_request(
+            raise BadRequestError(
                 "give the model's weights: hf_repo (a Hugging Face repo) or local_dir "
                 "(a directory on the nodes)",
                 "$.hf_repo",
             )
         if spec.hf_repo is not None and spec.local_dir is not None:
-            raise bad_request("give hf_repo or local_dir, not both", "$.local_dir")
+            raise BadRequestError("give hf_repo or local_dir, not both", "$.local_dir")
         for name in ("hf_repo", "local_dir"):
             if getattr(spec, name) == "":
-                raise bad_request(f"{name} is empty", f"$.{name}")
+                raise BadRequestError(f"{name} is empty", f"$.{name}")
         try:
             record = await store.add_model(self.sm, spec)
         except store.ModelExistsError:
-            raise conflict(
+            raise ConflictError(
                 f"the catalog has a model named {spec.name} already: choose another name",
                 "$.name",
             ) from None
@@ -116,11 +112,11 @@ class RecorderApi:
         if model is None:
             known = [m.name for m in await store.list_models(self.sm)]
             listing = ", ".join(known) if known else "none yet (add one with models.add)"
-            raise not_found(
+            raise NotFoundError(
                 f"no model {spec.model} in the catalog; known models: {listing}", "$.model"
             )
         if (spec.data is None) == (spec.dataset is None):
-            raise bad_request(
+            raise BadRequestError(
                 'give the training data either inline ("data": NDJSON text) or by name '
                 '("dataset": an object in the datasets bucket), exactly one of the two',
                 "$.data",
@@ -136,7 +132,7 @@ class RecorderApi:
             dataset = spec.dataset
             stored = await self.datasets.get(dataset)
             if stored is None:
-                raise not_found(
+                raise NotFoundError(
                     f"no object {dataset} in bucket {self.names.datasets_bucket}: upload it "
                     f"with `nats object put {self.names.datasets_bucket} FILE` or send the "
                     "data inline",
@@ -161,12 +157,12 @@ class RecorderApi:
         try:
             return data.validate(content)
         except data.DataError as e:
-            raise bad_request(f"the training data: {e}", where) from None
+            raise BadRequestError(f"the training data: {e}", where) from None
 
     async def jobs_get(self, req: JobGetRequest) -> JobRecord:
         job = await store.get_job(self.sm, req.id)
         if job is None:
-            raise not_found(f"no job {req.id}: list jobs with jobs.list", "$.id")
+            raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id")
         return job
 
     async def jobs_list(self, req: JobListRequest) -> JobList:
@@ -185,7 +181,7 @@ class RecorderApi:
         try:
             return await store.curve(self.sm, req.id)
         except store.NotFoundError:
-            raise not_found(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
+            raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
 
     # --- internal ---
 
@@ -195,9 +191,9 @@ class RecorderApi:
                 self.sm, req.id, req.from_state, req.to_state, req.message, req.node
             )
         except IllegalTransitionError as e:
-            raise conflict(str(e), "$.to_state") from None
+            raise ConflictError(str(e), "$.to_state") from None
         except store.NotFoundError:
-            raise not_found(f"no job {req.id}", "$.id") from None
+            raise NotFoundError(f"no job {req.id}", "$.id") from None
         if applied and req.from_state is req.to_state:
             # A queued job's new message (what it waits for): no move to log.
             await self._publish(JobChange(job, "progress", []))
@@ -224,9 +220,9 @@ class RecorderApi:
                 self.sm, req.id, req.kind, req.size, req.sha256
             )
         except store.NotFoundError:
-            raise not_found(f"no job {req.id}", "$.id") from None
+            raise NotFoundError(f"no job {req.id}", "$.id") from None
         except store.ArtifactKindError as e:
-            raise bad_request(str(e), "$.kind") from None
+            raise BadRequestError(str(e), "$.kind") from None
         if change is not None:
             self._log_moves(change)
             await self._publish(change)

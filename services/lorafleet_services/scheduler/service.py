@@ -51,23 +51,20 @@ from nats.js.api import Header
 from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
 
 from lorafleet import bus, log
-from lorafleet.bus import LEADER_TTL_S, RemoteError
+from lorafleet.bus import LEADER_TTL_S
+from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
-from lorafleet.service import ApiError, Route, not_found, start_service
+from lorafleet.recorder_client import RecorderClient
+from lorafleet.service import Route, start_service
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
-    ErrorCode,
     Heartbeat,
     JobCancelRequest,
     JobEvent,
-    JobGetRequest,
-    JobList,
     JobListRequest,
     JobRecord,
     JobState,
-    ModelList,
-    ModelListRequest,
     ModelRecord,
     NodeCancelReply,
     NodeCancelRequest,
@@ -75,7 +72,6 @@ from lorafleet_schemas.messages import (
     NodeListRequest,
     StartReply,
     StartRequest,
-    TransitionReply,
     TransitionRequest,
 )
 from lorafleet_services.scheduler import logic
@@ -95,8 +91,6 @@ LEADER_RENEW_S = 1.0
 LEADER_SAFETY_S = 0.5
 #: The key in the leader bucket.
 LEADER_KEY = "scheduler"
-#: Compare-and-set attempts when a job keeps changing under a fail or cancel.
-CAS_ATTEMPTS = 5
 #: Most jobs one list request returns (the recorder's cap).
 LIST_LIMIT = 1000
 #: JetStream's error code for a wrong expected last subject sequence.
@@ -127,6 +121,7 @@ class Scheduler:
         self.clock = clock
         self.instance = instance or instance_id()
         self.table = NodeTable()
+        self.recorder = RecorderClient(nc, self.names, settings.request_timeout_s)
         self.log = log.get(instance=self.instance)
         #: True once the node watcher has delivered the bucket's current content.
         self.synced = False
@@ -215,45 +210,18 @@ class Scheduler:
             self.nc, subject, msg, reply, timeout_s=self.settings.request_timeout_s
         )
 
-    async def _list(self, req: JobListRequest) -> list[JobRecord]:
-        result: JobList = await self._request(self.names.jobs_list, req, JobList)
-        return result.jobs
-
-    async def _get(self, job_id: str) -> JobRecord | None:
-        try:
-            job: JobRecord = await self._request(
-                self.names.jobs_get, JobGetRequest(id=job_id), JobRecord
-            )
-        except RemoteError as e:
-            if e.code == ErrorCode.NOT_FOUND.value:
-                return None
-            raise
-        return job
-
-    async def _transition(self, req: TransitionRequest) -> TransitionReply:
-        reply: TransitionReply = await self._request(
-            self.names.store_transition, req, TransitionReply
-        )
-        return reply
-
     async def _fail(self, job: JobRecord, message: str, event: str = Event.JOB_LOST) -> bool:
-        """Fail `job` from whatever active state it is in; retry on a lost race."""
-        current = job
-        for _ in range(CAS_ATTEMPTS):
-            if current.state in FINAL or current.node != job.node:
-                return False
-            reply = await self._transition(
-                TransitionRequest(
-                    id=job.id, from_state=current.state, to_state=JobState.FAILED, message=message
-                )
+        """Fail `job` from whatever active state it is in, while it is still on its node."""
+        ended = await self.recorder.fail_job(job, message, still=lambda j: j.node == job.node)
+        if ended.applied:
+            self.log.warning(
+                event,
+                job_id=job.id,
+                node=job.node,
+                state=ended.from_state.value if ended.from_state else "",
+                message=message,
             )
-            if reply.applied:
-                self.log.warning(
-                    event, job_id=job.id, node=job.node, state=current.state.value, message=message
-                )
-                return True
-            current = reply.job
-        return False
+        return ended.applied
 
     # --- KV watchers ----------------------------------------------------
 
@@ -447,8 +415,10 @@ class Scheduler:
             return  # the node table is not complete yet: every node would look unknown
         # Both lists at once: the round's latency is mostly these round trips.
         on_node, queued = await asyncio.gather(
-            self._list(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT)),
-            self._list(JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)),
+            self.recorder.list_jobs(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT)),
+            self.recorder.list_jobs(
+                JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)
+            ),
         )
         failed: set[str] = set()
         lost, self._lost_pending = self._lost_pending, []
@@ -474,10 +444,7 @@ class Scheduler:
         """The catalog, asked again only when a job names a model not seen yet
         (catalog entries are added, not changed)."""
         if not wanted <= self._model_cache.keys():
-            result: ModelList = await self._request(
-                self.names.models_list, ModelListRequest(), ModelList
-            )
-            self._model_cache = {m.name: m for m in result.models}
+            self._model_cache = {m.name: m for m in await self.recorder.models()}
         return self._model_cache
 
     async def _say_waiting(self, job: JobRecord, message: str) -> None:
@@ -492,29 +459,26 @@ class Scheduler:
         # A queued -> queued "transition" only sets the message (the recorder
         # records no event for it); older recorders refuse it.
         try:
-            await self._transition(
+            await self.recorder.transition(
                 TransitionRequest(
                     id=job.id, from_state=JobState.QUEUED, to_state=JobState.QUEUED, message=message
                 )
             )
-        except RemoteError as e:
-            if e.code in (ErrorCode.BAD_REQUEST.value, ErrorCode.CONFLICT.value):
-                self._message_updates = False
-                self.log.warning(
-                    Event.TRANSITION_REFUSED,
-                    job_id=job.id,
-                    message="the recorder cannot set a queued job's message; "
-                    "waiting reasons are only logged",
-                    error=str(e),
-                )
-            else:
-                raise
+        except (BadRequestError, ConflictError) as e:
+            self._message_updates = False
+            self.log.warning(
+                Event.TRANSITION_REFUSED,
+                job_id=job.id,
+                message="the recorder cannot set a queued job's message; "
+                "waiting reasons are only logged",
+                error=str(e),
+            )
 
     async def _dispatch(self, job: JobRecord, node: str, models: dict[str, ModelRecord]) -> None:
         model = models.get(job.model)
         if model is None:
             # The catalog entry went away after submit: nothing can train this.
-            reply = await self._transition(
+            reply = await self.recorder.transition(
                 TransitionRequest(
                     id=job.id,
                     from_state=JobState.QUEUED,
@@ -526,7 +490,7 @@ class Scheduler:
             if reply.applied:
                 self.log.warning(Event.JOB_LOST, job_id=job.id, message=reply.job.message)
             return
-        reply = await self._transition(
+        reply = await self.recorder.transition(
             TransitionRequest(
                 id=job.id,
                 from_state=JobState.QUEUED,
@@ -573,7 +537,7 @@ class Scheduler:
                 error=repr(e),
             )
             return
-        except RemoteError as e:
+        except ApiError as e:
             reply = StartReply(accepted=False, reason=str(e))
         except Exception as e:
             self.log.warning(Event.REQUEST_FAILED, job_id=job.id, node=node, error=repr(e))
@@ -601,7 +565,7 @@ class Scheduler:
         for action in result.fail:
             await self._fail(action.job, action.message)
         for check in result.check:
-            found = await self._get(check.job_id)
+            found = await self.recorder.get_job(check.job_id)
             if logic.should_cancel_on_node(found):
                 why = (
                     "unknown to the recorder"
@@ -642,28 +606,21 @@ class Scheduler:
         on its node once the recorder has committed. A final job is returned
         as it is."""
         message = f"cancelled: {req.reason}" if req.reason else "cancelled on request"
-        job = await self._get(req.id)
+        job = await self.recorder.get_job(req.id)
         if job is None:
-            raise not_found(f"no job has id {req.id!r}", field="$.id")
-        for _ in range(CAS_ATTEMPTS):
-            if job.state in FINAL:
-                return job
-            reply = await self._transition(
-                TransitionRequest(
-                    id=job.id, from_state=job.state, to_state=JobState.CANCELLED, message=message
-                )
+            raise NotFoundError(f"no job has id {req.id!r}", field="$.id")
+        ended = await self.recorder.end_job(job, JobState.CANCELLED, message)
+        if ended.applied and ended.job is not None and ended.from_state is not None:
+            done = ended.job
+            self.log.info(
+                Event.JOB_CANCELLED, job_id=done.id, node=done.node, state=ended.from_state.value
             )
-            if reply.applied:
-                self.log.info(
-                    Event.JOB_CANCELLED, job_id=job.id, node=job.node, state=job.state.value
-                )
-                if job.state in ON_NODE and job.node is not None:
-                    self._spawn(self._cancel_on_node(job.node, job.id, message))
-                return reply.job
-            job = reply.job
-        raise ApiError(
-            ErrorCode.CONFLICT, f"job {req.id} kept changing state; send the cancel again"
-        )
+            if ended.from_state in ON_NODE and done.node is not None:
+                self._spawn(self._cancel_on_node(done.node, done.id, message))
+            return done
+        if ended.job is not None and ended.job.state in FINAL:
+            return ended.job
+        raise ConflictError(f"job {req.id} kept changing state; send the cancel again")
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:

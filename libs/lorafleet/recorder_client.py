@@ -1,0 +1,129 @@
+"""The control plane's client of the recorder: jobs read and moved over NATS.
+
+The scheduler and the artifact-store never touch the database; they ask the
+recorder, which owns it (`api.jobs.get/list`, `api.models.list`, the
+internal `store.jobs.transition` and `store.jobs.artifact`). Every state
+change is a compare-and-set (`from_state` -> `to_state`); `end_job` is the
+one loop that retries one when the job moved on under it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+from nats.aio.client import Client
+
+from lorafleet import bus
+from lorafleet.errors import NotFoundError
+from lorafleet.names import Names
+from lorafleet.states import FINAL
+from lorafleet_schemas.messages import (
+    ArtifactStoredRequest,
+    JobGetRequest,
+    JobList,
+    JobListRequest,
+    JobRecord,
+    JobState,
+    ModelList,
+    ModelListRequest,
+    ModelRecord,
+    TransitionReply,
+    TransitionRequest,
+)
+
+T = TypeVar("T")
+
+#: Compare-and-set attempts when a job keeps changing under a fail or cancel
+#: (each loss means another writer moved it: five in a row is a job that
+#: changes state faster than a round trip, which lorafleet's jobs do not).
+CAS_ATTEMPTS = 5
+
+
+@dataclass(frozen=True, slots=True)
+class Ended:
+    """What `end_job` did: `applied` when this call moved the job, from
+    `from_state`; `job` is the job as the recorder last answered (None: it
+    does not know the id)."""
+
+    applied: bool
+    job: JobRecord | None
+    from_state: JobState | None = None
+
+
+class RecorderClient:
+    """Requests to the recorder on an open connection.
+
+    timeout_s: seconds one request waits for its reply.
+    """
+
+    def __init__(self, nc: Client, names: Names, timeout_s: float) -> None:
+        self.nc = nc
+        self.names = names
+        self.timeout_s = timeout_s
+
+    async def _request(self, subject: str, message: Any, reply_type: type[T]) -> T:
+        return await bus.request(self.nc, subject, message, reply_type, timeout_s=self.timeout_s)
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        """The job, or None when the recorder has no job of that id."""
+        try:
+            return await self._request(self.names.jobs_get, JobGetRequest(id=job_id), JobRecord)
+        except NotFoundError:
+            return None
+
+    async def list_jobs(self, req: JobListRequest) -> list[JobRecord]:
+        return (await self._request(self.names.jobs_list, req, JobList)).jobs
+
+    async def models(self) -> list[ModelRecord]:
+        return (await self._request(self.names.models_list, ModelListRequest(), ModelList)).models
+
+    async def transition(self, req: TransitionRequest) -> TransitionReply:
+        """One compare-and-set; `applied` is false when the job had moved on."""
+        return await self._request(self.names.store_transition, req, TransitionReply)
+
+    async def artifact_stored(self, req: ArtifactStoredRequest) -> JobRecord:
+        return await self._request(self.names.store_artifact, req, JobRecord)
+
+    async def end_job(
+        self,
+        job: JobRecord | str,
+        to_state: JobState,
+        message: str,
+        *,
+        still: Callable[[JobRecord], bool] | None = None,
+    ) -> Ended:
+        """Move `job` (a record, or an id to read first) from whatever active
+        state it is in to `to_state`, retrying a lost race up to CAS_ATTEMPTS.
+
+        It stops, unapplied, when the job is final or unknown, when
+        `still(job)` turns false (the caller's reason no longer holds, say
+        the job left the node it was failing for), or after CAS_ATTEMPTS
+        lost races.
+        """
+        current = await self.get_job(job) if isinstance(job, str) else job
+        for _ in range(CAS_ATTEMPTS):
+            if current is None or current.state in FINAL:
+                break
+            if still is not None and not still(current):
+                break
+            reply = await self.transition(
+                TransitionRequest(
+                    id=current.id, from_state=current.state, to_state=to_state, message=message
+                )
+            )
+            if reply.applied:
+                return Ended(applied=True, job=reply.job, from_state=current.state)
+            current = reply.job
+        return Ended(applied=False, job=current)
+
+    async def fail_job(
+        self,
+        job: JobRecord | str,
+        message: str,
+        *,
+        still: Callable[[JobRecord], bool] | None = None,
+    ) -> Ended:
+        """`end_job(job, failed, message)`: `message` is what the user reads."""
+        return await self.end_job(job, JobState.FAILED, message, still=still)
