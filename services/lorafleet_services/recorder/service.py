@@ -26,7 +26,7 @@ from nats.micro.service import Service
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import lorafleet
-from lorafleet import bus, log
+from lorafleet import bus, log, runtime
 from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -102,12 +102,16 @@ def consumer_config(names: Names) -> PullConsumerConfig:
 
 
 class Recorder:
-    """The recorder's endpoints and status consumer on one NATS connection."""
+    """The recorder's endpoints and status consumer on one NATS connection.
+
+    `start()`, then `stop()`; the recorder owns `engine` and disposes it at stop.
+    """
 
     def __init__(self, settings: Settings, nc: Client, engine: AsyncEngine) -> None:
         self.settings = settings
         self.names = settings.names
         self.nc = nc
+        self.engine = engine
         self.js = nc.jetstream()
         self.api = RecorderApi(
             db.sessions(engine),
@@ -144,10 +148,12 @@ class Recorder:
         await self.nc.flush()
 
     async def stop(self) -> None:
+        """Stop consuming and answering, then close the database engine (owned here)."""
         await self._consumer.stop()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
+        await self.engine.dispose()
 
     async def _apply(self, msgs: list[Msg]) -> None:
         reports: list[StatusReport] = []
@@ -169,20 +175,20 @@ class Recorder:
         await self.api.after_status(result)
 
 
+async def migrate(settings: Settings) -> None:
+    """Bring the database to the newest schema (before connecting: its errors stay plain)."""
+    await asyncio.to_thread(db.migrate, settings.effective_database_url)
+
+
+async def make(nc: Client, settings: Settings) -> Recorder:
+    return Recorder(settings, nc, db.create_engine(settings.effective_database_url))
+
+
+PROGRAM = runtime.Program(
+    "recorder", make, before_connect=migrate, client_name="lorafleet-recorder"
+)
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Migrate, connect, serve until `stop` is set, then drain (runtime.main's contract)."""
-    logger = log.get()
-    url = settings.effective_database_url
-    await asyncio.to_thread(db.migrate, url)
-    engine = db.create_engine(url)
-    nc = await bus.connect(settings, "lorafleet-recorder")
-    recorder = Recorder(settings, nc, engine)
-    try:
-        await recorder.start()
-        logger.info(Event.SERVICE_STARTED, version=lorafleet.__version__)
-        await stop.wait()
-    finally:
-        await recorder.stop()
-        await bus.drain_quietly(nc)
-        await engine.dispose()
-        logger.info(Event.SERVICE_STOPPED)
+    """Migrate, connect, serve until `stop` is set, then drain (`runtime.serve(PROGRAM)`)."""
+    await runtime.serve(PROGRAM, settings, stop)
