@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
 
 import msgspec
 import nats.js.errors
@@ -29,9 +28,8 @@ import lorafleet
 from lorafleet import bus, log, runtime
 from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
-from lorafleet.names import Names
 from lorafleet.service import start_service
-from lorafleet.settings import Settings, SettingsError
+from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.api import RecorderApi
@@ -40,11 +38,6 @@ from lorafleet_services.recorder.api import RecorderApi
 FETCH_BATCH = 256
 #: Seconds one fetch waits for the first report.
 FETCH_WAIT_S = 1.0
-#: Seconds the server waits for an ack before redelivering; the environment
-#: variable LORAFLEET_RECORDER_ACK_WAIT_S overrides it (fault tests use a few
-#: seconds so that reports held by a killed recorder come back quickly).
-ACK_WAIT_S = 30.0
-ACK_WAIT_ENV = "LORAFLEET_RECORDER_ACK_WAIT_S"
 #: Reports delivered and not yet acked, at most (a few batches' worth).
 MAX_ACK_PENDING = 20_000
 
@@ -78,23 +71,14 @@ class ObjectStoreDatasets:
         return buf.getvalue()
 
 
-def ack_wait_s() -> float:
-    raw = os.environ.get(ACK_WAIT_ENV, "")
-    try:
-        value = float(raw) if raw else ACK_WAIT_S
-    except ValueError:
-        raise SettingsError(f"{ACK_WAIT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise SettingsError(f"{ACK_WAIT_ENV} must be > 0 seconds")
-    return value
-
-
-def consumer_config(names: Names) -> PullConsumerConfig:
+def consumer_config(settings: Settings) -> PullConsumerConfig:
+    """The status consumer; the ack wait is `settings.recorder_ack_wait_s`."""
+    names = settings.names
     return PullConsumerConfig(
         stream=names.status_stream,
         durable=names.recorder_consumer,
         filter_subject=names.status_subjects,
-        ack_wait_s=ack_wait_s(),
+        ack_wait_s=settings.recorder_ack_wait_s,
         max_ack_pending=MAX_ACK_PENDING,
         batch=FETCH_BATCH,
         fetch_wait_s=FETCH_WAIT_S,
@@ -122,7 +106,7 @@ class Recorder:
         self.logger = log.get()
         self._service: Service | None = None
         self._consumer = PullConsumer(
-            self.js, consumer_config(self.names), self._apply, ensure_stream=self._ensure_layout
+            self.js, consumer_config(settings), self._apply, ensure_stream=self._ensure_layout
         )
 
     async def _publish(self, subject: str, payload: bytes) -> None:
