@@ -232,13 +232,11 @@ class PullConsumer:
                 if attempt.num > 1:
                     # The consumer may be what failed (deleted, or a new store).
                     await self._ensure_consumer()
-                if self._stopping.is_set():
+                sub = self._sub
+                if sub is None or self._stopping.is_set():
                     return []
-                assert self._sub is not None
                 try:
-                    return await self._sub.fetch(
-                        self.config.batch, timeout=self.config.fetch_wait_s
-                    )
+                    return await sub.fetch(self.config.batch, timeout=self.config.fetch_wait_s)
                 except TimeoutError:  # nats.errors.TimeoutError is one
                     return []
         return []  # not reached: attempts=None retries until a fetch works
