@@ -172,7 +172,7 @@ class PullConsumer:
         self.on_tick = on_tick
         self.tick_s = tick_s
         self.check_every_s = check_every_s
-        self.logger = log.get(consumer=config.durable)
+        self.logger = log.get()
         self._sub: JetStreamContext.PullSubscription | None = None
         self._stopping = asyncio.Event()
         # None after the last batch: the fetcher is done.
@@ -300,9 +300,9 @@ class PullConsumer:
                 batch = await asyncio.wait_for(self._batches.get(), self.tick_s)
         except TimeoutError:
             batch = []
-        await self._tick()
         if batch is None:
             return False
+        await self._tick()
         if batch:
             await self._handle(batch)
         return True
