@@ -4,7 +4,6 @@ nothing lands in the streams, the KV or a listener."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import hashlib
 import io
@@ -18,6 +17,7 @@ from nats.aio.client import Client
 from lorafleet import bus, objects
 from lorafleet.names import dataset_object_name
 from lorafleet_schemas.messages import Heartbeat
+from tests.eventually import eventually
 from tests.permissions.conftest import Fleet
 
 #: Seconds a refused request waits (the server never answers it).
@@ -31,27 +31,35 @@ def beat(node: str) -> bytes:
     )
 
 
+#: Seconds a refusal has to reach the client's error callback or the server's log.
+REFUSAL_TIMEOUT_S = 2.0
+#: Seconds between two looks for it.
+REFUSAL_INTERVAL_S = 0.02
+
+
 async def refused(refusals: list[str], verb: str, subject: str) -> str:
     """The server's refusal of `verb` ("Publish to" / "Subscription to") on `subject`,
     as the error callback hears it (nats-py lower-cases the server's -ERR)."""
     want = f'permissions violation for {verb} "{subject}"'.lower()
-    for _ in range(100):
-        for text in refusals:
-            if text.lower() == want:
-                return text
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"the server did not refuse {want}; refusals: {refusals}")
+    matching = await eventually(
+        lambda: [text for text in refusals if text.lower() == want],
+        f"the server to refuse {want}; refusals: {refusals}",
+        timeout_s=REFUSAL_TIMEOUT_S,
+        interval_s=REFUSAL_INTERVAL_S,
+    )
+    return matching[0]
 
 
 async def server_logged(fleet: Fleet, what: str, subject: str, user: str = "node-1") -> bool:
     """True once the server's own log names `user` and `subject` (exact case); its
     output is read by a task, so the line may come a moment after the client's error."""
     want = f'"$G/user:{user}" - {what} - Subject "{subject}"'
-    for _ in range(100):
-        if any(want in line for line in fleet.server.output):
-            return True
-        await asyncio.sleep(0.02)
-    return False
+    return await eventually(
+        lambda: any(want in line for line in fleet.server.output),
+        f"the server to log {want}",
+        timeout_s=REFUSAL_TIMEOUT_S,
+        interval_s=REFUSAL_INTERVAL_S,
+    )
 
 
 @pytest.fixture
