@@ -45,8 +45,13 @@ from lorafleet_schemas.messages import (
     TrainerParams,
 )
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import ConversionError
-from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
+from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
+from lorafleet_services.stack import (
+    LOCAL_NODE,
+    ConversionPreparer,
+    EmbeddedStack,
+    local_agent_config,
+)
 
 T = TypeVar("T")
 
@@ -177,7 +182,7 @@ def up_cmd(
     log.configure("up", base.log_level)
 
     async def main() -> None:
-        config = await _up_agent_config(directory, node) if agent else None
+        config = await up_agent_config(directory, node) if agent else None
         stack = EmbeddedStack(
             data_dir=directory, nats_port=nats_port, agent=config, echo=sys.stderr
         )
@@ -202,11 +207,13 @@ def up_cmd(
     asyncio.run(main())
 
 
-async def _up_agent_config(directory: Path, node: str) -> AgentConfig:
+async def up_agent_config(
+    directory: Path, node: str, prepare: ConversionPreparer = local_conversion_source
+) -> AgentConfig:
     """The local agent's config; without PyPI reachable it still starts, and says
     where GGUF conversion will fetch llama.cpp's code from instead."""
     try:
-        return await local_agent_config(directory, node)
+        return await local_agent_config(directory, node, prepare=prepare)
     except ConversionError as e:
         config = await local_agent_config(directory, node, prepare=None)
         err.print(

@@ -7,7 +7,11 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import pytest
+
 from lorafleet_services.agent.config import DEFAULT_CONVERSION_SOURCE
+from lorafleet_services.agent.conversion import ConversionError
+from lorafleet_services.cli import up_agent_config
 from lorafleet_services.stack import LOCAL_NODE, local_agent_config
 
 LOCAL_TAG = "b9999"
@@ -79,3 +83,18 @@ async def test_without_local_preparation_the_default_source_stays(tmp_path: Path
     config = await local_agent_config(tmp_path, env={}, prepare=None)
     assert config.conversion_source == DEFAULT_CONVERSION_SOURCE
     assert config.llamacpp_tag is None
+
+
+async def test_up_still_starts_without_pypi_and_says_where_conversion_fetches(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    for key in ("LORAFLEET_AGENT_CONVERSION_SOURCE", "LORAFLEET_AGENT_LLAMACPP_TAG"):
+        monkeypatch.delenv(key, raising=False)
+
+    async def no_pypi(directory: Path) -> tuple[str, str]:
+        raise ConversionError("fetching llama-cpp-python from PyPI with pip failed: offline")
+
+    config = await up_agent_config(tmp_path, LOCAL_NODE, prepare=no_pypi)
+    assert config.conversion_source == DEFAULT_CONVERSION_SOURCE
+    said = " ".join(capsys.readouterr().err.split())
+    assert "offline" in said and "LORAFLEET_AGENT_CONVERSION_SOURCE" in said
