@@ -32,9 +32,6 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.agent.conversion import local_conversion_source
 from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
 
-#: Node name of the demo's local agent.
-DEMO_NODE = LOCAL_NODE
-
 
 def demo_records(n: int = 96, seed: int = 7) -> str:
     """Question/answer pairs a tiny model can learn in a minute: small sums."""
@@ -55,7 +52,9 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
     if engine is Engine.LLAMACPP:
         console.print("preparing llama.cpp's conversion code (from PyPI's llama-cpp-python) ...")
     agent = await local_agent_config(
-        directory, DEMO_NODE, prepare=local_conversion_source if engine is Engine.LLAMACPP else None
+        directory,
+        LOCAL_NODE,
+        prepare=local_conversion_source if engine is Engine.LLAMACPP else None,
     )
     stack = EmbeddedStack(data_dir=directory, agent=agent)
     settings = await stack.start()
@@ -87,7 +86,7 @@ def demo_job() -> JobSpec:
     return JobSpec(
         name="demo",
         model="tiny-llama",
-        node=DEMO_NODE,
+        node=LOCAL_NODE,
         gpu_memory_mib=1,
         data=demo_records(),
         params=TrainerParams(
