@@ -91,7 +91,7 @@ def _agent_env_sets(env: Mapping[str, str], *fields: str) -> bool:
 
 
 class ServiceStartError(RuntimeError):
-    """A child service exited or stayed silent instead of starting."""
+    """A child service did not start: it exited, stayed silent, or was never started."""
 
 
 class ServiceProcess:
