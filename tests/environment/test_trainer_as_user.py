@@ -43,7 +43,7 @@ async def run_as_user(env: TrainerEnvironment, base: Path, job_dir: Path) -> Run
         data=ndjson(qa_records()),
         params={"max_steps": 2, "batch_size": 4, "max_seq_len": 64, "rank": 4, "alpha": 8},
     )
-    shutil.copy(TRAINER_PATH, job_dir / "trainer_script.py")
+    shutil.copy(TRAINER_PATH, job_dir / "trainer.py")
     env.give(job_dir)
     lines: list[TrainerLine] = []
 
@@ -51,7 +51,7 @@ async def run_as_user(env: TrainerEnvironment, base: Path, job_dir: Path) -> Run
         lines.append(msgspec.json.decode(raw, type=TrainerLine))
 
     res = await run_process(
-        [env.python, str(job_dir / "trainer_script.py"), str(job_json)],
+        [env.python, str(job_dir / "trainer.py"), str(job_json)],
         env=env.process_env(CPU),
         cwd=job_dir,
         user=env.user,

@@ -68,11 +68,13 @@ from lorafleet_schemas.messages import (
     TrainerState,
     TrainerStep,
 )
+from lorafleet_services import trainer
 from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent import conversion, delivery, environment
 from lorafleet_services.agent.cards import CardChoice, NoCardError
 from lorafleet_services.agent.config import AgentConfig, EngineUser
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
+from lorafleet_services.trainer.standin import gguf_bytes
 
 #: Seconds one status publish waits for its ack before it is retried.
 PUBLISH_TIMEOUT_S = 2.0
@@ -187,7 +189,7 @@ def trainer_env(
 def job_file(
     req: StartRequest, cfg: AgentConfig, job_dir: Path, data_path: Path, choice: CardChoice
 ) -> dict[str, Any]:
-    """job.json for the trainer (the format is in trainer_script.py's docstring)."""
+    """job.json for the trainer (its format: the docstring of trainer/script.py)."""
     return {
         "job_id": req.job_id,
         "base": {
@@ -554,10 +556,7 @@ class JobRun:
             raise JobFailedError(str(e)) from None
 
     def _write_files(self, data_path: Path, choice: CardChoice) -> tuple[Path, Path]:
-        here = Path(__file__).parent
-        source = here / (
-            "standin_trainer.py" if self.cfg.trainer == "standin" else "trainer_script.py"
-        )
+        source = trainer.STANDIN_PATH if self.cfg.trainer == "standin" else trainer.SCRIPT_PATH
         script = self.job_dir / "trainer.py"
         shutil.copyfile(source, script)
         job_json = self.job_dir / "job.json"
@@ -679,8 +678,6 @@ class JobRun:
     async def _convert(self, env: TrainerEnvironment, adapter_dir: Path, base_dir: Path) -> Path:
         out = self.job_dir / "adapter.gguf"
         if self.cfg.trainer == "standin":
-            from lorafleet_services.agent.standin_trainer import gguf_bytes
-
             await asyncio.to_thread(out.write_bytes, gguf_bytes(self.job_id))
             self.reporter.report(message="stand-in trainer: a stand-in GGUF, not a conversion")
             return out

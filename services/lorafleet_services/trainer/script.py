@@ -1,6 +1,6 @@
 """lorafleet's LoRA trainer: one self-contained script, run in a node's engine Python.
 
-    python trainer_script.py job.json
+    python script.py job.json
 
 It imports only the standard library, torch, transformers (and its
 huggingface_hub), peft, accelerate and safetensors: never lorafleet's own
@@ -1114,7 +1114,7 @@ def main(argv: list[str]) -> int:
     # transformers method) are nothing a job's owner can act on.
     warnings.filterwarnings("ignore", category=FutureWarning)
     if len(argv) != 2:
-        emit("error", message="usage: trainer_script.py job.json")
+        emit("error", message="usage: script.py job.json")
         return 2
     try:
         return run(Path(argv[1]))

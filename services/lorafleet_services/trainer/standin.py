@@ -1,8 +1,8 @@
 """The stand-in trainer: a real subprocess speaking the trainer's protocol.
 
-    python standin_trainer.py job.json
+    python standin.py job.json
 
-It reads the same job file as the real trainer (see trainer_script.py) and
+It reads the same job file as the real trainer (see script.py) and
 prints the same JSON lines on stdout (`TrainerLine` in
 lorafleet_schemas.messages), without training anything: a falling loss, a
 peak MiB, eval lines, and a small adapter directory whose bytes depend only
@@ -77,7 +77,7 @@ def _int_env(name: str, default: int) -> int:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: standin_trainer.py job.json", file=sys.stderr)
+        print("usage: standin.py job.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
     params = job.get("params") or {}
