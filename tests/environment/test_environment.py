@@ -23,7 +23,7 @@ from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig, EngineUser
 from lorafleet_services.agent.environment import (
     OVERLAY_MARKER,
-    TrainerEnvironment,
+    EngineEnvironment,
     TrainerSetupError,
     ensure_overlay,
     find_python,
@@ -50,7 +50,7 @@ def _overlays(work: Path) -> list[str]:
     return sorted(p.name for p in work.glob("overlay-*"))
 
 
-async def _imports(env: TrainerEnvironment) -> dict[str, list[str]]:
+async def _imports(env: EngineEnvironment) -> dict[str, list[str]]:
     lines: list[bytes] = []
 
     async def keep(line: bytes) -> None:
@@ -102,7 +102,7 @@ def test_process_env_is_clean_and_names_the_card(
     monkeypatch.setenv("PYTHONPATH", "/agent/only")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     user = EngineUser("eng", 999, 998, (998, 44), tmp_path / "engine-home")
-    env = TrainerEnvironment(
+    env = EngineEnvironment(
         python="/opt/e/vllm/0.11.0/bin/python3",
         pythonpath=("/w/overlay-1",),
         user=user,
@@ -129,7 +129,7 @@ def test_process_env_is_clean_and_names_the_card(
 
     cpu = env.process_env(CPU)
     assert cpu["CUDA_VISIBLE_DEVICES"] == ""
-    online = TrainerEnvironment(
+    online = EngineEnvironment(
         python="/p/python3",
         pythonpath=(),
         user=None,

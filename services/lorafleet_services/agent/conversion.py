@@ -35,12 +35,12 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import IO, Protocol
+from typing import IO
 
 from lorafleet_services.agent.cards import CardChoice
-from lorafleet_services.agent.config import AgentConfig, EngineUser
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.environment import TrainerEnvironment
 from lorafleet_services.agent.process import run_process
 
 #: Seconds a fetch may wait for the source to answer or send the next bytes.
@@ -83,20 +83,6 @@ class ConversionError(RuntimeError):
 
 class ConversionCancelledError(ConversionError):
     """The conversion was stopped by its cancel event."""
-
-
-class ConversionEnvironment(Protocol):
-    """What conversion needs of agent/environment.py's `TrainerEnvironment`
-    (matched structurally, so this module does not import it)."""
-
-    @property
-    def python(self) -> str: ...
-    @property
-    def user(self) -> EngineUser | None: ...
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]: ...
-    def give(self, path: Path) -> object: ...
 
 
 def find_llamacpp_tag(cfg: AgentConfig) -> str:
@@ -297,6 +283,14 @@ def _extract_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, so
             f"{source} has {name!r}, which is {kind}, among the conversion code; "
             "refusing it (a genuine llama.cpp release has none there)"
         )
+    try:
+        # The standard library's guarantees too (no absolute or escaping
+        # path, no special file, safe modes), on the name as it is written.
+        tarfile.data_filter(member.replace(name=rel.as_posix(), deep=False), str(dest))
+    except tarfile.FilterError as e:
+        raise ConversionError(
+            f"{source} has {name!r}, which tarfile's data filter refuses ({e}); refusing it"
+        ) from None
     out = dest.joinpath(*rel.parts)
     if member.isdir():
         out.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -343,7 +337,7 @@ def check_adapter(adapter_dir: Path) -> dict[str, object]:
 
 async def convert_to_gguf(
     cfg: AgentConfig,
-    env: ConversionEnvironment,
+    env: TrainerEnvironment,
     adapter_dir: Path,
     base_dir: Path,
     out_file: Path,

@@ -26,13 +26,15 @@ import pwd
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from lorafleet import log
 from lorafleet.log import Event
@@ -94,14 +96,35 @@ print(json.dumps(out))
 """
 
 
+class TrainerEnvironment(Protocol):
+    """What a trainer (and the GGUF converter) runs in: its Python, its user,
+    its process environment. `EngineEnvironment` is the node's engine Python,
+    `StandinEnvironment` the stand-in trainer's."""
+
+    @property
+    def python(self) -> str: ...
+
+    @property
+    def user(self) -> EngineUser | None: ...
+
+    @property
+    def notes(self) -> tuple[str, ...]: ...
+
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]: ...
+
+    def give(self, path: Path) -> None: ...
+
+
 class TrainerSetupError(RuntimeError):
     """The node cannot run the trainer as configured; the message says what
     to install or change."""
 
 
 @dataclass(frozen=True)
-class TrainerEnvironment:
-    """Everything the agent needs to start the trainer on this node."""
+class EngineEnvironment:
+    """The node's engine Python, prepared to train (a TrainerEnvironment)."""
 
     #: The interpreter that trains.
     python: str
@@ -152,6 +175,36 @@ class TrainerEnvironment:
         when the trainer runs as the agent)."""
         if self.user is not None:
             _chown_tree(path, self.user.uid, self.user.gid)
+
+
+@dataclass(slots=True)
+class StandinEnvironment:
+    """The stand-in trainer's environment (a TrainerEnvironment): the agent's
+    own Python and user.
+
+    The LORAFLEET_STANDIN_* knobs reach the trainer from the agent's
+    environment; the agent's other LORAFLEET_* settings do not.
+    """
+
+    python: str = sys.executable
+    user: EngineUser | None = None
+    notes: tuple[str, ...] = ()
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in self.base_env.items()
+            if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
+        }
+        env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
+        env.update(extra or {})
+        return env
+
+    def give(self, path: Path) -> None:
+        return None
 
 
 # --------------------------------------------------------------------- Python
@@ -663,7 +716,7 @@ async def _user_can_run(python: str, user: EngineUser) -> str:
 # -------------------------------------------------------------------- prepare
 
 
-async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
+async def prepare(cfg: AgentConfig) -> EngineEnvironment:
     """Find the Python, make sure its overlay is there, and settle the user.
     Raises TrainerSetupError when the node cannot train (no Python, the
     overlay does not install or import)."""
@@ -685,7 +738,7 @@ async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
     if user is None:
         home.mkdir(parents=True, exist_ok=True)
     hf_home = Path(cfg.hf_home) if cfg.hf_home else home / ".cache" / "huggingface"
-    return TrainerEnvironment(
+    return EngineEnvironment(
         python=python,
         pythonpath=(str(overlay),),
         user=user,
@@ -697,6 +750,8 @@ async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
 
 
 __all__ = [
+    "EngineEnvironment",
+    "StandinEnvironment",
     "TrainerEnvironment",
     "TrainerSetupError",
     "ensure_overlay",

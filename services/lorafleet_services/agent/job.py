@@ -41,14 +41,12 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
+import psutil
 from nats.js import JetStreamContext
 
 from lorafleet import log, objects
@@ -72,7 +70,8 @@ from lorafleet_services import trainer
 from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent import conversion, delivery, environment
 from lorafleet_services.agent.cards import CardChoice, NoCardError
-from lorafleet_services.agent.config import AgentConfig, EngineUser
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.environment import StandinEnvironment, TrainerEnvironment
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
 from lorafleet_services.trainer.standin import gguf_bytes
 
@@ -98,54 +97,6 @@ _line_decoder: msgspec.json.Decoder[TrainerLine] = msgspec.json.Decoder(TrainerL
 
 class JobFailedError(Exception):
     """A step of the job failed; the message is what the job's `failed` report says."""
-
-
-class TrainerEnvironment(Protocol):
-    """What agent/environment.py prepares (the stand-in has its own)."""
-
-    @property
-    def python(self) -> str: ...
-
-    @property
-    def user(self) -> EngineUser | None: ...
-
-    @property
-    def notes(self) -> tuple[str, ...]: ...
-
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]: ...
-
-    def give(self, path: Path) -> None: ...
-
-
-@dataclass(slots=True)
-class StandinEnvironment:
-    """The stand-in trainer's environment: the agent's own Python and user.
-
-    The LORAFLEET_STANDIN_* knobs reach the trainer from the agent's
-    environment; the agent's other LORAFLEET_* settings do not.
-    """
-
-    python: str = sys.executable
-    user: EngineUser | None = None
-    notes: tuple[str, ...] = ()
-    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in self.base_env.items()
-            if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
-        }
-        env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
-        env.update(extra or {})
-        return env
-
-    def give(self, path: Path) -> None:
-        return None
 
 
 #: In the trainer's environment (and so its children's): its job directory.
@@ -215,20 +166,12 @@ def sha256_file(path: Path) -> str:
 
 
 def session_pids(sid: int) -> set[int]:
-    """Every live process in session `sid` (the trainer and whatever it started), from /proc."""
+    """Every process in session `sid` (the trainer and whatever it started)."""
     pids: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command (which may hold spaces) are after the last ')'.
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        if len(rest) > 3 and int(rest[3]) == sid:
-            pids.add(int(entry.name))
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone since the listing
+            if os.getsid(pid) == sid:
+                pids.add(pid)
     return pids
 
 
@@ -241,18 +184,17 @@ def card_choice_text(choice: CardChoice, node: str) -> str:
 def leftover_trainers(work_dir: Path) -> set[int]:
     """Processes an earlier agent with this work directory left running: the
     trainers (and whatever they started) whose LORAFLEET_JOB_DIR is under it."""
-    prefix = f"{JOB_DIR_VAR}={work_dir / 'jobs'}/".encode()
+    prefix = f"{work_dir / 'jobs'}/"
     found: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # gone, or another user's (the agent runs them as itself then)
+            job_dir = proc.environ().get(JOB_DIR_VAR, "")
+        except psutil.Error:  # gone, or another user's (the agent runs them as itself then)
             continue
-        if any(var.startswith(prefix) for var in environ.split(b"\0")):
-            found.add(int(entry.name))
+        if job_dir.startswith(prefix):
+            found.add(proc.pid)
     return found
 
 
