@@ -47,9 +47,11 @@ from typing import Any
 
 import msgspec
 import psutil
+import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log, objects
+from lorafleet.artifacts import MSG_ID_HEADER  # names.py (E): the header names
 from lorafleet.bus import encode
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -77,7 +79,8 @@ from lorafleet_services.trainer.standin import gguf_bytes
 
 #: Seconds one status publish waits for its ack before it is retried.
 PUBLISH_TIMEOUT_S = 2.0
-#: Longest pause between retries of a status publish; seconds.
+#: First and longest pause between retries of a status publish; seconds.
+PUBLISH_RETRY_FIRST_S = 0.1
 PUBLISH_RETRY_MAX_S = 2.0
 #: Seconds the final reports of a job may take to publish when the agent stops.
 STOP_DRAIN_TIMEOUT_S = 5.0
@@ -278,22 +281,32 @@ class Reporter:
 
     async def _publish_all(self) -> None:
         while (report := await self._queue.get()) is not None:
-            payload = encode(report)
-            headers = {"Nats-Msg-Id": f"{self.job_id}.{self.attempt}.{report.seq}"}
-            delay_s = 0.1
-            while True:
+            await self._publish(report)
+            self.published = report.seq
+
+    async def _publish(self, report: StatusReport) -> None:
+        """Publish until acknowledged: no limit here, the job's drain timeout
+        and the fence bound it."""
+        payload = encode(report)
+        headers = {MSG_ID_HEADER: f"{self.job_id}.{self.attempt}.{report.seq}"}
+        async for attempt in stamina.retry_context(
+            on=Exception,
+            attempts=None,
+            timeout=None,
+            wait_initial=PUBLISH_RETRY_FIRST_S,
+            wait_max=PUBLISH_RETRY_MAX_S,
+            wait_jitter=0,
+        ):
+            with attempt:
                 try:
                     await self.js.publish(
                         self.subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers
                     )
-                    break
                 except Exception as e:
                     self.logger.warning(Event.STATUS_RETRY, seq=report.seq, error=repr(e))
-                    await asyncio.sleep(delay_s)
-                    delay_s = min(delay_s * 2, PUBLISH_RETRY_MAX_S)
-            self.published = report.seq
+                    raise
 
-    async def close(self, timeout_s: float | None = None) -> None:
+    async def stop(self, timeout_s: float | None = None) -> None:
         """Publish what is queued (at most `timeout_s` seconds; None: until done)."""
         self._queue.put_nowait(None)
         await asyncio.wait({self._task}, timeout=timeout_s)
@@ -384,7 +397,7 @@ class JobRun:
         finally:
             if self.sampler is not None:
                 self.sampler.stop()
-            await self.reporter.close(drain_timeout_s)
+            await self.reporter.stop(drain_timeout_s)
             await asyncio.to_thread(self._clean_dir)
 
     def _fail(self, message: str) -> None:
