@@ -24,7 +24,6 @@ import os
 import tarfile
 import time
 from collections import deque
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, BinaryIO, Protocol
@@ -344,12 +343,29 @@ class ChunkReader:
         self.f.close()
 
 
+@dataclass(frozen=True, slots=True)
+class ChunkHeaders:
+    """The headers of one delivery's chunks: its Nats-Msg-Id and its ArtifactChunkHeader."""
+
+    job_id: str
+    node: str
+    kind: ArtifactKind
+    attempt: int
+
+    def __call__(self, *, seq: int, **last: Any) -> dict[str, str]:
+        """Chunk `seq`'s headers; `last` (last, count, size, sha256) on the last one."""
+        h = ArtifactChunkHeader(
+            job_id=self.job_id, node=self.node, kind=self.kind, attempt=self.attempt, seq=seq,
+            **last,
+        )  # fmt: skip
+        return {
+            MSG_ID_HEADER: msg_id(self.job_id, self.kind.value, self.attempt, seq),
+            CHUNK_HEADER: _encoder.encode(h).decode(),
+        }
+
+
 async def _send(
-    window: ChunkWindow,
-    reader: ChunkReader,
-    header: Callable[..., dict[str, str]],
-    path: Path,
-    size: int,
+    window: ChunkWindow, reader: ChunkReader, header: ChunkHeaders, path: Path, size: int
 ) -> str:
     """Every chunk of `path` through `window`; answers the sha256 of what was sent."""
     h = hashlib.sha256()
@@ -409,14 +425,7 @@ async def deliver(
     count = max(1, -(-size // step))
     started = time.perf_counter()
     logger = log.get(job_id=job_id, node=node, kind=kind.value)
-
-    def header(**fields: Any) -> dict[str, str]:
-        h = ArtifactChunkHeader(job_id=job_id, node=node, kind=kind, attempt=attempt, **fields)
-        return {
-            MSG_ID_HEADER: msg_id(job_id, kind.value, attempt, h.seq),
-            CHUNK_HEADER: _encoder.encode(h).decode(),
-        }
-
+    header = ChunkHeaders(job_id=job_id, node=node, kind=kind, attempt=attempt)
     pub = await AsyncPublisher(nc).start()
     window = ChunkWindow(
         pub,

@@ -655,6 +655,37 @@ def peak_mib(device: Any) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 
 
+def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
+    """Forward and backward over one step's micro-batches; answers the step's
+    loss as a tensor (still on the card: reading it would wait for the card)."""
+    n = len(micro)
+    total = None
+    for b in micro:
+        with loop.autocast():
+            out = loop.model(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
+            )
+        loss = out.loss / n
+        if loop.scaler is not None:
+            loop.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        d = loss.detach()
+        total = d if total is None else total + d
+    assert total is not None
+    return total
+
+
+def _optimizer_step(loop: Loop) -> None:
+    if loop.scaler is not None:
+        loop.scaler.step(loop.optimizer)
+        loop.scaler.update()
+    else:
+        loop.optimizer.step()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+
+
 def train_steps(
     loop: Loop,
     steps_plan: Iterator[tuple[int, list[Batch]]],
@@ -669,35 +700,16 @@ def train_steps(
     A step's time runs from the end of the one before, so that making its
     batches and reporting count too (tokens/s is what the job really gets).
     """
-    model, opt, sched, scaler = loop.model, loop.optimizer, loop.scheduler, loop.scaler
     t0 = time.perf_counter()
     upcoming = next(steps_plan, None)
     while upcoming is not None:
         epoch, micro = upcoming
-        lr = sched.get_last_lr()[0]
-        n = len(micro)
-        total = None
-        for b in micro:
-            with loop.autocast():
-                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-            loss = out.loss / n
-            if scaler is not None:
-                scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            d = loss.detach()
-            total = d if total is None else total + d
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        lr = loop.scheduler.get_last_lr()[0]
+        total = _accumulate(loop, micro)
+        _optimizer_step(loop)
         # On a card all of the above is only queued: make the next step's
         # batches now, while it runs, then wait for the loss.
         upcoming = next(steps_plan, None)
-        assert total is not None
         step_loss = float(total.item())
         if not math.isfinite(step_loss):
             raise TrainingError(
