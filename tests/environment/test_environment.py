@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -32,6 +31,7 @@ from lorafleet_services.agent.environment import (
 )
 from lorafleet_services.agent.process import run_process
 from tests.environment.conftest import Engines, make_engines
+from tests.eventually import eventually
 
 CPU = CardChoice(index=None, name="cpu", free_mib=0)
 
@@ -288,11 +288,12 @@ async def _crash_mid_install(cfg: AgentConfig, python: str) -> None:
     are written but before it is marked complete."""
     agent = await _agent_process(cfg, python, stdout=asyncio.subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not list(cfg.work_dir.glob("overlay-*.partial-*/peft/__init__.py")):
+
+        def written() -> list[Path]:
             assert agent.returncode is None, "the agent ended before the crash"
-            assert time.monotonic() < deadline, "the install never wrote peft"
-            await asyncio.sleep(0.02)
+            return list(cfg.work_dir.glob("overlay-*.partial-*/peft/__init__.py"))
+
+        await eventually(written, "the install to write peft", timeout_s=120, interval_s=0.02)
         _kill_tree(psutil.Process(agent.pid))
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -443,11 +444,12 @@ async def test_a_cancelled_install_leaves_no_installer_and_no_partial(
     engines = make_engines(open_dir / "e-cancel", engine_venv)
     cfg = _cfg(engines.root, open_dir / "w-cancel", wheel_dir=str(wheel_dir))
     task = asyncio.create_task(ensure_overlay(cfg, str(engines.python)))
-    deadline = time.monotonic() + 60
-    while engines.calls("-m pip install") == 0:
+
+    def installing() -> int:
         assert not task.done(), task
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+        return engines.calls("-m pip install")
+
+    await eventually(installing, "the installer to start", timeout_s=60, interval_s=0.02)
     installer = [p for p in psutil.Process().children(recursive=True) if "pip" in p.cmdline()]
     assert installer, "the installer is running"
     task.cancel()
