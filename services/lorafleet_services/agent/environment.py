@@ -52,6 +52,8 @@ INSTALL_TIMEOUT_S = 900.0
 #: imports torch, which is slow on a cold page cache).
 PROBE_TIMEOUT_S = 60.0
 CHECK_TIMEOUT_S = 300.0
+#: Seconds an installer or probe stopped at its timeout gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 2.0
 #: Seconds between tries of another agent's overlay lock.
 LOCK_POLL_S = 0.1
 #: The trainer's PATH after its interpreter's own bin directory.
@@ -336,7 +338,7 @@ async def _run(
 
     try:
         res = await asyncio.wait_for(
-            run_process(argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=2.0),
+            run_process(argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=STOP_GRACE_S),
             timeout_s,
         )
     except TimeoutError:
