@@ -22,6 +22,7 @@ from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 from lorafleet_services.agent import delivery
 from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, deliver, pack_adapter
+from tests.eventually import eventually
 
 NAMES = Names()
 
@@ -210,8 +211,12 @@ async def test_a_server_restart_mid_delivery_is_retried_to_completion(
         deliver(js, NAMES, node="n1", job_id="j6", attempt=1, kind=ArtifactKind.GGUF,
                 path=path, chunk_bytes=64 * 1024, timeout_s=1.0)
     )  # fmt: skip
-    while (await js.stream_info(NAMES.artifacts_stream)).state.messages < 20:  # noqa: ASYNC110
-        await asyncio.sleep(0.005)
+    await eventually(
+        lambda: js.stream_info(NAMES.artifacts_stream),
+        "20 chunks in the stream before the restart",
+        until=lambda info: info.state.messages >= 20,
+        interval_s=0.005,
+    )
     await nats_server.restart()
     size, sha = await asyncio.wait_for(task, 60)
     assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())
