@@ -16,7 +16,7 @@ import psutil
 from nats.js.kv import KeyValue
 
 from lorafleet import bus
-from lorafleet.artifacts import CHUNK_HEADER
+from lorafleet.names import Header
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
@@ -62,7 +62,7 @@ async def delivered(fleet: Bus, node: str, job_id: str, kind: ArtifactKind) -> b
     while True:
         msg = await sub.next_msg(timeout=10)
         assert msg.headers is not None
-        h = msgspec.json.decode(msg.headers[CHUNK_HEADER], type=ArtifactChunkHeader)
+        h = msgspec.json.decode(msg.headers[Header.CHUNK], type=ArtifactChunkHeader)
         parts[h.seq] = msg.data
         if h.last:
             break

@@ -16,8 +16,8 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
-from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, AsyncPublisher
-from lorafleet.names import Names
+from lorafleet._natspy import AsyncPublisher
+from lorafleet.names import Header, Names
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 from lorafleet_services.agent import delivery
@@ -43,7 +43,7 @@ async def read_stream(
             for m in await sub.fetch(64, timeout=2):
                 await m.ack()
                 hdrs = dict(m.headers or {})
-                h = msgspec.json.decode(hdrs[CHUNK_HEADER], type=ArtifactChunkHeader)
+                h = msgspec.json.decode(hdrs[Header.CHUNK], type=ArtifactChunkHeader)
                 out.append((h, hdrs, m.data))
     except TimeoutError:
         pass
@@ -70,7 +70,7 @@ async def test_deliver_chunks_with_ids_and_a_last_header(nc: Client, tmp_path: P
     assert [h.seq for h, _, _ in chunks] == [0, 1, 2, 3]
     assert b"".join(body for _, _, body in chunks) == data
     assert [len(body) for _, _, body in chunks] == [100_000, 100_000, 100_000, 123]
-    assert [hd[MSG_ID_HEADER] for _, hd, _ in chunks] == [f"j1.gguf.2.{i}" for i in range(4)]
+    assert [hd[Header.MSG_ID] for _, hd, _ in chunks] == [f"j1.gguf.2.{i}" for i in range(4)]
     assert not any(h.last for h, _, _ in chunks[:-1])
     last = chunks[-1][0]
     assert (last.last, last.count, last.size, last.sha256) == (True, 4, len(data), sha)

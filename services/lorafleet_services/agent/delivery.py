@@ -33,16 +33,10 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet.artifacts import (
-    CHUNK_HEADER,
-    MSG_ID_HEADER,
-    AsyncPublisher,
-    NoStreamError,
-    PublishRefusedError,
-    msg_id,
-)
+from lorafleet._natspy import AsyncPublisher, NoStreamError, PublishRefusedError, client_of
+from lorafleet.artifacts import msg_id
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 
 #: Bytes of one chunk body; default 512 KiB (well below the default 1 MiB max payload).
@@ -359,8 +353,8 @@ class ChunkHeaders:
             **last,
         )  # fmt: skip
         return {
-            MSG_ID_HEADER: msg_id(self.job_id, self.kind.value, self.attempt, seq),
-            CHUNK_HEADER: _encoder.encode(h).decode(),
+            Header.MSG_ID: msg_id(self.job_id, self.kind.value, self.attempt, seq),
+            Header.CHUNK: _encoder.encode(h).decode(),
         }
 
 
@@ -416,7 +410,7 @@ async def deliver(
     """
     kind = ArtifactKind(kind)
     path = Path(path)
-    nc = js._nc  # nats-py workaround: E's module (the context keeps its connection private)
+    nc = client_of(js)
     step = chunk_size_for(chunk_bytes, nc.max_payload)
     try:
         size = path.stat().st_size
@@ -443,7 +437,7 @@ async def deliver(
     finally:
         window.abandon()
         await reader.close()
-        await pub.close()
+        await pub.stop()
     logger.info(
         Event.ARTIFACT_DELIVERED,
         size=size,

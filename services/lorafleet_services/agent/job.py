@@ -51,10 +51,9 @@ import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log, objects
-from lorafleet.artifacts import MSG_ID_HEADER  # names.py (E): the header names
 from lorafleet.bus import encode
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
     ArtifactKind,
     JobState,
@@ -288,7 +287,7 @@ class Reporter:
         """Publish until acknowledged: no limit here, the job's drain timeout
         and the fence bound it."""
         payload = encode(report)
-        headers = {MSG_ID_HEADER: f"{self.job_id}.{self.attempt}.{report.seq}"}
+        headers = {Header.MSG_ID: f"{self.job_id}.{self.attempt}.{report.seq}"}
         async for attempt in stamina.retry_context(
             on=Exception,
             attempts=None,

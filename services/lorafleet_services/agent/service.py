@@ -38,7 +38,7 @@ from nats.micro.request import Request
 import lorafleet
 from lorafleet import bus, log
 from lorafleet.log import Event
-from lorafleet.names import InvalidNameError, check_token
+from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
 from lorafleet.service import Route, endpoint
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
@@ -52,9 +52,6 @@ from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater
 from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_job_dirs
 
-#: The header and value of a KV delete (what nats-py's KeyValue.delete sends).
-KV_OP = "KV-Operation"  # names.py (E): the KV operation header name
-KV_DEL = "DEL"
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
 
@@ -227,7 +224,7 @@ class Agent:
                 self.names.node_heartbeat(self.node),
                 b"",
                 timeout=HEARTBEAT_DELETE_TIMEOUT_S,
-                headers={KV_OP: KV_DEL},
+                headers={Header.KV_OPERATION: KV_DEL},
             )
 
 
