@@ -116,9 +116,9 @@ def print_json(value: Any) -> None:
 def recorder_cmd() -> None:
     """Run the recorder (the system of record) until SIGTERM."""
     from lorafleet import runtime
-    from lorafleet_services.recorder.service import run
+    from lorafleet_services.recorder.service import PROGRAM
 
-    runtime.main("recorder", run)
+    runtime.main(PROGRAM)
 
 
 @app.command("scheduler")
@@ -162,10 +162,9 @@ def agent_cmd(
     }
     if allow_cpu:
         overrides["allow_cpu"] = True
-    os.environ.update(AgentConfig.from_env(**overrides).to_env())
-    from lorafleet_services.agent.service import run
+    from lorafleet_services.agent.service import program
 
-    runtime.main("agent", run)
+    runtime.main(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
 
 
 @app.command("up")

@@ -3,28 +3,13 @@
 
 from __future__ import annotations
 
-import asyncio
-import sys
-
 from lorafleet import runtime
-from lorafleet.settings import Settings, SettingsError
-from lorafleet_services.agent.config import AgentConfig, AgentConfigError
-from lorafleet_services.agent.service import run
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.service import program
 
 
-def main(settings: Settings | None = None, cfg: AgentConfig | None = None) -> None:
-    try:
-        settings = settings or Settings.from_env()
-        cfg = cfg or AgentConfig.from_env()
-    except (SettingsError, AgentConfigError) as e:
-        print(f"lorafleet agent: {e}", file=sys.stderr)
-        sys.exit(2)
-    agent_cfg = cfg
-
-    async def run_agent(s: Settings, stop: asyncio.Event) -> None:
-        await run(s, stop, agent_cfg)
-
-    runtime.main("agent", run_agent, settings)
+def main() -> None:
+    runtime.main(program(runtime.read_or_exit("agent", AgentConfig.from_env)))
 
 
 if __name__ == "__main__":

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.names import check_token
-from lorafleet.settings import read_env, write_env
+from lorafleet.settings import SettingsError, read_env, write_env
 
 #: What training needs besides the engine's Python, pinned. Installed with
 #: --no-deps: their dependencies are the engine's own, and resolving them
@@ -27,8 +27,9 @@ DEFAULT_RUN_AS = "lorafleet-engine"
 DEFAULT_CONVERSION_SOURCE = "https://github.com/ggml-org/llama.cpp/archive/refs/tags/{tag}.tar.gz"
 
 
-class AgentConfigError(ValueError):
-    """An agent setting lorafleet cannot use."""
+class AgentConfigError(SettingsError):
+    """An agent setting lorafleet cannot use (a SettingsError: the process
+    exits 2 with one line, as for the shared settings)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -36,7 +36,7 @@ from nats.js import JetStreamContext
 from nats.micro.request import Request
 
 import lorafleet
-from lorafleet import bus, log
+from lorafleet import log, runtime
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
 from lorafleet.service import Route, endpoint
@@ -228,38 +228,6 @@ class Agent:
             )
 
 
-async def ensure_layout_if_allowed(
-    js: JetStreamContext, settings: Settings, refused: asyncio.Event
-) -> None:
-    """Create the JetStream layout, unless these credentials may not.
-
-    A node's credentials (lorafleet.permissions) do not allow creating
-    streams: the services create them. A refused request is not answered,
-    so the refusal (`refused`, set by the connection's error callback) ends
-    the attempt at once instead of a request timeout later.
-    """
-    logger = log.get()
-    refused.clear()
-    task = asyncio.ensure_future(bus.ensure_layout(js, bus.layout_for(settings)))
-    waiter = asyncio.ensure_future(refused.wait())
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
-    if task not in done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
-        logger.info(
-            Event.NATS_REFUSED,
-            message="this node's credentials may not create the JetStream layout; "
-            "the services create it",
-        )
-        return
-    try:
-        task.result()
-    except Exception as e:
-        logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
-
-
 def answering(route: Route) -> Callable[[Msg], Awaitable[None]]:
     """A plain subscription's callback for `route`, through lorafleet.service's
     `endpoint()`: strict decoding, the same error replies as every service
@@ -298,29 +266,29 @@ async def clear_leftovers(cfg: AgentConfig) -> None:
         )
 
 
-async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None = None) -> None:
-    """Run the agent until `stop` is set; `cfg` defaults to AgentConfig.from_env()."""
-    cfg = cfg or AgentConfig.from_env()
-    logger = log.get(node=cfg.node)
-    await clear_leftovers(cfg)
-    refused = asyncio.Event()
-    nc = await bus.connect(
-        settings, f"lorafleet-agent-{cfg.node}", on_refused=lambda _text: refused.set()
+def program(cfg: AgentConfig) -> runtime.Program:
+    """The agent of `cfg.node` as a process (`runtime.main(program(cfg))`).
+
+    Before it connects it clears what an earlier run left; a node's
+    credentials may not create the JetStream layout, so it only tries.
+    """
+
+    async def make(nc: Client, settings: Settings) -> Agent:
+        return Agent(nc, nc.jetstream(), settings, cfg)
+
+    async def before_connect(_settings: Settings) -> None:
+        await clear_leftovers(cfg)
+
+    return runtime.Program(
+        "agent",
+        make,
+        layout="if_allowed",
+        before_connect=before_connect,
+        client_name=f"lorafleet-agent-{cfg.node}",
+        started_fields={
+            "node": cfg.node,
+            "trainer": cfg.trainer,
+            "allow_cpu": cfg.allow_cpu,
+            "work_dir": str(cfg.work_dir),
+        },
     )
-    js = nc.jetstream()
-    await ensure_layout_if_allowed(js, settings, refused)
-    agent = Agent(nc, js, settings, cfg)
-    await agent.start()
-    logger.info(
-        Event.SERVICE_STARTED,
-        version=lorafleet.__version__,
-        trainer=cfg.trainer,
-        allow_cpu=cfg.allow_cpu,
-        work_dir=str(cfg.work_dir),
-    )
-    try:
-        await stop.wait()
-    finally:
-        await agent.stop()
-        await bus.drain_quietly(nc)
-        logger.info(Event.SERVICE_STOPPED)
