@@ -3,17 +3,20 @@ recorder as a real process, and jobs set up as if the scheduler had dispatched t
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import AsyncIterator
 from typing import Any
 
+import msgspec
 import pytest
 from nats.aio.client import Client
 
+from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, msg_id
 from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.names import Names
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import JobRecord
+from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 from tests.procs import ServiceProcess
 
 QA = '{"q": "2+2?", "a": "4"}\n{"q": "3+3?", "a": "6"}\n'
@@ -65,3 +68,47 @@ async def dispatched_job(
         moved = await api(nc, names.store_transition, body)
         assert moved["applied"], moved
     return await get_job(nc, names, job["id"])
+
+
+def chunks_of(
+    job: JobRecord,
+    kind: ArtifactKind,
+    data: bytes,
+    step: int,
+    *,
+    node: str | None = None,
+    sha256: str | None = None,
+) -> list[tuple[dict[str, str], bytes]]:
+    """The messages an agent would publish for `data`, as (headers, body)."""
+    node = node or job.node or ""
+    bodies = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
+    out = []
+    for seq, body in enumerate(bodies):
+        h = ArtifactChunkHeader(job_id=job.id, node=node, kind=kind, attempt=job.attempt, seq=seq)
+        if seq == len(bodies) - 1:
+            h = msgspec.structs.replace(
+                h,
+                last=True,
+                count=len(bodies),
+                size=len(data),
+                sha256=sha256 or hashlib.sha256(data).hexdigest(),
+            )
+        headers = {
+            MSG_ID_HEADER: msg_id(job.id, kind.value, job.attempt, seq),
+            CHUNK_HEADER: msgspec.json.encode(h).decode(),
+        }
+        out.append((headers, body))
+    return out
+
+
+async def publish(
+    nc: Client,
+    job: JobRecord,
+    kind: ArtifactKind,
+    msgs: list[tuple[dict[str, str], bytes]],
+    node: str | None = None,
+) -> None:
+    js = nc.jetstream()
+    subject = Names().artifact_chunks(node or job.node or "", job.id, kind.value)
+    for headers, body in msgs:
+        await js.publish(subject, body, headers=dict(headers))

@@ -34,7 +34,6 @@ from lorafleet_services.artifact_store.assembly import (
     is_committed_by,
     object_chunk_token,
     object_info,
-    orphans,
     parse_chunk,
     refusal,
 )
@@ -231,12 +230,9 @@ def test_object_info_reads_back_as_a_record() -> None:
     assert record_from_info(msgspec.structs.replace(decoded, deleted=True)) is None
 
 
-def test_object_tokens_and_leftovers() -> None:
+def test_object_tokens() -> None:
     mine = object_chunk_token(KEY, "abc")
     assert is_committed_by(mine, KEY)
     assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.PEFT, 2), "x"), KEY)
     assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.GGUF, 1), "x"), KEY)
     assert not is_committed_by("job10.peft.1.abc", KEY)
-    ages = {"c.committed": 900.0, "c.writing": 900.0, "c.dead": 900.0, "c.young": 5.0}
-    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=600) == ["c.dead"]
-    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=0) == ["c.dead", "c.young"]

@@ -268,22 +268,6 @@ def is_committed_by(nuid: str, key: Key) -> bool:
     return nuid.startswith(delivery_prefix(key))
 
 
-def orphans(
-    ages_s: dict[str, float], committed: set[str], writing: set[str], *, min_age_s: float
-) -> list[str]:
-    """Object chunk subjects no object refers to, no assembly here writes, idle `min_age_s`.
-
-    `ages_s` maps each chunk subject to the age of its newest message
-    (seconds). A store that died mid-write leaves such subjects; a live
-    replica's are still being written to (hence the age).
-    """
-    return sorted(
-        subj
-        for subj, age_s in ages_s.items()
-        if subj not in committed and subj not in writing and age_s >= min_age_s
-    )
-
-
 def object_info(
     names: Names,
     key: Key,
