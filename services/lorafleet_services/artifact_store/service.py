@@ -10,7 +10,9 @@ killed at any moment):
 - `sweeper`: orphaned object chunks of a dead store, deliveries gone idle;
 - `api`: `api.artifacts.list/get`.
 
-This module wires them to the durable pull consumer and runs the process.
+This module wires them to the durable pull consumer (`lorafleet.consumer`:
+the sweeper's tick runs between batches, and every `idle_check_s / 2`
+seconds without one) and runs the process.
 """
 
 from __future__ import annotations
@@ -20,15 +22,14 @@ import contextlib
 import os
 
 import nats.aio.client
-import nats.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 from lorafleet import log
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.bus import connect, drain_quietly, ensure_layout, layout_for
+from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.recorder_client import RecorderClient
@@ -44,10 +45,11 @@ VERSION = "0.1.0"
 FETCH_BATCH = 64
 #: Seconds one fetch waits for messages.
 FETCH_WAIT_S = 1.0
-#: Seconds to wait after a failed fetch before the next.
-FETCH_RETRY_S = 0.5
 #: Seconds the durable consumer waits for an acknowledgement before redelivering.
 ACK_WAIT_S = 60.0
+#: Chunks delivered and not yet acknowledged, at most (a held last chunk per
+#: delivery, and the batches in hand).
+MAX_ACK_PENDING = 4 * FETCH_BATCH * 16
 #: Overrides sweeper.ORPHAN_AGE_S (seconds; fault tests use 0).
 ORPHAN_AGE_ENV = "LORAFLEET_ARTIFACT_ORPHAN_AGE_S"
 #: Bytes nats-py reads from the socket at once in this process (its default
@@ -81,30 +83,32 @@ class ArtifactStore:
             orphan_age_s=orphan_age_s(), idle_check_s=idle_check_s,
         )  # fmt: skip
         self.api = ArtifactApi(self.js, self.names)
-        self._task: asyncio.Task[None] | None = None
-        self._sub: JetStreamContext.PullSubscription | None = None
-        self._stopping = False
+        self._consumer: PullConsumer | None = None
 
     async def start(self) -> None:
         names = self.names
         await self._pub.start()
-        config = ConsumerConfig(
-            durable_name=names.artifact_store_consumer,
-            ack_policy=AckPolicy.EXPLICIT,
-            deliver_policy=DeliverPolicy.ALL,
-            ack_wait=ACK_WAIT_S,
-            max_ack_pending=4 * FETCH_BATCH * 16,
-            filter_subject=names.artifacts_subjects,
+        self._consumer = PullConsumer(
+            self.js,
+            PullConsumerConfig(
+                stream=names.artifacts_stream,
+                durable=names.artifact_store_consumer,
+                filter_subject=names.artifacts_subjects,
+                ack_wait_s=ACK_WAIT_S,
+                max_ack_pending=MAX_ACK_PENDING,
+                batch=FETCH_BATCH,
+                fetch_wait_s=FETCH_WAIT_S,
+            ),
+            self._handle,
+            ensure_stream=self._ensure_layout,
+            on_tick=self.sweeper.tick,
+            tick_s=self.sweeper.idle_check_s / 2,
         )
-        self._sub = await self.js.pull_subscribe(
-            names.artifacts_subjects,
-            durable=names.artifact_store_consumer,
-            stream=names.artifacts_stream,
-            config=config,
-        )
+        # Sweep and read back what the stream holds before the first batch: a
+        # delivery's first sight must see its chunks from the stream's start.
         await self.sweeper.sweep()
         await self.deliveries.recover_all()
-        self._task = asyncio.create_task(self._loop(), name="artifact-store-loop")
+        await self._consumer.start()
         await start_service(
             self.nc,
             names.artifact_store_service,
@@ -115,37 +119,16 @@ class ArtifactStore:
         )
 
     async def stop(self) -> None:
-        self._stopping = True
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._task
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
+        if self._consumer is not None:
+            await self._consumer.stop()
         await self._pub.close()
 
-    # --- consuming -------------------------------------------------------------
-
-    async def _loop(self) -> None:
-        # The next batch is fetched while this one is processed: fetching only
-        # between batches left the store idle for a round trip and a batch's transfer.
-        batches: asyncio.Queue[list[Msg]] = asyncio.Queue(maxsize=1)
-        fetcher = asyncio.create_task(self._fetch(batches), name="artifact-store-fetch")
-        try:
-            while not self._stopping:
-                try:
-                    batch = await asyncio.wait_for(batches.get(), self.sweeper.idle_check_s / 2)
-                except TimeoutError:
-                    batch = []
-                await self.sweeper.tick()
-                await self._handle(batch)
-        finally:
-            fetcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await fetcher
+    async def _ensure_layout(self) -> None:
+        await ensure_layout(self.js, layout_for(self.settings))
 
     async def _handle(self, batch: list[Msg]) -> None:
+        """One batch from the durable consumer; each message is acked (or held) by
+        the delivery it belongs to."""
         for msg in batch:
             try:
                 await self.deliveries.on_message(msg)
@@ -153,19 +136,6 @@ class ArtifactStore:
                 self.logger.exception(Event.ARTIFACT_REJECTED, error=repr(e))
                 with contextlib.suppress(Exception):
                     await msg.nak(delay=RETRY_DELAY_S)
-
-    async def _fetch(self, batches: asyncio.Queue[list[Msg]]) -> None:
-        assert self._sub is not None
-        while not self._stopping:
-            try:
-                msgs = await self._sub.fetch(FETCH_BATCH, timeout=FETCH_WAIT_S)
-            except TimeoutError:
-                continue
-            except nats.errors.Error as e:
-                self.logger.warning(Event.NATS_ERROR, error=repr(e))
-                await asyncio.sleep(FETCH_RETRY_S)
-                continue
-            await batches.put(msgs)
 
 
 def orphan_age_s() -> float:
