@@ -1,24 +1,35 @@
 """Fixtures for the artifact tests: a connection with the lorafleet layout, the
-recorder as a real process, and jobs set up as if the scheduler had dispatched them."""
+recorder as a real process, jobs set up as if the scheduler had dispatched them,
+the chunks an agent would publish, and what the streams hold afterwards."""
 
 from __future__ import annotations
 
 import hashlib
 import json
 from collections.abc import AsyncIterator
+from pathlib import Path
 from typing import Any
 
 import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, msg_id
+from lorafleet.artifacts import (
+    CHUNK_HEADER,
+    MSG_ID_HEADER,
+    AsyncPublisher,
+    download_artifact,
+    get_record,
+    msg_id,
+    object_stream,
+)
 from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.names import Names
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 from tests.procs import ServiceProcess
 
+NAMES = Names()
 QA = '{"q": "2+2?", "a": "4"}\n{"q": "3+3?", "a": "6"}\n'
 
 
@@ -30,6 +41,12 @@ async def nc(settings: Settings) -> AsyncIterator[Client]:
         yield client
     finally:
         await drain_quietly(client)
+
+
+@pytest.fixture
+async def publisher(nc: Client) -> AsyncIterator[AsyncPublisher]:
+    async with AsyncPublisher(nc) as p:
+        yield p
 
 
 @pytest.fixture
@@ -109,6 +126,28 @@ async def publish(
     node: str | None = None,
 ) -> None:
     js = nc.jetstream()
-    subject = Names().artifact_chunks(node or job.node or "", job.id, kind.value)
+    subject = NAMES.artifact_chunks(node or job.node or "", job.id, kind.value)
     for headers, body in msgs:
         await js.publish(subject, body, headers=dict(headers))
+
+
+async def stored(nc: Client, job_id: str, kind: ArtifactKind) -> bool:
+    return await get_record(nc.jetstream(), NAMES, job_id, kind.value) is not None
+
+
+async def artifacts_stream_empty(nc: Client) -> bool:
+    info = await nc.jetstream().stream_info(NAMES.artifacts_stream)
+    return info.state.messages == 0
+
+
+async def object_chunks(nc: Client) -> int:
+    info = await nc.jetstream().stream_info(object_stream(NAMES))
+    return info.state.messages
+
+
+async def download(nc: Client, job_id: str, kind: ArtifactKind, tmp_path: Path) -> bytes:
+    out = tmp_path / f"dl-{job_id}-{kind.value}"
+    rec = await download_artifact(nc.jetstream(), NAMES, job_id, kind, out)
+    data = out.read_bytes()
+    assert rec.sha256 == hashlib.sha256(data).hexdigest()
+    return data

@@ -20,10 +20,7 @@ from lorafleet.names import Names
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
     ArtifactKind,
-    Engine,
-    JobRecord,
     JobState,
-    TrainerParams,
 )
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -37,6 +34,7 @@ from lorafleet_services.artifact_store.assembly import (
     parse_chunk,
     refusal,
 )
+from tests.artifacts.fakes import job
 
 KEY = Key("node-a", "job1", ArtifactKind.PEFT, 1)
 
@@ -153,35 +151,6 @@ def test_parse_chunk_checks_subject_against_header() -> None:
             "lorafleet.artifacts.node-a.job1.gguf",
             {CHUNK_HEADER: msgspec.json.encode(last).decode()},
         )
-
-
-def job(**changes: object) -> JobRecord:
-    now = dt.datetime.now(dt.UTC)
-    base = JobRecord(
-        id="job1",
-        name="",
-        model="tiny",
-        engine=Engine.LLAMACPP,
-        node="node-a",
-        gpu_memory_mib=1,
-        dataset="d",
-        dataset_sha256="0" * 64,
-        records=1,
-        params=TrainerParams(),
-        state=JobState.UPLOADING,
-        message="",
-        step=0,
-        steps=0,
-        loss=None,
-        eval_loss=None,
-        peak_mib=0,
-        attempt=1,
-        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF],
-        artifacts_stored=[],
-        created_at=now,
-        updated_at=now,
-    )
-    return msgspec.structs.replace(base, **changes)
 
 
 def test_refusal_rules() -> None:

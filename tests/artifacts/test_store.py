@@ -17,8 +17,6 @@ from nats.aio.client import Client
 from lorafleet.artifacts import (
     CHUNK_HEADER,
     MSG_ID_HEADER,
-    download_artifact,
-    get_record,
     object_stream,
 )
 from lorafleet.bus import connect, drain_quietly
@@ -28,7 +26,17 @@ from lorafleet_schemas.messages import ArtifactKind, JobState
 from lorafleet_services.agent.delivery import deliver
 from lorafleet_services.artifact_store import service
 from lorafleet_services.artifact_store.service import ArtifactStore
-from tests.artifacts.conftest import api, chunks_of, dispatched_job, get_job, publish
+from tests.artifacts.conftest import (
+    api,
+    artifacts_stream_empty,
+    chunks_of,
+    dispatched_job,
+    download,
+    get_job,
+    object_chunks,
+    publish,
+    stored,
+)
 from tests.eventually import eventually
 from tests.procs import ServiceProcess
 
@@ -67,28 +75,6 @@ async def quick_idle_store(
     """A store that checks an open delivery after 0.5 s without a chunk (not 60)."""
     async with running_store(settings, idle_check_s=QUICK_IDLE_S) as s:
         yield s
-
-
-async def stored(nc: Client, job_id: str, kind: ArtifactKind) -> bool:
-    return await get_record(nc.jetstream(), N, job_id, kind.value) is not None
-
-
-async def artifacts_stream_empty(nc: Client) -> bool:
-    info = await nc.jetstream().stream_info(N.artifacts_stream)
-    return info.state.messages == 0
-
-
-async def object_chunks(nc: Client) -> int:
-    info = await nc.jetstream().stream_info(object_stream(N))
-    return info.state.messages
-
-
-async def download(nc: Client, job_id: str, kind: ArtifactKind, tmp_path: Path) -> bytes:
-    out = tmp_path / f"dl-{job_id}-{kind.value}"
-    rec = await download_artifact(nc.jetstream(), N, job_id, kind, out)
-    data = out.read_bytes()
-    assert rec.sha256 == hashlib.sha256(data).hexdigest()
-    return data
 
 
 async def test_end_to_end_both_artifacts_make_the_job_done(

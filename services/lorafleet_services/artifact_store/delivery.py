@@ -121,6 +121,8 @@ class Delivery:
     held: list[Msg] = field(default_factory=list)
     #: Clock time (seconds) of the newest chunk taken.
     touched: float = 0.0
+    #: Its info is published: the object chunks belong to a stored object now.
+    committed: bool = False
 
 
 # --- the machine ------------------------------------------------------------------
@@ -298,6 +300,7 @@ class Deliveries:
             return
         assert job is not None
         await self._commit(d, whole, job)
+        d.committed = True
         await self._tell_recorder(key, whole.size, whole.sha256)
         await self.streams.purge_delivery(d.subject, d.assembly.stream_seq)
         self.logger.info(
@@ -372,9 +375,12 @@ class Deliveries:
             return
         # Let in-flight object writes land, then remove them (the next try
         # writes under a new nuid); what a failed purge leaves, the sweep takes.
+        # A committed object's chunks stay: the retry finds it stored and only
+        # tells the recorder and purges the delivery.
         await d.writer.settle()
-        with contextlib.suppress(Exception):
-            await self.streams.purge_object_chunks(d.writer.subject)
+        if not d.committed:
+            with contextlib.suppress(Exception):
+                await self.streams.purge_object_chunks(d.writer.subject)
         for m in d.held:
             with contextlib.suppress(Exception):
                 await m.nak(delay=RETRY_DELAY_S)
