@@ -13,7 +13,6 @@ from sqlalchemy.engine import make_url
 
 from lorafleet.names import Names
 from lorafleet.settings import Settings
-from lorafleet_services.recorder.service import ACK_WAIT_ENV
 from tests.procs import ServiceProcess
 
 N = Names()
@@ -44,9 +43,9 @@ def reports(job_id: str) -> list[bytes]:
 
 
 async def test_sigkill_while_reports_stream_in(settings: Settings, pg_url: str) -> None:
-    s = settings.with_(database_url=pg_url)
-    env = {ACK_WAIT_ENV: "2"}
-    proc = await ServiceProcess("lorafleet_services.recorder", s, env=env).start()
+    # Reports held by the killed process come back after 2 s, not 30.
+    s = settings.with_(database_url=pg_url, recorder_ack_wait_s=2.0)
+    proc = await ServiceProcess("lorafleet_services.recorder", s).start()
     nc = await nats.connect(s.nats_url)
     try:
         await req(nc, N.models_add, {"name": "tiny", "engine": "vllm", "hf_repo": "o/t"})
@@ -83,7 +82,7 @@ async def test_sigkill_while_reports_stream_in(settings: Settings, pg_url: str) 
         await proc.stop()
         assert not publisher.done(), "the publisher finished before the kill: make STEPS larger"
         await asyncio.sleep(0.5)
-        proc = await ServiceProcess("lorafleet_services.recorder", s, env=env).start()
+        proc = await ServiceProcess("lorafleet_services.recorder", s).start()
         await publisher
 
         # Reports the killed process had fetched come back after the ack wait.

@@ -47,9 +47,8 @@ async def running(settings: Settings, pg_url: str) -> AsyncIterator[Running]:
         yield Running(s, nc, recorder)
     finally:
         await nc.close()
-        await recorder.stop()
+        await recorder.stop()  # disposes the engine too
         await bus.drain_quietly(rnc)
-        await engine.dispose()
 
 
 async def raw(nc: Client, subject: str, body: Any) -> tuple[dict[str, Any], dict[str, str]]:

@@ -15,7 +15,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import io
-import os
 
 import msgspec
 import nats.js.errors
@@ -26,12 +25,11 @@ from nats.micro.service import Service
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import lorafleet
-from lorafleet import bus, log
+from lorafleet import bus, log, runtime
 from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
-from lorafleet.names import Names
 from lorafleet.service import start_service
-from lorafleet.settings import Settings, SettingsError
+from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.api import RecorderApi
@@ -40,11 +38,6 @@ from lorafleet_services.recorder.api import RecorderApi
 FETCH_BATCH = 256
 #: Seconds one fetch waits for the first report.
 FETCH_WAIT_S = 1.0
-#: Seconds the server waits for an ack before redelivering; the environment
-#: variable LORAFLEET_RECORDER_ACK_WAIT_S overrides it (fault tests use a few
-#: seconds so that reports held by a killed recorder come back quickly).
-ACK_WAIT_S = 30.0
-ACK_WAIT_ENV = "LORAFLEET_RECORDER_ACK_WAIT_S"
 #: Reports delivered and not yet acked, at most (a few batches' worth).
 MAX_ACK_PENDING = 20_000
 
@@ -78,23 +71,14 @@ class ObjectStoreDatasets:
         return buf.getvalue()
 
 
-def ack_wait_s() -> float:
-    raw = os.environ.get(ACK_WAIT_ENV, "")
-    try:
-        value = float(raw) if raw else ACK_WAIT_S
-    except ValueError:
-        raise SettingsError(f"{ACK_WAIT_ENV}={raw!r} is not a number of seconds") from None
-    if value <= 0:
-        raise SettingsError(f"{ACK_WAIT_ENV} must be > 0 seconds")
-    return value
-
-
-def consumer_config(names: Names) -> PullConsumerConfig:
+def consumer_config(settings: Settings) -> PullConsumerConfig:
+    """The status consumer; the ack wait is `settings.recorder_ack_wait_s`."""
+    names = settings.names
     return PullConsumerConfig(
         stream=names.status_stream,
         durable=names.recorder_consumer,
         filter_subject=names.status_subjects,
-        ack_wait_s=ack_wait_s(),
+        ack_wait_s=settings.recorder_ack_wait_s,
         max_ack_pending=MAX_ACK_PENDING,
         batch=FETCH_BATCH,
         fetch_wait_s=FETCH_WAIT_S,
@@ -102,12 +86,16 @@ def consumer_config(names: Names) -> PullConsumerConfig:
 
 
 class Recorder:
-    """The recorder's endpoints and status consumer on one NATS connection."""
+    """The recorder's endpoints and status consumer on one NATS connection.
+
+    `start()`, then `stop()`; the recorder owns `engine` and disposes it at stop.
+    """
 
     def __init__(self, settings: Settings, nc: Client, engine: AsyncEngine) -> None:
         self.settings = settings
         self.names = settings.names
         self.nc = nc
+        self.engine = engine
         self.js = nc.jetstream()
         self.api = RecorderApi(
             db.sessions(engine),
@@ -118,7 +106,7 @@ class Recorder:
         self.logger = log.get()
         self._service: Service | None = None
         self._consumer = PullConsumer(
-            self.js, consumer_config(self.names), self._apply, ensure_stream=self._ensure_layout
+            self.js, consumer_config(settings), self._apply, ensure_stream=self._ensure_layout
         )
 
     async def _publish(self, subject: str, payload: bytes) -> None:
@@ -144,10 +132,12 @@ class Recorder:
         await self.nc.flush()
 
     async def stop(self) -> None:
+        """Stop consuming and answering, then close the database engine (owned here)."""
         await self._consumer.stop()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
+        await self.engine.dispose()
 
     async def _apply(self, msgs: list[Msg]) -> None:
         reports: list[StatusReport] = []
@@ -169,20 +159,20 @@ class Recorder:
         await self.api.after_status(result)
 
 
+async def migrate(settings: Settings) -> None:
+    """Bring the database to the newest schema (before connecting: its errors stay plain)."""
+    await asyncio.to_thread(db.migrate, settings.effective_database_url)
+
+
+async def make(nc: Client, settings: Settings) -> Recorder:
+    return Recorder(settings, nc, db.create_engine(settings.effective_database_url))
+
+
+PROGRAM = runtime.Program(
+    "recorder", make, before_connect=migrate, client_name="lorafleet-recorder"
+)
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Migrate, connect, serve until `stop` is set, then drain (runtime.main's contract)."""
-    logger = log.get()
-    url = settings.effective_database_url
-    await asyncio.to_thread(db.migrate, url)
-    engine = db.create_engine(url)
-    nc = await bus.connect(settings, "lorafleet-recorder")
-    recorder = Recorder(settings, nc, engine)
-    try:
-        await recorder.start()
-        logger.info(Event.SERVICE_STARTED, version=lorafleet.__version__)
-        await stop.wait()
-    finally:
-        await recorder.stop()
-        await bus.drain_quietly(nc)
-        await engine.dispose()
-        logger.info(Event.SERVICE_STOPPED)
+    """Migrate, connect, serve until `stop` is set, then drain (`runtime.serve(PROGRAM)`)."""
+    await runtime.serve(PROGRAM, settings, stop)
