@@ -14,17 +14,9 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import (
-    CHUNK_HEADER,
-    MSG_ID_HEADER,
-    AsyncPublisher,
-    download_artifact,
-    get_record,
-    msg_id,
-    object_stream,
-)
+from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record, msg_id
 from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
-from lorafleet.names import Names
+from lorafleet.names import Header, Names, object_stream
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 from tests.procs import ServiceProcess
@@ -111,8 +103,8 @@ def chunks_of(
                 sha256=sha256 or hashlib.sha256(data).hexdigest(),
             )
         headers = {
-            MSG_ID_HEADER: msg_id(job.id, kind.value, job.attempt, seq),
-            CHUNK_HEADER: msgspec.json.encode(h).decode(),
+            Header.MSG_ID: msg_id(job.id, kind.value, job.attempt, seq),
+            Header.CHUNK: msgspec.json.encode(h).decode(),
         }
         out.append((headers, body))
     return out
@@ -141,7 +133,7 @@ async def artifacts_stream_empty(nc: Client) -> bool:
 
 
 async def object_chunks(nc: Client) -> int:
-    info = await nc.jetstream().stream_info(object_stream(NAMES))
+    info = await nc.jetstream().stream_info(object_stream(NAMES.artifacts_bucket))
     return info.state.messages
 
 

@@ -10,13 +10,12 @@ import msgspec
 import pytest
 
 from lorafleet.artifacts import (
-    CHUNK_HEADER,
     ObjectInfo,
     decode_info,
     object_digest,
     record_from_info,
 )
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
     ArtifactKind,
@@ -133,7 +132,7 @@ def test_chunk_beyond_count_is_refused() -> None:
 def test_parse_chunk_checks_subject_against_header() -> None:
     names = Names()
     h = ArtifactChunkHeader(job_id="job1", node="node-a", kind=ArtifactKind.GGUF, attempt=2, seq=0)
-    raw = {CHUNK_HEADER: msgspec.json.encode(h).decode()}
+    raw = {Header.CHUNK: msgspec.json.encode(h).decode()}
     chunk = parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", raw)
     assert chunk.key == Key("node-a", "job1", ArtifactKind.GGUF, 2)
     with pytest.raises(
@@ -143,13 +142,13 @@ def test_parse_chunk_checks_subject_against_header() -> None:
     with pytest.raises(ChunkError, match="no Lorafleet-Chunk header"):
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {})
     with pytest.raises(ChunkError, match="not valid"):
-        parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {CHUNK_HEADER: "{"})
+        parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {Header.CHUNK: "{"})
     last = msgspec.structs.replace(h, last=True)
     with pytest.raises(ChunkError, match="lacks its count"):
         parse_chunk(
             names,
             "lorafleet.artifacts.node-a.job1.gguf",
-            {CHUNK_HEADER: msgspec.json.encode(last).decode()},
+            {Header.CHUNK: msgspec.json.encode(last).decode()},
         )
 
 

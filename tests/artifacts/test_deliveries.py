@@ -12,8 +12,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from lorafleet.artifacts import MSG_ID_HEADER, AsyncPublisher, ObjectInfo, object_stream
-from lorafleet.names import Names
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo
+from lorafleet.names import Header, Names, object_meta_subjects, object_stream
 from lorafleet_schemas.messages import ArtifactKind, ArtifactStoredRequest, JobState
 from lorafleet_services.artifact_store.assembly import Assembly, Key, object_chunk_token
 from lorafleet_services.artifact_store.delivery import (
@@ -35,6 +35,8 @@ from tests.artifacts.conftest import (
 from tests.artifacts.fakes import FakeClock, FakeRecorder, job
 
 N = Names()
+#: (stream, subjects) of the newest object info message.
+LAST_INFO = (object_stream(N.artifacts_bucket), object_meta_subjects(N.artifacts_bucket))
 KEY = Key("node-a", "job1", ArtifactKind.PEFT, 1)
 PEFT = ArtifactKind.PEFT
 
@@ -97,7 +99,7 @@ async def test_a_delivery_left_in_the_stream_is_read_back_committed_and_purged(
     msgs = chunks_of(job(), PEFT, data, 4096)
     body = msgs[:-1]
     shuffled = random.Random(2).sample(body, len(body)) + body[:3]
-    again = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in shuffled]
+    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in shuffled]
     await publish(nc, job(), PEFT, again + msgs[-1:])
     deliveries = machine(nc, publisher, recorder)
     await deliveries.recover_all()
@@ -179,14 +181,14 @@ async def test_a_delivery_already_committed_is_not_committed_again(
     await publish(nc, job(), PEFT, msgs)
     await machine(nc, publisher, FakeRecorder(job())).recover_all()
     js = nc.jetstream()
-    info_before = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    info_before = await js.get_last_msg(*LAST_INFO)
     chunks_before = await object_chunks(nc)
-    again = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in msgs]
+    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in msgs]
     await publish(nc, job(), PEFT, again)
     recorder = FakeRecorder(job(artifacts_stored=[PEFT] if recorder_knows else []))
     deliveries = machine(nc, publisher, recorder)
     await deliveries.recover_all()
-    info_after = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    info_after = await js.get_last_msg(*LAST_INFO)
     assert info_after.seq == info_before.seq
     assert await object_chunks(nc) == chunks_before
     assert recorder.reports == ([] if recorder_knows else [delivered(data)])

@@ -14,17 +14,11 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import (
-    CHUNK_HEADER,
-    MSG_ID_HEADER,
-    object_stream,
-)
 from lorafleet.bus import connect, drain_quietly
-from lorafleet.names import Names
+from lorafleet.names import Header, Names, object_meta_subjects, object_stream
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobState
 from lorafleet_services.agent.delivery import deliver
-from lorafleet_services.artifact_store import service
 from lorafleet_services.artifact_store.service import ArtifactStore
 from tests.artifacts.conftest import (
     api,
@@ -41,6 +35,8 @@ from tests.eventually import eventually
 from tests.procs import ServiceProcess
 
 N = Names()
+#: (stream, subjects) of the newest object info message.
+LAST_INFO = (object_stream(N.artifacts_bucket), object_meta_subjects(N.artifacts_bucket))
 #: Seconds each wait of these tests lasts at most.
 WAIT_S = 20.0
 #: Seconds without a chunk before a store of the idle tests checks a delivery again.
@@ -152,7 +148,7 @@ async def test_duplicated_and_reordered_chunks_store_the_exact_bytes(
     shuffled = body + rng.sample(body, 10)
     rng.shuffle(shuffled)
     # Different message ids, so the stream keeps the duplicates (as after a redelivery).
-    dupes = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in body[:5]]
+    dupes = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in body[:5]]
     await publish(nc, job, ArtifactKind.PEFT, shuffled + dupes + [msgs[-1]] + body[:3])
 
     async def done() -> bool:
@@ -175,8 +171,8 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
         del msgs[7]
     else:
         msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
-        h = json.loads(msgs[0][0][CHUNK_HEADER])
-        extra = {CHUNK_HEADER: json.dumps({**h, "seq": 23}), MSG_ID_HEADER: "extra"}
+        h = json.loads(msgs[0][0][Header.CHUNK])
+        extra = {Header.CHUNK: json.dumps({**h, "seq": 23}), Header.MSG_ID: "extra"}
         msgs.insert(5, (extra, b"x" * 1000))
     await publish(nc, job, ArtifactKind.PEFT, msgs)
 
@@ -262,8 +258,8 @@ async def test_store_killed_mid_delivery_stores_the_exact_artifact(
         await proc.stop()
         await publish(nc, job, ArtifactKind.PEFT, msgs[half:])
         # Leftovers of the dead store are swept at start (at once, here).
-        env = {service.ORPHAN_AGE_ENV: "0"}
-        proc = await ServiceProcess("lorafleet_services.artifact_store", settings, env=env).start()
+        sweeping = settings.with_(artifact_orphan_age_s=0.0)
+        proc = await ServiceProcess("lorafleet_services.artifact_store", sweeping).start()
         await eventually(
             lambda: stored(nc, job.id, ArtifactKind.PEFT),
             "the artifact after restart",
@@ -324,16 +320,16 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
         await eventually(
             lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
         )
-    info_before = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    info_before = await js.get_last_msg(*LAST_INFO)
     chunks_before = await object_chunks(nc)
     # The chunks as they were before the purge (new ids: the stream would drop repeats).
-    again = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in msgs]
+    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in msgs]
     await publish(nc, job, ArtifactKind.PEFT, again)
     async with running_store(settings):
         await eventually(
             lambda: artifacts_stream_empty(nc), "the leftover chunks to be purged", timeout_s=WAIT_S
         )
-    info_after = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+    info_after = await js.get_last_msg(*LAST_INFO)
     assert info_after.seq == info_before.seq  # not committed a second time
     assert await object_chunks(nc) == chunks_before
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data

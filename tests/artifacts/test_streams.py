@@ -6,8 +6,8 @@ import hashlib
 
 from nats.aio.client import Client
 
-from lorafleet.artifacts import AsyncPublisher, object_chunk_subject
-from lorafleet.names import Names
+from lorafleet.artifacts import AsyncPublisher
+from lorafleet.names import Names, object_chunk_subject
 from lorafleet_schemas.messages import ArtifactKind
 from lorafleet_services.artifact_store.assembly import Chunk, Key, Whole, object_info
 from lorafleet_services.artifact_store.streams import (
@@ -74,7 +74,7 @@ async def test_object_chunks_are_written_in_a_window_counted_and_committed(
     nc: Client, publisher: AsyncPublisher
 ) -> None:
     streams = Streams(nc.jetstream(), N)
-    subject = object_chunk_subject(N, "job1.peft.1.w1")
+    subject = object_chunk_subject(N.artifacts_bucket, "job1.peft.1.w1")
     writer = ObjectWriter(publisher, subject)
     bodies = [bytes([i]) * 100 for i in range(WRITE_WINDOW + 10)]
     for b in bodies:

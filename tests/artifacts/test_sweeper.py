@@ -7,8 +7,9 @@ import datetime as dt
 
 from nats.aio.client import Client
 
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo, object_chunk_subject
-from lorafleet.names import Names
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo
+from lorafleet.names import Names, object_chunk_subject
+from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobState
 from lorafleet_services.artifact_store.assembly import Key
 from lorafleet_services.artifact_store.delivery import Deliveries
@@ -41,7 +42,9 @@ def test_orphans_are_old_chunks_nobody_refers_to_or_writes() -> None:
 def test_committed_chunks_are_those_of_live_objects() -> None:
     live = ObjectInfo(name="job1/peft", nuid="job1.peft.1.w1")
     gone = ObjectInfo(name="job2/peft", nuid="job2.peft.1.w1", deleted=True)
-    assert committed_chunks(N, [live, gone, None]) == {object_chunk_subject(N, "job1.peft.1.w1")}
+    assert committed_chunks(N, [live, gone, None]) == {
+        object_chunk_subject(N.artifacts_bucket, "job1.peft.1.w1")
+    }
 
 
 def test_age_and_when_a_sweep_is_due() -> None:
@@ -56,11 +59,19 @@ def test_age_and_when_a_sweep_is_due() -> None:
 
 
 def sweeper_for(
-    nc: Client, publisher: AsyncPublisher, recorder: FakeRecorder, **kwargs: float
+    nc: Client,
+    publisher: AsyncPublisher,
+    recorder: FakeRecorder,
+    *,
+    orphan_age_s: float = Settings().artifact_orphan_age_s,
+    idle_check_s: float = IDLE_CHECK_S,
 ) -> tuple[Sweeper, Deliveries, FakeClock]:
     clock = FakeClock()
     deliveries = Deliveries(Streams(nc.jetstream(), N), publisher, recorder, clock)
-    return Sweeper(deliveries, recorder, clock, **kwargs), deliveries, clock
+    sweeper = Sweeper(
+        deliveries, recorder, clock, orphan_age_s=orphan_age_s, idle_check_s=idle_check_s
+    )
+    return sweeper, deliveries, clock
 
 
 async def test_a_sweep_purges_a_dead_stores_chunks_and_nothing_else(
@@ -74,11 +85,11 @@ async def test_a_sweep_purges_a_dead_stores_chunks_and_nothing_else(
     sweeper, deliveries, _ = sweeper_for(nc, publisher, recorder, orphan_age_s=0)
     await deliveries.recover_all()
     assert KEY in deliveries.open
-    dead = object_chunk_subject(N, "job3.peft.1.deadbeef")
+    dead = object_chunk_subject(N.artifacts_bucket, "job3.peft.1.deadbeef")
     for _ in range(2):
         await nc.jetstream().publish(dead, b"left behind")
     before = await object_chunks(nc)
-    patient, _, _ = sweeper_for(nc, publisher, recorder)  # the default age: 600 s
+    patient, _, _ = sweeper_for(nc, publisher, recorder)  # the default age (600 s)
     await patient.sweep()
     assert await object_chunks(nc) == before
     await sweeper.sweep()

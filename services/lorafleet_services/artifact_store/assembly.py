@@ -19,8 +19,8 @@ from typing import Any, Protocol
 
 import msgspec
 
-from lorafleet.artifacts import CHUNK_HEADER, object_digest
-from lorafleet.names import Names, artifact_object_name
+from lorafleet.artifacts import object_digest
+from lorafleet.names import Header, Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 
@@ -82,13 +82,13 @@ _header_decoder = msgspec.json.Decoder(ArtifactChunkHeader)
 def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> Chunk:
     """The chunk a message is, checked against its subject; ChunkError if it is none."""
     node, job_id, kind = subject_parts(names, subject)
-    raw = (headers or {}).get(CHUNK_HEADER)
+    raw = (headers or {}).get(Header.CHUNK)
     if raw is None:
-        raise ChunkError(f"a message on {subject} has no {CHUNK_HEADER} header")
+        raise ChunkError(f"a message on {subject} has no {Header.CHUNK} header")
     try:
         header = _header_decoder.decode(raw)
     except msgspec.DecodeError as e:
-        raise ChunkError(f"the {CHUNK_HEADER} header on {subject} is not valid: {e}") from None
+        raise ChunkError(f"the {Header.CHUNK} header on {subject} is not valid: {e}") from None
     if (header.node, header.job_id, header.kind.value) != (node, job_id, kind):
         raise ChunkError(
             f"the chunk header names {header.node}/{header.job_id}/{header.kind.value} "

@@ -31,9 +31,9 @@ from typing import Protocol
 from nats.aio.msg import Msg
 
 from lorafleet import log
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo, object_chunk_subject
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import Names, object_chunk_subject
 from lorafleet.recorder_client import Ended
 from lorafleet_schemas.messages import ArtifactStoredRequest, JobRecord
 from lorafleet_services.artifact_store.assembly import (
@@ -262,7 +262,9 @@ class Deliveries:
             return None
         assert job is not None
         nuid = object_chunk_token(key, secrets.token_hex(8))
-        writer = ObjectWriter(self.publisher, object_chunk_subject(self.names, nuid))
+        writer = ObjectWriter(
+            self.publisher, object_chunk_subject(self.names.artifacts_bucket, nuid)
+        )
         d = Delivery(key=key, subject=chunk.subject, nuid=nuid, writer=writer,
                      assembly=Assembly(key), job=job)  # fmt: skip
         self.open[key] = d

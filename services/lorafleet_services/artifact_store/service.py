@@ -12,35 +12,34 @@ killed at any moment):
 
 This module wires them to the durable pull consumer (`lorafleet.consumer`:
 the sweeper's tick runs between batches, and every `idle_check_s / 2`
-seconds without one) and runs the process.
+seconds without one) and runs the process (`runtime.serve(PROGRAM)`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import os
 
-import nats.aio.client
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from lorafleet import log
+import lorafleet
+from lorafleet import log, runtime
+from lorafleet._natspy import use_read_buffer
 from lorafleet.artifacts import AsyncPublisher
-from lorafleet.bus import connect, drain_quietly, ensure_layout, layout_for
+from lorafleet.bus import ensure_layout, layout_for
 from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.recorder_client import RecorderClient
 from lorafleet.service import start_service
-from lorafleet.settings import Settings, SettingsError
+from lorafleet.settings import Settings
 from lorafleet_services.artifact_store.api import ArtifactApi
 from lorafleet_services.artifact_store.delivery import RETRY_DELAY_S, Deliveries
 from lorafleet_services.artifact_store.streams import Streams
-from lorafleet_services.artifact_store.sweeper import IDLE_CHECK_S, ORPHAN_AGE_S, Sweeper
+from lorafleet_services.artifact_store.sweeper import IDLE_CHECK_S, Sweeper
 
-VERSION = "0.1.0"
 #: Messages fetched from the durable consumer at once.
 FETCH_BATCH = 64
 #: Seconds one fetch waits for messages.
@@ -50,8 +49,6 @@ ACK_WAIT_S = 60.0
 #: Chunks delivered and not yet acknowledged, at most (a held last chunk per
 #: delivery, and the batches in hand).
 MAX_ACK_PENDING = 4 * FETCH_BATCH * 16
-#: Overrides sweeper.ORPHAN_AGE_S (seconds; fault tests use 0).
-ORPHAN_AGE_ENV = "LORAFLEET_ARTIFACT_ORPHAN_AGE_S"
 #: Bytes nats-py reads from the socket at once in this process (its default
 #: is 32 KiB). With 32 KiB, asyncio paused and resumed reading (an epoll
 #: change each time) and the parser ran for every 32 KiB of a 512 KiB chunk:
@@ -80,7 +77,7 @@ class ArtifactStore:
         self.deliveries = Deliveries(Streams(self.js, self.names), self._pub, recorder, clock)
         self.sweeper = Sweeper(
             self.deliveries, recorder, clock,
-            orphan_age_s=orphan_age_s(), idle_check_s=idle_check_s,
+            orphan_age_s=settings.artifact_orphan_age_s, idle_check_s=idle_check_s,
         )  # fmt: skip
         self.api = ArtifactApi(self.js, self.names)
         self._consumer: PullConsumer | None = None
@@ -112,7 +109,7 @@ class ArtifactStore:
         await start_service(
             self.nc,
             names.artifact_store_service,
-            VERSION,
+            lorafleet.__version__,
             "lorafleet artifacts: chunked delivery in, whole verified objects out",
             self.api.routes(),
             names.queue_group,
@@ -121,7 +118,7 @@ class ArtifactStore:
     async def stop(self) -> None:
         if self._consumer is not None:
             await self._consumer.stop()
-        await self._pub.close()
+        await self._pub.stop()
 
     async def _ensure_layout(self) -> None:
         await ensure_layout(self.js, layout_for(self.settings))
@@ -138,37 +135,20 @@ class ArtifactStore:
                     await msg.nak(delay=RETRY_DELAY_S)
 
 
-def orphan_age_s() -> float:
-    raw = os.environ.get(ORPHAN_AGE_ENV, "")
-    if not raw:
-        return ORPHAN_AGE_S
-    try:
-        value = float(raw)
-    except ValueError:
-        raise SettingsError(f"{ORPHAN_AGE_ENV}={raw!r} is not a number of seconds") from None
-    if value < 0:
-        raise SettingsError(f"{ORPHAN_AGE_ENV} must be >= 0 seconds")
-    return value
+async def use_bulk_reads(settings: Settings) -> None:
+    """Before connecting: this process's connections read in big steps (READ_BUFFER_BYTES)."""
+    use_read_buffer(READ_BUFFER_BYTES)
+
+
+async def make(nc: Client, settings: Settings) -> ArtifactStore:
+    return ArtifactStore(nc, settings)
+
+
+PROGRAM = runtime.Program(
+    "artifact-store", make, before_connect=use_bulk_reads, client_name="lorafleet-artifact-store"
+)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    logger = log.get()
-    # nats-py takes its read size from this module global at connect (no option
-    # for it); the store reads bulk, so it gets a bigger one.
-    nats.aio.client.DEFAULT_BUFFER_SIZE = max(
-        nats.aio.client.DEFAULT_BUFFER_SIZE, READ_BUFFER_BYTES
-    )
-    nc = await connect(settings, "lorafleet-artifact-store")
-    store: ArtifactStore | None = None
-    try:
-        js = nc.jetstream()
-        await ensure_layout(js, layout_for(settings))
-        store = ArtifactStore(nc, settings)
-        await store.start()
-        logger.info(Event.SERVICE_STARTED, version=VERSION)
-        await stop.wait()
-    finally:
-        if store is not None:
-            await store.stop()
-        await drain_quietly(nc)
-        logger.info(Event.SERVICE_STOPPED)
+    """Connect, serve until `stop` is set, then drain (`runtime.serve(PROGRAM)`)."""
+    await runtime.serve(PROGRAM, settings, stop)

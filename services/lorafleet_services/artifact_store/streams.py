@@ -20,14 +20,15 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
-from lorafleet.artifacts import (
-    AsyncPublisher,
-    ObjectInfo,
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo, read_info
+from lorafleet.names import (
+    ROLLUP_SUBJECT,
+    Header,
+    Names,
+    artifact_object_name,
     object_meta_subject,
     object_stream,
-    read_info,
 )
-from lorafleet.names import Names
 from lorafleet_services.artifact_store.assembly import Chunk, ChunkError, Key, parse_chunk
 
 #: Object chunk publishes awaiting their acknowledgement at once.
@@ -40,9 +41,8 @@ READ_BACK_BATCH = 64
 READ_BACK_WAIT_S = 2.0
 #: Seconds the server keeps a read-back consumer we failed to delete.
 READ_BACK_INACTIVE_S = 30.0
-#: The header that makes an info message replace the object's earlier ones
-#: (the header name moves to names.py with engineer E's change).
-ROLLUP_HEADERS = {"Nats-Rollup": "sub"}
+#: Headers of an info message: it replaces the object's earlier ones.
+INFO_HEADERS = {Header.ROLLUP: ROLLUP_SUBJECT}
 
 #: What `read_back` hands each chunk of the delivery to: (chunk, body, stream sequence).
 Take = Callable[[Chunk, bytes, int], Awaitable[None]]
@@ -187,18 +187,24 @@ class Streams:
 
     async def stored_chunks(self, chunk_subject: str) -> int:
         """How many object chunks the server holds on `chunk_subject`."""
-        info = await self.js.stream_info(object_stream(self.names), subjects_filter=chunk_subject)
+        info = await self.js.stream_info(
+            object_stream(self.names.artifacts_bucket), subjects_filter=chunk_subject
+        )
         return int((info.state.subjects or {}).get(chunk_subject, 0))
 
     async def purge_object_chunks(self, chunk_subject: str) -> None:
-        await self.js.purge_stream(object_stream(self.names), subject=chunk_subject)
+        await self.js.purge_stream(
+            object_stream(self.names.artifacts_bucket), subject=chunk_subject
+        )
 
     async def commit(self, key: Key, info: dict[str, Any]) -> None:
         """Publish the object's info (the object exists from here on) and read it back."""
         await self.js.publish(
-            object_meta_subject(self.names, key.job_id, key.kind.value),
+            object_meta_subject(
+                self.names.artifacts_bucket, artifact_object_name(key.job_id, key.kind.value)
+            ),
             json.dumps(info).encode(),
-            headers=dict(ROLLUP_HEADERS),
+            headers=dict(INFO_HEADERS),
         )
         check = await self.read_info(key)
         if check is None or (check.size, check.digest, check.nuid) != (

@@ -20,19 +20,21 @@ import nats.errors
 import nats.js.errors
 
 from lorafleet import log
-from lorafleet.artifacts import ObjectInfo, decode_info, object_chunk_subject, object_stream
+from lorafleet.artifacts import ObjectInfo, decode_info
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import (
+    Names,
+    object_chunk_subject,
+    object_chunk_subjects,
+    object_meta_subjects,
+    object_stream,
+)
 from lorafleet_services.artifact_store.assembly import refusal
 from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle, is_stored
 
 #: Seconds without a new chunk after which an open delivery's job is checked
 #: again (an agent that died mid-delivery leaves one; its job is failed elsewhere).
 IDLE_CHECK_S = 60.0
-#: Seconds after its newest chunk that an object chunk subject no object refers
-#: to is taken for a dead store's leftovers and purged (a live replica writes
-#: more often); LORAFLEET_ARTIFACT_ORPHAN_AGE_S overrides it (fault tests use 0).
-ORPHAN_AGE_S = 600.0
 #: Seconds between sweeps for such leftovers (one also runs at start).
 SWEEP_EVERY_S = 300.0
 
@@ -43,7 +45,7 @@ SWEEP_EVERY_S = 300.0
 def committed_chunks(names: Names, infos: Iterable[ObjectInfo | None]) -> set[str]:
     """The chunk subjects that the objects' info messages refer to (deleted ones excepted)."""
     return {
-        object_chunk_subject(names, info.nuid)
+        object_chunk_subject(names.artifacts_bucket, info.nuid)
         for info in infos
         if info is not None and not info.deleted
     }
@@ -80,7 +82,10 @@ def sweep_due(now: float, last_sweep: float, every_s: float = SWEEP_EVERY_S) -> 
 class Sweeper:
     """Sweeps for orphans and gives up idle deliveries of `deliveries`.
 
-    orphan_age_s: see ORPHAN_AGE_S. idle_check_s: see IDLE_CHECK_S.
+    orphan_age_s: seconds after its newest chunk that an object chunk subject
+    no object refers to is taken for a dead store's leftovers
+    (`Settings.artifact_orphan_age_s`: 600, fault tests use 0).
+    idle_check_s: see IDLE_CHECK_S.
     clock: seconds, monotonic (the event loop's time in the service).
     """
 
@@ -90,7 +95,7 @@ class Sweeper:
         recorder: Recorder,
         clock: Callable[[], float],
         *,
-        orphan_age_s: float = ORPHAN_AGE_S,
+        orphan_age_s: float,
         idle_check_s: float = IDLE_CHECK_S,
     ) -> None:
         self.deliveries = deliveries
@@ -143,12 +148,10 @@ class Sweeper:
 
     async def _orphans(self) -> list[str]:
         js = self.streams.js
-        stream = object_stream(self.names)
-        # The object store's own subject layout (these literals move to names.py
-        # with engineer E's change).
         bucket = self.names.artifacts_bucket
-        chunks = await js.stream_info(stream, subjects_filter=f"$O.{bucket}.C.>")
-        metas = await js.stream_info(stream, subjects_filter=f"$O.{bucket}.M.>")
+        stream = object_stream(bucket)
+        chunks = await js.stream_info(stream, subjects_filter=object_chunk_subjects(bucket))
+        metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
         infos = []
         for subject in metas.state.subjects or {}:
             raw = await js.get_last_msg(stream, subject)
