@@ -15,15 +15,15 @@ from nats.aio.msg import Msg
 from lorafleet.artifacts import AsyncPublisher, ObjectInfo
 from lorafleet.names import Header, Names, object_meta_subjects, object_stream
 from lorafleet_schemas.messages import ArtifactKind, ArtifactStoredRequest, JobState
-from lorafleet_services.artifact_store.assembly import Assembly, Key, object_chunk_token
-from lorafleet_services.artifact_store.delivery import (
-    Deliveries,
-    Delivery,
+from lorafleet_services.artifact_store.assembly import (
+    Assembly,
+    Key,
     Remembered,
-    idle,
     is_stored,
+    object_chunk_token,
     report_owed,
 )
+from lorafleet_services.artifact_store.delivery import Deliveries, Delivery, idle
 from lorafleet_services.artifact_store.streams import ObjectWriter, Streams
 from tests.artifacts.conftest import (
     artifacts_stream_empty,
@@ -61,7 +61,7 @@ def test_report_owed_until_the_recorder_has_the_kind() -> None:
 def test_idle_deliveries_are_those_untouched_longer_than_the_bound() -> None:
     def delivery(touched: float) -> Delivery:
         writer = ObjectWriter(AsyncPublisher(Client()), "s")  # never written to
-        return Delivery(KEY, "subj", "nuid", writer, Assembly(KEY), job(), touched=touched)
+        return Delivery(KEY, "subj", "nuid", writer, Assembly(KEY), touched=touched)
 
     fresh, stale = delivery(100.0), delivery(30.0)
     assert idle([fresh, stale], now=160.0, idle_s=60.0) == [stale]

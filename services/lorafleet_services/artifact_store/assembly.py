@@ -6,6 +6,9 @@ each with an `ArtifactChunkHeader` (JSON in the `Lorafleet-Chunk` header).
 the bytes that have become contiguous (so the caller can stream them into
 the object store while the delivery goes on), and, once the last chunk is
 known and nothing is missing, says whether count, size and sha256 agree.
+Beside it, the delivery rules: who may deliver (`refusal`), whether the
+object is stored already (`is_stored`), whether the recorder is owed a
+report (`report_owed`), which deliveries ended (`Remembered`).
 
 Everything here decides; nothing here talks to NATS.
 """
@@ -15,15 +18,17 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import msgspec
 
-from lorafleet.artifacts import object_digest
+from lorafleet.artifacts import ObjectInfo, object_digest
 from lorafleet.names import Header, Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 
+#: Deliveries remembered as ended, so late duplicates are dropped.
+FINISHED_MEMORY = 4096
 #: Chunks held while waiting for an earlier one; bytes. A delivery that
 #: needs more is corrupt (the agent keeps a small window), not worth the memory.
 MAX_PENDING_BYTES = 256 * 1024 * 1024
@@ -219,6 +224,25 @@ class Assembly:
         return Whole(size=self.size, sha256=digest, count=last.count)
 
 
+class Remembered:
+    """Keys of deliveries that ended, the newest `size` of them (insertion order)."""
+
+    def __init__(self, size: int = FINISHED_MEMORY) -> None:
+        self.size = size
+        self._keys: dict[Key, None] = {}
+
+    def add(self, key: Key) -> None:
+        self._keys[key] = None
+        while len(self._keys) > self.size:
+            self._keys.pop(next(iter(self._keys)))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def refusal(job: JobRecord | None, key: Key) -> str | None:
     """Why `key.node` may not deliver this artifact now, or None when it may.
 
@@ -266,6 +290,17 @@ def delivery_prefix(key: Key) -> str:
 def is_committed_by(nuid: str, key: Key) -> bool:
     """Whether an object's nuid says it was committed from this delivery."""
     return nuid.startswith(delivery_prefix(key))
+
+
+def is_stored(info: ObjectInfo | None, key: Key) -> TypeGuard[ObjectInfo]:
+    """Whether the object store holds this delivery's object, committed and not deleted
+    (by this store before a crash, or by a replica)."""
+    return info is not None and not info.deleted and is_committed_by(info.nuid, key)
+
+
+def report_owed(job: JobRecord | None, key: Key) -> bool:
+    """Whether the recorder has yet to hear that this artifact is stored."""
+    return job is not None and key.kind not in job.artifacts_stored
 
 
 def object_info(

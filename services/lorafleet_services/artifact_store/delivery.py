@@ -1,21 +1,14 @@
 """The delivery state machine: one artifact's chunks, from first sight to gone.
 
-A delivery is *opened* the first time one of its chunks is seen (a new
-delivery, the first chunk after a restart, or a subject still in the
-stream at start): its subject is read back from the stream up to that
-chunk. It *takes* chunks, streaming the bytes that are in order into its
-object's chunks. It ends in one of four ways:
+A delivery is *opened* the first time one of its chunks is seen (its
+subject read back from the stream up to that chunk), *takes* chunks
+(streaming the bytes in order into its object's chunks), and ends
+*finished* (committed), *failed* (short or corrupt: the job failed),
+*discarded* (refused, given up) or *dropped* (an error: the stream keeps
+it for the retry). DESIGN.md gives each step and why the order is exact.
 
-- finished: verified, committed (the object's info), the recorder told,
-  its chunks purged, its last chunk acknowledged;
-- failed: short or corrupt; the job failed first, then discarded;
-- discarded: refused when it ended, given up (idle, committed by a
-  replica): its object chunks and stream chunks purged;
-- dropped: an error on the way (NATS, the recorder): forgotten, its last
-  chunk nak'ed; the stream still has it for the retry.
-
-The decisions are the plain functions at the top; `Deliveries` does the I/O
-(through `streams`) in the order the exactness argument needs (DESIGN.md).
+The decisions are plain functions (`idle` here, the rest in `assembly`);
+`Deliveries` does the I/O, through `streams`.
 """
 
 from __future__ import annotations
@@ -31,7 +24,7 @@ from typing import Protocol
 from nats.aio.msg import Msg
 
 from lorafleet import log
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo
+from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
 from lorafleet.names import Names, object_chunk_subject
 from lorafleet.recorder_client import Ended
@@ -42,17 +35,17 @@ from lorafleet_services.artifact_store.assembly import (
     Chunk,
     ChunkError,
     Key,
+    Remembered,
     Whole,
-    is_committed_by,
+    is_stored,
     object_chunk_token,
     object_info,
     parse_chunk,
     refusal,
+    report_owed,
 )
 from lorafleet_services.artifact_store.streams import CommitError, ObjectWriter, Streams
 
-#: Deliveries remembered as ended, so late duplicates are dropped.
-FINISHED_MEMORY = 4096
 #: Seconds to wait for chunks missing when the last one has arrived, before
 #: reading the stream a final time and failing the delivery.
 MISSING_GRACE_S = 1.0
@@ -68,42 +61,9 @@ class Recorder(Protocol):
     async def fail_job(self, job: JobRecord | str, message: str) -> Ended: ...
 
 
-# --- decisions -----------------------------------------------------------------
-
-
-def is_stored(info: ObjectInfo | None, key: Key) -> bool:
-    """Whether the object store holds this delivery's object, committed and not deleted
-    (by this store before a crash, or by a replica)."""
-    return info is not None and not info.deleted and is_committed_by(info.nuid, key)
-
-
-def report_owed(job: JobRecord | None, key: Key) -> bool:
-    """Whether the recorder has yet to hear that this artifact is stored."""
-    return job is not None and key.kind not in job.artifacts_stored
-
-
 def idle(deliveries: Iterable[Delivery], now: float, idle_s: float) -> list[Delivery]:
     """Open deliveries with no chunk taken for more than `idle_s` seconds."""
     return [d for d in deliveries if now - d.touched > idle_s]
-
-
-class Remembered:
-    """Keys of deliveries that ended, the newest `size` of them (insertion order)."""
-
-    def __init__(self, size: int = FINISHED_MEMORY) -> None:
-        self.size = size
-        self._keys: dict[Key, None] = {}
-
-    def add(self, key: Key) -> None:
-        self._keys[key] = None
-        while len(self._keys) > self.size:
-            self._keys.pop(next(iter(self._keys)))
-
-    def __contains__(self, key: object) -> bool:
-        return key in self._keys
-
-    def __len__(self) -> int:
-        return len(self._keys)
 
 
 @dataclass(slots=True)
@@ -116,7 +76,6 @@ class Delivery:
     nuid: str
     writer: ObjectWriter
     assembly: Assembly
-    job: JobRecord
     #: The unacknowledged last chunk, acknowledged once committed or failed.
     held: list[Msg] = field(default_factory=list)
     #: Clock time (seconds) of the newest chunk taken.
@@ -243,7 +202,6 @@ class Deliveries:
         # Already committed (a store that died after the commit, before the purge)?
         info = await self.streams.read_info(key)
         if is_stored(info, key):
-            assert info is not None
             self.logger.info(Event.ARTIFACT_STORED, job_id=key.job_id, kind=key.kind.value,
                              message="already stored; finishing its clean-up")  # fmt: skip
             if report_owed(job, key):
@@ -260,13 +218,13 @@ class Deliveries:
             await self.streams.purge_delivery(chunk.subject, upto_seq)
             self.ended.add(key)
             return None
-        assert job is not None
         nuid = object_chunk_token(key, secrets.token_hex(8))
         writer = ObjectWriter(
             self.publisher, object_chunk_subject(self.names.artifacts_bucket, nuid)
         )
-        d = Delivery(key=key, subject=chunk.subject, nuid=nuid, writer=writer,
-                     assembly=Assembly(key), job=job)  # fmt: skip
+        d = Delivery(
+            key=key, subject=chunk.subject, nuid=nuid, writer=writer, assembly=Assembly(key)
+        )
         self.open[key] = d
         await self._read_back(d, upto_seq)
         return d
@@ -295,12 +253,11 @@ class Deliveries:
         key = d.key
         job = await self.recorder.get_job(key.job_id)
         why = refusal(job, key)
-        if why is not None:
+        if why is not None or job is None:  # (no job: there is a why)
             self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                                 kind=key.kind.value, error=f"not stored: {why}")  # fmt: skip
             await self.discard(d)
             return
-        assert job is not None
         await self._commit(d, whole, job)
         d.committed = True
         await self._tell_recorder(key, whole.size, whole.sha256)

@@ -29,8 +29,8 @@ from lorafleet.names import (
     object_meta_subjects,
     object_stream,
 )
-from lorafleet_services.artifact_store.assembly import refusal
-from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle, is_stored
+from lorafleet_services.artifact_store.assembly import is_stored, refusal
+from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle
 
 #: Seconds without a new chunk after which an open delivery's job is checked
 #: again (an agent that died mid-delivery leaves one; its job is failed elsewhere).
