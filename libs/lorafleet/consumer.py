@@ -164,26 +164,31 @@ class PullConsumer:
         self._stopping = asyncio.Event()
         # None after the last batch: the fetcher is done.
         self._batches: asyncio.Queue[list[Msg] | None] = asyncio.Queue(maxsize=1)
-        self._tasks: list[asyncio.Task[None]] = []
+        self._task: asyncio.Task[None] | None = None
 
     async def start(self) -> None:
         """Subscribe (creating the durable consumer if missing) and start the loop."""
         self._sub = await self._subscribe()
+        self._task = asyncio.create_task(self._run(), name=f"{self.config.durable}-consumer")
+
+    async def _run(self) -> None:
+        # One group: should either loop fail (a bug), the other is cancelled
+        # with it rather than left fetching for nobody or waiting forever.
         name = self.config.durable
-        self._tasks = [
-            asyncio.create_task(self._fetch_loop(), name=f"{name}-fetch"),
-            asyncio.create_task(self._handle_loop(), name=f"{name}-handle"),
-        ]
+        try:
+            async with asyncio.TaskGroup() as group:
+                group.create_task(self._fetch_loop(), name=f"{name}-fetch")
+                group.create_task(self._handle_loop(), name=f"{name}-handle")
+        except Exception as e:
+            self.logger.exception(Event.REQUEST_FAILED, error=repr(e), where=f"{name} loop")
 
     async def stop(self) -> None:
         """Finish the fetch in flight and the batches fetched, then unsubscribe."""
         self._stopping.set()
-        if self._tasks:
-            _, pending = await asyncio.wait(self._tasks, timeout=STOP_TIMEOUT_S)
-            for task in pending:
-                task.cancel()
-            await asyncio.gather(*self._tasks, return_exceptions=True)
-            self._tasks = []
+        if self._task is not None:
+            with contextlib.suppress(TimeoutError):  # then wait_for has cancelled it
+                await asyncio.wait_for(self._task, STOP_TIMEOUT_S)
+            self._task = None
         if self._sub is not None:
             with contextlib.suppress(Exception):
                 await self._sub.unsubscribe()
@@ -227,13 +232,11 @@ class PullConsumer:
                 if attempt.num > 1:
                     # The consumer may be what failed (deleted, or a new store).
                     await self._ensure_consumer()
-                if self._stopping.is_set():
+                sub = self._sub
+                if sub is None or self._stopping.is_set():
                     return []
-                assert self._sub is not None
                 try:
-                    return await self._sub.fetch(
-                        self.config.batch, timeout=self.config.fetch_wait_s
-                    )
+                    return await sub.fetch(self.config.batch, timeout=self.config.fetch_wait_s)
                 except TimeoutError:  # nats.errors.TimeoutError is one
                     return []
         return []  # not reached: attempts=None retries until a fetch works

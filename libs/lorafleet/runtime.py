@@ -61,7 +61,11 @@ EXIT_CONNECT = 1
 
 
 class Service(Protocol):
-    """What `serve()` runs: started once, stopped once."""
+    """What `serve()` runs: started once, stopped once.
+
+    `stop()` is called even when `start()` failed halfway: it must cope
+    with what was not started.
+    """
 
     async def start(self) -> None: ...
 

@@ -127,8 +127,7 @@ class RecorderApi:
             dataset = dataset_object_name(sha)
             # Stored before the job exists, so a job never names missing data.
             await self.datasets.put(dataset, content)
-        else:
-            assert spec.dataset is not None
+        elif spec.dataset is not None:  # always, after the check above
             dataset = spec.dataset
             stored = await self.datasets.get(dataset)
             if stored is None:

@@ -26,6 +26,7 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 
 import lorafleet
 from lorafleet import bus, log, runtime
+from lorafleet._natspy import download_object
 from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
 from lorafleet.service import start_service
@@ -60,12 +61,9 @@ class ObjectStoreDatasets:
         await obs.put(name, content)
 
     async def get(self, name: str) -> bytes | None:
-        obs = await self.js.object_store(self.bucket)
-        # writeinto: nats-py's plain get grows its buffer chunk by chunk
-        # (quadratic in the object's size).
         buf = io.BytesIO()
         try:
-            await obs.get(name, writeinto=buf)
+            await download_object(self.js, self.bucket, name, buf)
         except (nats.js.errors.ObjectNotFoundError, nats.js.errors.ObjectDeletedError):
             return None
         return buf.getvalue()
