@@ -42,8 +42,10 @@ from lorafleet_services.artifact_store.sweeper import IDLE_CHECK_S, Sweeper
 
 #: Messages fetched from the durable consumer at once.
 FETCH_BATCH = 64
-#: Seconds one fetch waits for messages.
-FETCH_WAIT_S = 1.0
+#: Seconds one fetch waits for messages when none are there (with chunks in
+#: the stream a fetch returns at once). `stop()` lets the fetch in flight end
+#: (its messages would otherwise wait ACK_WAIT_S): 1 s made every stop 1 s.
+FETCH_WAIT_S = 0.25
 #: Seconds the durable consumer waits for an acknowledgement before redelivering.
 ACK_WAIT_S = 60.0
 #: Chunks delivered and not yet acknowledged, at most (a held last chunk per
