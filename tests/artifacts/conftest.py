@@ -16,9 +16,10 @@ from nats.aio.client import Client
 
 from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record, msg_id
 from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
-from lorafleet.names import Header, Names, object_stream
+from lorafleet.names import Header, Names, object_meta_subjects, object_stream
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
+from lorafleet_services.agent.delivery import deliver
 from tests.procs import ServiceProcess
 
 NAMES = Names()
@@ -143,3 +144,42 @@ async def download(nc: Client, job_id: str, kind: ArtifactKind, tmp_path: Path) 
     data = out.read_bytes()
     assert rec.sha256 == hashlib.sha256(data).hexdigest()
     return data
+
+
+async def deliver_file(
+    nc: Client,
+    job: JobRecord,
+    kind: ArtifactKind,
+    path: Path,
+    *,
+    node: str | None = None,
+    attempt: int | None = None,
+    chunk_bytes: int | None = None,
+) -> tuple[int, str]:
+    """`path` delivered as the agent delivers it (`agent.delivery.deliver`): from
+    the job's node and attempt unless told otherwise; returns (size, sha256)."""
+    return await deliver(
+        nc.jetstream(),
+        NAMES,
+        node=node or job.node or "",
+        job_id=job.id,
+        attempt=job.attempt if attempt is None else attempt,
+        kind=kind,
+        path=path,
+        **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}),
+    )
+
+
+def under_new_ids(
+    msgs: list[tuple[dict[str, str], bytes]],
+) -> list[tuple[dict[str, str], bytes]]:
+    """The same chunks with new message ids (the stream would drop repeats), as
+    an agent's redelivery or a retry would publish them."""
+    return [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in msgs]
+
+
+async def last_info_seq(nc: Client) -> int:
+    """The stream sequence of the newest object info message."""
+    bucket = NAMES.artifacts_bucket
+    raw = await nc.jetstream().get_last_msg(object_stream(bucket), object_meta_subjects(bucket))
+    return raw.seq or 0

@@ -13,7 +13,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from lorafleet.artifacts import AsyncPublisher, ObjectInfo
-from lorafleet.names import Header, Names, object_meta_subjects, object_stream
+from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, ArtifactStoredRequest, JobState
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -29,14 +29,14 @@ from tests.artifacts.conftest import (
     artifacts_stream_empty,
     chunks_of,
     download,
+    last_info_seq,
     object_chunks,
     publish,
+    under_new_ids,
 )
 from tests.artifacts.fakes import FakeClock, FakeRecorder, job
 
 N = Names()
-#: (stream, subjects) of the newest object info message.
-LAST_INFO = (object_stream(N.artifacts_bucket), object_meta_subjects(N.artifacts_bucket))
 KEY = Key("node-a", "job1", ArtifactKind.PEFT, 1)
 PEFT = ArtifactKind.PEFT
 
@@ -99,7 +99,7 @@ async def test_a_delivery_left_in_the_stream_is_read_back_committed_and_purged(
     msgs = chunks_of(job(), PEFT, data, 4096)
     body = msgs[:-1]
     shuffled = random.Random(2).sample(body, len(body)) + body[:3]
-    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in shuffled]
+    again = under_new_ids(shuffled)
     await publish(nc, job(), PEFT, again + msgs[-1:])
     deliveries = machine(nc, publisher, recorder)
     await deliveries.recover_all()
@@ -180,16 +180,14 @@ async def test_a_delivery_already_committed_is_not_committed_again(
     msgs = chunks_of(job(), PEFT, data, 5000)
     await publish(nc, job(), PEFT, msgs)
     await machine(nc, publisher, FakeRecorder(job())).recover_all()
-    js = nc.jetstream()
-    info_before = await js.get_last_msg(*LAST_INFO)
+    info_before = await last_info_seq(nc)
     chunks_before = await object_chunks(nc)
-    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in msgs]
+    again = under_new_ids(msgs)
     await publish(nc, job(), PEFT, again)
     recorder = FakeRecorder(job(artifacts_stored=[PEFT] if recorder_knows else []))
     deliveries = machine(nc, publisher, recorder)
     await deliveries.recover_all()
-    info_after = await js.get_last_msg(*LAST_INFO)
-    assert info_after.seq == info_before.seq
+    assert await last_info_seq(nc) == info_before
     assert await object_chunks(nc) == chunks_before
     assert recorder.reports == ([] if recorder_knows else [delivered(data)])
     assert await artifacts_stream_empty(nc) and KEY in deliveries.ended

@@ -15,32 +15,39 @@ import pytest
 from nats.aio.client import Client
 
 from lorafleet.bus import connect, drain_quietly
-from lorafleet.names import Header, Names, object_meta_subjects, object_stream
+from lorafleet.names import Header, Names
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import ArtifactKind, JobState
-from lorafleet_services.agent.delivery import deliver
+from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState
 from lorafleet_services.artifact_store.service import ArtifactStore
 from tests.artifacts.conftest import (
     api,
     artifacts_stream_empty,
     chunks_of,
+    deliver_file,
     dispatched_job,
     download,
     get_job,
+    last_info_seq,
     object_chunks,
     publish,
     stored,
+    under_new_ids,
 )
 from tests.eventually import eventually
 from tests.procs import ServiceProcess
 
 N = Names()
-#: (stream, subjects) of the newest object info message.
-LAST_INFO = (object_stream(N.artifacts_bucket), object_meta_subjects(N.artifacts_bucket))
 #: Seconds each wait of these tests lasts at most.
 WAIT_S = 20.0
 #: Seconds without a chunk before a store of the idle tests checks a delivery again.
 QUICK_IDLE_S = 0.5
+
+
+async def until_state(nc: Client, job_id: str, state: JobState, what: str) -> JobRecord:
+    """The job, once the recorder holds it in `state` (at most WAIT_S)."""
+    return await eventually(
+        lambda: get_job(nc, N, job_id), what, until=lambda j: j.state is state, timeout_s=WAIT_S
+    )
 
 
 @contextlib.asynccontextmanager
@@ -83,17 +90,7 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     peft.write_bytes(rng.randbytes(5 * 1024 * 1024 + 4321))
     gguf = tmp_path / "adapter.gguf"
     gguf.write_bytes(rng.randbytes(3 * 1024 * 1024 + 7))
-    js = nc.jetstream()
-    size, sha = await deliver(
-        js,
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.PEFT,
-        path=peft,
-        chunk_bytes=256 * 1024,
-    )
+    size, sha = await deliver_file(nc, job, ArtifactKind.PEFT, peft, chunk_bytes=256 * 1024)
     await eventually(
         lambda: stored(nc, job.id, ArtifactKind.PEFT), "the peft artifact", timeout_s=WAIT_S
     )
@@ -106,21 +103,9 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     assert (got["node"], got["base_model"], got["job_id"]) == ("n1", "tiny-llamacpp", job.id)
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == peft.read_bytes()
 
-    await deliver(
-        js,
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.GGUF,
-        path=gguf,
-        chunk_bytes=256 * 1024,
-    )
+    await deliver_file(nc, job, ArtifactKind.GGUF, gguf, chunk_bytes=256 * 1024)
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await eventually(done, "the job to be done", timeout_s=WAIT_S)
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     listed = await api(nc, N.artifacts_list, {"job_id": job.id})
     assert [(a["kind"], a["size"]) for a in listed["artifacts"]] == [
         ("peft", peft.stat().st_size),
@@ -148,13 +133,10 @@ async def test_duplicated_and_reordered_chunks_store_the_exact_bytes(
     shuffled = body + rng.sample(body, 10)
     rng.shuffle(shuffled)
     # Different message ids, so the stream keeps the duplicates (as after a redelivery).
-    dupes = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in body[:5]]
+    dupes = under_new_ids(body[:5])
     await publish(nc, job, ArtifactKind.PEFT, shuffled + dupes + [msgs[-1]] + body[:3])
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await eventually(done, "the job to be done", timeout_s=WAIT_S)
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
 
 
@@ -176,10 +158,7 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
         msgs.insert(5, (extra, b"x" * 1000))
     await publish(nc, job, ArtifactKind.PEFT, msgs)
 
-    async def failed() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.FAILED
-
-    await eventually(failed, "the job to fail", timeout_s=WAIT_S)
+    await until_state(nc, job.id, JobState.FAILED, "the job to fail")
     message = (await get_job(nc, N, job.id)).message
     assert "peft artifact of job" in message
     if fault == "sha256":
@@ -201,16 +180,7 @@ async def test_a_node_delivering_for_another_nodes_job_is_refused(
     job = await dispatched_job(nc, N, node="n1", engine="vllm")
     path = tmp_path / "x"
     path.write_bytes(random.Random(15).randbytes(100_000))
-    await deliver(
-        nc.jetstream(),
-        N,
-        node="intruder",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.PEFT,
-        path=path,
-        chunk_bytes=10_000,
-    )
+    await deliver_file(nc, job, ArtifactKind.PEFT, path, node="intruder", chunk_bytes=10_000)
     await eventually(
         lambda: artifacts_stream_empty(nc), "the refused chunks to be purged", timeout_s=WAIT_S
     )
@@ -219,16 +189,8 @@ async def test_a_node_delivering_for_another_nodes_job_is_refused(
     after = await get_job(nc, N, job.id)
     assert after.state is JobState.UPLOADING and after.artifacts_stored == []
     # A stale attempt of the right node is refused too.
-    await deliver(
-        nc.jetstream(),
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt + 5,
-        kind=ArtifactKind.PEFT,
-        path=path,
-        chunk_bytes=10_000,
-    )
+    stale = job.attempt + 5
+    await deliver_file(nc, job, ArtifactKind.PEFT, path, attempt=stale, chunk_bytes=10_000)
     await eventually(
         lambda: artifacts_stream_empty(nc), "the stale chunks to be purged", timeout_s=WAIT_S
     )
@@ -285,14 +247,12 @@ async def test_concurrent_deliveries_are_kept_apart(
         p = tmp_path / f"a{i}"
         p.write_bytes(random.Random(20 + i).randbytes(1_500_000 + i))
         paths.append(p)
-    js = nc.jetstream()
     await asyncio.gather(
         *(
-            deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
-                    kind=ArtifactKind.PEFT, path=p, chunk_bytes=32 * 1024)
+            deliver_file(nc, job, ArtifactKind.PEFT, p, chunk_bytes=32 * 1024)
             for job, p in zip(jobs, paths, strict=True)
         )
-    )  # fmt: skip
+    )
     for job, p in zip(jobs, paths, strict=True):
 
         async def done(job_id: str = job.id) -> bool:
@@ -311,7 +271,6 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
     job = await dispatched_job(nc, N, engine="llamacpp")
     data = random.Random(30).randbytes(300_000)
     msgs = chunks_of(job, ArtifactKind.PEFT, data, 50_000)
-    js = nc.jetstream()
     async with running_store(settings):
         await publish(nc, job, ArtifactKind.PEFT, msgs)
         await eventually(
@@ -320,17 +279,16 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
         await eventually(
             lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
         )
-    info_before = await js.get_last_msg(*LAST_INFO)
+    info_before = await last_info_seq(nc)
     chunks_before = await object_chunks(nc)
     # The chunks as they were before the purge (new ids: the stream would drop repeats).
-    again = [({**h, Header.MSG_ID: h[Header.MSG_ID] + ".again"}, b) for h, b in msgs]
+    again = under_new_ids(msgs)
     await publish(nc, job, ArtifactKind.PEFT, again)
     async with running_store(settings):
         await eventually(
             lambda: artifacts_stream_empty(nc), "the leftover chunks to be purged", timeout_s=WAIT_S
         )
-    info_after = await js.get_last_msg(*LAST_INFO)
-    assert info_after.seq == info_before.seq  # not committed a second time
+    assert await last_info_seq(nc) == info_before  # not committed a second time
     assert await object_chunks(nc) == chunks_before
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
     after = await get_job(nc, N, job.id)
@@ -371,18 +329,12 @@ async def test_two_replicas_share_the_work_and_store_each_artifact_exactly(
             )
         jobs = [await dispatched_job(nc, N, node=f"n{i}", engine="vllm") for i in range(3)]
         datas = [random.Random(50 + i).randbytes(2_000_000 + i) for i in range(3)]
-        js = nc.jetstream()
         for job, data in zip(jobs, datas, strict=True):
             p = tmp_path / f"r-{job.id}"
             p.write_bytes(data)
-            await deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
-                          kind=ArtifactKind.PEFT, path=p, chunk_bytes=64 * 1024)  # fmt: skip
+            await deliver_file(nc, job, ArtifactKind.PEFT, p, chunk_bytes=64 * 1024)
         for job, data in zip(jobs, datas, strict=True):
-
-            async def done(job_id: str = job.id) -> bool:
-                return (await get_job(nc, N, job_id)).state is JobState.DONE
-
-            await eventually(done, f"job {job.id} done", timeout_s=WAIT_S)
+            await until_state(nc, job.id, JobState.DONE, f"job {job.id} done")
             assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
         expected = sum(-(-len(d) // (64 * 1024)) for d in datas) + len(datas)
 
@@ -404,13 +356,9 @@ async def test_a_zero_byte_artifact_is_stored_and_downloads(
     job = await dispatched_job(nc, N, engine="vllm")
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    await deliver(nc.jetstream(), N, node="n1", job_id=job.id, attempt=job.attempt,
-                  kind=ArtifactKind.PEFT, path=empty)  # fmt: skip
+    await deliver_file(nc, job, ArtifactKind.PEFT, empty)
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await eventually(done, "the job to be done", timeout_s=WAIT_S)
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
     assert (got["size"], got["sha256"]) == (0, hashlib.sha256(b"").hexdigest())
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == b""
