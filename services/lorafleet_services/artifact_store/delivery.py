@@ -253,7 +253,7 @@ class Deliveries:
         key = d.key
         job = await self.recorder.get_job(key.job_id)
         why = refusal(job, key)
-        if why is not None or job is None:  # (no job: there is a why)
+        if why is not None or job is None:  # (refusal gives a why for no job)
             self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                                 kind=key.kind.value, error=f"not stored: {why}")  # fmt: skip
             await self.discard(d)

@@ -103,8 +103,8 @@ class ArtifactStore:
             on_tick=self.sweeper.tick,
             tick_s=self.sweeper.idle_check_s / 2,
         )
-        # Sweep and read back what the stream holds before the first batch: a
-        # delivery's first sight must see its chunks from the stream's start.
+        # A dead store's leftovers first, then every delivery still in the stream
+        # (chunks it acknowledged come from the consumer no more), then new chunks.
         await self.sweeper.sweep()
         await self.deliveries.recover_all()
         await self._consumer.start()
