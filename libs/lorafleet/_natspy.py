@@ -26,7 +26,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
-from nats.js.api import ObjectInfo
+from nats.js.api import ObjectInfo, ObjectStoreConfig
 from nats.micro.service import Endpoint, Service
 
 from lorafleet.names import (
@@ -283,6 +283,18 @@ async def download_object(js: JetStreamContext, bucket: str, name: str, out: Bin
     """
     obs = await js.object_store(bucket)
     await obs.get(name, writeinto=out)  # type: ignore[arg-type]
+
+
+# --- creating an object store from its config ------------------------------------------
+
+
+async def create_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> None:
+    """Create (or keep) the object store `config` describes, bucket included.
+
+    Upstream: `create_object_store` overwrites `config.bucket` with its own
+    `bucket` argument (None when not given), so a complete config alone fails.
+    """
+    await js.create_object_store(config.bucket or "", config=config)
 
 
 # --- permission refusals ---------------------------------------------------------------

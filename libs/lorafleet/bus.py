@@ -32,7 +32,7 @@ from nats.js.api import (
 )
 
 from lorafleet import log
-from lorafleet._natspy import is_authorization_violation, refusal
+from lorafleet._natspy import create_object_store, is_authorization_violation, refusal
 from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -259,8 +259,7 @@ async def ensure_layout(js: JetStreamContext, layout: Layout) -> None:
     for kv in (layout.nodes_kv(), layout.leader_kv()):
         await js.create_key_value(kv)
     for obj in (layout.datasets_store(), layout.artifacts_store()):
-        # nats-py sets config.bucket from its bucket argument: pass it again.
-        await js.create_object_store(obj.bucket or "", config=obj)
+        await create_object_store(js, obj)
 
 
 def layout_for(settings: Settings) -> Layout:

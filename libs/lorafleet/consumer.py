@@ -60,7 +60,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 
 import nats.js.errors
@@ -122,6 +122,19 @@ class PullConsumerConfig:
         )
 
 
+def _backoff(on: type[Exception] | Callable[[Exception], bool]) -> AsyncIterator[stamina.Attempt]:
+    """Tries until one succeeds (no limit), pausing RETRY_WAIT_INITIAL_S, doubling
+    up to RETRY_WAIT_MAX_S, after each failure `on` accepts."""
+    return stamina.retry_context(
+        on=on,
+        attempts=None,
+        timeout=None,
+        wait_initial=RETRY_WAIT_INITIAL_S,
+        wait_max=RETRY_WAIT_MAX_S,
+        wait_jitter=RETRY_JITTER_S,
+    )
+
+
 class BatchFailedError(Exception):
     """The handler raised for a batch; its messages were nakked."""
 
@@ -159,7 +172,7 @@ class PullConsumer:
         self.on_tick = on_tick
         self.tick_s = tick_s
         self.check_every_s = check_every_s
-        self.logger = log.get(consumer=config.durable)
+        self.logger = log.get()
         self._sub: JetStreamContext.PullSubscription | None = None
         self._stopping = asyncio.Event()
         # None after the last batch: the fetcher is done.
@@ -220,14 +233,7 @@ class PullConsumer:
 
     async def _fetch(self) -> list[Msg]:
         """One batch; [] when none came within fetch_wait_s. Errors are retried."""
-        async for attempt in stamina.retry_context(
-            on=self._fetch_failed,
-            attempts=None,
-            timeout=None,
-            wait_initial=RETRY_WAIT_INITIAL_S,
-            wait_max=RETRY_WAIT_MAX_S,
-            wait_jitter=RETRY_JITTER_S,
-        ):
+        async for attempt in _backoff(self._fetch_failed):
             with attempt:
                 if attempt.num > 1:
                     # The consumer may be what failed (deleted, or a new store).
@@ -281,14 +287,7 @@ class PullConsumer:
     async def _handle_loop(self) -> None:
         more = True
         while more:
-            async for attempt in stamina.retry_context(
-                on=BatchFailedError,
-                attempts=None,
-                timeout=None,
-                wait_initial=RETRY_WAIT_INITIAL_S,
-                wait_max=RETRY_WAIT_MAX_S,
-                wait_jitter=RETRY_JITTER_S,
-            ):
+            async for attempt in _backoff(BatchFailedError):
                 with attempt:
                     more = await self._handle_next()
 
@@ -301,9 +300,9 @@ class PullConsumer:
                 batch = await asyncio.wait_for(self._batches.get(), self.tick_s)
         except TimeoutError:
             batch = []
-        await self._tick()
         if batch is None:
             return False
+        await self._tick()
         if batch:
             await self._handle(batch)
         return True

@@ -24,8 +24,9 @@ logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
    connection and logs `service.stopped` (also when a step above failed).
 
 A service object needs only `start()` and `stop()` (the `Service`
-protocol); if it also has `reconnected()` (no arguments, not async), that
-is called after each reconnect to NATS (the scheduler re-reads its KV).
+protocol); if it also has `reconnected()` (no arguments, not async: the
+`Reconnects` protocol), that is called after each reconnect to NATS (the
+scheduler re-reads its KV).
 
 Exit codes of `main`: 0 after a clean stop; 2 with one line on stderr for
 a bad setting (any `SettingsError`, the agent's `AgentConfigError` too,
@@ -43,7 +44,7 @@ import signal
 import sys
 from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal, NoReturn, Protocol, TypeVar
+from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
 from nats.aio.client import Client
 
@@ -70,6 +71,13 @@ class Service(Protocol):
     async def start(self) -> None: ...
 
     async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Reconnects(Protocol):
+    """A service that wants to know when its connection is back (not async)."""
+
+    def reconnected(self) -> None: ...
 
 
 MakeService = Callable[[Client, Settings], Awaitable[Service]]
@@ -110,9 +118,8 @@ async def serve(program: Program, settings: Settings, stop: asyncio.Event | None
 
     async def reconnected_cb() -> None:
         logger.info(Event.NATS_RECONNECTED)
-        hook = getattr(holder[0], "reconnected", None) if holder else None
-        if hook is not None:
-            hook()
+        if holder and isinstance(holder[0], Reconnects):
+            holder[0].reconnected()
 
     nc = await bus.connect(
         settings,

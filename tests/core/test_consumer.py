@@ -114,6 +114,30 @@ async def test_a_deleted_consumer_is_recreated_and_replays(nc: Client) -> None:
         await consumer.stop()
 
 
+async def test_a_deleted_stream_comes_back_through_ensure_stream(nc: Client) -> None:
+    """A server back with a fresh store has neither the stream nor the consumer."""
+    js = nc.jetstream()
+    applied = Applied()
+    ensured: list[int] = []
+
+    async def recreate_stream() -> None:
+        ensured.append(1)
+        await ensure_stream(js)
+
+    consumer = PullConsumer(js, CONFIG, applied, ensure_stream=recreate_stream, check_every_s=0.3)
+    await consumer.start()
+    try:
+        await publish(js, b"1")
+        await eventually(lambda: applied.payloads == [b"1"], "the first applied")
+        await js.delete_stream(STREAM)
+        await eventually(lambda: ensured, "the stream re-created", timeout_s=10)
+        await publish(js, b"2")
+        await eventually(lambda: b"2" in applied.payloads, "the one after the re-creation")
+        assert applied.payloads == [b"1", b"2"]
+    finally:
+        await consumer.stop()
+
+
 async def test_a_handler_that_raises_gets_its_messages_again(nc: Client) -> None:
     js = nc.jetstream()
     applied = Applied(fail_next=2)

@@ -19,7 +19,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DiscardPolicy, StreamConfig
+from nats.js.api import DiscardPolicy, ObjectStoreConfig, StreamConfig
 from nats.js.object_store import ObjectStore
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -243,6 +243,22 @@ async def test_download_object_writes_every_chunk(nats_server: NatsServer) -> No
     assert out.getvalue() == content
     with pytest.raises(nats.js.errors.ObjectNotFoundError):
         await _natspy.download_object(js, "pin", "none", io.BytesIO())
+    await nc.close()
+
+
+# --- creating an object store from its config ----------------------------------------
+
+
+async def test_upstream_create_object_store_ignores_the_config_bucket(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    with pytest.raises(TypeError):
+        await js.create_object_store(config=ObjectStoreConfig(bucket="pin"))
+    await _natspy.create_object_store(js, ObjectStoreConfig(bucket="pin", description="d"))
+    obs = await js.object_store("pin")
+    assert (await obs.status()).description == "d"
     await nc.close()
 
 

@@ -14,6 +14,7 @@ import structlog
 from nats.aio.client import Client
 
 from lorafleet import log, runtime
+from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually
 
@@ -123,3 +124,33 @@ async def test_serve_ensures_the_layout(settings: Settings, layout: str) -> None
     stop.set()  # start, then stop at once
     program = runtime.Program("toy", make, layout=layout)  # type: ignore[arg-type]
     await asyncio.wait_for(runtime.serve(program, settings, stop), 20)
+
+
+class Rejoining(Toy):
+    def __init__(self, nc: Client) -> None:
+        super().__init__(nc)
+        self.rejoined = 0
+
+    def reconnected(self) -> None:
+        self.rejoined += 1
+
+
+async def test_serve_tells_the_service_of_a_reconnect(
+    settings: Settings, nats_server: NatsServer
+) -> None:
+    made: list[Rejoining] = []
+
+    async def make(nc: Client, _settings: Settings) -> Rejoining:
+        made.append(Rejoining(nc))
+        return made[0]
+
+    stop = asyncio.Event()
+    task = asyncio.create_task(runtime.serve(runtime.Program("toy", make), settings, stop))
+    try:
+        await eventually(lambda: made and made[0].calls == ["start"], "the service started")
+        await nats_server.restart()
+        await eventually(lambda: made[0].rejoined, "reconnected() called", timeout_s=15)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+    assert made[0].calls == ["start", "stop"] and made[0].rejoined == 1

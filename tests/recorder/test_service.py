@@ -41,6 +41,7 @@ async def running(settings: Settings, pg_url: str) -> AsyncIterator[Running]:
     s = settings.with_(database_url=pg_url)
     engine = db.create_engine(pg_url)
     rnc = await bus.connect(s, "recorder-under-test")
+    await bus.ensure_layout(rnc.jetstream(), bus.layout_for(s))  # as runtime.serve does
     recorder = Recorder(s, rnc, engine)
     await recorder.start()
     nc = await nats.connect(s.nats_url)

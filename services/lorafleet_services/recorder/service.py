@@ -114,8 +114,7 @@ class Recorder:
         await bus.ensure_layout(self.js, bus.layout_for(self.settings))
 
     async def start(self) -> None:
-        """Ensure the JetStream layout, then serve requests and consume status."""
-        await self._ensure_layout()
+        """Consume status and serve requests (the JetStream layout exists: runtime.serve)."""
         await self._consumer.start()
         self._service = await start_service(
             self.nc,
@@ -166,9 +165,8 @@ async def make(nc: Client, settings: Settings) -> Recorder:
     return Recorder(settings, nc, db.create_engine(settings.effective_database_url))
 
 
-PROGRAM = runtime.Program(
-    "recorder", make, before_connect=migrate, client_name="lorafleet-recorder"
-)
+#: How `runtime.serve` runs the recorder (its NATS client is "lorafleet-recorder").
+PROGRAM = runtime.Program("recorder", make, before_connect=migrate)
 
 
 async def run(settings: Settings, stop: asyncio.Event) -> None:
