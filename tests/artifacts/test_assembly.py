@@ -10,20 +10,16 @@ import msgspec
 import pytest
 
 from lorafleet.artifacts import (
-    CHUNK_HEADER,
     ObjectInfo,
     decode_info,
     object_digest,
     record_from_info,
 )
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
     ArtifactKind,
-    Engine,
-    JobRecord,
     JobState,
-    TrainerParams,
 )
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -34,10 +30,10 @@ from lorafleet_services.artifact_store.assembly import (
     is_committed_by,
     object_chunk_token,
     object_info,
-    orphans,
     parse_chunk,
     refusal,
 )
+from tests.artifacts.fakes import job
 
 KEY = Key("node-a", "job1", ArtifactKind.PEFT, 1)
 
@@ -136,7 +132,7 @@ def test_chunk_beyond_count_is_refused() -> None:
 def test_parse_chunk_checks_subject_against_header() -> None:
     names = Names()
     h = ArtifactChunkHeader(job_id="job1", node="node-a", kind=ArtifactKind.GGUF, attempt=2, seq=0)
-    raw = {CHUNK_HEADER: msgspec.json.encode(h).decode()}
+    raw = {Header.CHUNK: msgspec.json.encode(h).decode()}
     chunk = parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", raw)
     assert chunk.key == Key("node-a", "job1", ArtifactKind.GGUF, 2)
     with pytest.raises(
@@ -146,43 +142,14 @@ def test_parse_chunk_checks_subject_against_header() -> None:
     with pytest.raises(ChunkError, match="no Lorafleet-Chunk header"):
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {})
     with pytest.raises(ChunkError, match="not valid"):
-        parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {CHUNK_HEADER: "{"})
+        parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {Header.CHUNK: "{"})
     last = msgspec.structs.replace(h, last=True)
     with pytest.raises(ChunkError, match="lacks its count"):
         parse_chunk(
             names,
             "lorafleet.artifacts.node-a.job1.gguf",
-            {CHUNK_HEADER: msgspec.json.encode(last).decode()},
+            {Header.CHUNK: msgspec.json.encode(last).decode()},
         )
-
-
-def job(**changes: object) -> JobRecord:
-    now = dt.datetime.now(dt.UTC)
-    base = JobRecord(
-        id="job1",
-        name="",
-        model="tiny",
-        engine=Engine.LLAMACPP,
-        node="node-a",
-        gpu_memory_mib=1,
-        dataset="d",
-        dataset_sha256="0" * 64,
-        records=1,
-        params=TrainerParams(),
-        state=JobState.UPLOADING,
-        message="",
-        step=0,
-        steps=0,
-        loss=None,
-        eval_loss=None,
-        peak_mib=0,
-        attempt=1,
-        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF],
-        artifacts_stored=[],
-        created_at=now,
-        updated_at=now,
-    )
-    return msgspec.structs.replace(base, **changes)
 
 
 def test_refusal_rules() -> None:
@@ -231,12 +198,9 @@ def test_object_info_reads_back_as_a_record() -> None:
     assert record_from_info(msgspec.structs.replace(decoded, deleted=True)) is None
 
 
-def test_object_tokens_and_leftovers() -> None:
+def test_object_tokens() -> None:
     mine = object_chunk_token(KEY, "abc")
     assert is_committed_by(mine, KEY)
     assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.PEFT, 2), "x"), KEY)
     assert not is_committed_by(object_chunk_token(Key("n", "job1", ArtifactKind.GGUF, 1), "x"), KEY)
     assert not is_committed_by("job10.peft.1.abc", KEY)
-    ages = {"c.committed": 900.0, "c.writing": 900.0, "c.dead": 900.0, "c.young": 5.0}
-    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=600) == ["c.dead"]
-    assert orphans(ages, {"c.committed"}, {"c.writing"}, min_age_s=0) == ["c.dead", "c.young"]

@@ -3,122 +3,81 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import hashlib
 import json
 import random
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
+from typing import Any
 
-import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import (
-    CHUNK_HEADER,
-    MSG_ID_HEADER,
-    download_artifact,
-    get_record,
-    msg_id,
-    object_stream,
-)
 from lorafleet.bus import connect, drain_quietly
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
-from lorafleet_services.agent.delivery import deliver
-from lorafleet_services.artifact_store import service
+from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState
 from lorafleet_services.artifact_store.service import ArtifactStore
-from tests.artifacts.conftest import api, dispatched_job, get_job
+from tests.artifacts.conftest import (
+    api,
+    artifacts_stream_empty,
+    chunks_of,
+    deliver_file,
+    dispatched_job,
+    download,
+    get_job,
+    last_info_seq,
+    object_chunks,
+    publish,
+    stored,
+    under_new_ids,
+)
+from tests.eventually import eventually
 from tests.procs import ServiceProcess
 
 N = Names()
+#: Seconds each wait of these tests lasts at most.
+WAIT_S = 20.0
+#: Seconds without a chunk before a store of the idle tests checks a delivery again.
+QUICK_IDLE_S = 0.5
 
 
-@pytest.fixture
-async def store(settings: Settings, recorder: ServiceProcess) -> AsyncIterator[ArtifactStore]:
-    client = await connect(settings, "artifact-store")
-    s = ArtifactStore(client, settings)
+async def until_state(nc: Client, job_id: str, state: JobState, what: str) -> JobRecord:
+    """The job, once the recorder holds it in `state` (at most WAIT_S)."""
+    return await eventually(
+        lambda: get_job(nc, N, job_id), what, until=lambda j: j.state is state, timeout_s=WAIT_S
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_store(
+    settings: Settings, name: str = "artifact-store", **kwargs: Any
+) -> AsyncIterator[ArtifactStore]:
+    """An ArtifactStore in this process on its own connection, started; stopped after."""
+    client = await connect(settings, name)
+    s = ArtifactStore(client, settings, **kwargs)
     await s.start()
     try:
         yield s
     finally:
-        await s.close()
+        await s.stop()
         await drain_quietly(client)
 
 
-async def until(check: Callable[[], Awaitable[bool]], what: str, timeout_s: float = 20.0) -> None:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not await check():
-        if loop.time() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.05)
+@pytest.fixture
+async def store(settings: Settings, recorder: ServiceProcess) -> AsyncIterator[ArtifactStore]:
+    async with running_store(settings) as s:
+        yield s
 
 
-def chunks_of(
-    job: JobRecord,
-    kind: ArtifactKind,
-    data: bytes,
-    step: int,
-    *,
-    node: str | None = None,
-    sha256: str | None = None,
-) -> list[tuple[dict[str, str], bytes]]:
-    """The messages an agent would publish for `data`, as (headers, body)."""
-    node = node or job.node or ""
-    bodies = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
-    out = []
-    for seq, body in enumerate(bodies):
-        h = ArtifactChunkHeader(job_id=job.id, node=node, kind=kind, attempt=job.attempt, seq=seq)
-        if seq == len(bodies) - 1:
-            h = msgspec.structs.replace(
-                h,
-                last=True,
-                count=len(bodies),
-                size=len(data),
-                sha256=sha256 or hashlib.sha256(data).hexdigest(),
-            )
-        headers = {
-            MSG_ID_HEADER: msg_id(job.id, kind.value, job.attempt, seq),
-            CHUNK_HEADER: msgspec.json.encode(h).decode(),
-        }
-        out.append((headers, body))
-    return out
-
-
-async def publish(
-    nc: Client,
-    job: JobRecord,
-    kind: ArtifactKind,
-    msgs: list[tuple[dict[str, str], bytes]],
-    node: str | None = None,
-) -> None:
-    js = nc.jetstream()
-    subject = N.artifact_chunks(node or job.node or "", job.id, kind.value)
-    for headers, body in msgs:
-        await js.publish(subject, body, headers=dict(headers))
-
-
-async def stored(nc: Client, job_id: str, kind: ArtifactKind) -> bool:
-    return await get_record(nc.jetstream(), N, job_id, kind.value) is not None
-
-
-async def artifacts_stream_empty(nc: Client) -> bool:
-    info = await nc.jetstream().stream_info(N.artifacts_stream)
-    return info.state.messages == 0
-
-
-async def object_chunks(nc: Client) -> int:
-    info = await nc.jetstream().stream_info(object_stream(N))
-    return info.state.messages
-
-
-async def download(nc: Client, job_id: str, kind: ArtifactKind, tmp_path: Path) -> bytes:
-    out = tmp_path / f"dl-{job_id}-{kind.value}"
-    rec = await download_artifact(nc.jetstream(), N, job_id, kind, out)
-    data = out.read_bytes()
-    assert rec.sha256 == hashlib.sha256(data).hexdigest()
-    return data
+@pytest.fixture
+async def quick_idle_store(
+    settings: Settings, recorder: ServiceProcess
+) -> AsyncIterator[ArtifactStore]:
+    """A store that checks an open delivery after 0.5 s without a chunk (not 60)."""
+    async with running_store(settings, idle_check_s=QUICK_IDLE_S) as s:
+        yield s
 
 
 async def test_end_to_end_both_artifacts_make_the_job_done(
@@ -131,18 +90,10 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     peft.write_bytes(rng.randbytes(5 * 1024 * 1024 + 4321))
     gguf = tmp_path / "adapter.gguf"
     gguf.write_bytes(rng.randbytes(3 * 1024 * 1024 + 7))
-    js = nc.jetstream()
-    size, sha = await deliver(
-        js,
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.PEFT,
-        path=peft,
-        chunk_bytes=256 * 1024,
+    size, sha = await deliver_file(nc, job, ArtifactKind.PEFT, peft, chunk_bytes=256 * 1024)
+    await eventually(
+        lambda: stored(nc, job.id, ArtifactKind.PEFT), "the peft artifact", timeout_s=WAIT_S
     )
-    await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the peft artifact")
     # One of two expected artifacts: not done.
     assert (await get_job(nc, N, job.id)).state is JobState.UPLOADING
     assert (await get_job(nc, N, job.id)).artifacts_stored == [ArtifactKind.PEFT]
@@ -152,21 +103,9 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     assert (got["node"], got["base_model"], got["job_id"]) == ("n1", "tiny-llamacpp", job.id)
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == peft.read_bytes()
 
-    await deliver(
-        js,
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.GGUF,
-        path=gguf,
-        chunk_bytes=256 * 1024,
-    )
+    await deliver_file(nc, job, ArtifactKind.GGUF, gguf, chunk_bytes=256 * 1024)
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await until(done, "the job to be done")
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     listed = await api(nc, N.artifacts_list, {"job_id": job.id})
     assert [(a["kind"], a["size"]) for a in listed["artifacts"]] == [
         ("peft", peft.stat().st_size),
@@ -174,7 +113,9 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     ]
     assert await download(nc, job.id, ArtifactKind.GGUF, tmp_path) == gguf.read_bytes()
     # The delivered chunks are gone from the stream once committed.
-    await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+    await eventually(
+        lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
+    )
     missing = await nc.request(
         N.artifacts_get, json.dumps({"job_id": "nope", "kind": "gguf"}).encode()
     )
@@ -192,13 +133,10 @@ async def test_duplicated_and_reordered_chunks_store_the_exact_bytes(
     shuffled = body + rng.sample(body, 10)
     rng.shuffle(shuffled)
     # Different message ids, so the stream keeps the duplicates (as after a redelivery).
-    dupes = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in body[:5]]
+    dupes = under_new_ids(body[:5])
     await publish(nc, job, ArtifactKind.PEFT, shuffled + dupes + [msgs[-1]] + body[:3])
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await until(done, "the job to be done")
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
 
 
@@ -215,15 +153,12 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
         del msgs[7]
     else:
         msgs = chunks_of(job, ArtifactKind.PEFT, data, 1000)
-        h = json.loads(msgs[0][0][CHUNK_HEADER])
-        extra = {CHUNK_HEADER: json.dumps({**h, "seq": 23}), MSG_ID_HEADER: "extra"}
+        h = json.loads(msgs[0][0][Header.CHUNK])
+        extra = {Header.CHUNK: json.dumps({**h, "seq": 23}), Header.MSG_ID: "extra"}
         msgs.insert(5, (extra, b"x" * 1000))
     await publish(nc, job, ArtifactKind.PEFT, msgs)
 
-    async def failed() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.FAILED
-
-    await until(failed, "the job to fail")
+    await until_state(nc, job.id, JobState.FAILED, "the job to fail")
     message = (await get_job(nc, N, job.id)).message
     assert "peft artifact of job" in message
     if fault == "sha256":
@@ -234,7 +169,9 @@ async def test_a_corrupt_or_short_delivery_fails_the_job_and_stores_nothing(
         assert "chunk 23 is beyond the count 20" in message
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
     assert await object_chunks(nc) == 0
-    await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
+    await eventually(
+        lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
+    )
 
 
 async def test_a_node_delivering_for_another_nodes_job_is_refused(
@@ -243,33 +180,20 @@ async def test_a_node_delivering_for_another_nodes_job_is_refused(
     job = await dispatched_job(nc, N, node="n1", engine="vllm")
     path = tmp_path / "x"
     path.write_bytes(random.Random(15).randbytes(100_000))
-    await deliver(
-        nc.jetstream(),
-        N,
-        node="intruder",
-        job_id=job.id,
-        attempt=job.attempt,
-        kind=ArtifactKind.PEFT,
-        path=path,
-        chunk_bytes=10_000,
+    await deliver_file(nc, job, ArtifactKind.PEFT, path, node="intruder", chunk_bytes=10_000)
+    await eventually(
+        lambda: artifacts_stream_empty(nc), "the refused chunks to be purged", timeout_s=WAIT_S
     )
-    await until(lambda: artifacts_stream_empty(nc), "the refused chunks to be purged")
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
     assert await object_chunks(nc) == 0
     after = await get_job(nc, N, job.id)
     assert after.state is JobState.UPLOADING and after.artifacts_stored == []
     # A stale attempt of the right node is refused too.
-    await deliver(
-        nc.jetstream(),
-        N,
-        node="n1",
-        job_id=job.id,
-        attempt=job.attempt + 5,
-        kind=ArtifactKind.PEFT,
-        path=path,
-        chunk_bytes=10_000,
+    stale = job.attempt + 5
+    await deliver_file(nc, job, ArtifactKind.PEFT, path, attempt=stale, chunk_bytes=10_000)
+    await eventually(
+        lambda: artifacts_stream_empty(nc), "the stale chunks to be purged", timeout_s=WAIT_S
     )
-    await until(lambda: artifacts_stream_empty(nc), "the stale chunks to be purged")
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
 
 
@@ -291,14 +215,18 @@ async def test_store_killed_mid_delivery_stores_the_exact_artifact(
 
         # The store has taken (acknowledged, and written into the object's chunks)
         # the first half when it dies.
-        await until(half_taken, "the store to take the first half")
+        await eventually(half_taken, "the store to take the first half", timeout_s=WAIT_S)
         proc.kill()
         await proc.stop()
         await publish(nc, job, ArtifactKind.PEFT, msgs[half:])
         # Leftovers of the dead store are swept at start (at once, here).
-        env = {service.ORPHAN_AGE_ENV: "0"}
-        proc = await ServiceProcess("lorafleet_services.artifact_store", settings, env=env).start()
-        await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact after restart")
+        sweeping = settings.with_(artifact_orphan_age_s=0.0)
+        proc = await ServiceProcess("lorafleet_services.artifact_store", sweeping).start()
+        await eventually(
+            lambda: stored(nc, job.id, ArtifactKind.PEFT),
+            "the artifact after restart",
+            timeout_s=WAIT_S,
+        )
         event = await proc.wait_for_event("artifact.stored")
         assert event["sha256"] == hashlib.sha256(data).hexdigest()
         assert event["size"] == len(data)
@@ -319,20 +247,18 @@ async def test_concurrent_deliveries_are_kept_apart(
         p = tmp_path / f"a{i}"
         p.write_bytes(random.Random(20 + i).randbytes(1_500_000 + i))
         paths.append(p)
-    js = nc.jetstream()
     await asyncio.gather(
         *(
-            deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
-                    kind=ArtifactKind.PEFT, path=p, chunk_bytes=32 * 1024)
+            deliver_file(nc, job, ArtifactKind.PEFT, p, chunk_bytes=32 * 1024)
             for job, p in zip(jobs, paths, strict=True)
         )
-    )  # fmt: skip
+    )
     for job, p in zip(jobs, paths, strict=True):
 
         async def done(job_id: str = job.id) -> bool:
             return await stored(nc, job_id, ArtifactKind.PEFT)
 
-        await until(done, f"job {job.id}")
+        await eventually(done, f"job {job.id}", timeout_s=WAIT_S)
         assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == p.read_bytes()
 
 
@@ -345,32 +271,24 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
     job = await dispatched_job(nc, N, engine="llamacpp")
     data = random.Random(30).randbytes(300_000)
     msgs = chunks_of(job, ArtifactKind.PEFT, data, 50_000)
-    js = nc.jetstream()
-    client = await connect(settings, "artifact-store")
-    first = ArtifactStore(client, settings)
-    await first.start()
-    try:
+    async with running_store(settings):
         await publish(nc, job, ArtifactKind.PEFT, msgs)
-        await until(lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact")
-        await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
-    finally:
-        await first.close()
-        await drain_quietly(client)
-    info_before = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
+        await eventually(
+            lambda: stored(nc, job.id, ArtifactKind.PEFT), "the artifact", timeout_s=WAIT_S
+        )
+        await eventually(
+            lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
+        )
+    info_before = await last_info_seq(nc)
     chunks_before = await object_chunks(nc)
     # The chunks as they were before the purge (new ids: the stream would drop repeats).
-    again = [({**h, MSG_ID_HEADER: h[MSG_ID_HEADER] + ".again"}, b) for h, b in msgs]
+    again = under_new_ids(msgs)
     await publish(nc, job, ArtifactKind.PEFT, again)
-    client = await connect(settings, "artifact-store")
-    second = ArtifactStore(client, settings)
-    await second.start()
-    try:
-        await until(lambda: artifacts_stream_empty(nc), "the leftover chunks to be purged")
-    finally:
-        await second.close()
-        await drain_quietly(client)
-    info_after = await js.get_last_msg(object_stream(N), f"$O.{N.artifacts_bucket}.M.>")
-    assert info_after.seq == info_before.seq  # not committed a second time
+    async with running_store(settings):
+        await eventually(
+            lambda: artifacts_stream_empty(nc), "the leftover chunks to be purged", timeout_s=WAIT_S
+        )
+    assert await last_info_seq(nc) == info_before  # not committed a second time
     assert await object_chunks(nc) == chunks_before
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
     after = await get_job(nc, N, job.id)
@@ -378,9 +296,8 @@ async def test_restart_after_commit_before_purge_keeps_the_object(
 
 
 async def test_an_abandoned_delivery_is_cleaned_up_once_its_job_is_over(
-    nc: Client, store: ArtifactStore, monkeypatch: pytest.MonkeyPatch
+    nc: Client, quick_idle_store: ArtifactStore
 ) -> None:
-    monkeypatch.setattr(service, "IDLE_CHECK_S", 0.5)
     job = await dispatched_job(nc, N, engine="vllm")
     msgs = chunks_of(job, ArtifactKind.PEFT, random.Random(40).randbytes(100_000), 10_000)
     await publish(nc, job, ArtifactKind.PEFT, msgs[:4])  # the agent died here
@@ -388,10 +305,12 @@ async def test_an_abandoned_delivery_is_cleaned_up_once_its_job_is_over(
     async def written() -> bool:
         return await object_chunks(nc) == 4
 
-    await until(written, "the first chunks to be written")
+    await eventually(written, "the first chunks to be written", timeout_s=WAIT_S)
     body = {"id": job.id, "from_state": "uploading", "to_state": "failed", "message": "node lost"}
     await api(nc, N.store_transition, body)
-    await until(lambda: artifacts_stream_empty(nc), "the abandoned chunks to be purged")
+    await eventually(
+        lambda: artifacts_stream_empty(nc), "the abandoned chunks to be purged", timeout_s=WAIT_S
+    )
     assert await object_chunks(nc) == 0
     assert not await stored(nc, job.id, ArtifactKind.PEFT)
 
@@ -401,31 +320,21 @@ async def test_two_replicas_share_the_work_and_store_each_artifact_exactly(
     settings: Settings,
     recorder: ServiceProcess,
     tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr(service, "IDLE_CHECK_S", 0.5)
-    replicas = []
-    clients = []
-    for i in range(2):
-        client = await connect(settings, f"artifact-store-{i}")
-        clients.append(client)
-        replicas.append(ArtifactStore(client, settings))
-        await replicas[-1].start()
-    try:
+    async with contextlib.AsyncExitStack() as replicas:
+        for i in range(2):
+            name = f"artifact-store-{i}"
+            await replicas.enter_async_context(
+                running_store(settings, name, idle_check_s=QUICK_IDLE_S)
+            )
         jobs = [await dispatched_job(nc, N, node=f"n{i}", engine="vllm") for i in range(3)]
         datas = [random.Random(50 + i).randbytes(2_000_000 + i) for i in range(3)]
-        js = nc.jetstream()
         for job, data in zip(jobs, datas, strict=True):
             p = tmp_path / f"r-{job.id}"
             p.write_bytes(data)
-            await deliver(js, N, node=job.node or "", job_id=job.id, attempt=job.attempt,
-                          kind=ArtifactKind.PEFT, path=p, chunk_bytes=64 * 1024)  # fmt: skip
+            await deliver_file(nc, job, ArtifactKind.PEFT, p, chunk_bytes=64 * 1024)
         for job, data in zip(jobs, datas, strict=True):
-
-            async def done(job_id: str = job.id) -> bool:
-                return (await get_job(nc, N, job_id)).state is JobState.DONE
-
-            await until(done, f"job {job.id} done")
+            await until_state(nc, job.id, JobState.DONE, f"job {job.id} done")
             assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == data
         expected = sum(-(-len(d) // (64 * 1024)) for d in datas) + len(datas)
 
@@ -433,13 +342,12 @@ async def test_two_replicas_share_the_work_and_store_each_artifact_exactly(
             return await object_chunks(nc) == expected
 
         # A replica that saw part of a delivery the other committed gives its copy up.
-        await until(only_committed_chunks, "the replicas' partial copies to be given up")
-        await until(lambda: artifacts_stream_empty(nc), "the chunks to be purged")
-    finally:
-        for r in replicas:
-            await r.close()
-        for c in clients:
-            await drain_quietly(c)
+        await eventually(
+            only_committed_chunks, "the replicas' partial copies to be given up", timeout_s=WAIT_S
+        )
+        await eventually(
+            lambda: artifacts_stream_empty(nc), "the chunks to be purged", timeout_s=WAIT_S
+        )
 
 
 async def test_a_zero_byte_artifact_is_stored_and_downloads(
@@ -448,13 +356,9 @@ async def test_a_zero_byte_artifact_is_stored_and_downloads(
     job = await dispatched_job(nc, N, engine="vllm")
     empty = tmp_path / "empty"
     empty.write_bytes(b"")
-    await deliver(nc.jetstream(), N, node="n1", job_id=job.id, attempt=job.attempt,
-                  kind=ArtifactKind.PEFT, path=empty)  # fmt: skip
+    await deliver_file(nc, job, ArtifactKind.PEFT, empty)
 
-    async def done() -> bool:
-        return (await get_job(nc, N, job.id)).state is JobState.DONE
-
-    await until(done, "the job to be done")
+    await until_state(nc, job.id, JobState.DONE, "the job to be done")
     got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
     assert (got["size"], got["sha256"]) == (0, hashlib.sha256(b"").hexdigest())
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == b""

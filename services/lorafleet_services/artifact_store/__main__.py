@@ -1,7 +1,7 @@
-"""`python -m lorafleet_services.artifact_store`: run the artifact-store."""
+"""`python -m lorafleet_services.artifact_store`: run the artifact-store until SIGTERM."""
 
 from lorafleet import runtime
-from lorafleet_services.artifact_store.service import run
+from lorafleet_services.artifact_store.service import PROGRAM
 
 if __name__ == "__main__":
-    runtime.main("artifact-store", run)
+    runtime.main(PROGRAM)

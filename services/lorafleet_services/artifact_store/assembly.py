@@ -6,6 +6,9 @@ each with an `ArtifactChunkHeader` (JSON in the `Lorafleet-Chunk` header).
 the bytes that have become contiguous (so the caller can stream them into
 the object store while the delivery goes on), and, once the last chunk is
 known and nothing is missing, says whether count, size and sha256 agree.
+Beside it, the delivery rules: who may deliver (`refusal`), whether the
+object is stored already (`is_stored`), whether the recorder is owed a
+report (`report_owed`), which deliveries ended (`Remembered`).
 
 Everything here decides; nothing here talks to NATS.
 """
@@ -15,15 +18,17 @@ from __future__ import annotations
 import datetime as dt
 import hashlib
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeGuard
 
 import msgspec
 
-from lorafleet.artifacts import CHUNK_HEADER, object_digest
-from lorafleet.names import Names, artifact_object_name
+from lorafleet.artifacts import ObjectInfo, object_digest
+from lorafleet.names import Header, Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
 
+#: Deliveries remembered as ended, so late duplicates are dropped.
+FINISHED_MEMORY = 4096
 #: Chunks held while waiting for an earlier one; bytes. A delivery that
 #: needs more is corrupt (the agent keeps a small window), not worth the memory.
 MAX_PENDING_BYTES = 256 * 1024 * 1024
@@ -82,13 +87,13 @@ _header_decoder = msgspec.json.Decoder(ArtifactChunkHeader)
 def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> Chunk:
     """The chunk a message is, checked against its subject; ChunkError if it is none."""
     node, job_id, kind = subject_parts(names, subject)
-    raw = (headers or {}).get(CHUNK_HEADER)
+    raw = (headers or {}).get(Header.CHUNK)
     if raw is None:
-        raise ChunkError(f"a message on {subject} has no {CHUNK_HEADER} header")
+        raise ChunkError(f"a message on {subject} has no {Header.CHUNK} header")
     try:
         header = _header_decoder.decode(raw)
     except msgspec.DecodeError as e:
-        raise ChunkError(f"the {CHUNK_HEADER} header on {subject} is not valid: {e}") from None
+        raise ChunkError(f"the {Header.CHUNK} header on {subject} is not valid: {e}") from None
     if (header.node, header.job_id, header.kind.value) != (node, job_id, kind):
         raise ChunkError(
             f"the chunk header names {header.node}/{header.job_id}/{header.kind.value} "
@@ -219,6 +224,25 @@ class Assembly:
         return Whole(size=self.size, sha256=digest, count=last.count)
 
 
+class Remembered:
+    """Keys of deliveries that ended, the newest `size` of them (insertion order)."""
+
+    def __init__(self, size: int = FINISHED_MEMORY) -> None:
+        self.size = size
+        self._keys: dict[Key, None] = {}
+
+    def add(self, key: Key) -> None:
+        self._keys[key] = None
+        while len(self._keys) > self.size:
+            self._keys.pop(next(iter(self._keys)))
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._keys
+
+    def __len__(self) -> int:
+        return len(self._keys)
+
+
 def refusal(job: JobRecord | None, key: Key) -> str | None:
     """Why `key.node` may not deliver this artifact now, or None when it may.
 
@@ -268,20 +292,15 @@ def is_committed_by(nuid: str, key: Key) -> bool:
     return nuid.startswith(delivery_prefix(key))
 
 
-def orphans(
-    ages_s: dict[str, float], committed: set[str], writing: set[str], *, min_age_s: float
-) -> list[str]:
-    """Object chunk subjects no object refers to, no assembly here writes, idle `min_age_s`.
+def is_stored(info: ObjectInfo | None, key: Key) -> TypeGuard[ObjectInfo]:
+    """Whether the object store holds this delivery's object, committed and not deleted
+    (by this store before a crash, or by a replica)."""
+    return info is not None and not info.deleted and is_committed_by(info.nuid, key)
 
-    `ages_s` maps each chunk subject to the age of its newest message
-    (seconds). A store that died mid-write leaves such subjects; a live
-    replica's are still being written to (hence the age).
-    """
-    return sorted(
-        subj
-        for subj, age_s in ages_s.items()
-        if subj not in committed and subj not in writing and age_s >= min_age_s
-    )
+
+def report_owed(job: JobRecord | None, key: Key) -> bool:
+    """Whether the recorder has yet to hear that this artifact is stored."""
+    return job is not None and key.kind not in job.artifacts_stored
 
 
 def object_info(

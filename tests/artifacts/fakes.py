@@ -1,0 +1,91 @@
+"""In-process stand-ins for the artifact-store's tests: a job record, a
+recorder that keeps jobs in a dict, and a clock the test moves."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import msgspec
+
+from lorafleet.recorder_client import Ended
+from lorafleet.states import FINAL
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    ArtifactStoredRequest,
+    Engine,
+    JobRecord,
+    JobState,
+    TrainerParams,
+)
+
+
+def job(**changes: object) -> JobRecord:
+    """Job `job1` on `node-a`, attempt 1, uploading, expecting peft and gguf."""
+    now = dt.datetime.now(dt.UTC)
+    base = JobRecord(
+        id="job1",
+        name="",
+        model="tiny",
+        engine=Engine.LLAMACPP,
+        node="node-a",
+        gpu_memory_mib=1,
+        dataset="d",
+        dataset_sha256="0" * 64,
+        records=1,
+        params=TrainerParams(),
+        state=JobState.UPLOADING,
+        message="",
+        step=0,
+        steps=0,
+        loss=None,
+        eval_loss=None,
+        peak_mib=0,
+        attempt=1,
+        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF],
+        artifacts_stored=[],
+        created_at=now,
+        updated_at=now,
+    )
+    return msgspec.structs.replace(base, **changes)
+
+
+class FakeRecorder:
+    """The recorder's answers from a dict of jobs; `fail_next_report` makes the
+    next `artifact_stored` raise (a recorder that is down)."""
+
+    def __init__(self, *jobs: JobRecord) -> None:
+        self.jobs = {j.id: j for j in jobs}
+        self.reports: list[ArtifactStoredRequest] = []
+        self.fail_next_report = False
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        return self.jobs.get(job_id)
+
+    async def artifact_stored(self, req: ArtifactStoredRequest) -> JobRecord:
+        if self.fail_next_report:
+            self.fail_next_report = False
+            raise TimeoutError("the recorder did not answer")
+        self.reports.append(req)
+        j = self.jobs[req.id]
+        j = msgspec.structs.replace(j, artifacts_stored=[*j.artifacts_stored, req.kind])
+        self.jobs[req.id] = j
+        return j
+
+    async def fail_job(self, job: JobRecord | str, message: str) -> Ended:
+        job_id = job if isinstance(job, str) else job.id
+        current = self.jobs.get(job_id)
+        if current is None or current.state in FINAL:
+            return Ended(applied=False, job=current)
+        failed = msgspec.structs.replace(current, state=JobState.FAILED, message=message)
+        self.jobs[job_id] = failed
+        return Ended(applied=True, job=failed, from_state=current.state)
+
+
+class FakeClock:
+    """Seconds, moved by the test (`clock.now_s += 61`)."""
+
+    def __init__(self) -> None:
+        self.now_s = 1000.0
+
+    def __call__(self) -> float:
+        return self.now_s
