@@ -37,8 +37,10 @@ from lorafleet_services.recorder.api import RecorderApi
 
 #: Reports fetched and applied in one transaction, at most.
 FETCH_BATCH = 256
-#: Seconds one fetch waits for the first report.
-FETCH_WAIT_S = 1.0
+#: Seconds one fetch waits for the first report when none is there (with
+#: reports in the stream a fetch returns at once). `stop()` lets the fetch in
+#: flight end, so this is also what a clean stop waits at most.
+FETCH_WAIT_S = 0.25
 #: Reports delivered and not yet acked, at most (a few batches' worth).
 MAX_ACK_PENDING = 20_000
 
