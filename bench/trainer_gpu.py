@@ -17,7 +17,7 @@ directory:
 
 Then, each in a fresh process (so that peak memory is its own):
 
-- lorafleet: the trainer script itself, `python trainer_script.py job.json`;
+- lorafleet: the trainer script itself, `python script.py job.json` (lorafleet_services/trainer);
 - hf_trainer: transformers.Trainer on a peft model, the same tokens and
   labels (encoded by the trainer script's own functions), the same LoRA
   (rank 16, alpha 32, dropout 0.05, all-linear), AdamW (torch), constant

@@ -4,13 +4,18 @@
   a free port, its own store under tmp_path; `await nats_server.restart()`
   brings it back on the same port and store (fault tests).
 - `settings`: Settings pointing at that server, with the default prefix.
-- `pg_url`: a throwaway PostgreSQL database on 127.0.0.1:5432, migrated
-  with Alembic, dropped afterwards.
+- `pg_url`: a throwaway PostgreSQL database on 127.0.0.1:5432, a copy of
+  the session's template (`pg_template`, migrated with Alembic once),
+  dropped afterwards.
+- `sqlite_url`: a SQLite file, a copy of the session's migrated one.
 - `db_url`: parametrised over PostgreSQL and SQLite (the embedded default).
+
+Alembic runs once per session and backend, never per test.
 """
 
 from __future__ import annotations
 
+import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
@@ -18,7 +23,7 @@ import pytest
 
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
-from tests.pg import throwaway_database
+from tests.pg import migrated_template, throwaway_database
 
 
 @pytest.fixture
@@ -36,24 +41,45 @@ def settings(nats_server: NatsServer, tmp_path: Path) -> Settings:
     return Settings(
         nats_url=nats_server.url,
         data_dir=str(tmp_path / "data"),
-        database_url=f"sqlite+aiosqlite:///{tmp_path / 'lorafleet.db'}",
+        database_url=sqlite_file_url(tmp_path / "lorafleet.db"),
     )
 
 
+@pytest.fixture(scope="session")
+def pg_template() -> Iterator[str]:
+    """The name of this session's migrated PostgreSQL template; dropped at its end."""
+    with migrated_template() as name:
+        yield name
+
+
 @pytest.fixture
-def pg_url() -> Iterator[str]:
+def pg_url(pg_template: str) -> Iterator[str]:
     """A fresh, migrated PostgreSQL database; dropped after the test."""
-    with throwaway_database() as url:
+    with throwaway_database(template=pg_template) as url:
         yield url
 
 
-@pytest.fixture
-def sqlite_url(tmp_path: Path) -> str:
+@pytest.fixture(scope="session")
+def sqlite_template(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """This session's migrated SQLite file. Alembic's connection is closed and in
+    rollback-journal mode by then, so the file alone is the whole database."""
     from lorafleet_services.recorder.db import migrate
 
-    url = f"sqlite+aiosqlite:///{tmp_path / 'lorafleet.db'}"
-    migrate(url)
-    return url
+    path = tmp_path_factory.mktemp("sqlite-template") / "lorafleet.db"
+    migrate(sqlite_file_url(path))
+    return path
+
+
+@pytest.fixture
+def sqlite_url(sqlite_template: Path, tmp_path: Path) -> str:
+    """A fresh, migrated SQLite database in the test's directory."""
+    path = tmp_path / "lorafleet.db"
+    shutil.copyfile(sqlite_template, path)
+    return sqlite_file_url(path)
+
+
+def sqlite_file_url(path: Path) -> str:
+    return f"sqlite+aiosqlite:///{path}"
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])

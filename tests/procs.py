@@ -1,7 +1,8 @@
 """Running lorafleet services as real processes in tests (so they can be SIGKILLed).
 
-The class lives in the package (the embedded default runs its children the
-same way); tests import it from here.
+The process class lives in the package (the embedded default runs its
+children the same way); tests import it from here, where it gains the
+waits only tests need (`wait_for_event`, on `eventually()`).
 """
 
 from __future__ import annotations
@@ -11,10 +12,30 @@ from pathlib import Path
 from typing import Any
 
 from lorafleet.settings import Settings
+from lorafleet_services import stack
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.stack import START_TIMEOUT_S, ServiceProcess
+from lorafleet_services.stack import START_TIMEOUT_S
+from tests.eventually import NeverHappenedError, eventually
 
-__all__ = ["START_TIMEOUT_S", "ServiceProcess", "agent_process"]
+__all__ = ["EVENT_TIMEOUT_S", "START_TIMEOUT_S", "ServiceProcess", "agent_process"]
+
+#: Seconds `wait_for_event` waits unless told otherwise.
+EVENT_TIMEOUT_S = 30.0
+
+
+class ServiceProcess(stack.ServiceProcess):
+    """The package's child process, with the waits of the tests."""
+
+    async def wait_for_event(self, name: str, timeout_s: float = EVENT_TIMEOUT_S) -> dict[str, Any]:
+        """The latest log line with event `name`, once the child has logged one."""
+        try:
+            found = await eventually(
+                lambda: self.events(name), f"{self.module} to log {name}", timeout_s=timeout_s
+            )
+        except NeverHappenedError as e:
+            # What the child said last is what explains a missing event.
+            raise NeverHappenedError(f"{e}; its last lines:\n{self.tail()}") from None
+        return found[-1]
 
 
 def agent_process(

@@ -12,7 +12,6 @@ metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
 
 from __future__ import annotations
 
-import asyncio
 import base64
 import contextlib
 import datetime as dt
@@ -21,19 +20,37 @@ import os
 from pathlib import Path
 
 import msgspec
-from nats.aio.client import Client
-from nats.aio.msg import Msg
-from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from lorafleet.names import Names, artifact_object_name
+from lorafleet import names as _names
+from lorafleet._natspy import (
+    AsyncPublisher,
+    NoStreamError,
+    PublishRefusedError,
+    download_object,
+)
+from lorafleet.names import OBJECT_DIGEST_PREFIX, Header, Names, artifact_object_name
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
-#: The header that carries an ArtifactChunkHeader as JSON.
-CHUNK_HEADER = "Lorafleet-Chunk"
-#: JetStream's de-duplication header.
-MSG_ID_HEADER = "Nats-Msg-Id"
+__all__ = [
+    "ArtifactDigestError",
+    "ArtifactNotFoundError",
+    "AsyncPublisher",
+    "NoStreamError",
+    "ObjectInfo",
+    "PublishRefusedError",
+    "decode_info",
+    "download_artifact",
+    "file_sha256",
+    "get_record",
+    "list_records",
+    "msg_id",
+    "object_digest",
+    "read_info",
+    "record_from_info",
+]
+
 #: Bytes read per step when hashing a file.
 _HASH_STEP_BYTES = 1 << 20
 
@@ -51,123 +68,34 @@ def msg_id(job_id: str, kind: str, attempt: int, seq: int) -> str:
     return f"{job_id}.{kind}.{attempt}.{seq}"
 
 
-# --- asynchronous JetStream publish ------------------------------------------
+# --- TODO(wave1 merge): old names, for call sites outside libs/ ------------------
+# The merge moves their callers to names.py (Header.CHUNK, Header.MSG_ID, and
+# object_stream / object_meta_subject / object_chunk_subject, which take a
+# bucket); then remove this block. Same names, old signatures (Names), so
+# that nothing calls the new ones with a Names by mistake meanwhile.
+
+CHUNK_HEADER = Header.CHUNK
+MSG_ID_HEADER = Header.MSG_ID
 
 
-class PublishRefusedError(Exception):
-    """JetStream answered a publish with an error (a full stream, a wrong subject, ...)."""
-
-    def __init__(self, description: str, code: int = 0, err_code: int = 0) -> None:
-        super().__init__(description)
-        self.description = description
-        self.code = code
-        self.err_code = err_code
+def object_stream(names: Names) -> str:
+    return _names.object_stream(names.artifacts_bucket)
 
 
-class NoStreamError(PublishRefusedError):
-    """No stream took the publish (no responders)."""
+def object_meta_subject(names: Names, job_id: str, kind: str) -> str:
+    return _names.object_meta_subject(names.artifacts_bucket, artifact_object_name(job_id, kind))
 
 
-class _PubError(msgspec.Struct):
-    code: int = 0
-    err_code: int = 0
-    description: str = ""
-
-
-class _PubReply(msgspec.Struct):
-    error: _PubError | None = None
-    seq: int = 0
-    duplicate: bool = False
-
-
-class AsyncPublisher:
-    """JetStream publishes whose acknowledgements are collected on one inbox.
-
-    `publish()` returns a future of the stored message's stream sequence,
-    or of PublishRefusedError. (nats-py's own publish_async raises a
-    stream's refusal inside its reply callback, so its future never ends.)
-    Cancel a future to stop waiting for it.
-    """
-
-    def __init__(self, nc: Client) -> None:
-        self._nc = nc
-        self._prefix = ""
-        self._sub: Subscription | None = None
-        self._futures: dict[str, asyncio.Future[int]] = {}
-        self._next = 0
-
-    async def start(self) -> AsyncPublisher:
-        self._prefix = self._nc.new_inbox()
-        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
-        return self
-
-    async def close(self) -> None:
-        for fut in list(self._futures.values()):
-            fut.cancel()
-        self._futures.clear()
-        if self._sub is not None:
-            with contextlib.suppress(Exception):
-                await self._sub.unsubscribe()
-            self._sub = None
-
-    async def __aenter__(self) -> AsyncPublisher:
-        return await self.start()
-
-    async def __aexit__(self, *exc: object) -> None:
-        await self.close()
-
-    async def publish(
-        self, subject: str, body: bytes, headers: dict[str, str] | None = None
-    ) -> asyncio.Future[int]:
-        if self._sub is None:
-            raise RuntimeError("AsyncPublisher.start() first")
-        self._next += 1
-        token = str(self._next)
-        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
-        self._futures[token] = fut
-        fut.add_done_callback(lambda _: self._futures.pop(token, None))
-        await self._nc.publish(subject, body, reply=f"{self._prefix}.{token}", headers=headers)
-        return fut
-
-    async def _on_reply(self, msg: Msg) -> None:
-        fut = self._futures.pop(msg.subject[len(self._prefix) + 1 :], None)
-        if fut is None or fut.done():
-            return
-        if msg.headers and msg.headers.get("Status") == "503":
-            fut.set_exception(NoStreamError("no stream answered (no responders)", 503))
-            return
-        try:
-            reply = msgspec.json.decode(msg.data, type=_PubReply)
-        except msgspec.DecodeError:
-            fut.set_exception(PublishRefusedError(f"not a JetStream reply: {msg.data[:200]!r}"))
-            return
-        if reply.error is not None:
-            e = reply.error
-            fut.set_exception(PublishRefusedError(e.description, e.code, e.err_code))
-        else:
-            fut.set_result(reply.seq)
+def object_chunk_subject(names: Names, nuid: str) -> str:
+    return _names.object_chunk_subject(names.artifacts_bucket, nuid)
 
 
 # --- the NATS object store's own format ---------------------------------------
 
 
-def object_stream(names: Names) -> str:
-    """The stream behind the artifacts object store."""
-    return f"OBJ_{names.artifacts_bucket}"
-
-
-def object_meta_subject(names: Names, job_id: str, kind: str) -> str:
-    name = artifact_object_name(job_id, kind)
-    return f"$O.{names.artifacts_bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
-
-
-def object_chunk_subject(names: Names, nuid: str) -> str:
-    return f"$O.{names.artifacts_bucket}.C.{nuid}"
-
-
 def object_digest(sha256_hex: str) -> str:
     """The object store's digest field for a sha256 (`SHA-256=<base64url>`)."""
-    return "SHA-256=" + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+    return OBJECT_DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
 
 
 class ObjectInfo(msgspec.Struct):
@@ -215,8 +143,12 @@ async def read_info(
     js: JetStreamContext, names: Names, job_id: str, kind: str
 ) -> ObjectInfo | None:
     """The stored object's info (deleted ones included), or None when there is none."""
+    bucket = names.artifacts_bucket
     try:
-        raw = await js.get_last_msg(object_stream(names), object_meta_subject(names, job_id, kind))
+        raw = await js.get_last_msg(
+            _names.object_stream(bucket),
+            _names.object_meta_subject(bucket, artifact_object_name(job_id, kind)),
+        )
     except NotFoundError:
         return None
     return decode_info(raw.data or b"")
@@ -253,8 +185,7 @@ async def download_artifact(
 ) -> ArtifactRecord:
     """Write a stored artifact into `out_file` and check its sha256.
 
-    The bytes go into a file handed to nats-py (its plain `get` grows one
-    buffer and copies it per chunk, quadratic in the size). `out_file`
+    The bytes go straight into a file (objects.download_object). `out_file`
     appears only once whole and verified; raises ArtifactNotFoundError or
     ArtifactDigestError.
     """
@@ -269,9 +200,8 @@ async def download_artifact(
     out_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = out_file.with_name(f".{out_file.name}.part")
     try:
-        obs = await js.object_store(names.artifacts_bucket)
         with tmp.open("wb") as f:
-            await obs.get(record.object, writeinto=f)
+            await download_object(js, names.artifacts_bucket, record.object, f)
         got = file_sha256(tmp)
         if got != record.sha256 or tmp.stat().st_size != record.size:
             raise ArtifactDigestError(

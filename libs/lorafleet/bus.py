@@ -19,6 +19,7 @@ import msgspec
 import nats
 import nats.errors
 import nats.js.errors
+import stamina
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import (
@@ -31,6 +32,7 @@ from nats.js.api import (
 )
 
 from lorafleet import log
+from lorafleet._natspy import create_object_store, is_authorization_violation, refusal
 from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -41,10 +43,24 @@ T = TypeVar("T")
 #: Status reports are kept this long after the recorder has applied them,
 #: so a rebuilt recorder can replay a week; seconds.
 STATUS_MAX_AGE_S = 7 * 24 * 3600
+#: De-duplication window of the status stream (Nats-Msg-Id); seconds.
+STATUS_DUPLICATE_WINDOW_S = 120
 #: De-duplication window of the artifact chunk stream (Nats-Msg-Id); seconds.
 ARTIFACT_DUPLICATE_WINDOW_S = 10 * 60
 #: The leader key expires this long after the leader's last renewal; seconds.
 LEADER_TTL_S = 3
+
+
+#: Seconds between two reconnect attempts after a connection is lost.
+RECONNECT_WAIT_S = 0.25
+#: Seconds between pings to the server.
+PING_INTERVAL_S = 5
+#: Pings unanswered before the connection counts as lost.
+MAX_OUTSTANDING_PINGS = 2
+#: Seconds a closing connection may drain before it is closed.
+DRAIN_TIMEOUT_S = 5.0
+#: Seconds between two tries of a request nobody answered.
+NO_RESPONDERS_PAUSE_S = 0.1
 
 
 class ConnectError(ConnectionError):
@@ -56,23 +72,78 @@ def redact_url(url: str) -> str:
     return re.sub(r"//([^:@/,]*):[^/,]*@", r"//\1:***@", url)
 
 
-def refusal(e: BaseException) -> str | None:
-    """The server's words when `e` is a permissions violation, else None.
-
-    nats-py does not raise for a refused publish or subscription: the
-    server's `-ERR 'Permissions Violation for Publish to "..."'` reaches the
-    error callback only (a refused request then times out).
-    """
-    text = str(e)
-    return text.removeprefix("nats: ") if "permissions violation" in text.lower() else None
-
-
 def _unauthorized(settings: Settings) -> ConnectError:
     return ConnectError(
         f"the NATS server at {redact_url(settings.nats_url)} refused this user and "
         "password (Authorization Violation): set LORAFLEET_NATS_URL to "
         "nats://USER:PASSWORD@HOST:PORT with a user of its config (`lorafleet nats-config`)"
     )
+
+
+def _unreachable(settings: Settings) -> ConnectError:
+    return ConnectError(
+        f"no NATS server answered at {redact_url(settings.nats_url)} within "
+        f"{settings.connect_timeout_s:g} s; start one (`lorafleet up` runs an embedded one) "
+        "or set LORAFLEET_NATS_URL"
+    )
+
+
+class _Callbacks:
+    """nats-py's callbacks of one connection: they log what happens to it."""
+
+    def __init__(self, on_refused: Callable[[str], None] | None) -> None:
+        self.logger = log.get()
+        self.on_refused = on_refused
+        # A wrong user or password reaches only the error callback while
+        # nats-py retries the first connect: remembered, to say so when it gives up.
+        self.unauthorized = False
+        self.conn: Client | None = None
+
+    async def error(self, e: Exception) -> None:
+        if is_authorization_violation(e):
+            self.unauthorized = True
+        refused = refusal(e)
+        if refused is None:
+            self.logger.warning(Event.NATS_ERROR, error=repr(e))
+            return
+        self.logger.warning(
+            Event.NATS_REFUSED,
+            message=refused,
+            error="the server refused this for want of permission: check this process's "
+            "NATS user and its permissions (`lorafleet nats-config`)",
+        )
+        if self.on_refused is not None:
+            self.on_refused(refused)
+
+    async def disconnected(self) -> None:
+        # nats-py calls disconnected_cb on a deliberate close too: only a lost
+        # connection is worth a warning.
+        if self.conn is not None and (self.conn.is_closed or self.conn.is_draining):
+            return
+        self.logger.warning(Event.NATS_DISCONNECTED)
+
+    async def reconnected(self) -> None:
+        self.logger.info(Event.NATS_RECONNECTED)
+
+
+def _options(settings: Settings, name: str, callbacks: _Callbacks) -> dict[str, Any]:
+    options: dict[str, Any] = {
+        "servers": [u.strip() for u in settings.nats_url.split(",") if u.strip()],
+        "name": name,
+        "connect_timeout": max(1, int(settings.connect_timeout_s)),
+        "reconnect_time_wait": RECONNECT_WAIT_S,
+        "max_reconnect_attempts": -1,
+        "allow_reconnect": True,
+        "ping_interval": PING_INTERVAL_S,
+        "max_outstanding_pings": MAX_OUTSTANDING_PINGS,
+        "error_cb": callbacks.error,
+        "disconnected_cb": callbacks.disconnected,
+        "reconnected_cb": callbacks.reconnected,
+        "inbox_prefix": settings.nats_inbox_prefix,
+    }
+    if settings.nats_creds:
+        options["user_credentials"] = settings.nats_creds
+    return options
 
 
 async def connect(
@@ -87,73 +158,21 @@ async def connect(
     Replies come on `settings.nats_inbox_prefix` inboxes. A refusal for
     want of permission is logged as `nats.refused` with the server's words
     and passed to `on_refused`; other asynchronous errors as `nats.error`.
+    `kwargs` go to nats.connect over lorafleet's options.
     """
-    logger = log.get()
-
-    # A wrong user or password reaches only the error callback while nats-py
-    # retries the first connect: remembered, to say so when it gives up.
-    unauthorized: list[Exception] = []
-
-    async def error_cb(e: Exception) -> None:
-        if "authorization violation" in str(e).lower():
-            unauthorized.append(e)
-        refused = refusal(e)
-        if refused is None:
-            logger.warning(Event.NATS_ERROR, error=repr(e))
-            return
-        logger.warning(
-            Event.NATS_REFUSED,
-            message=refused,
-            error="the server refused this for want of permission: check this process's "
-            "NATS user and its permissions (`lorafleet nats-config`)",
-        )
-        if on_refused is not None:
-            on_refused(refused)
-
-    # nats-py calls disconnected_cb on a deliberate close too: only a lost
-    # connection is worth a warning.
-    conn: list[Client] = []
-
-    async def disconnected_cb() -> None:
-        if conn and (conn[0].is_closed or conn[0].is_draining):
-            return
-        logger.warning(Event.NATS_DISCONNECTED)
-
-    async def reconnected_cb() -> None:
-        logger.info(Event.NATS_RECONNECTED)
-
-    options: dict[str, Any] = {
-        "servers": [u.strip() for u in settings.nats_url.split(",") if u.strip()],
-        "name": name,
-        "connect_timeout": max(1, int(settings.connect_timeout_s)),
-        "reconnect_time_wait": 0.25,
-        "max_reconnect_attempts": -1,
-        "allow_reconnect": True,
-        "ping_interval": 5,
-        "max_outstanding_pings": 2,
-        "error_cb": error_cb,
-        "disconnected_cb": disconnected_cb,
-        "reconnected_cb": reconnected_cb,
-        "inbox_prefix": settings.nats_inbox_prefix,
-    }
-    if settings.nats_creds:
-        options["user_credentials"] = settings.nats_creds
-    options.update(kwargs)
+    callbacks = _Callbacks(on_refused)
+    options = _options(settings, name, callbacks) | kwargs
     try:
         nc = await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
-        if unauthorized:
+        if callbacks.unauthorized:
             raise _unauthorized(settings) from None
-        raise ConnectError(
-            f"no NATS server answered at {redact_url(settings.nats_url)} within "
-            f"{settings.connect_timeout_s:g} s; start one (`lorafleet up` runs an embedded one) "
-            "or set LORAFLEET_NATS_URL"
-        ) from e
+        raise _unreachable(settings) from e
     except nats.errors.Error as e:
-        if "authorization violation" not in str(e).lower():
+        if not is_authorization_violation(e):
             raise
         raise _unauthorized(settings) from None
-    conn.append(nc)
+    callbacks.conn = nc
     return nc
 
 
@@ -173,7 +192,7 @@ class Layout:
             storage=StorageType.FILE,
             max_age=STATUS_MAX_AGE_S,
             num_replicas=self.replicas,
-            duplicate_window=120,
+            duplicate_window=STATUS_DUPLICATE_WINDOW_S,
             discard=DiscardPolicy.OLD,
         )
 
@@ -240,8 +259,7 @@ async def ensure_layout(js: JetStreamContext, layout: Layout) -> None:
     for kv in (layout.nodes_kv(), layout.leader_kv()):
         await js.create_key_value(kv)
     for obj in (layout.datasets_store(), layout.artifacts_store()):
-        assert obj.bucket is not None
-        await js.create_object_store(obj.bucket, config=obj)
+        await create_object_store(js, obj)
 
 
 def layout_for(settings: Settings) -> Layout:
@@ -276,16 +294,17 @@ async def request(
     spurious no-responders); the request is retried for `no_responders_retry_s`.
     """
     payload = message if isinstance(message, bytes) else encode(message)
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + no_responders_retry_s
-    while True:
-        try:
+    retries = stamina.retry_context(
+        on=nats.errors.NoRespondersError,
+        attempts=None if no_responders_retry_s > 0 else 1,
+        timeout=no_responders_retry_s if no_responders_retry_s > 0 else None,
+        wait_initial=NO_RESPONDERS_PAUSE_S,
+        wait_max=NO_RESPONDERS_PAUSE_S,
+        wait_jitter=0,
+    )
+    async for attempt in retries:
+        with attempt:
             msg = await nc.request(subject, payload, timeout=timeout_s)
-            break
-        except nats.errors.NoRespondersError:
-            if loop.time() >= deadline:
-                raise
-            await asyncio.sleep(0.1)
     raise_for_error(msg.data, msg.headers)
     return decode(msg.data, reply_type)
 
@@ -294,7 +313,7 @@ async def drain_quietly(nc: Client | None) -> None:
     if nc is None or nc.is_closed:
         return
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.drain(), 5)
+        await asyncio.wait_for(nc.drain(), DRAIN_TIMEOUT_S)
     with contextlib.suppress(Exception):
         await nc.close()
 

@@ -15,6 +15,7 @@ from typing import ClassVar
 
 import msgspec
 
+from lorafleet.names import Header
 from lorafleet_schemas.messages import ErrorBody, ErrorCode, ErrorReply
 
 _reply_decoder = msgspec.json.Decoder(ErrorReply)
@@ -104,7 +105,7 @@ def error_body(code: ErrorCode, message: str, field: str | None = None) -> bytes
 
 def raise_for_error(data: bytes, headers: dict[str, str] | None) -> None:
     """Raise the ApiError a reply carries, if it is a lorafleet (or micro) error."""
-    if not ((headers and "Nats-Service-Error-Code" in headers) or data.startswith(b'{"error"')):
+    if not ((headers and Header.SERVICE_ERROR_CODE in headers) or data.startswith(b'{"error"')):
         return
     try:
         body = _reply_decoder.decode(data).error
@@ -112,7 +113,7 @@ def raise_for_error(data: bytes, headers: dict[str, str] | None) -> None:
         # A micro error from a service that is not lorafleet's: headers only.
         hdr = headers or {}
         raise error_for(
-            hdr.get("Nats-Service-Error-Code", ErrorCode.INTERNAL.value),
-            hdr.get("Nats-Service-Error", data.decode(errors="replace")),
+            hdr.get(Header.SERVICE_ERROR_CODE, ErrorCode.INTERNAL.value),
+            hdr.get(Header.SERVICE_ERROR, data.decode(errors="replace")),
         ) from None
     raise error_for(body.code.value, body.message, body.field)

@@ -13,6 +13,7 @@ import logging
 import sys
 from typing import Any, Final
 
+import stamina.instrumentation
 import structlog
 
 
@@ -69,6 +70,8 @@ class Event:
     ARTIFACT_STORED: Final = "artifact.stored"
     ARTIFACT_REJECTED: Final = "artifact.rejected"
     ARTIFACT_DELIVERED: Final = "artifact.delivered"
+    #: A generic back-off (stamina) is about to try again.
+    RETRY_SCHEDULED: Final = "retry.scheduled"
 
 
 def configure(service: str, level: str = "info", stream: Any = None) -> None:
@@ -89,6 +92,16 @@ def configure(service: str, level: str = "info", stream: Any = None) -> None:
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
+    # stamina would log its own `stamina.retry_scheduled`, outside the vocabulary.
+    stamina.instrumentation.set_on_retry_hooks([_log_retry])
+
+
+def _log_retry(details: stamina.instrumentation.RetryDetails) -> None:
+    get().warning(
+        Event.RETRY_SCHEDULED,
+        message=f"{details.name}: try {details.retry_num + 1} in {details.wait_for:.2f} s",
+        error=repr(details.caused_by),
+    )
 
 
 def get(**bound: Any) -> Any:

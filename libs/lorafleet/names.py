@@ -4,12 +4,19 @@ All names derive from one prefix (LORAFLEET_SUBJECT_PREFIX, default
 "lorafleet"): subjects start with `<prefix>.`, buckets with `<prefix>_`,
 streams with `<PREFIX>_`. Two installations with different prefixes share a
 NATS account without seeing each other.
+
+NATS's own names live here too: the subjects and streams behind KV buckets
+(`$KV.<bucket>.<key>` on `KV_<bucket>`) and object stores (`$O.<bucket>.M.*`
+and `.C.*` on `OBJ_<bucket>`), the JetStream API subjects lorafleet grants
+or calls, and every header name (`Header`), lorafleet's own included.
 """
 
 from __future__ import annotations
 
+import base64
 import re
 from dataclasses import dataclass
+from typing import Final
 
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
 _TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
@@ -114,11 +121,11 @@ class Names:
     def kv_subject(self, bucket: str, key: str) -> str:
         """The subject a KV bucket's `key` is stored under (a JetStream publish
         there is a put that can carry a per-message TTL, which kv.put cannot)."""
-        return f"$KV.{bucket}.{key}"
+        return kv_subject(bucket, key)
 
     def node_heartbeat(self, node: str) -> str:
         """The subject a node's heartbeat is put to: its key in the nodes KV."""
-        return self.kv_subject(self.nodes_bucket, check_token(node, "node name"))
+        return kv_subject(self.nodes_bucket, check_token(node, "node name"))
 
     # --- streams ---
     @property
@@ -209,3 +216,114 @@ def dataset_object_name(sha256_hex: str) -> str:
 
 def artifact_object_name(job_id: str, kind: str) -> str:
     return f"{job_id}/{kind}"
+
+
+# --- NATS's own names: KV and object-store subjects and streams ----------------
+
+
+def kv_stream(bucket: str) -> str:
+    """The stream behind a KV bucket."""
+    return f"KV_{bucket}"
+
+
+def kv_subject(bucket: str, key: str) -> str:
+    """The subject a KV bucket's `key` is stored under."""
+    return f"$KV.{bucket}.{key}"
+
+
+def kv_subjects(bucket: str) -> str:
+    """Every key subject of a KV bucket (`$KV.<bucket>.>`)."""
+    return f"$KV.{bucket}.>"
+
+
+def object_stream(bucket: str) -> str:
+    """The stream behind an object-store bucket."""
+    return f"OBJ_{bucket}"
+
+
+def object_meta_subject(bucket: str, name: str) -> str:
+    """The subject of an object's meta (info) message: its name, base64url."""
+    return f"$O.{bucket}.M.{base64.urlsafe_b64encode(name.encode()).decode()}"
+
+
+def object_meta_subjects(bucket: str) -> str:
+    """Every meta subject of an object-store bucket (`$O.<bucket>.M.>`)."""
+    return f"$O.{bucket}.M.>"
+
+
+def object_chunk_subject(bucket: str, nuid: str) -> str:
+    """The subject an object's chunks go on (`nuid` is its info's)."""
+    return f"$O.{bucket}.C.{nuid}"
+
+
+def object_chunk_subjects(bucket: str) -> str:
+    """Every chunk subject of an object-store bucket (`$O.<bucket>.C.>`)."""
+    return f"$O.{bucket}.C.>"
+
+
+#: The object store's digest field prefix for a sha256 (`SHA-256=<base64url>`).
+OBJECT_DIGEST_PREFIX: Final = "SHA-256="
+
+
+def object_subjects(bucket: str) -> str:
+    """Every subject of an object-store bucket (`$O.<bucket>.>`)."""
+    return f"$O.{bucket}.>"
+
+
+# --- the JetStream API and other server subjects --------------------------------
+
+#: Every JetStream API request subject.
+JS_API_SUBJECTS: Final = "$JS.API.>"
+#: Every JetStream acknowledgement subject.
+JS_ACK_SUBJECTS: Final = "$JS.ACK.>"
+#: Every JetStream flow-control subject.
+JS_FLOW_CONTROL_SUBJECTS: Final = "$JS.FC.>"
+#: Every micro service discovery subject (`$SRV.PING`, `.INFO`, `.STATS`).
+SERVICE_DISCOVERY_SUBJECTS: Final = "$SRV.>"
+
+
+def stream_msg_get_subject(stream: str) -> str:
+    """The JetStream API subject of a direct message get on `stream`."""
+    return f"$JS.API.STREAM.MSG.GET.{stream}"
+
+
+def msg_get_subject(bucket: str) -> str:
+    """The one JetStream API subject `read_object` requests on an object-store
+    bucket (what a reader's permissions must allow)."""
+    return stream_msg_get_subject(object_stream(bucket))
+
+
+# --- headers --------------------------------------------------------------------
+
+
+class Header:
+    """Every header name lorafleet writes or reads (NATS's and its own)."""
+
+    #: JetStream de-duplication: a publish with a seen id is stored once.
+    MSG_ID: Final = "Nats-Msg-Id"
+    #: JetStream compare-and-set: stored only if the subject's last sequence is this.
+    EXPECTED_LAST_SUBJECT_SEQUENCE: Final = "Nats-Expected-Last-Subject-Sequence"
+    #: JetStream rollup: `ROLLUP_SUBJECT` keeps only this message on its subject.
+    ROLLUP: Final = "Nats-Rollup"
+    #: Set on a KV delete or purge (`KV_DEL`, `KV_PURGE`).
+    KV_OPERATION: Final = "KV-Operation"
+    #: Set on the marker the server leaves when a per-message TTL expires.
+    MARKER_REASON: Final = "Nats-Marker-Reason"
+    #: A micro error reply's description.
+    SERVICE_ERROR: Final = "Nats-Service-Error"
+    #: A micro error reply's code (HTTP-like: "400", "404", ...).
+    SERVICE_ERROR_CODE: Final = "Nats-Service-Error-Code"
+    #: The server's status of a reply ("503" when no one answered).
+    STATUS: Final = "Status"
+    #: lorafleet's: an ArtifactChunkHeader as JSON on each artifact chunk.
+    CHUNK: Final = "Lorafleet-Chunk"
+
+
+#: `Header.KV_OPERATION` of a KV delete.
+KV_DEL: Final = "DEL"
+#: `Header.KV_OPERATION` of a KV purge.
+KV_PURGE: Final = "PURGE"
+#: `Header.ROLLUP` value that keeps one message per subject.
+ROLLUP_SUBJECT: Final = "sub"
+#: `Header.STATUS` of a request no one answered.
+STATUS_NO_RESPONDERS: Final = "503"

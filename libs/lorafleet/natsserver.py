@@ -21,6 +21,8 @@ from pathlib import Path
 READY_TIMEOUT_S = 20.0
 #: Seconds between SIGTERM and SIGKILL on stop.
 STOP_GRACE_S = 5.0
+#: Lines of the server's output kept (the newest), for error messages.
+OUTPUT_KEPT_LINES = 500
 
 _LISTEN_RE = re.compile(r"Listening for client connections on (\S+):(\d+)")
 
@@ -80,8 +82,7 @@ class NatsServer:
         """The URL with a user's name and password (a server with a config_file)."""
         return f"nats://{user}:{password}@{self.host}:{self.port}"
 
-    async def start(self) -> NatsServer:
-        self.store_dir.mkdir(parents=True, exist_ok=True)
+    def _args(self) -> list[str]:
         args = [
             binary(),
             "-a", self.host,
@@ -92,17 +93,29 @@ class NatsServer:
         ]  # fmt: skip
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
-        self.proc = await asyncio.create_subprocess_exec(
-            *args,
+        return args
+
+    async def start(self) -> NatsServer:
+        self.store_dir.mkdir(parents=True, exist_ok=True)
+        self.proc = proc = await asyncio.create_subprocess_exec(
+            *self._args(),
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,
         )
-        assert self.proc.stderr is not None
+        if proc.stderr is None:  # never with stderr=PIPE; for the type checker
+            raise NatsServerError("nats-server started without its output pipe")
+        await self._wait_ready(proc, proc.stderr)
+        self._log_task = asyncio.create_task(self._drain_output(proc.stderr))
+        return self
+
+    async def _wait_ready(
+        self, proc: asyncio.subprocess.Process, stderr: asyncio.StreamReader
+    ) -> None:
+        """Read the output until "Server is ready", noting the port it listens on."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + READY_TIMEOUT_S
-        ready = False
-        while not ready:
+        while True:
             remaining = deadline - loop.time()
             if remaining <= 0:
                 await self.stop()
@@ -110,14 +123,13 @@ class NatsServer:
                     "nats-server did not report ready:\n" + "".join(self.output[-20:])
                 )
             try:
-                line_b = await asyncio.wait_for(self.proc.stderr.readline(), remaining)
+                line_b = await asyncio.wait_for(stderr.readline(), remaining)
             except TimeoutError:
                 continue
             if not line_b:
-                await self.proc.wait()
+                await proc.wait()
                 raise NatsServerError(
-                    f"nats-server exited with {self.proc.returncode}:\n"
-                    + "".join(self.output[-20:])
+                    f"nats-server exited with {proc.returncode}:\n" + "".join(self.output[-20:])
                 )
             line = line_b.decode(errors="replace")
             self.output.append(line)
@@ -125,17 +137,14 @@ class NatsServer:
             if m:
                 self.port = int(m.group(2))
             if "Server is ready" in line:
-                ready = True
-        self._log_task = asyncio.create_task(self._drain_output())
-        return self
+                return
 
-    async def _drain_output(self) -> None:
+    async def _drain_output(self, stderr: asyncio.StreamReader) -> None:
         # Keep reading so the server never blocks on a full pipe; keep the tail.
-        assert self.proc is not None and self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
+        while line := await stderr.readline():
             self.output.append(line.decode(errors="replace"))
-            if len(self.output) > 500:
-                del self.output[:250]
+            if len(self.output) > OUTPUT_KEPT_LINES:
+                del self.output[: OUTPUT_KEPT_LINES // 2]
 
     async def stop(self, kill: bool = False) -> None:
         """Terminate (or with `kill`, SIGKILL at once) and wait for the process."""

@@ -11,7 +11,8 @@ An agent of node N may only:
 - publish its status reports and artifact chunks: `<prefix>.status.N.>`,
   `<prefix>.artifacts.N.>`;
 - read datasets: `$JS.API.STREAM.MSG.GET.OBJ_<datasets bucket>`, the one
-  JetStream API call `lorafleet.objects.read_object` makes;
+  JetStream API call `lorafleet.objects.read_object` makes
+  (`names.msg_get_subject`);
 - receive its own start and cancel requests, `<prefix>.node.N.{start,cancel}`,
   and answer them (`allow_responses`: one reply to each request received);
 - receive replies on its own inboxes, `_INBOX_N.>` (the agent runs with
@@ -35,8 +36,18 @@ import json
 from collections.abc import Iterable, Mapping
 from typing import Any
 
-from lorafleet.names import Names, check_token, node_inbox_prefix
-from lorafleet.objects import msg_get_subject
+from lorafleet.names import (
+    JS_ACK_SUBJECTS,
+    JS_API_SUBJECTS,
+    JS_FLOW_CONTROL_SUBJECTS,
+    SERVICE_DISCOVERY_SUBJECTS,
+    Names,
+    check_token,
+    kv_subjects,
+    msg_get_subject,
+    node_inbox_prefix,
+    object_subjects,
+)
 
 #: A permission block as nats-server reads it.
 Permissions = dict[str, Any]
@@ -84,16 +95,16 @@ def service_permissions(names: Names) -> Permissions:
         "publish": {
             "allow": [
                 f"{p}.>",
-                "$JS.API.>",
-                "$JS.ACK.>",
-                "$JS.FC.>",
-                *(f"$KV.{b}.>" for b in buckets_kv),
-                *(f"$O.{b}.>" for b in buckets_obj),
-                "$SRV.>",
+                JS_API_SUBJECTS,
+                JS_ACK_SUBJECTS,
+                JS_FLOW_CONTROL_SUBJECTS,
+                *(kv_subjects(b) for b in buckets_kv),
+                *(object_subjects(b) for b in buckets_obj),
+                SERVICE_DISCOVERY_SUBJECTS,
                 f"{DEFAULT_INBOX}.>",
             ]
         },
-        "subscribe": {"allow": [f"{p}.>", "$SRV.>", f"{DEFAULT_INBOX}.>"]},
+        "subscribe": {"allow": [f"{p}.>", SERVICE_DISCOVERY_SUBJECTS, f"{DEFAULT_INBOX}.>"]},
         "allow_responses": True,
     }
 

@@ -1,34 +1,231 @@
-"""How a lorafleet process runs: settings from the environment, JSON logs,
-SIGTERM/SIGINT for a clean stop. Each service module ends with
+"""How a lorafleet service process runs, written once: `serve()`.
+
+Each service describes itself as a `Program` and its `__main__` ends with
 
     if __name__ == "__main__":
-        runtime.main("recorder", run)
+        runtime.main(PROGRAM)
 
-where `run(settings, stop)` starts the service, logs `service.started` once
-it answers requests, and returns after `stop` is set.
+`main(program)` reads `Settings` from the environment, configures JSON
+logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
+`serve()` does, in order:
+
+1. `program.before_connect(settings)`, if given (the recorder migrates its
+   database; the agent kills what an earlier run left behind);
+2. connects to NATS (`bus.connect`, client name `lorafleet-<name>` unless
+   `program.client_name` says otherwise);
+3. ensures the JetStream layout: `layout="ensure"` (the services: a
+   failure ends the process) or `layout="if_allowed"` (the agent: a node's
+   credentials may not create streams; the refusal is logged and the agent
+   goes on);
+4. `service = await program.make(nc, settings)`, then `await service.start()`
+   and logs `service.started` (with `version` and `program.started_fields`):
+   `start()` returns once the service answers requests;
+5. waits for the stop signal, then `await service.stop()`, drains the
+   connection and logs `service.stopped` (also when a step above failed).
+
+A service object needs only `start()` and `stop()` (the `Service`
+protocol); if it also has `reconnected()` (no arguments, not async: the
+`Reconnects` protocol), that is called after each reconnect to NATS (the
+scheduler re-reads its KV).
+
+Exit codes of `main`: 0 after a clean stop; 2 with one line on stderr for
+a bad setting (any `SettingsError`, the agent's `AgentConfigError` too,
+wherever it is raised); 1 with one line on stderr when no NATS server
+answers (`bus.ConnectError`); other failures end with a traceback (1).
+Tests and the embedded stack call `serve(program, settings, stop=event)`
+in-process instead.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
-from collections.abc import Awaitable, Callable
+import sys
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
-from lorafleet import log
-from lorafleet.settings import Settings
+from nats.aio.client import Client
+
+import lorafleet
+from lorafleet import bus, log
+from lorafleet.log import Event
+from lorafleet.settings import Settings, SettingsError
+
+T = TypeVar("T")
+
+#: Exit code of a process stopped by a setting it cannot use.
+EXIT_SETTINGS = 2
+#: Exit code of a process that found no NATS server to connect to.
+EXIT_CONNECT = 1
+
+
+class Service(Protocol):
+    """What `serve()` runs: started once, stopped once.
+
+    `stop()` is called even when `start()` failed halfway: it must cope
+    with what was not started.
+    """
+
+    async def start(self) -> None: ...
+
+    async def stop(self) -> None: ...
+
+
+@runtime_checkable
+class Reconnects(Protocol):
+    """A service that wants to know when its connection is back (not async)."""
+
+    def reconnected(self) -> None: ...
+
+
+MakeService = Callable[[Client, Settings], Awaitable[Service]]
+
+
+@dataclass(frozen=True, slots=True)
+class Program:
+    """One service process, as `serve()` needs to know it.
+
+    name: the service's name in logs and messages ("recorder", "agent", ...).
+    make: builds the service object on the connected client (not started yet).
+    layout: "ensure" (default) or "if_allowed" (see the module docstring).
+    before_connect: async work before connecting; default none.
+    client_name: the NATS connection's name; default "lorafleet-<name>".
+    started_fields: extra fields on the `service.started` line; default none.
+    """
+
+    name: str
+    make: MakeService
+    layout: Literal["ensure", "if_allowed"] = "ensure"
+    before_connect: Callable[[Settings], Awaitable[None]] | None = None
+    client_name: str = ""
+    started_fields: Mapping[str, Any] = field(default_factory=dict)
+
+
+async def serve(program: Program, settings: Settings, stop: asyncio.Event | None = None) -> None:
+    """Run `program` until `stop` is set (default: until SIGTERM or SIGINT)."""
+    logger = log.get()
+    if stop is None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+    if program.before_connect is not None:
+        await program.before_connect(settings)
+    refused = asyncio.Event()
+    holder: list[Service] = []
+
+    async def reconnected_cb() -> None:
+        logger.info(Event.NATS_RECONNECTED)
+        if holder and isinstance(holder[0], Reconnects):
+            holder[0].reconnected()
+
+    nc = await bus.connect(
+        settings,
+        program.client_name or f"lorafleet-{program.name}",
+        on_refused=lambda _text: refused.set(),
+        reconnected_cb=reconnected_cb,
+    )
+    try:
+        if program.layout == "ensure":
+            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings))
+        else:
+            await ensure_layout_if_allowed(nc, settings, refused)
+        service = await program.make(nc, settings)
+        holder.append(service)
+        try:
+            await service.start()
+            logger.info(
+                Event.SERVICE_STARTED, version=lorafleet.__version__, **program.started_fields
+            )
+            await stop.wait()
+        finally:
+            await service.stop()
+    finally:
+        await bus.drain_quietly(nc)
+        logger.info(Event.SERVICE_STOPPED)
+
+
+async def ensure_layout_if_allowed(nc: Client, settings: Settings, refused: asyncio.Event) -> None:
+    """Create the JetStream layout, unless these credentials may not.
+
+    A node's credentials (lorafleet.permissions) do not allow creating
+    streams: the services create them. A refused request is not answered,
+    so the refusal (`refused`, set by the connection's error callback) ends
+    the attempt at once instead of a request timeout later.
+    """
+    logger = log.get()
+    refused.clear()
+    task = asyncio.ensure_future(bus.ensure_layout(nc.jetstream(), bus.layout_for(settings)))
+    waiter = asyncio.ensure_future(refused.wait())
+    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    waiter.cancel()
+    if task not in done:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError, Exception):
+            await task
+        logger.info(
+            Event.NATS_REFUSED,
+            message="this node's credentials may not create the JetStream layout; "
+            "the services create it",
+        )
+        return
+    try:
+        task.result()
+    except Exception as e:
+        logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
+
+
+def exit_with(name: str, error: BaseException, code: int) -> NoReturn:
+    """One line on stderr (`lorafleet <name>: <error>`), then exit `code`."""
+    print(f"lorafleet {name}: {error}", file=sys.stderr)
+    sys.exit(code)
+
+
+def read_or_exit(name: str, read: Callable[[], T]) -> T:
+    """`read()` (a settings reader), or exit 2 with its one line on a bad setting.
+
+    For settings a program needs before `main` (the agent's AgentConfig).
+    """
+    try:
+        return read()
+    except SettingsError as e:
+        exit_with(name, e, EXIT_SETTINGS)
+
 
 ServiceRun = Callable[[Settings, asyncio.Event], Awaitable[None]]
 
 
-async def run_until_signal(run: ServiceRun, settings: Settings) -> None:
+def main(
+    program: Program | str, run: ServiceRun | None = None, settings: Settings | None = None
+) -> None:
+    """Run `program` as this process (see the module docstring for exit codes).
+
+    `main(name, run)` with `run(settings, stop)` is the older form, kept
+    until every service is a Program; it gets the same exit codes.
+    """
+    name = program.name if isinstance(program, Program) else program
+    settings = settings or read_or_exit(name, Settings.from_env)
+    log.configure(name, settings.log_level)
+    body: Coroutine[Any, Any, None]
+    if isinstance(program, Program):
+        body = serve(program, settings)
+    elif run is not None:
+        body = _run_until_signal(run, settings)
+    else:
+        raise TypeError("main(name, run): run(settings, stop) is missing")
+    try:
+        asyncio.run(body)
+    except SettingsError as e:
+        exit_with(name, e, EXIT_SETTINGS)
+    except bus.ConnectError as e:
+        exit_with(name, e, EXIT_CONNECT)
+
+
+async def _run_until_signal(run: ServiceRun, settings: Settings) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await run(settings, stop)
-
-
-def main(service: str, run: ServiceRun, settings: Settings | None = None) -> None:
-    settings = settings or Settings.from_env()
-    log.configure(service, settings.log_level)
-    asyncio.run(run_until_signal(run, settings))

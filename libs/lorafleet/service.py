@@ -20,9 +20,10 @@ import msgspec.inspect
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
-from nats.micro.service import EndpointConfig, Service, ServiceConfig
+from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
 from lorafleet import log
+from lorafleet._natspy import count_endpoint_error, last_endpoint
 from lorafleet.bus import encode
 from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError
 from lorafleet.log import Event
@@ -152,23 +153,26 @@ async def start_service(
         ServiceConfig(name=name, version=version, description=description, queue_group=queue_group),
     )
     for r in routes:
-        slot: list[Any] = []
-
-        def count(error: str, slot: list[Any] = slot) -> None:
-            # micro counts only what its handler raises; ours answer with a
-            # JSON body as well, so they are counted here, where
-            # `nats micro stats` reads (num_errors, last_error).
-            if slot:
-                slot[0]._num_errors += 1
-                slot[0]._last_error = error
-
-        await svc.add_endpoint(
-            EndpointConfig(
-                name=r.subject.replace(".", "-"),
-                subject=r.subject,
-                handler=endpoint(r.request_type, r.fn, r.subject, on_error=count),
-                queue_group=queue_group,
-            )
-        )
-        slot.append(svc._endpoints[-1])
+        await _add_route(svc, r, queue_group)
     return svc
+
+
+async def _add_route(svc: Service, route: Route, queue_group: str) -> None:
+    # micro counts only what a handler raises; ours answer with a JSON body
+    # as well, so their error replies are counted here, where
+    # `nats micro stats` reads them. The endpoint exists only once added.
+    added: list[Endpoint] = []
+
+    def count(error: str) -> None:
+        if added:
+            count_endpoint_error(added[0], error)
+
+    await svc.add_endpoint(
+        EndpointConfig(
+            name=route.subject.replace(".", "-"),
+            subject=route.subject,
+            handler=endpoint(route.request_type, route.fn, route.subject, on_error=count),
+            queue_group=queue_group,
+        )
+    )
+    added.append(last_endpoint(svc))

@@ -7,10 +7,14 @@ from __future__ import annotations
 
 import os
 import re
+import typing
 from collections.abc import Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
+
+import msgspec
+import msgspec.inspect as mi
 
 from lorafleet.names import DEFAULT_PREFIX, Names
 
@@ -18,7 +22,11 @@ _INBOX_RE = re.compile(r"^[A-Za-z0-9_$-]+(\.[A-Za-z0-9_$-]+)*$")
 
 
 class SettingsError(ValueError):
-    """An environment variable with a value lorafleet cannot use."""
+    """An environment variable with a value lorafleet cannot use.
+
+    The one base of every settings error (the agent's AgentConfigError is
+    one): a process stopped by one exits 2 with its one line (lorafleet.runtime).
+    """
 
 
 def _default_data_dir() -> str:
@@ -58,6 +66,14 @@ class Settings:
     replicas: int = 1
     #: "debug", "info", "warning" or "error".
     log_level: str = "info"
+    #: Seconds the server waits for the recorder's ack of a status report
+    #: before redelivering it; default 30 (fault tests use a few seconds, so
+    #: that reports held by a killed recorder come back quickly).
+    recorder_ack_wait_s: float = 30.0
+    #: Seconds after its newest chunk that an object chunk subject no object
+    #: refers to is taken for a dead artifact-store's leftovers and purged (a
+    #: live replica writes more often); default 600 (fault tests use 0).
+    artifact_orphan_age_s: float = 600.0
 
     def __post_init__(self) -> None:
         Names(self.subject_prefix)  # validates the prefix
@@ -77,6 +93,10 @@ class Settings:
             )
         if self.replicas not in (1, 3, 5):
             raise SettingsError("LORAFLEET_REPLICAS must be 1, 3 or 5")
+        if self.recorder_ack_wait_s <= 0:
+            raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
+        if self.artifact_orphan_age_s < 0:
+            raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
 
     @property
     def names(self) -> Names:
@@ -103,50 +123,93 @@ class Settings:
         return write_env(self, "LORAFLEET_")
 
 
-def read_env(
-    cls: Any, prefix: str, env: Mapping[str, str], error: type[ValueError]
-) -> dict[str, Any]:
-    """The dataclass fields of `cls` found in `env` as `<prefix><FIELD>`, typed.
+#: Words an environment variable may use for a bool (any case).
+TRUE_WORDS = frozenset({"1", "true", "yes", "on"})
+FALSE_WORDS = frozenset({"0", "false", "no", "off", ""})
 
-    Types understood: str, str | None ("" is None), int, float, bool
-    (1/true/yes/on), Path, tuple[str, ...] (comma separated). A value that
-    does not parse raises `error` naming the variable.
+
+def read_env(
+    cls: Any, prefix: str, env: Mapping[str, str], error: type[ValueError] = SettingsError
+) -> dict[str, Any]:
+    """The fields of `cls` (a dataclass or a msgspec Struct) found in `env`
+    as `<prefix><FIELD>`, decoded by msgspec to each field's annotated type.
+
+    What a value may look like: numbers as msgspec reads them from text;
+    bools 1/true/yes/on or 0/false/no/off (any case); `X | None`: "" is
+    None; tuples and lists comma separated; Path and other classes that take
+    one string. A value that does not decode raises `error`, naming the
+    variable, what it must be and its default.
     """
+    hints = typing.get_type_hints(cls)
     values: dict[str, Any] = {}
-    for f in fields(cls):
+    for f in _fields(cls):
         key = f"{prefix}{f.name.upper()}"
         if key not in env:
             continue
         raw = env[key]
-        kind = str(f.type)
         try:
-            if kind == "bool":
-                values[f.name] = raw.strip().lower() in ("1", "true", "yes", "on")
-            elif kind == "float":
-                values[f.name] = float(raw)
-            elif kind == "int":
-                values[f.name] = int(raw)
-            elif kind == "Path":
-                values[f.name] = Path(raw)
-            elif kind.startswith("tuple"):
-                values[f.name] = tuple(p.strip() for p in raw.split(",") if p.strip())
-            elif "None" in kind:
-                values[f.name] = raw or None
-            else:
-                values[f.name] = raw
-        except ValueError:
-            raise error(f"{key}={raw!r} is not a {kind}") from None
+            values[f.name] = msgspec.convert(
+                _prepare(raw, f.type), hints[f.name], strict=False, dec_hook=_from_text
+            )
+        except msgspec.ValidationError:
+            raise error(_bad_value(key, raw, f)) from None
     return values
 
 
 def write_env(obj: Any, prefix: str) -> dict[str, str]:
     """The inverse of `read_env`: each field not None as `<prefix><FIELD>`."""
     out: dict[str, str] = {}
-    for f in fields(obj):
+    for f in _fields(type(obj)):
         value = getattr(obj, f.name)
         if value is None:
             continue
         out[f"{prefix}{f.name.upper()}"] = (
-            ",".join(value) if isinstance(value, tuple) else str(value)
+            ",".join(map(str, value)) if isinstance(value, tuple | list) else str(value)
         )
     return out
+
+
+def _fields(cls: Any) -> tuple[mi.Field, ...]:
+    info = mi.type_info(cls)
+    if not isinstance(info, mi.DataclassType | mi.StructType):
+        raise TypeError(f"{cls!r} is neither a dataclass nor a msgspec Struct")
+    return info.fields
+
+
+def _prepare(raw: str, typ: mi.Type) -> Any:
+    """`raw` in the shape msgspec's lax conversion takes for `typ`."""
+    kinds = typ.types if isinstance(typ, mi.UnionType) else (typ,)
+    if any(isinstance(k, mi.NoneType) for k in kinds) and not raw.strip():
+        return None
+    if any(isinstance(k, mi.VarTupleType | mi.ListType | mi.TupleType) for k in kinds):
+        return [part.strip() for part in raw.split(",") if part.strip()]
+    if any(isinstance(k, mi.BoolType) for k in kinds):
+        word = raw.strip().lower()
+        if word in TRUE_WORDS:
+            return True
+        if word in FALSE_WORDS:
+            return False
+    return raw
+
+
+def _from_text(typ: type, value: Any) -> Any:
+    """Classes msgspec does not know (Path) are built from their text."""
+    if isinstance(value, str):
+        return typ(value)
+    raise NotImplementedError
+
+
+def _bad_value(key: str, raw: str, f: mi.Field) -> str:
+    kinds = f.type.types if isinstance(f.type, mi.UnionType) else (f.type,)
+    what = " or ".join(_WHAT.get(type(k), type(k).__name__.removesuffix("Type").lower())
+                       for k in kinds if not isinstance(k, mi.NoneType))  # fmt: skip
+    default = "" if f.default is msgspec.NODEFAULT else f" (default {f.default!r})"
+    return f"{key}={raw!r} is not {what}: set {what}, or unset it{default}"
+
+
+_WHAT: dict[type, str] = {
+    mi.IntType: "a whole number",
+    mi.FloatType: "a number",
+    mi.BoolType: "a bool (1/true/yes/on or 0/false/no/off)",
+    mi.StrType: "text",
+}

@@ -45,6 +45,14 @@ from lorafleet_schemas.messages import (
     ModelSpec,
     TrainerParams,
 )
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
+from lorafleet_services.stack import (
+    LOCAL_NODE,
+    ConversionPreparer,
+    EmbeddedStack,
+    local_agent_config,
+)
 
 T = TypeVar("T")
 
@@ -64,6 +72,8 @@ err = Console(stderr=True)
 
 #: `lorafleet up` listens here unless told otherwise (4222 is often taken).
 EMBEDDED_NATS_PORT = 4250
+#: Seconds between two looks of `lorafleet up` at its children.
+UP_WATCH_INTERVAL_S = 0.5
 
 
 def settings_from_env() -> Settings:
@@ -141,7 +151,6 @@ def agent_cmd(
 ) -> None:
     """Run a node's agent until SIGTERM."""
     from lorafleet import runtime
-    from lorafleet_services.agent.config import AgentConfig
 
     overrides: dict[str, Any] = {
         "node": node,
@@ -159,43 +168,25 @@ def agent_cmd(
     runtime.main("agent", run)
 
 
-def _local_agent(data_dir: Path, node: str) -> Any:
-    from lorafleet_services.agent.config import AgentConfig
-
-    # The embedded default trains in this very Python (no vLLM here), on
-    # the CPU when there is no card, as the user running `lorafleet up`.
-    return AgentConfig(
-        node=node,
-        engines_dir=data_dir / "engines",
-        work_dir=data_dir / "agent",
-        allow_cpu=True,
-        python=sys.executable,
-        run_as=os.environ.get("LORAFLEET_AGENT_RUN_AS", ""),
-    )
-
-
 @app.command("up")
 def up_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: LORAFLEET_DATA_DIR."),
     nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
-    node: str = typer.Option("local", help="The local agent's node name."),
+    node: str = typer.Option(LOCAL_NODE, help="The local agent's node name."),
     agent: bool = typer.Option(True, help="Run a local agent."),
 ) -> None:
     """Run all of lorafleet on this machine (embedded NATS, SQLite, one agent)."""
     from lorafleet import log
-    from lorafleet_services.stack import EmbeddedStack
 
     base = Settings.from_env()
     directory = data_dir or Path(base.data_dir)
     log.configure("up", base.log_level)
-    stack = EmbeddedStack(
-        data_dir=directory,
-        nats_port=nats_port,
-        agent=_local_agent(directory, node) if agent else None,
-        echo=sys.stderr,
-    )
 
     async def main() -> None:
+        config = await up_agent_config(directory, node) if agent else None
+        stack = EmbeddedStack(
+            data_dir=directory, nats_port=nats_port, agent=config, echo=sys.stderr
+        )
         settings = await stack.start()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
@@ -210,11 +201,28 @@ def up_cmd(
                 if stack.crashed():
                     err.print(f"[red]stopped[/red]: {', '.join(stack.crashed())} exited")
                     break
-                await asyncio.sleep(0.5)
+                await asyncio.sleep(UP_WATCH_INTERVAL_S)
         finally:
             await stack.stop()
 
     asyncio.run(main())
+
+
+async def up_agent_config(
+    directory: Path, node: str, prepare: ConversionPreparer = local_conversion_source
+) -> AgentConfig:
+    """The local agent's config; without PyPI reachable it still starts, and says
+    where GGUF conversion will fetch llama.cpp's code from instead."""
+    try:
+        return await local_agent_config(directory, node, prepare=prepare)
+    except ConversionError as e:
+        config = await local_agent_config(directory, node, prepare=None)
+        err.print(
+            f"[yellow]warning[/yellow] {e}; GGUF conversion will fetch "
+            f"{config.conversion_source}: set LORAFLEET_AGENT_CONVERSION_SOURCE "
+            "to a local llama.cpp source tarball to convert offline"
+        )
+        return config
 
 
 @app.command("demo")
@@ -356,8 +364,8 @@ async def _follow(c: Client, job_id: str) -> JobRecord:
     async for event in c.watch(job_id):
         last = event.job
         err.print(_progress_line(event.job))
-    assert last is not None
-    return last
+    # watch() yields the job's record first; a stream that ended empty reads it again.
+    return last if last is not None else await c.get(job_id)
 
 
 @jobs_app.command("list")

@@ -21,10 +21,16 @@ from pathlib import Path
 from rich.console import Console
 
 from lorafleet.client import Client
-from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, TrainerParams
-
-#: Node name of the demo's local agent.
-DEMO_NODE = "local"
+from lorafleet_schemas.messages import (
+    Engine,
+    JobRecord,
+    JobSpec,
+    JobState,
+    ModelSpec,
+    TrainerParams,
+)
+from lorafleet_services.agent.conversion import local_conversion_source
+from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
 
 
 def demo_records(n: int = 96, seed: int = 7) -> str:
@@ -38,25 +44,18 @@ def demo_records(n: int = 96, seed: int = 7) -> str:
 
 
 async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console: Console) -> int:
-    from lorafleet_services.agent.conversion import local_conversion_source
-    from lorafleet_services.cli import _local_agent
-    from lorafleet_services.stack import EmbeddedStack
-    from lorafleet_services.tiny import build_tiny_model
-
+    """Run the demo in `data_dir` (default: a new temporary directory); exit code 0 when
+    the job ended done and every artifact arrived in `out_dir` with its sha256."""
     directory = data_dir or Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
     console.print(f"data directory: {directory}")
-    model_dir = directory / "models" / "tiny-llama"
-    if not (model_dir / "config.json").is_file():
-        console.print("building a tiny Llama (no download) ...")
-        from transformers.utils import logging as hf_logging
-
-        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        build_tiny_model("llama", model_dir)
-    agent = _local_agent(directory, DEMO_NODE)
+    model_dir = _tiny_model(directory, console)
     if engine is Engine.LLAMACPP:
         console.print("preparing llama.cpp's conversion code (from PyPI's llama-cpp-python) ...")
-        source, tag = await local_conversion_source(directory / "llama.cpp-source")
-        agent = agent.with_(conversion_source=source, llamacpp_tag=tag)
+    agent = await local_agent_config(
+        directory,
+        LOCAL_NODE,
+        prepare=local_conversion_source if engine is Engine.LLAMACPP else None,
+    )
     stack = EmbeddedStack(data_dir=directory, agent=agent)
     settings = await stack.start()
     console.print(f"lorafleet is up: NATS {settings.nats_url}")
@@ -65,45 +64,14 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
             if "tiny-llama" not in {m.name for m in await lf.models()}:
                 spec = ModelSpec(name="tiny-llama", engine=engine, local_dir=str(model_dir))
                 await lf.add_model(spec)
-            job = await lf.submit(
-                JobSpec(
-                    name="demo",
-                    model="tiny-llama",
-                    node=DEMO_NODE,
-                    gpu_memory_mib=1,
-                    data=demo_records(),
-                    params=TrainerParams(
-                        rank=8, alpha=16, epochs=4, batch_size=8, learning_rate=3e-3,
-                        max_seq_len=64, eval_fraction=0.1,
-                    ),
-                )
-            )  # fmt: skip
+            job = await lf.submit(demo_job())
             console.print(f"queued job {job.id} ({job.records} records)")
-            last = job
-            async for event in lf.watch(job.id):
-                j = event.job
-                if event.kind == "state" or j.step != last.step:
-                    loss = f" loss {j.loss:.4f}" if j.loss is not None else ""
-                    step = f" step {j.step}/{j.steps}" if j.steps else ""
-                    said = f" - {j.message}" if event.kind == "state" and j.message else ""
-                    console.print(f"  {j.state.value}{step}{loss}{said}")
-                last = j
+            last = await _follow(lf, job, console)
             if last.state is not JobState.DONE:
                 console.print(f"[red]the job ended {last.state.value}[/red]: {last.message}")
                 return 1
-            out_dir.mkdir(parents=True, exist_ok=True)
-            for art in await lf.artifacts(job.id):
-                suffix = ".tar.gz" if art.kind.value == "peft" else ".gguf"
-                path = out_dir / f"{job.id}-{art.kind.value}{suffix}"
-                rec = await lf.download(job.id, art.kind, path)
-                digest = hashlib.sha256(path.read_bytes()).hexdigest()
-                ok = digest == rec.sha256 == art.sha256
-                console.print(
-                    f"  {art.kind.value}: {path} {rec.size} bytes sha256 {digest} "
-                    + ("[green]checked[/green]" if ok else "[red]MISMATCH[/red]")
-                )
-                if not ok:
-                    return 1
+            if not await _download_checked(lf, job.id, out_dir, console):
+                return 1
             console.print(
                 f"[green]done[/green]: final loss {last.loss}, eval loss {last.eval_loss}, "
                 f"peak {last.peak_mib} MiB"
@@ -111,3 +79,64 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
             return 0
     finally:
         await stack.stop()
+
+
+def demo_job() -> JobSpec:
+    """The demo's job: a few epochs of small sums on the local agent's CPU."""
+    return JobSpec(
+        name="demo",
+        model="tiny-llama",
+        node=LOCAL_NODE,
+        gpu_memory_mib=1,
+        data=demo_records(),
+        params=TrainerParams(
+            rank=8, alpha=16, epochs=4, batch_size=8, learning_rate=3e-3,
+            max_seq_len=64, eval_fraction=0.1,
+        ),
+    )  # fmt: skip
+
+
+def _tiny_model(directory: Path, console: Console) -> Path:
+    """The tiny Llama under `directory`, built on the spot the first time (no download)."""
+    model_dir = directory / "models" / "tiny-llama"
+    if not (model_dir / "config.json").is_file():
+        console.print("building a tiny Llama (no download) ...")
+        from transformers.utils import logging as hf_logging
+
+        from lorafleet_services.tiny import build_tiny_model
+
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
+        build_tiny_model("llama", model_dir)
+    return model_dir
+
+
+async def _follow(lf: Client, job: JobRecord, console: Console) -> JobRecord:
+    """Print each state change and step of `job` until it ends; its last record."""
+    last = job
+    async for event in lf.watch(job.id):
+        j = event.job
+        if event.kind == "state" or j.step != last.step:
+            loss = f" loss {j.loss:.4f}" if j.loss is not None else ""
+            step = f" step {j.step}/{j.steps}" if j.steps else ""
+            said = f" - {j.message}" if event.kind == "state" and j.message else ""
+            console.print(f"  {j.state.value}{step}{loss}{said}")
+        last = j
+    return last
+
+
+async def _download_checked(lf: Client, job_id: str, out_dir: Path, console: Console) -> bool:
+    """Download every artifact of the job into `out_dir`; False at the first sha256 mismatch."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    for art in await lf.artifacts(job_id):
+        suffix = ".tar.gz" if art.kind.value == "peft" else ".gguf"
+        path = out_dir / f"{job_id}-{art.kind.value}{suffix}"
+        rec = await lf.download(job_id, art.kind, path)
+        digest = hashlib.sha256(path.read_bytes()).hexdigest()
+        ok = digest == rec.sha256 == art.sha256
+        console.print(
+            f"  {art.kind.value}: {path} {rec.size} bytes sha256 {digest} "
+            + ("[green]checked[/green]" if ok else "[red]MISMATCH[/red]")
+        )
+        if not ok:
+            return False
+    return True

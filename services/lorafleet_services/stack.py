@@ -3,7 +3,9 @@
 `lorafleet up` and `lorafleet demo` use `EmbeddedStack`: a nats-server from
 the pinned wheel, SQLite, the recorder, scheduler and artifact-store, and one
 local agent that may train on the CPU — each service a child process, as in
-production. The tests use `ServiceProcess` the same way.
+production. The local agent's config is `local_agent_config` here, for both
+commands. The tests use `ServiceProcess` the same way (tests/procs.py adds
+their waits).
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import os
 import signal
 import subprocess
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
@@ -24,13 +26,72 @@ from lorafleet import bus
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.conversion import local_conversion_source
 
 #: Seconds a child service has to log `service.started`.
 START_TIMEOUT_S = 60.0
+#: Seconds a child has between SIGTERM and SIGKILL in `ServiceProcess.stop`.
+STOP_TIMEOUT_S = 10.0
+#: Seconds the log reader gets to drain after a child has exited.
+READER_DRAIN_TIMEOUT_S = 5.0
+#: Seconds the log reader gets to drain after a failed start.
+FAILED_START_DRAIN_TIMEOUT_S = 2.0
+#: Log lines of a child quoted when it fails to start.
+FAILED_START_TAIL_LINES = 30
+
+#: Node name of the embedded default's local agent.
+LOCAL_NODE = "local"
+#: Where, under the data directory, the local llama.cpp conversion code is kept.
+LOCAL_CONVERSION_DIR = "llama.cpp-source"
+
+_AGENT_ENV_PREFIX = "LORAFLEET_AGENT_"
+
+#: Prepares llama.cpp's conversion code in a directory: (conversion_source, llamacpp_tag).
+ConversionPreparer = Callable[[Path], Awaitable[tuple[str, str]]]
+
+
+async def local_agent_config(
+    data_dir: Path,
+    node: str = LOCAL_NODE,
+    env: Mapping[str, str] | None = None,
+    *,
+    prepare: ConversionPreparer | None = local_conversion_source,
+) -> AgentConfig:
+    """The local agent of `lorafleet up` and `lorafleet demo`.
+
+    It trains in this very Python (there is no vLLM here), on the CPU when
+    there is no card, as the user running the command, with engines and work
+    directory under `data_dir`. Unless the user names a llama.cpp source or
+    tag, GGUF conversion uses llama.cpp's code from PyPI's llama-cpp-python
+    (`prepare`, once per data directory; no GitHub needed); a tag alone is
+    fetched from the default source, since the local one holds one release.
+    prepare=None keeps the default source. Every `LORAFLEET_AGENT_*` in `env`
+    (default os.environ) wins over these defaults; `node` wins over the
+    environment's, as a command-line option does.
+
+    Raises ConversionError when `prepare` cannot fetch the code.
+    """
+    env = os.environ if env is None else env
+    defaults: dict[str, object] = {
+        "engines_dir": data_dir / "engines",
+        "work_dir": data_dir / "agent",
+        "allow_cpu": True,
+        "python": sys.executable,
+        "run_as": "",
+    }
+    if prepare is not None and not _agent_env_sets(env, "conversion_source", "llamacpp_tag"):
+        source, tag = await prepare(data_dir / LOCAL_CONVERSION_DIR)
+        defaults.update(conversion_source=source, llamacpp_tag=tag)
+    unset = {k: v for k, v in defaults.items() if not _agent_env_sets(env, k)}
+    return AgentConfig.from_env(env, **unset, node=node)
+
+
+def _agent_env_sets(env: Mapping[str, str], *fields: str) -> bool:
+    return any(f"{_AGENT_ENV_PREFIX}{name.upper()}" in env for name in fields)
 
 
 class ServiceStartError(RuntimeError):
-    """A child service exited or stayed silent instead of starting."""
+    """A child service did not start: it exited, stayed silent, or was never started."""
 
 
 class ServiceProcess:
@@ -62,7 +123,8 @@ class ServiceProcess:
 
     @property
     def pid(self) -> int:
-        assert self.proc is not None
+        if self.proc is None:
+            raise ServiceStartError(f"{self.module} has not been started")
         return self.proc.pid
 
     @property
@@ -77,7 +139,9 @@ class ServiceProcess:
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
             start_new_session=True, limit=1 << 20,
         )  # fmt: skip
-        self._reader = asyncio.create_task(self._read())
+        if self.proc.stderr is None:  # pragma: no cover - stderr=PIPE always gives one
+            raise ServiceStartError(f"{self.module} has no stderr pipe")
+        self._reader = asyncio.create_task(self._read(self.proc.stderr))
         waiter = asyncio.create_task(self._started.wait())
         exited = asyncio.create_task(self.proc.wait())
         try:
@@ -90,13 +154,16 @@ class ServiceProcess:
         if not self._started.is_set():
             await self.stop()
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._reader, 2)
-            raise ServiceStartError(f"{self.module} did not start:\n" + "".join(self.raw[-30:]))
+                await asyncio.wait_for(self._reader, FAILED_START_DRAIN_TIMEOUT_S)
+            raise ServiceStartError(f"{self.module} did not start:\n" + self.tail())
         return self
 
-    async def _read(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        while line := await self.proc.stderr.readline():
+    def tail(self, lines: int = FAILED_START_TAIL_LINES) -> str:
+        """The child's last `lines` log lines, as it wrote them."""
+        return "".join(self.raw[-lines:])
+
+    async def _read(self, stderr: asyncio.StreamReader) -> None:
+        while line := await stderr.readline():
             text = line.decode(errors="replace")
             self.raw.append(text)
             if self.echo is not None:
@@ -112,23 +179,13 @@ class ServiceProcess:
     def events(self, name: str) -> list[dict[str, Any]]:
         return [ln for ln in self.lines if ln.get("event") == name]
 
-    async def wait_for_event(self, name: str, timeout_s: float = 30.0) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            found = self.events(name)
-            if found:
-                return found[-1]
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"{self.module} never logged {name}:\n" + "".join(self.raw[-30:]))
-
     def kill(self) -> None:
         """SIGKILL the whole process group at once."""
         if self.proc is not None and self.proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    async def stop(self, timeout_s: float = 10.0) -> int | None:
+    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
         """SIGTERM, wait `timeout_s` seconds, then SIGKILL; return the exit code."""
         proc = self.proc
         if proc is None:
@@ -143,7 +200,7 @@ class ServiceProcess:
                 await proc.wait()
         if self._reader is not None:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._reader, 5)
+                await asyncio.wait_for(self._reader, READER_DRAIN_TIMEOUT_S)
         return proc.returncode
 
     async def __aenter__(self) -> ServiceProcess:
@@ -197,17 +254,16 @@ class EmbeddedStack:
             await bus.drain_quietly(nc)
         try:
             for module in CONTROL_PLANE:
-                await self._spawn(module, {})
+                await self._spawn(module, self.settings, {})
             if self.agent is not None:
-                await self._spawn("lorafleet_services.agent", self.agent.to_env())
+                await self._spawn("lorafleet_services.agent", self.settings, self.agent.to_env())
         except BaseException:
             await self.stop()
             raise
         return self.settings
 
-    async def _spawn(self, module: str, env: dict[str, str]) -> ServiceProcess:
-        assert self.settings is not None
-        proc = ServiceProcess(module, self.settings, env=env, echo=self.echo)
+    async def _spawn(self, module: str, settings: Settings, env: dict[str, str]) -> ServiceProcess:
+        proc = ServiceProcess(module, settings, env=env, echo=self.echo)
         await proc.start()
         self.children.append(proc)
         return proc

@@ -29,6 +29,7 @@ from lorafleet_schemas.messages import (
     StatusReport,
     TrainerParams,
 )
+from tests.eventually import eventually
 from tests.procs import ServiceProcess, agent_process
 
 DATA = b"".join(
@@ -112,11 +113,12 @@ class Reports:
 async def finished(agent: ServiceProcess, job_id: str, timeout_s: float = 15.0) -> None:
     """Wait until the agent has let go of `job_id` (its final report comes a
     moment before: the agent is busy until the job's directory is cleaned)."""
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    while not any(e.get("job_id") == job_id for e in agent.events("job.finished")):
-        assert loop.time() < deadline, f"{job_id} never finished"
-        await asyncio.sleep(0.02)
+    await eventually(
+        lambda: any(e.get("job_id") == job_id for e in agent.events("job.finished")),
+        f"{job_id} to finish (job.finished)",
+        timeout_s=timeout_s,
+        interval_s=0.02,
+    )
 
 
 def start_request(

@@ -13,9 +13,10 @@ import tarfile
 import msgspec
 import nats
 import psutil
+from nats.js.kv import KeyValue
 
 from lorafleet import bus
-from lorafleet.artifacts import CHUNK_HEADER
+from lorafleet.names import Header
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
@@ -27,8 +28,9 @@ from lorafleet_schemas.messages import (
     StatusReport,
 )
 from lorafleet_services.agent.cards import read_cards
-from lorafleet_services.agent.standin_trainer import adapter_files, gguf_bytes
+from lorafleet_services.trainer.standin import adapter_files, gguf_bytes
 from tests.agent.conftest import Bus, Reports, finished, start_request
+from tests.eventually import eventually
 
 _PIDS_RE = re.compile(r"pid=(\d+) child_pid=(\d+)")
 
@@ -38,6 +40,11 @@ def alive(pid: int) -> bool:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
+
+
+async def beat_job(kv: KeyValue) -> str | None:
+    """The job of node-1's heartbeat now."""
+    return msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job
 
 
 async def trainer_pids(reports: Reports) -> tuple[int, int]:
@@ -55,7 +62,7 @@ async def delivered(fleet: Bus, node: str, job_id: str, kind: ArtifactKind) -> b
     while True:
         msg = await sub.next_msg(timeout=10)
         assert msg.headers is not None
-        h = msgspec.json.decode(msg.headers[CHUNK_HEADER], type=ArtifactChunkHeader)
+        h = msgspec.json.decode(msg.headers[Header.CHUNK], type=ArtifactChunkHeader)
         parts[h.seq] = msg.data
         if h.last:
             break
@@ -247,6 +254,15 @@ async def test_failures_say_why(fleet: Bus) -> None:
     reply = await fleet.start(start_request("bad.id", name, sha))
     assert not reply.accepted and "bad.id" in reply.reason
 
+    # A request that is not a StartRequest is answered as every service answers
+    # one: the micro error headers and lorafleet's JSON error body, naming the field.
+    subject = fleet.settings.names.node_start("node-1")
+    bad = await fleet.nc.request(subject, b'{"job_id": 5}', timeout=5)
+    assert bad.headers is not None and bad.headers["Nats-Service-Error-Code"] == "400"
+    error = msgspec.json.decode(bad.data)["error"]
+    assert error["code"] == "bad_request" and error["field"] == "$.job_id"
+    assert error["message"] == bad.headers["Nats-Service-Error"]
+
 
 async def test_no_card_and_no_cpu_fails_naming_the_node(fleet: Bus) -> None:
     await fleet.agent(allow_cpu=False)
@@ -280,25 +296,24 @@ async def test_fenced_agent_stops_its_trainer_and_comes_back_idle(
     await nats_server.stop()
     fenced = await agent.wait_for_event("agent.fenced", timeout_s=15)
     assert fenced["job_id"] == "job-fence"
-    for _ in range(50):
-        if not alive(pid) and not alive(child):
-            break
-        await asyncio.sleep(0.1)
-    assert not alive(pid) and not alive(child), "the fenced agent's trainer survived"
+    await eventually(
+        lambda: not alive(pid) and not alive(child),
+        "the fenced agent's trainer and its child to end (the trainer survived)",
+        timeout_s=5,
+        interval_s=0.1,
+    )
 
     await nats_server.start()
     await agent.wait_for_event("agent.unfenced", timeout_s=20)
     kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
-    for _ in range(50):
-        try:
-            entry = await kv.get("node-1")
-            if msgspec.json.decode(entry.value, type=Heartbeat).job is None:
-                break
-        except (nats.errors.Error, nats.js.errors.Error):
-            pass
-        await asyncio.sleep(0.2)
-    hb = msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat)
-    assert hb.job is None
+    await eventually(
+        lambda: beat_job(kv),
+        "a heartbeat with no job once unfenced",
+        until=lambda job: job is None,
+        timeout_s=10,
+        interval_s=0.2,
+        retry_on=(nats.errors.Error, nats.js.errors.Error),
+    )
     # Nothing about the fenced job was reported after the fence (it is failed
     # elsewhere): read what the stream holds now.
     with contextlib.suppress(AssertionError):
@@ -322,11 +337,9 @@ async def test_an_agent_killed_outright_leaves_no_trainer_after_its_restart(flee
 
     agent.kill()  # SIGKILL: no chance to stop anything
     # The trainer has a parent-death signal: it goes with the agent.
-    for _ in range(50):
-        if not alive(pid):
-            break
-        await asyncio.sleep(0.1)
-    assert not alive(pid), "the trainer outlived its agent"
+    await eventually(
+        lambda: not alive(pid), "the trainer to end with its agent", timeout_s=5, interval_s=0.1
+    )
 
     # What it had started is found by its environment when the agent restarts.
     again = await fleet.agent(env=env)
@@ -335,11 +348,13 @@ async def test_an_agent_killed_outright_leaves_no_trainer_after_its_restart(flee
     assert killed and child in killed[0]["pids"]
     assert not (fleet.tmp_path / "agent-node-1" / "jobs" / "job-orphan").exists()
     kv = await fleet.js.key_value(fleet.settings.names.nodes_bucket)
-    for _ in range(30):
-        if msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job is None:
-            break
-        await asyncio.sleep(0.1)
-    assert msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job is None
+    await eventually(
+        lambda: beat_job(kv),
+        "a heartbeat with no job after the restart",
+        until=lambda job: job is None,
+        timeout_s=3,
+        interval_s=0.1,
+    )
 
 
 async def test_nats_restart_mid_job_loses_and_doubles_no_report(

@@ -13,7 +13,7 @@ import pytest
 from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
 from lorafleet_services.agent.job import MemorySampler, remove_job_dirs, session_pids
-from lorafleet_services.agent.standin_trainer import adapter_files
+from lorafleet_services.trainer.standin import adapter_files
 
 
 def _engine(root: Path, *parts: str) -> None:

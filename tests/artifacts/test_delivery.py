@@ -16,12 +16,13 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
-from lorafleet.artifacts import CHUNK_HEADER, MSG_ID_HEADER, AsyncPublisher
-from lorafleet.names import Names
+from lorafleet._natspy import AsyncPublisher
+from lorafleet.names import Header, Names
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 from lorafleet_services.agent import delivery
 from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, deliver, pack_adapter
+from tests.eventually import eventually
 
 NAMES = Names()
 
@@ -42,7 +43,7 @@ async def read_stream(
             for m in await sub.fetch(64, timeout=2):
                 await m.ack()
                 hdrs = dict(m.headers or {})
-                h = msgspec.json.decode(hdrs[CHUNK_HEADER], type=ArtifactChunkHeader)
+                h = msgspec.json.decode(hdrs[Header.CHUNK], type=ArtifactChunkHeader)
                 out.append((h, hdrs, m.data))
     except TimeoutError:
         pass
@@ -69,7 +70,7 @@ async def test_deliver_chunks_with_ids_and_a_last_header(nc: Client, tmp_path: P
     assert [h.seq for h, _, _ in chunks] == [0, 1, 2, 3]
     assert b"".join(body for _, _, body in chunks) == data
     assert [len(body) for _, _, body in chunks] == [100_000, 100_000, 100_000, 123]
-    assert [hd[MSG_ID_HEADER] for _, hd, _ in chunks] == [f"j1.gguf.2.{i}" for i in range(4)]
+    assert [hd[Header.MSG_ID] for _, hd, _ in chunks] == [f"j1.gguf.2.{i}" for i in range(4)]
     assert not any(h.last for h, _, _ in chunks[:-1])
     last = chunks[-1][0]
     assert (last.last, last.count, last.size, last.sha256) == (True, 4, len(data), sha)
@@ -210,8 +211,12 @@ async def test_a_server_restart_mid_delivery_is_retried_to_completion(
         deliver(js, NAMES, node="n1", job_id="j6", attempt=1, kind=ArtifactKind.GGUF,
                 path=path, chunk_bytes=64 * 1024, timeout_s=1.0)
     )  # fmt: skip
-    while (await js.stream_info(NAMES.artifacts_stream)).state.messages < 20:  # noqa: ASYNC110
-        await asyncio.sleep(0.005)
+    await eventually(
+        lambda: js.stream_info(NAMES.artifacts_stream),
+        "20 chunks in the stream before the restart",
+        until=lambda info: info.state.messages >= 20,
+        interval_s=0.005,
+    )
     await nats_server.restart()
     size, sha = await asyncio.wait_for(task, 60)
     assert (size, sha) == (len(data), hashlib.sha256(data).hexdigest())

@@ -27,7 +27,7 @@ import pytest
 
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import convert_to_gguf, ensure_conversion_code
-from lorafleet_services.agent.environment import TrainerEnvironment
+from lorafleet_services.agent.environment import EngineEnvironment
 from lorafleet_services.tiny import build_tiny_model
 from tests.conversion import llamacpp_source
 from tests.conversion.adapters import make_adapter
@@ -124,9 +124,9 @@ def tiny(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Tiny]:
     return out
 
 
-def environment(root: Path, python: str = sys.executable) -> TrainerEnvironment:
+def environment(root: Path, python: str = sys.executable) -> EngineEnvironment:
     """The real trainer environment, running as the agent's own user with `python`."""
-    return TrainerEnvironment(
+    return EngineEnvironment(
         python=python,
         pythonpath=(str(root / "overlay"),),
         user=None,

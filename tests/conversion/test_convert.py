@@ -31,6 +31,7 @@ from tests.conversion.conftest import (
     processes_mentioning,
     recording_python,
 )
+from tests.eventually import eventually
 
 
 def _field(reader: GGUFReader, key: str) -> Any:
@@ -122,11 +123,7 @@ async def test_a_cancelled_conversion_stops_and_leaves_nothing(
         convert_to_gguf(fetched, env, tiny["llama"].adapter, tiny["llama"].base, out, cancel)
     )
     # Cancel once the converter is running (it takes seconds to import torch).
-    for _ in range(200):
-        if record.exists():
-            break
-        await asyncio.sleep(0.05)
-    assert record.exists(), "the converter never started"
+    await eventually(record.exists, "the converter to start", timeout_s=10, interval_s=0.05)
     await asyncio.sleep(1.0)  # inside Python now, importing torch
     cancel.set()
     with pytest.raises(ConversionCancelledError):

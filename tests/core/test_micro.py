@@ -3,9 +3,13 @@ and an error reply carries both the micro headers and the JSON body, and counts.
 
 from __future__ import annotations
 
+import asyncio
 import json
 
 import msgspec
+import nats.errors
+import pytest
+from nats.micro.service import Service
 
 from lorafleet import bus
 from lorafleet.errors import BadRequestError
@@ -53,4 +57,30 @@ async def test_micro_discovery_stats_and_error_replies(settings: Settings) -> No
     assert ep["num_errors"] == 2
     assert ep["last_error"].startswith("400: $.x")
     await svc.stop()
+    await nc.close()
+
+
+async def test_request_waits_out_a_moment_without_responders(settings: Settings) -> None:
+    """A responder that is (re)connecting is missed for a moment: bus.request
+    tries again for `no_responders_retry_s`, then gives up with NoRespondersError."""
+    nc = await bus.connect(settings, "test")
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.request(nc, "t.late", Echo(text="hi"), Echo, no_responders_retry_s=0)
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    with pytest.raises(nats.errors.NoRespondersError):
+        await bus.request(nc, "t.late", Echo(text="hi"), Echo, no_responders_retry_s=0.3)
+    assert 0.3 <= loop.time() - started < 2.0
+
+    async def serve_later() -> Service:
+        await asyncio.sleep(0.3)
+        return await start_service(nc, "late", "0.0.1", "late", [Route("t.late", Echo, echo)], "q")
+
+    later = asyncio.create_task(serve_later())
+    reply = await bus.request(nc, "t.late", Echo(text="hi"), Echo, no_responders_retry_s=5)
+    assert reply == Echo(text="hi")
+    with pytest.raises(BadRequestError, match="refused") as refused:
+        await bus.request(nc, "t.late", Echo(text="no"), Echo)
+    assert refused.value.field == "$.text"
+    await (await later).stop()
     await nc.close()

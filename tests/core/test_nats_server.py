@@ -14,7 +14,8 @@ async def test_server_is_the_pinned_release_and_restarts_on_its_port(
     nats_server: NatsServer,
 ) -> None:
     nc = await nats.connect(nats_server.url)
-    assert nc._server_info["version"].startswith("2.15")
+    version = nc.connected_server_version
+    assert (version.major, version.minor) == (2, 15), version
     port = nats_server.port
     await nc.close()
     await nats_server.restart(kill=True)

@@ -1,11 +1,13 @@
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from lorafleet.names import InvalidNameError, Names
-from lorafleet.settings import Settings, SettingsError
+from lorafleet.settings import Settings, SettingsError, read_env, write_env
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 
 
@@ -19,6 +21,70 @@ def test_settings_errors_say_what_to_change() -> None:
         Settings.from_env({"LORAFLEET_NODE_TIMEOUT_S": "soon"})
     with pytest.raises(SettingsError, match="must exceed"):
         Settings(heartbeat_s=3, node_timeout_s=3)
+
+
+def test_the_two_knobs_that_bypassed_settings_are_settings() -> None:
+    s = Settings.from_env(
+        {"LORAFLEET_RECORDER_ACK_WAIT_S": "2", "LORAFLEET_ARTIFACT_ORPHAN_AGE_S": "0"}
+    )
+    assert s.recorder_ack_wait_s == 2.0 and s.artifact_orphan_age_s == 0.0
+    assert Settings.from_env(s.to_env()) == s
+    assert Settings().recorder_ack_wait_s == 30.0 and Settings().artifact_orphan_age_s == 600.0
+    with pytest.raises(SettingsError, match="LORAFLEET_RECORDER_ACK_WAIT_S='soon' is not a number"):
+        Settings.from_env({"LORAFLEET_RECORDER_ACK_WAIT_S": "soon"})
+    with pytest.raises(SettingsError, match="LORAFLEET_RECORDER_ACK_WAIT_S must be > 0"):
+        Settings.from_env({"LORAFLEET_RECORDER_ACK_WAIT_S": "0"})
+    with pytest.raises(SettingsError, match="LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0"):
+        Settings.from_env({"LORAFLEET_ARTIFACT_ORPHAN_AGE_S": "-1"})
+
+
+def test_a_bad_value_names_the_variable_what_to_set_and_the_default() -> None:
+    with pytest.raises(SettingsError) as e:
+        Settings.from_env({"LORAFLEET_NODE_TIMEOUT_S": "soon"})
+    assert str(e.value) == (
+        "LORAFLEET_NODE_TIMEOUT_S='soon' is not a whole number: "
+        "set a whole number, or unset it (default 3)"
+    )
+
+
+@dataclass(frozen=True)
+class Knobs:
+    flag: bool = False
+    path: Path = Path("/x")
+    maybe: str | None = "set"
+    words: tuple[str, ...] = ()
+    count: int = 1
+
+
+class StructKnobs(msgspec.Struct, frozen=True):
+    flag: bool = False
+    count: int = 1
+
+
+@pytest.mark.parametrize(
+    ("raw", "want"),
+    [("1", True), ("TRUE", True), ("yes", True), ("on", True), ("0", False), ("off", False),
+     ("no", False), ("", False)],
+)  # fmt: skip
+def test_bool_words(raw: str, want: bool) -> None:
+    assert read_env(Knobs, "K_", {"K_FLAG": raw}) == {"flag": want}
+
+
+def test_each_field_is_decoded_to_its_annotated_type() -> None:
+    env = {"K_PATH": "/a/b", "K_MAYBE": "", "K_WORDS": "a, b,,c ", "K_COUNT": "7"}
+    got = read_env(Knobs, "K_", env)
+    assert got == {"path": Path("/a/b"), "maybe": None, "words": ("a", "b", "c"), "count": 7}
+    assert type(got["path"]) is type(Path("/a/b"))
+    knobs = Knobs(**{**got, "maybe": "m"})
+    assert Knobs(**read_env(Knobs, "K_", write_env(knobs, "K_"))) == knobs
+    assert read_env(StructKnobs, "S_", {"S_FLAG": "on", "S_COUNT": "2"}) == {
+        "flag": True,
+        "count": 2,
+    }
+    with pytest.raises(SettingsError, match=r"K_FLAG='maybe' is not a bool \(1/true"):
+        read_env(Knobs, "K_", {"K_FLAG": "maybe"})
+    with pytest.raises(ValueError, match="K_COUNT"):
+        read_env(Knobs, "K_", {"K_COUNT": "many"}, ValueError)
 
 
 def test_names_derive_from_one_prefix() -> None:

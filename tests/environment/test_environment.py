@@ -12,7 +12,6 @@ import signal
 import stat
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import psutil
@@ -23,7 +22,7 @@ from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig, EngineUser
 from lorafleet_services.agent.environment import (
     OVERLAY_MARKER,
-    TrainerEnvironment,
+    EngineEnvironment,
     TrainerSetupError,
     ensure_overlay,
     find_python,
@@ -32,6 +31,7 @@ from lorafleet_services.agent.environment import (
 )
 from lorafleet_services.agent.process import run_process
 from tests.environment.conftest import Engines, make_engines
+from tests.eventually import eventually
 
 CPU = CardChoice(index=None, name="cpu", free_mib=0)
 
@@ -50,7 +50,7 @@ def _overlays(work: Path) -> list[str]:
     return sorted(p.name for p in work.glob("overlay-*"))
 
 
-async def _imports(env: TrainerEnvironment) -> dict[str, list[str]]:
+async def _imports(env: EngineEnvironment) -> dict[str, list[str]]:
     lines: list[bytes] = []
 
     async def keep(line: bytes) -> None:
@@ -102,7 +102,7 @@ def test_process_env_is_clean_and_names_the_card(
     monkeypatch.setenv("PYTHONPATH", "/agent/only")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     user = EngineUser("eng", 999, 998, (998, 44), tmp_path / "engine-home")
-    env = TrainerEnvironment(
+    env = EngineEnvironment(
         python="/opt/e/vllm/0.11.0/bin/python3",
         pythonpath=("/w/overlay-1",),
         user=user,
@@ -129,7 +129,7 @@ def test_process_env_is_clean_and_names_the_card(
 
     cpu = env.process_env(CPU)
     assert cpu["CUDA_VISIBLE_DEVICES"] == ""
-    online = TrainerEnvironment(
+    online = EngineEnvironment(
         python="/p/python3",
         pythonpath=(),
         user=None,
@@ -288,11 +288,12 @@ async def _crash_mid_install(cfg: AgentConfig, python: str) -> None:
     are written but before it is marked complete."""
     agent = await _agent_process(cfg, python, stdout=asyncio.subprocess.DEVNULL)
     try:
-        deadline = time.monotonic() + 120
-        while not list(cfg.work_dir.glob("overlay-*.partial-*/peft/__init__.py")):
+
+        def written() -> list[Path]:
             assert agent.returncode is None, "the agent ended before the crash"
-            assert time.monotonic() < deadline, "the install never wrote peft"
-            await asyncio.sleep(0.02)
+            return list(cfg.work_dir.glob("overlay-*.partial-*/peft/__init__.py"))
+
+        await eventually(written, "the install to write peft", timeout_s=120, interval_s=0.02)
         _kill_tree(psutil.Process(agent.pid))
     finally:
         with contextlib.suppress(ProcessLookupError):
@@ -443,11 +444,12 @@ async def test_a_cancelled_install_leaves_no_installer_and_no_partial(
     engines = make_engines(open_dir / "e-cancel", engine_venv)
     cfg = _cfg(engines.root, open_dir / "w-cancel", wheel_dir=str(wheel_dir))
     task = asyncio.create_task(ensure_overlay(cfg, str(engines.python)))
-    deadline = time.monotonic() + 60
-    while engines.calls("-m pip install") == 0:
+
+    def installing() -> int:
         assert not task.done(), task
-        assert time.monotonic() < deadline
-        await asyncio.sleep(0.02)
+        return engines.calls("-m pip install")
+
+    await eventually(installing, "the installer to start", timeout_s=60, interval_s=0.02)
     installer = [p for p in psutil.Process().children(recursive=True) if "pip" in p.cmdline()]
     assert installer, "the installer is running"
     task.cancel()

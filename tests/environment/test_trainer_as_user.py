@@ -14,7 +14,7 @@ import pytest
 from lorafleet_schemas.messages import TrainerError, TrainerLine, TrainerLog
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import TrainerEnvironment, prepare
+from lorafleet_services.agent.environment import EngineEnvironment, prepare
 from lorafleet_services.agent.process import run_process
 from lorafleet_services.tiny import build_tiny_model
 from tests.environment.conftest import make_engines
@@ -34,7 +34,7 @@ class Run:
         return " ".join(x.message for x in self.lines if isinstance(x, TrainerError))
 
 
-async def run_as_user(env: TrainerEnvironment, base: Path, job_dir: Path) -> Run:
+async def run_as_user(env: EngineEnvironment, base: Path, job_dir: Path) -> Run:
     """The trainer script on `base`, in `job_dir`, as the environment's user."""
     shutil.rmtree(job_dir, ignore_errors=True)
     job_json = write_job(
@@ -43,7 +43,7 @@ async def run_as_user(env: TrainerEnvironment, base: Path, job_dir: Path) -> Run
         data=ndjson(qa_records()),
         params={"max_steps": 2, "batch_size": 4, "max_seq_len": 64, "rank": 4, "alpha": 8},
     )
-    shutil.copy(TRAINER_PATH, job_dir / "trainer_script.py")
+    shutil.copy(TRAINER_PATH, job_dir / "trainer.py")
     env.give(job_dir)
     lines: list[TrainerLine] = []
 
@@ -51,7 +51,7 @@ async def run_as_user(env: TrainerEnvironment, base: Path, job_dir: Path) -> Run
         lines.append(msgspec.json.decode(raw, type=TrainerLine))
 
     res = await run_process(
-        [env.python, str(job_dir / "trainer_script.py"), str(job_json)],
+        [env.python, str(job_dir / "trainer.py"), str(job_json)],
         env=env.process_env(CPU),
         cwd=job_dir,
         user=env.user,

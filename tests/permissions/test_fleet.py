@@ -5,7 +5,6 @@ nothing is refused on the way but the agent's attempt to create the layout."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator, Mapping
@@ -21,11 +20,16 @@ from lorafleet import bus
 from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet_services.agent.config import AgentConfig
+from tests.eventually import eventually
 from tests.permissions.conftest import Fleet
 from tests.procs import ServiceProcess
 
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
 FINAL = ("done", "failed", "cancelled")
+#: Seconds a job has to reach a state (the stand-in trainer is fast).
+STATE_TIMEOUT_S = 30.0
+#: Seconds between two jobs.get while waiting.
+STATE_INTERVAL_S = 0.1
 
 
 @dataclass
@@ -69,14 +73,18 @@ class System:
         job: dict[str, Any] = await self.call(names.jobs_submit, body)
         return job
 
-    async def wait(self, job_id: str, *states: str, timeout_s: float = 30) -> dict[str, Any]:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            job: dict[str, Any] = await self.call(self.fleet.base.names.jobs_get, {"id": job_id})
-            if job["state"] in states or job["state"] in FINAL or loop.time() > deadline:
-                return job
-            await asyncio.sleep(0.1)
+    async def wait(
+        self, job_id: str, *states: str, timeout_s: float = STATE_TIMEOUT_S
+    ) -> dict[str, Any]:
+        """The job once it is in one of `states` or final (the test then says which)."""
+        job: dict[str, Any] = await eventually(
+            lambda: self.call(self.fleet.base.names.jobs_get, {"id": job_id}),
+            f"job {job_id} to reach {states} or end",
+            until=lambda j: j["state"] in states or j["state"] in FINAL,
+            timeout_s=timeout_s,
+            interval_s=STATE_INTERVAL_S,
+        )
+        return job
 
     def assert_nothing_refused(self) -> None:
         """The agent's layout attempt was refused at once (it said so); nothing else was."""

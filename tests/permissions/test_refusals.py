@@ -4,7 +4,6 @@ nothing lands in the streams, the KV or a listener."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import hashlib
 import io
@@ -18,6 +17,7 @@ from nats.aio.client import Client
 from lorafleet import bus, objects
 from lorafleet.names import dataset_object_name
 from lorafleet_schemas.messages import Heartbeat
+from tests.eventually import eventually
 from tests.permissions.conftest import Fleet
 
 #: Seconds a refused request waits (the server never answers it).
@@ -31,27 +31,35 @@ def beat(node: str) -> bytes:
     )
 
 
+#: Seconds a refusal has to reach the client's error callback or the server's log.
+REFUSAL_TIMEOUT_S = 2.0
+#: Seconds between two looks for it.
+REFUSAL_INTERVAL_S = 0.02
+
+
 async def refused(refusals: list[str], verb: str, subject: str) -> str:
     """The server's refusal of `verb` ("Publish to" / "Subscription to") on `subject`,
     as the error callback hears it (nats-py lower-cases the server's -ERR)."""
     want = f'permissions violation for {verb} "{subject}"'.lower()
-    for _ in range(100):
-        for text in refusals:
-            if text.lower() == want:
-                return text
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"the server did not refuse {want}; refusals: {refusals}")
+    matching = await eventually(
+        lambda: [text for text in refusals if text.lower() == want],
+        f"the server to refuse {want}; refusals: {refusals}",
+        timeout_s=REFUSAL_TIMEOUT_S,
+        interval_s=REFUSAL_INTERVAL_S,
+    )
+    return matching[0]
 
 
 async def server_logged(fleet: Fleet, what: str, subject: str, user: str = "node-1") -> bool:
     """True once the server's own log names `user` and `subject` (exact case); its
     output is read by a task, so the line may come a moment after the client's error."""
     want = f'"$G/user:{user}" - {what} - Subject "{subject}"'
-    for _ in range(100):
-        if any(want in line for line in fleet.server.output):
-            return True
-        await asyncio.sleep(0.02)
-    return False
+    return await eventually(
+        lambda: any(want in line for line in fleet.server.output),
+        f"the server to log {want}",
+        timeout_s=REFUSAL_TIMEOUT_S,
+        interval_s=REFUSAL_INTERVAL_S,
+    )
 
 
 @pytest.fixture
@@ -64,7 +72,6 @@ async def service(fleet: Fleet) -> AsyncIterator[Client]:
 
 async def test_node_1_credentials_reach_node_1_subjects_only(fleet: Fleet, service: Client) -> None:
     names = fleet.base.names
-    sjs = service.jetstream()
     refusals: list[str] = []
     nc = await bus.connect(fleet.node_settings("node-1"), "node-1", on_refused=refusals.append)
     js = nc.jetstream()
@@ -75,45 +82,8 @@ async def test_node_1_credentials_reach_node_1_subjects_only(fleet: Fleet, servi
         ack = await js.publish(names.status("node-1", "job-a"), b"{}", timeout=2)
         assert ack.stream == names.status_stream
 
-        # Another node's heartbeat, status and artifacts: refused, and nothing stored.
-        for subject in (
-            names.node_heartbeat("node-2"),
-            names.status("node-2", "job-a"),
-            names.artifact_chunks("node-2", "job-a", "peft"),
-        ):
-            with pytest.raises(nats.errors.TimeoutError):
-                await js.publish(subject, beat("node-2"), timeout=REFUSED_WAIT_S)
-            await refused(refusals, "Publish to", subject)
-        # The server's own log names the user and the subject (exact case).
-        for subject in (names.node_heartbeat("node-2"), names.status("node-2", "job-a")):
-            assert await server_logged(fleet, "Publish Violation", subject)
-        kv = await sjs.key_value(names.nodes_bucket)
-        assert (await kv.get("node-1")).value is not None
-        with pytest.raises(nats.js.errors.KeyNotFoundError):
-            await kv.get("node-2")
-        for stream, subject in (
-            (names.status_stream, names.status("node-2", "job-a")),
-            (names.artifacts_stream, names.artifact_chunks("node-2", "job-a", "peft")),
-        ):
-            with pytest.raises(nats.js.errors.NotFoundError):
-                await sjs.get_last_msg(stream, subject)
-
-        # node-2's start subject: the subscription is refused and hears nothing;
-        # node-1's own start subject is heard.
-        own = await nc.subscribe(names.node_start("node-1"))
-        other = await nc.subscribe(names.node_start("node-2"))
-        snoop = await nc.subscribe("_INBOX.>")
-        await nc.flush()
-        await refused(refusals, "Subscription to", names.node_start("node-2"))
-        await refused(refusals, "Subscription to", "_INBOX.>")
-        assert await server_logged(fleet, "Subscription Violation", names.node_start("node-2"))
-        await service.publish(names.node_start("node-2"), b"for node-2")
-        await service.publish(names.node_start("node-1"), b"for node-1")
-        await service.flush()
-        assert (await own.next_msg(timeout=2)).data == b"for node-1"
-        for sub in (other, snoop):
-            with pytest.raises(nats.errors.TimeoutError):
-                await sub.next_msg(timeout=REFUSED_WAIT_S)
+        await another_nodes_publishes_are_refused(fleet, service, nc, refusals)
+        await another_nodes_start_subject_is_not_heard(fleet, service, nc, refusals)
 
         # The recorder's internal API: a listener on it (the service user) hears nothing.
         heard = await service.subscribe(names.store_transition)
@@ -125,6 +95,57 @@ async def test_node_1_credentials_reach_node_1_subjects_only(fleet: Fleet, servi
             await heard.next_msg(timeout=REFUSED_WAIT_S)
     finally:
         await bus.drain_quietly(nc)
+
+
+async def another_nodes_publishes_are_refused(
+    fleet: Fleet, service: Client, nc: Client, refusals: list[str]
+) -> None:
+    """node-2's heartbeat, status and artifacts, published by node-1: refused, nothing stored."""
+    names = fleet.base.names
+    js, sjs = nc.jetstream(), service.jetstream()
+    for subject in (
+        names.node_heartbeat("node-2"),
+        names.status("node-2", "job-a"),
+        names.artifact_chunks("node-2", "job-a", "peft"),
+    ):
+        with pytest.raises(nats.errors.TimeoutError):
+            await js.publish(subject, beat("node-2"), timeout=REFUSED_WAIT_S)
+        await refused(refusals, "Publish to", subject)
+    # The server's own log names the user and the subject (exact case).
+    for subject in (names.node_heartbeat("node-2"), names.status("node-2", "job-a")):
+        assert await server_logged(fleet, "Publish Violation", subject)
+    kv = await sjs.key_value(names.nodes_bucket)
+    assert (await kv.get("node-1")).value is not None
+    with pytest.raises(nats.js.errors.KeyNotFoundError):
+        await kv.get("node-2")
+    for stream, subject in (
+        (names.status_stream, names.status("node-2", "job-a")),
+        (names.artifacts_stream, names.artifact_chunks("node-2", "job-a", "peft")),
+    ):
+        with pytest.raises(nats.js.errors.NotFoundError):
+            await sjs.get_last_msg(stream, subject)
+
+
+async def another_nodes_start_subject_is_not_heard(
+    fleet: Fleet, service: Client, nc: Client, refusals: list[str]
+) -> None:
+    """node-2's start subject (and every inbox): node-1's subscription is refused and
+    hears nothing; node-1's own start subject is heard."""
+    names = fleet.base.names
+    own = await nc.subscribe(names.node_start("node-1"))
+    other = await nc.subscribe(names.node_start("node-2"))
+    snoop = await nc.subscribe("_INBOX.>")
+    await nc.flush()
+    await refused(refusals, "Subscription to", names.node_start("node-2"))
+    await refused(refusals, "Subscription to", "_INBOX.>")
+    assert await server_logged(fleet, "Subscription Violation", names.node_start("node-2"))
+    await service.publish(names.node_start("node-2"), b"for node-2")
+    await service.publish(names.node_start("node-1"), b"for node-1")
+    await service.flush()
+    assert (await own.next_msg(timeout=2)).data == b"for node-1"
+    for sub in (other, snoop):
+        with pytest.raises(nats.errors.TimeoutError):
+            await sub.next_msg(timeout=REFUSED_WAIT_S)
 
 
 async def test_node_reads_datasets_with_its_one_api_subject(fleet: Fleet, service: Client) -> None:

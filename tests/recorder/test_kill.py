@@ -13,7 +13,7 @@ from sqlalchemy.engine import make_url
 
 from lorafleet.names import Names
 from lorafleet.settings import Settings
-from lorafleet_services.recorder.service import ACK_WAIT_ENV
+from tests.eventually import eventually
 from tests.procs import ServiceProcess
 
 N = Names()
@@ -44,9 +44,9 @@ def reports(job_id: str) -> list[bytes]:
 
 
 async def test_sigkill_while_reports_stream_in(settings: Settings, pg_url: str) -> None:
-    s = settings.with_(database_url=pg_url)
-    env = {ACK_WAIT_ENV: "2"}
-    proc = await ServiceProcess("lorafleet_services.recorder", s, env=env).start()
+    # Reports held by the killed process come back after 2 s, not 30.
+    s = settings.with_(database_url=pg_url, recorder_ack_wait_s=2.0)
+    proc = await ServiceProcess("lorafleet_services.recorder", s).start()
     nc = await nats.connect(s.nats_url)
     try:
         await req(nc, N.models_add, {"name": "tiny", "engine": "vllm", "hf_repo": "o/t"})
@@ -72,27 +72,24 @@ async def test_sigkill_while_reports_stream_in(settings: Settings, pg_url: str) 
 
         publisher = asyncio.create_task(publish_all())
         # Kill it once it has applied some, while the rest still streams in.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + 30
-        while loop.time() < deadline:
-            got = await req(nc, N.jobs_get, {"id": jobs[0]})
-            if got["step"] >= 40:
-                break
-            await asyncio.sleep(0.02)
+        await eventually(
+            lambda: req(nc, N.jobs_get, {"id": jobs[0]}), "the first job at step 40",
+            until=lambda j: j["step"] >= 40, timeout_s=30, interval_s=0.02,
+        )  # fmt: skip
         proc.kill()
         await proc.stop()
         assert not publisher.done(), "the publisher finished before the kill: make STEPS larger"
         await asyncio.sleep(0.5)
-        proc = await ServiceProcess("lorafleet_services.recorder", s, env=env).start()
+        proc = await ServiceProcess("lorafleet_services.recorder", s).start()
         await publisher
 
         # Reports the killed process had fetched come back after the ack wait.
-        deadline = loop.time() + 40
-        while loop.time() < deadline:
-            info = await js.consumer_info(N.status_stream, N.recorder_consumer)
-            if info.num_pending == 0 and info.num_ack_pending == 0:
-                break
-            await asyncio.sleep(0.2)
+        await eventually(
+            lambda: js.consumer_info(N.status_stream, N.recorder_consumer),
+            "every report applied and acked",
+            until=lambda info: info.num_pending == 0 and info.num_ack_pending == 0,
+            timeout_s=40, interval_s=0.2,
+        )  # fmt: skip
         for job_id in jobs:
             got = await req(nc, N.jobs_get, {"id": job_id})
             assert got["state"] == "uploading" and got["step"] == STEPS, got
@@ -129,10 +126,10 @@ async def test_process_on_sqlite_default_poison_and_clean_stop(settings: Setting
         poison = await proc.wait_for_event("status.refused", timeout_s=10)
         assert poison["message"] == "poison" and "error" in poison
         await js.publish(N.status("n1", job["id"]), reports(job["id"])[1])
-        for _ in range(200):
-            if len(proc.events("status.refused")) >= 2:
-                break
-            await asyncio.sleep(0.05)
+        await eventually(
+            lambda: len(proc.events("status.refused")) >= 2, "the second status.refused",
+            timeout_s=10,
+        )  # fmt: skip
         refused = proc.events("status.refused")[-1]
         assert refused["job_id"] == job["id"] and "not placed" in refused["message"]
         info = await js.consumer_info(N.status_stream, N.recorder_consumer)

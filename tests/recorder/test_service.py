@@ -18,11 +18,12 @@ import pytest
 from nats.aio.client import Client
 
 from lorafleet import bus
-from lorafleet.names import Names, dataset_object_name
+from lorafleet.names import Header, Names, dataset_object_name
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder
+from tests.eventually import eventually
 
 N = Names()
 QA = '{"q": "2+2?", "a": "4"}\n{"q": "capital of France?", "a": "Paris"}\n'
@@ -40,6 +41,7 @@ async def running(settings: Settings, pg_url: str) -> AsyncIterator[Running]:
     s = settings.with_(database_url=pg_url)
     engine = db.create_engine(pg_url)
     rnc = await bus.connect(s, "recorder-under-test")
+    await bus.ensure_layout(rnc.jetstream(), bus.layout_for(s))  # as runtime.serve does
     recorder = Recorder(s, rnc, engine)
     await recorder.start()
     nc = await nats.connect(s.nats_url)
@@ -47,9 +49,8 @@ async def running(settings: Settings, pg_url: str) -> AsyncIterator[Running]:
         yield Running(s, nc, recorder)
     finally:
         await nc.close()
-        await recorder.stop()
+        await recorder.stop()  # disposes the engine too
         await bus.drain_quietly(rnc)
-        await engine.dispose()
 
 
 async def raw(nc: Client, subject: str, body: Any) -> tuple[dict[str, Any], dict[str, str]]:
@@ -79,7 +80,7 @@ async def test_submit_get_list_round_trip_raw_json(running: Running) -> None:
         QA
     ).encode() + b', "params": {"rank": 8, "max_steps": 5}}'  # fmt: skip
     job, headers = await raw(nc, N.jobs_submit, payload)
-    assert "Nats-Service-Error-Code" not in headers
+    assert Header.SERVICE_ERROR_CODE not in headers
     assert job["state"] == "queued" and job["records"] == 2 and job["node"] is None
     assert job["params"]["rank"] == 8 and job["params"]["max_steps"] == 5
     assert job["artifacts_expected"] == ["peft"]
@@ -136,7 +137,7 @@ async def test_named_dataset(running: Running) -> None:
     )
     assert err["error"]["code"] == "bad_request" and err["error"]["field"] == "$.dataset"
     assert "line 501" in err["error"]["message"] and '"a"' in err["error"]["message"]
-    assert headers["Nats-Service-Error-Code"] == "400"
+    assert headers[Header.SERVICE_ERROR_CODE] == "400"
 
 
 def _spec(**kw: Any) -> dict[str, Any]:
@@ -193,7 +194,7 @@ async def test_every_endpoint_refuses_bad_input(running: Running) -> None:
         assert err["error"]["code"] == code, (where, err)
         assert err["error"]["field"] == field, (where, err)
         assert word in err["error"]["message"], (where, err)
-        assert "Nats-Service-Error-Code" in headers, where
+        assert Header.SERVICE_ERROR_CODE in headers, where
     # Nothing was written, and the service still answers.
     listed, _ = await raw(nc, N.jobs_list, {})
     assert listed["jobs"] == []
@@ -214,15 +215,14 @@ def report(job_id: str, seq: int, **kw: Any) -> bytes:
 
 
 async def wait_job(nc: Client, job_id: str, pred: Any, timeout_s: float = 30.0) -> dict[str, Any]:
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + timeout_s
-    job: dict[str, Any] = {}
-    while loop.time() < deadline:
+    async def get() -> dict[str, Any]:
         job, _ = await raw(nc, N.jobs_get, {"id": job_id})
-        if pred(job):
-            return job
-        await asyncio.sleep(0.1)
-    raise AssertionError(f"job never reached the condition: {job}")
+        return job
+
+    return await eventually(
+        get, f"job {job_id} to reach the condition", until=pred, timeout_s=timeout_s,
+        interval_s=0.1,
+    )  # fmt: skip
 
 
 async def test_transitions_race_and_artifacts_over_nats(running: Running) -> None:
@@ -290,14 +290,10 @@ async def test_status_consumer_survives_server_restart(
     await nats_server.restart()
     # The plain client reconnects too; publish the rest after the restart.
     js = nc.jetstream()
-    for _attempt in range(50):
-        try:
-            await js.publish(N.status("n1", jid), report(jid, 11 + 1, step=11, steps=20, loss=0.2))
-            break
-        except Exception:
-            await asyncio.sleep(0.2)
-    else:
-        raise AssertionError("could not publish after the restart")
+    await eventually(
+        lambda: js.publish(N.status("n1", jid), report(jid, 11 + 1, step=11, steps=20, loss=0.2)),
+        "a publish after the restart", timeout_s=10, interval_s=0.2, retry_on=(Exception,),
+    )  # fmt: skip
     for i in range(12, 21):
         await js.publish(N.status("n1", jid), report(jid, 1 + i, step=i, steps=20, loss=2.0 / i))
     done = await wait_job(nc, jid, lambda j: j["step"] == 20)

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 import msgspec
+import psutil
 import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
@@ -35,6 +36,7 @@ from lorafleet_schemas.messages import (
     JobState,
     NodeList,
 )
+from tests.eventually import eventually
 from tests.procs import ServiceProcess, agent_process
 
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
@@ -50,16 +52,11 @@ def has_artifact_store() -> bool:
 def pid_alive(pid: int) -> bool:
     """True while `pid` exists and is not a zombie."""
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
+        return bool(psutil.Process(pid).status() != psutil.STATUS_ZOMBIE)
+    except psutil.NoSuchProcess:
         return False
-    except PermissionError:
+    except psutil.AccessDenied:
         return True
-    with contextlib.suppress(OSError):
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        if stat.rsplit(")", 1)[1].split()[0] == "Z":
-            return False
-    return True
 
 
 @dataclass
@@ -147,28 +144,15 @@ class Stack:
     async def wait_state(
         self, job_id: str, *states: JobState, timeout_s: float = STATE_TIMEOUT_S
     ) -> JobRecord:
-        """Poll jobs.get until the job is in one of `states`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        job: JobRecord | None = None
-        while loop.time() < deadline:
-            with contextlib.suppress(Exception):
-                job = await self.get(job_id)
-                if job.state in states:
-                    return job
-            await asyncio.sleep(0.05)
-        seen = f"{job.state.value}: {job.message}" if job else "no answer"
-        raise AssertionError(f"job {job_id} never reached {states}; it is {seen}")
-
-    async def wait_for(self, pred: Any, what: str, timeout_s: float = STATE_TIMEOUT_S) -> Any:
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while loop.time() < deadline:
-            value = await pred()
-            if value:
-                return value
-            await asyncio.sleep(0.05)
-        raise AssertionError(f"timed out waiting for {what}")
+        """Poll jobs.get until the job is in one of `states` (a failed request is
+        "not yet": services may be restarting)."""
+        return await eventually(
+            lambda: self.get(job_id),
+            f"job {job_id} to reach {[s.value for s in states]}",
+            until=lambda job: job.state in states,
+            timeout_s=timeout_s,
+            retry_on=(Exception,),
+        )
 
     # --- a fake node: a real heartbeat publisher with cards -------------
 

@@ -10,6 +10,7 @@ import pytest
 
 from lorafleet.errors import NotFoundError
 from lorafleet_schemas.messages import JobState
+from tests.eventually import eventually
 from tests.procs import ServiceProcess
 from tests.system.conftest import (
     Stack,
@@ -76,7 +77,7 @@ async def test_cancel_a_queued_job_and_a_running_one(stack: Stack) -> None:
     assert cancelled.state is JobState.CANCELLED
     assert "changed my mind" in cancelled.message
 
-    await stack.wait_for(lambda: _has_pids(agent, 2), "the stand-in's pids in the agent log")
+    await eventually(lambda: _has_pids(agent, 2), "the stand-in's pids in the agent log")
     pids = trainer_pids(agent)
     assert len(pids) == 2  # the trainer and its child
     stopped = await stack.cancel(running.id)
@@ -85,13 +86,13 @@ async def test_cancel_a_queued_job_and_a_running_one(stack: Stack) -> None:
     async def all_gone() -> bool:
         return not any(pid_alive(p) for p in pids)
 
-    await stack.wait_for(all_gone, f"trainer processes {pids} to end", timeout_s=15)
+    await eventually(all_gone, f"trainer processes {pids} to end", timeout_s=15)
 
     async def node_idle() -> bool:
         nodes = (await stack.nodes()).nodes
         return any(n.heartbeat.node == "node-1" and n.heartbeat.job is None for n in nodes)
 
-    await stack.wait_for(node_idle, "node-1 to heartbeat with no job")
+    await eventually(node_idle, "node-1 to heartbeat with no job")
     # The node is idle now: the cancelled queued job must still never be sent.
     await asyncio.sleep(1.5)
     assert start_requests(agent) == [running.id]
@@ -156,13 +157,13 @@ async def test_a_job_larger_than_any_card_stays_queued_saying_so(stack: Stack) -
         async def node_seen() -> bool:
             return any(n.heartbeat.node == "gpu-1" for n in (await stack.nodes()).nodes)
 
-        await stack.wait_for(node_seen, "gpu-1 in nodes.list")
+        await eventually(node_seen, "gpu-1 in nodes.list")
         job = await stack.submit("gpu-1", mib=30000)
 
         async def says_so() -> bool:
             return "no card on gpu-1 has 30000 MiB" in (await stack.get(job.id)).message
 
-        await stack.wait_for(says_so, "the waiting message", timeout_s=10)
+        await eventually(says_so, "the waiting message", timeout_s=10)
         await asyncio.sleep(1.5)
         still = await stack.get(job.id)
         assert still.state is JobState.QUEUED
@@ -179,7 +180,7 @@ async def test_a_node_running_a_job_the_recorder_holds_final_is_told_to_stop(
     agent = await stack.agent("node-1", env=SLOW)
     job = await stack.submit("node-1")
     running = await stack.wait_state(job.id, JobState.RUNNING)
-    await stack.wait_for(lambda: _has_pids(agent, 1), "the trainer's pid in the agent log")
+    await eventually(lambda: _has_pids(agent, 1), "the trainer's pid in the agent log")
     pids = trainer_pids(agent)
     # Behind the scheduler's back (an operator, a lost race): the recorder ends the job.
     reply = await stack.call(
@@ -192,7 +193,7 @@ async def test_a_node_running_a_job_the_recorder_holds_final_is_told_to_stop(
     async def all_gone() -> bool:
         return not any(pid_alive(p) for p in pids)
 
-    await stack.wait_for(all_gone, f"trainer processes {pids} to end", timeout_s=15)
+    await eventually(all_gone, f"trainer processes {pids} to end", timeout_s=15)
 
     async def told() -> bool:
         # Logged once the agent has answered, which is after the trainer ended.
@@ -202,7 +203,7 @@ async def test_a_node_running_a_job_the_recorder_holds_final_is_told_to_stop(
             for ln in s.events("job.cancelled")
         )
 
-    await stack.wait_for(told, "the scheduler's job.cancelled line", timeout_s=10)
+    await eventually(told, "the scheduler's job.cancelled line", timeout_s=10)
 
 
 async def test_a_job_for_an_unknown_node_waits_saying_which(stack: Stack) -> None:
@@ -212,5 +213,5 @@ async def test_a_job_for_an_unknown_node_waits_saying_which(stack: Stack) -> Non
     async def says_so() -> bool:
         return "waiting for node ghost-9" in (await stack.get(job.id)).message
 
-    await stack.wait_for(says_so, "the waiting message", timeout_s=10)
+    await eventually(says_so, "the waiting message", timeout_s=10)
     assert (await stack.get(job.id)).state is JobState.QUEUED

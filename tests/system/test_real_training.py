@@ -10,6 +10,7 @@ import pytest
 
 from lorafleet_schemas.messages import JobState
 from lorafleet_services.tiny import build_tiny_model
+from tests.eventually import eventually
 from tests.system.conftest import Stack, pid_alive, start_requests, trainer_pids
 
 #: The real trainer imports torch and transformers before its first step.
@@ -54,7 +55,7 @@ async def test_cancel_mid_training_leaves_no_trainer(stack: Stack) -> None:
     async def training() -> bool:
         return (await stack.get(job.id)).step >= 2
 
-    await stack.wait_for(training, "two optimizer steps", timeout_s=REAL_TIMEOUT_S)
+    await eventually(training, "two optimizer steps", timeout_s=REAL_TIMEOUT_S)
     pids = trainer_pids(stack.agents["node-1"], job.id)
     assert pids and all(pid_alive(p) for p in pids)
     stopped = await stack.cancel(job.id, reason="enough")
@@ -63,7 +64,7 @@ async def test_cancel_mid_training_leaves_no_trainer(stack: Stack) -> None:
     async def gone() -> bool:
         return not any(pid_alive(p) for p in pids)
 
-    await stack.wait_for(gone, f"trainer processes {pids} to end", timeout_s=15)
+    await eventually(gone, f"trainer processes {pids} to end", timeout_s=15)
     assert (await stack.get(job.id)).state is JobState.CANCELLED
 
 

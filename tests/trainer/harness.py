@@ -1,7 +1,7 @@
 """Running the real trainer script as a subprocess, for tests and benchmarks.
 
 `write_job(...)` writes data.jsonl and job.json into a directory;
-`run_trainer(job_path)` runs `sys.executable trainer_script.py job.json` and
+`run_trainer(job_path)` runs `sys.executable script.py job.json` and
 answers its exit status, its stdout lines (raw and parsed) and its stderr.
 `load_trainer_module()` imports the script from its path without running it.
 """
@@ -19,9 +19,7 @@ from types import ModuleType
 from typing import Any
 
 # By path, not by import: the trainer is a file the agent copies, not a module.
-TRAINER_PATH = (
-    Path(__file__).resolve().parents[2] / "services/lorafleet_services/agent/trainer_script.py"
-)
+TRAINER_PATH = Path(__file__).resolve().parents[2] / "services/lorafleet_services/trainer/script.py"
 
 #: Short, repetitive Q/A pairs (their words are in the tiny tokenizer's text).
 QA = [

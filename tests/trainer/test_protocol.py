@@ -104,7 +104,7 @@ def test_running_out_of_card_memory_says_what_to_change(
     monkeypatch.setattr(trainer_module, "_out", out)
     monkeypatch.setattr(trainer_module.signal, "signal", lambda *a: None)
     monkeypatch.setattr(trainer_module.warnings, "filterwarnings", lambda *a, **k: None)
-    assert trainer_module.main(["trainer_script.py", str(tmp_path / "job.json")]) == 1
+    assert trainer_module.main(["script.py", str(tmp_path / "job.json")]) == 1
     last = json.loads(out.getvalue().splitlines()[-1])
     assert last == {
         "event": "error",

@@ -35,13 +35,13 @@ import urllib.error
 import urllib.parse
 import urllib.request
 import weakref
-from collections.abc import Mapping
 from pathlib import Path, PurePosixPath
-from typing import IO, Protocol
+from typing import IO
 
 from lorafleet_services.agent.cards import CardChoice
-from lorafleet_services.agent.config import AgentConfig, EngineUser
-from lorafleet_services.agent.process import run_process
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.environment import TrainerEnvironment
+from lorafleet_services.agent.process import ProcessResult, run_process
 
 #: Seconds a fetch may wait for the source to answer or send the next bytes.
 FETCH_TIMEOUT_S = 60.0
@@ -83,20 +83,6 @@ class ConversionError(RuntimeError):
 
 class ConversionCancelledError(ConversionError):
     """The conversion was stopped by its cancel event."""
-
-
-class ConversionEnvironment(Protocol):
-    """What conversion needs of agent/environment.py's `TrainerEnvironment`
-    (matched structurally, so this module does not import it)."""
-
-    @property
-    def python(self) -> str: ...
-    @property
-    def user(self) -> EngineUser | None: ...
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]: ...
-    def give(self, path: Path) -> object: ...
 
 
 def find_llamacpp_tag(cfg: AgentConfig) -> str:
@@ -297,6 +283,14 @@ def _extract_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, so
             f"{source} has {name!r}, which is {kind}, among the conversion code; "
             "refusing it (a genuine llama.cpp release has none there)"
         )
+    try:
+        # The standard library's guarantees too (no absolute or escaping
+        # path, no special file, safe modes), on the name as it is written.
+        tarfile.data_filter(member.replace(name=rel.as_posix(), deep=False), str(dest))
+    except tarfile.FilterError as e:
+        raise ConversionError(
+            f"{source} has {name!r}, which tarfile's data filter refuses ({e}); refusing it"
+        ) from None
     out = dest.joinpath(*rel.parts)
     if member.isdir():
         out.mkdir(mode=0o755, parents=True, exist_ok=True)
@@ -343,7 +337,7 @@ def check_adapter(adapter_dir: Path) -> dict[str, object]:
 
 async def convert_to_gguf(
     cfg: AgentConfig,
-    env: ConversionEnvironment,
+    env: TrainerEnvironment,
     adapter_dir: Path,
     base_dir: Path,
     out_file: Path,
@@ -366,25 +360,9 @@ async def convert_to_gguf(
     try:
         env.give(out_file.parent)
         partial = work / "adapter.gguf"
-        choice = CardChoice(index=None, name="cpu", free_mib=0)
-        existing = env.process_env(choice).get("PYTHONPATH", "")
-        pythonpath = os.pathsep.join(p for p in (str(code / "gguf-py"), str(code), existing) if p)
-        # The base is local (--base): nothing needs the hub.
-        extra = {"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
-        argv = [
-            env.python,
-            str(code / "convert_lora_to_gguf.py"),
-            "--base",
-            str(base_dir),
-            "--outtype",
-            "f16",
-            "--outfile",
-            str(partial),
-            str(adapter_dir),
-        ]
         result = await run_process(
-            argv,
-            env=env.process_env(choice, extra=extra),
+            _converter_argv(env, code, base_dir, adapter_dir, partial),
+            env=_converter_env(env, code),
             cwd=work,
             user=env.user,
             cancel=cancel,
@@ -392,20 +370,49 @@ async def convert_to_gguf(
         )
         if result.stopped or (cancel is not None and cancel.is_set()):
             raise ConversionCancelledError("the GGUF conversion was cancelled")
-        if result.returncode != 0:
-            raise ConversionError(
-                f"llama.cpp {tag}'s convert_lora_to_gguf.py failed (exit {result.returncode}): "
-                f"{result.stderr_tail or 'no output'}"
-            )
-        if not partial.is_file() or partial.stat().st_size == 0:
-            raise ConversionError(
-                f"llama.cpp {tag}'s convert_lora_to_gguf.py wrote no GGUF file: "
-                f"{result.stderr_tail or 'no output'}"
-            )
+        _check_converted(tag, result, partial)
         os.replace(partial, out_file)
         return out_file
     finally:
         shutil.rmtree(work, ignore_errors=True)
+
+
+def _converter_argv(
+    env: TrainerEnvironment, code: Path, base_dir: Path, adapter_dir: Path, out: Path
+) -> list[str]:
+    return [
+        env.python,
+        str(code / "convert_lora_to_gguf.py"),
+        "--base",
+        str(base_dir),
+        "--outtype",
+        "f16",
+        "--outfile",
+        str(out),
+        str(adapter_dir),
+    ]
+
+
+def _converter_env(env: TrainerEnvironment, code: Path) -> dict[str, str]:
+    """The trainer's environment, the release's gguf-py and code first on PYTHONPATH."""
+    choice = CardChoice(index=None, name="cpu", free_mib=0)
+    existing = env.process_env(choice).get("PYTHONPATH", "")
+    pythonpath = os.pathsep.join(p for p in (str(code / "gguf-py"), str(code), existing) if p)
+    # The base is local (--base): nothing needs the hub.
+    return env.process_env(choice, extra={"PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"})
+
+
+def _check_converted(tag: str, result: ProcessResult, partial: Path) -> None:
+    if result.returncode != 0:
+        raise ConversionError(
+            f"llama.cpp {tag}'s convert_lora_to_gguf.py failed (exit {result.returncode}): "
+            f"{result.stderr_tail or 'no output'}"
+        )
+    if not partial.is_file() or partial.stat().st_size == 0:
+        raise ConversionError(
+            f"llama.cpp {tag}'s convert_lora_to_gguf.py wrote no GGUF file: "
+            f"{result.stderr_tail or 'no output'}"
+        )
 
 
 # ------------------------------------------------- a source for the demo

@@ -24,35 +24,32 @@ import os
 import tarfile
 import time
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, BinaryIO, Protocol
 
 import msgspec
 import nats.errors
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet.artifacts import (
-    CHUNK_HEADER,
-    MSG_ID_HEADER,
-    AsyncPublisher,
-    NoStreamError,
-    PublishRefusedError,
-    msg_id,
-)
+from lorafleet._natspy import AsyncPublisher, NoStreamError, PublishRefusedError, client_of
+from lorafleet.artifacts import msg_id
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 
 #: Bytes of one chunk body; default 512 KiB (well below the default 1 MiB max payload).
 DEFAULT_CHUNK_BYTES = 512 * 1024
 #: Publishes awaiting an acknowledgement at once.
 WINDOW_CHUNKS = 32
-#: Chunks read from the file at once (in a thread), ahead of their publishes.
-#: Measured delivering 200 MiB to a lone nats-server: a thread call per chunk
-#: (read and hash in it) cost the agent 0.30-0.31 CPU-s, one per 16 chunks
-#: with the hash on the loop 0.25-0.27 (and 0.30 s instead of 0.35 s).
+#: Chunks read from the file at once (in a thread), ahead of their publishes
+#: (see ChunkReader for what it was measured to save).
 READ_CHUNKS = 16
+#: Seconds to wait for a chunk's acknowledgement before publishing it again.
+ACK_TIMEOUT_S = 10.0
+#: Seconds between looks at a reconnecting connection before a publish.
+RECONNECT_POLL_S = 0.05
 #: Times one chunk is published before the delivery fails.
 MAX_TRIES = 4
 #: Seconds to wait before publishing again after "no stream answered".
@@ -136,37 +133,48 @@ def pack_adapter(adapter_dir: Path, out_file: Path) -> Path:
 # --- delivery ------------------------------------------------------------------
 
 
+class ChunkPublisher(Protocol):
+    """What the window publishes with (lorafleet.artifacts.AsyncPublisher)."""
+
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]: ...
+
+
+class Connection(Protocol):
+    """The state of the connection the publishes go on (nats-py's Client)."""
+
+    @property
+    def is_connected(self) -> bool: ...
+
+    @property
+    def is_closed(self) -> bool: ...
+
+
+def _placeholder() -> asyncio.Future[int]:
+    """A chunk's future until its first publish replaces it."""
+    return asyncio.get_running_loop().create_future()
+
+
 @dataclass(slots=True)
-class _InFlight:
+class Chunk:
+    """One chunk and its publish: the future of its acknowledgement, its tries."""
+
     seq: int
     body: bytes
     headers: dict[str, str]
-    future: asyncio.Future[int]
-    tries: int = 1
-
-
-def _future() -> asyncio.Future[int]:
-    """A placeholder until the first publish replaces it."""
-    return asyncio.get_running_loop().create_future()
+    future: asyncio.Future[int] = field(default_factory=_placeholder)
+    tries: int = 0
 
 
 def _no_stream(fut: asyncio.Future[int]) -> bool:
     return fut.done() and not fut.cancelled() and isinstance(fut.exception(), NoStreamError)
 
 
-def _headers(
-    job_id: str, kind: ArtifactKind, attempt: int, header: ArtifactChunkHeader
-) -> dict[str, str]:
-    return {
-        MSG_ID_HEADER: msg_id(job_id, kind.value, attempt, header.seq),
-        CHUNK_HEADER: _encoder.encode(header).decode(),
-    }
-
-
-def _refused(stream: str, job_id: str, kind: ArtifactKind, seq: int, e: Exception) -> DeliveryError:
+def _refused(stream: str, what: str, seq: int, e: Exception) -> DeliveryError:
     if isinstance(e, NoStreamError):
         return DeliveryError(
-            f"no JetStream stream took chunk {seq} of the {kind.value} artifact of job {job_id}: "
+            f"no JetStream stream took chunk {seq} of {what}: "
             f"is stream {stream} there (the services create it at start)?"
         )
     desc = e.description if isinstance(e, PublishRefusedError) else str(e)
@@ -177,9 +185,207 @@ def _refused(stream: str, job_id: str, kind: ArtifactKind, seq: int, e: Exceptio
         if full
         else desc
     )
-    return DeliveryError(
-        f"stream {stream} refused chunk {seq} of the {kind.value} artifact of job {job_id}: {why}"
-    )
+    return DeliveryError(f"stream {stream} refused chunk {seq} of {what}: {why}")
+
+
+class ChunkWindow:
+    """Chunk publishes awaiting their acknowledgement, at most `size` at once.
+
+    `push()` publishes a chunk and, once `size` are in flight, waits for the
+    oldest; `finish()` waits for every one, then publishes the last chunk and
+    waits for it, so the last is in the stream only after all the others.
+    A chunk without an acknowledgement within `timeout_s` is published again
+    under its id, at most MAX_TRIES times.
+
+    The republishing is the window's own protocol, not a generic retry: what
+    lost one chunk (a reconnect) likely lost the rest of the window, so they
+    all go again at once, each counting its own tries.
+    """
+
+    def __init__(
+        self,
+        publisher: ChunkPublisher,
+        connection: Connection,
+        *,
+        subject: str,
+        stream: str,
+        what: str,
+        timeout_s: float,
+        size: int = WINDOW_CHUNKS,
+        logger: Any = None,
+    ) -> None:
+        self.publisher = publisher
+        self.connection = connection
+        self.subject = subject
+        self.stream = stream
+        #: "the gguf artifact of job j1", for the messages.
+        self.what = what
+        self.timeout_s = timeout_s
+        self.size = size
+        self.in_flight: deque[Chunk] = deque()
+        self.logger = logger or log.get(subject=subject)
+
+    async def publish(self, chunk: Chunk) -> None:
+        """Publish `chunk` (again), counting the try."""
+        # While reconnecting, nats-py buffers publishes only up to its pending
+        # size (2 MiB) and then raises: wait for the connection instead.
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_s * MAX_TRIES
+        conn = self.connection
+        while not conn.is_connected and not conn.is_closed and loop.time() < deadline:  # noqa: ASYNC110
+            await asyncio.sleep(RECONNECT_POLL_S)
+        chunk.tries += 1
+        try:
+            chunk.future = await self.publisher.publish(self.subject, chunk.body, chunk.headers)
+        except nats.errors.Error as e:
+            raise DeliveryError(f"publishing chunk {chunk.seq} of {self.what}: {e!r}") from e
+
+    async def push(self, chunk: Chunk) -> None:
+        """Publish `chunk`; with the window full, wait for the oldest chunks."""
+        await self.publish(chunk)
+        self.in_flight.append(chunk)
+        while len(self.in_flight) >= self.size:
+            await self.settle(self.in_flight.popleft())
+
+    async def finish(self, last: Chunk) -> None:
+        """Wait for every chunk in flight, then publish `last` and wait for it."""
+        while self.in_flight:
+            await self.settle(self.in_flight.popleft())
+        await self.publish(last)
+        await self.settle(last)
+
+    async def settle(self, chunk: Chunk) -> None:
+        """Wait for `chunk`'s acknowledgement, publishing it again when lost."""
+        while True:
+            try:
+                await asyncio.wait_for(chunk.future, self.timeout_s)
+                return
+            except TimeoutError:
+                if chunk.tries >= MAX_TRIES:
+                    raise DeliveryError(
+                        f"chunk {chunk.seq} of {self.what} was not acknowledged after "
+                        f"{MAX_TRIES} tries of {self.timeout_s:g} s each: "
+                        "is the NATS server reachable and the stream there?"
+                    ) from None
+                again = [chunk, *(c for c in self.in_flight if not c.future.done())]
+                self.logger.warning(
+                    Event.ARTIFACT_CHUNK,
+                    seq=chunk.seq,
+                    message=f"no ack; publishing {len(again)} chunks again",
+                )
+            except NoStreamError as e:
+                # A restarted server answers "no responders" until its streams are loaded.
+                if chunk.tries >= MAX_TRIES:
+                    raise _refused(self.stream, self.what, chunk.seq, e) from None
+                await asyncio.sleep(NO_STREAM_PAUSE_S)
+                again = [chunk, *(c for c in self.in_flight if _no_stream(c.future))]
+            except PublishRefusedError as e:
+                raise _refused(self.stream, self.what, chunk.seq, e) from None
+            for c in again:
+                await self.publish(c)
+
+    def abandon(self) -> None:
+        """Stop waiting for what is still in flight (after an error: nobody will)."""
+        for c in self.in_flight:
+            if c.future.done() and not c.future.cancelled():
+                c.future.exception()  # retrieved: asyncio would warn of it otherwise
+            c.future.cancel()
+        self.in_flight.clear()
+
+
+class ChunkReader:
+    """The file's chunks, read in a thread (the loop never waits on the disk),
+    `read_chunks` at a time, in file order, a block ahead of the publishes.
+
+    Measured delivering 200 MiB to a lone nats-server: a thread call per chunk
+    (read and hash in it) cost the agent 0.30-0.31 CPU-s, one per 16 chunks
+    with the hash on the loop 0.25-0.27 (and 0.30 s instead of 0.35 s).
+    """
+
+    def __init__(self, f: BinaryIO, step: int, count: int, read_chunks: int) -> None:
+        self.f = f
+        self.step = step
+        self.count = count
+        self.read_chunks = read_chunks
+        self.asked = 0
+        self.bodies: deque[bytes] = deque()
+        self.ahead = self._read_ahead()
+
+    def _read_ahead(self) -> asyncio.Future[bytes] | None:
+        n = min(self.read_chunks, self.count - self.asked)
+        if n <= 0:
+            return None
+        self.asked += n
+        return asyncio.ensure_future(asyncio.to_thread(self.f.read, n * self.step))
+
+    async def next_body(self) -> bytes | None:
+        """The next chunk's bytes; None when the file has no more."""
+        if not self.bodies:
+            blob = await self.ahead if self.ahead is not None else b""
+            self.ahead = self._read_ahead()
+            self.bodies.extend(blob[i : i + self.step] for i in range(0, len(blob), self.step))
+        return self.bodies.popleft() if self.bodies else None
+
+    async def at_end(self) -> bool:
+        """True when the file holds nothing past what was read."""
+        return not await asyncio.to_thread(self.f.read, 1)
+
+    async def close(self) -> None:
+        if self.ahead is not None:
+            with contextlib.suppress(Exception):
+                await self.ahead
+        self.f.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeaders:
+    """The headers of one delivery's chunks: its Nats-Msg-Id and its ArtifactChunkHeader."""
+
+    job_id: str
+    node: str
+    kind: ArtifactKind
+    attempt: int
+
+    def __call__(self, *, seq: int, **last: Any) -> dict[str, str]:
+        """Chunk `seq`'s headers; `last` (last, count, size, sha256) on the last one."""
+        h = ArtifactChunkHeader(
+            job_id=self.job_id, node=self.node, kind=self.kind, attempt=self.attempt, seq=seq,
+            **last,
+        )  # fmt: skip
+        return {
+            Header.MSG_ID: msg_id(self.job_id, self.kind.value, self.attempt, seq),
+            Header.CHUNK: _encoder.encode(h).decode(),
+        }
+
+
+async def _send(
+    window: ChunkWindow, reader: ChunkReader, header: ChunkHeaders, path: Path, size: int
+) -> str:
+    """Every chunk of `path` through `window`; answers the sha256 of what was sent."""
+    h = hashlib.sha256()
+    sent = 0
+    count, step = reader.count, reader.step
+    for seq in range(count):
+        body = await reader.next_body()
+        if body is None:
+            if seq or size:
+                raise DeliveryError(f"{path} shrank while it was being delivered")
+            body = b""  # an empty file is one empty chunk
+        # Hashed on the loop: bounded CPU (about 0.3 ms per 512 KiB), and
+        # cheaper than in the reading thread, whose GIL hand-offs cost more.
+        h.update(body)
+        sent += len(body)
+        if seq < count - 1:
+            if len(body) != step:
+                raise DeliveryError(f"{path} shrank while it was being delivered")
+            await window.push(Chunk(seq, body, header(seq=seq)))
+            continue
+        if not await reader.at_end() or sent != size:
+            raise DeliveryError(f"{path} changed size while it was being delivered")
+        digest = h.hexdigest()
+        last = header(seq=seq, last=True, count=count, size=size, sha256=digest)
+        await window.finish(Chunk(seq, body, last))
+    return h.hexdigest()
 
 
 async def deliver(
@@ -192,7 +398,7 @@ async def deliver(
     kind: ArtifactKind,
     path: Path,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
-    timeout_s: float = 10.0,
+    timeout_s: float = ACK_TIMEOUT_S,
 ) -> tuple[int, str]:
     """Deliver the file at `path` as the `kind` artifact of a job; return (size, sha256).
 
@@ -204,144 +410,39 @@ async def deliver(
     """
     kind = ArtifactKind(kind)
     path = Path(path)
-    subject = names.artifact_chunks(node, job_id, kind.value)
-    stream = names.artifacts_stream
-    # nats-py keeps the connection private on the context; the publishes go on it.
-    nc = js._nc
+    nc = client_of(js)
     step = chunk_size_for(chunk_bytes, nc.max_payload)
     try:
         size = path.stat().st_size
     except OSError as e:
         raise DeliveryError(f"cannot read the {kind.value} artifact {path}: {e}") from None
     count = max(1, -(-size // step))
-    logger = log.get(job_id=job_id, node=node, kind=kind.value)
     started = time.perf_counter()
-    window: deque[_InFlight] = deque()
-
-    def header(seq: int) -> ArtifactChunkHeader:
-        return ArtifactChunkHeader(job_id=job_id, node=node, kind=kind, attempt=attempt, seq=seq)
-
-    async def publish(item: _InFlight) -> None:
-        # While reconnecting, nats-py buffers publishes only up to its pending
-        # size (2 MiB) and then raises: wait for the connection instead.
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s * MAX_TRIES
-        while not nc.is_connected and not nc.is_closed and loop.time() < deadline:  # noqa: ASYNC110
-            await asyncio.sleep(0.05)
-        try:
-            item.future = await pub.publish(subject, item.body, item.headers)
-        except nats.errors.Error as e:
-            raise DeliveryError(
-                f"publishing chunk {item.seq} of the {kind.value} artifact of job {job_id}: {e!r}"
-            ) from e
-
-    async def settle(item: _InFlight) -> None:
-        while True:
-            try:
-                await asyncio.wait_for(item.future, timeout_s)
-                return
-            except TimeoutError:
-                if item.tries >= MAX_TRIES:
-                    raise DeliveryError(
-                        f"chunk {item.seq} of the {kind.value} artifact of job {job_id} was not "
-                        f"acknowledged after {MAX_TRIES} tries of {timeout_s:g} s each: "
-                        "is the NATS server reachable and the stream there?"
-                    ) from None
-                # What was lost with this one (a reconnect) was likely lost with
-                # the rest of the window: publish them all again now, not one
-                # timeout after another.
-                again = [item, *(w for w in window if not w.future.done())]
-                logger.warning(
-                    Event.ARTIFACT_CHUNK, seq=item.seq, message=f"no ack; publishing "
-                    f"{len(again)} chunks again",
-                )  # fmt: skip
-                for w in again:
-                    w.tries += 1
-                    await publish(w)
-            except NoStreamError as e:
-                # A restarted server answers "no responders" until its streams are loaded.
-                if item.tries >= MAX_TRIES:
-                    raise _refused(stream, job_id, kind, item.seq, e) from None
-                await asyncio.sleep(NO_STREAM_PAUSE_S)
-                again = [item, *(w for w in window if _no_stream(w.future))]
-                for w in again:
-                    w.tries += 1
-                    await publish(w)
-            except PublishRefusedError as e:
-                raise _refused(stream, job_id, kind, item.seq, e) from None
-
-    h = hashlib.sha256()
-    sent = 0
-    asked = 0
+    logger = log.get(job_id=job_id, node=node, kind=kind.value)
+    header = ChunkHeaders(job_id=job_id, node=node, kind=kind, attempt=attempt)
     pub = await AsyncPublisher(nc).start()
+    window = ChunkWindow(
+        pub,
+        nc,
+        subject=names.artifact_chunks(node, job_id, kind.value),
+        stream=names.artifacts_stream,
+        what=f"the {kind.value} artifact of job {job_id}",
+        timeout_s=timeout_s,
+        logger=logger,
+    )
     f = await asyncio.to_thread(path.open, "rb")
-
-    def read_ahead() -> asyncio.Future[bytes] | None:
-        # The file is read in a thread (the loop never waits on the disk), one
-        # read of READ_CHUNKS chunks at a time, in file order, a block ahead
-        # of the publishes.
-        nonlocal asked
-        n = min(READ_CHUNKS, count - asked)
-        if n <= 0:
-            return None
-        asked += n
-        return asyncio.ensure_future(asyncio.to_thread(f.read, n * step))
-
-    bodies: deque[bytes] = deque()
-    ahead = read_ahead()
+    reader = ChunkReader(f, step, count, READ_CHUNKS)
     try:
-        for seq in range(count):
-            if not bodies:
-                blob = await ahead if ahead is not None else b""
-                ahead = read_ahead()
-                bodies.extend(blob[i : i + step] for i in range(0, len(blob), step))
-                if not bodies:
-                    if seq or size:
-                        raise DeliveryError(f"{path} shrank while it was being delivered")
-                    bodies.append(b"")  # an empty file is one empty chunk
-            body = bodies.popleft()
-            # Hashed on the loop: bounded CPU (about 0.3 ms per 512 KiB), and
-            # cheaper than in the reading thread, whose GIL hand-offs cost more.
-            h.update(body)
-            sent += len(body)
-            if seq < count - 1:
-                if len(body) != step:
-                    raise DeliveryError(f"{path} shrank while it was being delivered")
-                hdrs = _headers(job_id, kind, attempt, header(seq))
-                item = _InFlight(seq, body, hdrs, _future())
-                await publish(item)
-                window.append(item)
-                while len(window) >= WINDOW_CHUNKS:
-                    await settle(window.popleft())
-                continue
-            if await asyncio.to_thread(f.read, 1) or sent != size:
-                raise DeliveryError(f"{path} changed size while it was being delivered")
-            while window:
-                await settle(window.popleft())
-            digest = h.hexdigest()
-            last = ArtifactChunkHeader(
-                job_id=job_id, node=node, kind=kind, attempt=attempt, seq=seq,
-                last=True, count=count, size=size, sha256=digest,
-            )  # fmt: skip
-            item = _InFlight(seq, body, _headers(job_id, kind, attempt, last), _future())
-            await publish(item)
-            await settle(item)
+        digest = await _send(window, reader, header, path, size)
     finally:
-        for w in window:  # left behind by an error: nobody will wait for them
-            if w.future.done() and not w.future.cancelled():
-                w.future.exception()
-            w.future.cancel()
-        if ahead is not None:
-            with contextlib.suppress(Exception):
-                await ahead
-        f.close()
-        await pub.close()
-    seconds = time.perf_counter() - started
+        window.abandon()
+        await reader.close()
+        await pub.stop()
     logger.info(
         Event.ARTIFACT_DELIVERED,
         size=size,
         sha256=digest,
         chunks=count,
-        seconds=round(seconds, 3),
+        seconds=round(time.perf_counter() - started, 3),
     )
     return size, digest

@@ -26,13 +26,15 @@ import pwd
 import re
 import shutil
 import stat
+import sys
 import tempfile
 import time
 import weakref
 from collections import deque
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Protocol
 
 from lorafleet import log
 from lorafleet.log import Event
@@ -50,6 +52,8 @@ INSTALL_TIMEOUT_S = 900.0
 #: imports torch, which is slow on a cold page cache).
 PROBE_TIMEOUT_S = 60.0
 CHECK_TIMEOUT_S = 300.0
+#: Seconds an installer or probe stopped at its timeout gets between SIGTERM and SIGKILL.
+STOP_GRACE_S = 2.0
 #: Seconds between tries of another agent's overlay lock.
 LOCK_POLL_S = 0.1
 #: The trainer's PATH after its interpreter's own bin directory.
@@ -94,14 +98,35 @@ print(json.dumps(out))
 """
 
 
+class TrainerEnvironment(Protocol):
+    """What a trainer (and the GGUF converter) runs in: its Python, its user,
+    its process environment. `EngineEnvironment` is the node's engine Python,
+    `StandinEnvironment` the stand-in trainer's."""
+
+    @property
+    def python(self) -> str: ...
+
+    @property
+    def user(self) -> EngineUser | None: ...
+
+    @property
+    def notes(self) -> tuple[str, ...]: ...
+
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]: ...
+
+    def give(self, path: Path) -> None: ...
+
+
 class TrainerSetupError(RuntimeError):
     """The node cannot run the trainer as configured; the message says what
     to install or change."""
 
 
 @dataclass(frozen=True)
-class TrainerEnvironment:
-    """Everything the agent needs to start the trainer on this node."""
+class EngineEnvironment:
+    """The node's engine Python, prepared to train (a TrainerEnvironment)."""
 
     #: The interpreter that trains.
     python: str
@@ -152,6 +177,36 @@ class TrainerEnvironment:
         when the trainer runs as the agent)."""
         if self.user is not None:
             _chown_tree(path, self.user.uid, self.user.gid)
+
+
+@dataclass(slots=True)
+class StandinEnvironment:
+    """The stand-in trainer's environment (a TrainerEnvironment): the agent's
+    own Python and user.
+
+    The LORAFLEET_STANDIN_* knobs reach the trainer from the agent's
+    environment; the agent's other LORAFLEET_* settings do not.
+    """
+
+    python: str = sys.executable
+    user: EngineUser | None = None
+    notes: tuple[str, ...] = ()
+    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
+
+    def process_env(
+        self, choice: CardChoice, extra: Mapping[str, str] | None = None
+    ) -> dict[str, str]:
+        env = {
+            k: v
+            for k, v in self.base_env.items()
+            if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
+        }
+        env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
+        env.update(extra or {})
+        return env
+
+    def give(self, path: Path) -> None:
+        return None
 
 
 # --------------------------------------------------------------------- Python
@@ -283,7 +338,7 @@ async def _run(
 
     try:
         res = await asyncio.wait_for(
-            run_process(argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=2.0),
+            run_process(argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=STOP_GRACE_S),
             timeout_s,
         )
     except TimeoutError:
@@ -663,7 +718,7 @@ async def _user_can_run(python: str, user: EngineUser) -> str:
 # -------------------------------------------------------------------- prepare
 
 
-async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
+async def prepare(cfg: AgentConfig) -> EngineEnvironment:
     """Find the Python, make sure its overlay is there, and settle the user.
     Raises TrainerSetupError when the node cannot train (no Python, the
     overlay does not install or import)."""
@@ -685,7 +740,7 @@ async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
     if user is None:
         home.mkdir(parents=True, exist_ok=True)
     hf_home = Path(cfg.hf_home) if cfg.hf_home else home / ".cache" / "huggingface"
-    return TrainerEnvironment(
+    return EngineEnvironment(
         python=python,
         pythonpath=(str(overlay),),
         user=user,
@@ -697,6 +752,8 @@ async def prepare(cfg: AgentConfig) -> TrainerEnvironment:
 
 
 __all__ = [
+    "EngineEnvironment",
+    "StandinEnvironment",
     "TrainerEnvironment",
     "TrainerSetupError",
     "ensure_overlay",

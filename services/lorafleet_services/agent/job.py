@@ -41,20 +41,19 @@ import json
 import os
 import shutil
 import signal
-import sys
 import threading
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 import msgspec
+import psutil
+import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log, objects
 from lorafleet.bus import encode
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
     ArtifactKind,
     JobState,
@@ -68,15 +67,19 @@ from lorafleet_schemas.messages import (
     TrainerState,
     TrainerStep,
 )
+from lorafleet_services import trainer
 from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent import conversion, delivery, environment
 from lorafleet_services.agent.cards import CardChoice, NoCardError
-from lorafleet_services.agent.config import AgentConfig, EngineUser
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.environment import StandinEnvironment, TrainerEnvironment
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
+from lorafleet_services.trainer.standin import gguf_bytes
 
 #: Seconds one status publish waits for its ack before it is retried.
 PUBLISH_TIMEOUT_S = 2.0
-#: Longest pause between retries of a status publish; seconds.
+#: First and longest pause between retries of a status publish; seconds.
+PUBLISH_RETRY_FIRST_S = 0.1
 PUBLISH_RETRY_MAX_S = 2.0
 #: Seconds the final reports of a job may take to publish when the agent stops.
 STOP_DRAIN_TIMEOUT_S = 5.0
@@ -96,54 +99,6 @@ _line_decoder: msgspec.json.Decoder[TrainerLine] = msgspec.json.Decoder(TrainerL
 
 class JobFailedError(Exception):
     """A step of the job failed; the message is what the job's `failed` report says."""
-
-
-class TrainerEnvironment(Protocol):
-    """What agent/environment.py prepares (the stand-in has its own)."""
-
-    @property
-    def python(self) -> str: ...
-
-    @property
-    def user(self) -> EngineUser | None: ...
-
-    @property
-    def notes(self) -> tuple[str, ...]: ...
-
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]: ...
-
-    def give(self, path: Path) -> None: ...
-
-
-@dataclass(slots=True)
-class StandinEnvironment:
-    """The stand-in trainer's environment: the agent's own Python and user.
-
-    The LORAFLEET_STANDIN_* knobs reach the trainer from the agent's
-    environment; the agent's other LORAFLEET_* settings do not.
-    """
-
-    python: str = sys.executable
-    user: EngineUser | None = None
-    notes: tuple[str, ...] = ()
-    base_env: Mapping[str, str] = field(default_factory=lambda: dict(os.environ))
-
-    def process_env(
-        self, choice: CardChoice, extra: Mapping[str, str] | None = None
-    ) -> dict[str, str]:
-        env = {
-            k: v
-            for k, v in self.base_env.items()
-            if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
-        }
-        env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
-        env.update(extra or {})
-        return env
-
-    def give(self, path: Path) -> None:
-        return None
 
 
 #: In the trainer's environment (and so its children's): its job directory.
@@ -187,7 +142,7 @@ def trainer_env(
 def job_file(
     req: StartRequest, cfg: AgentConfig, job_dir: Path, data_path: Path, choice: CardChoice
 ) -> dict[str, Any]:
-    """job.json for the trainer (the format is in trainer_script.py's docstring)."""
+    """job.json for the trainer (its format: the docstring of trainer/script.py)."""
     return {
         "job_id": req.job_id,
         "base": {
@@ -213,20 +168,12 @@ def sha256_file(path: Path) -> str:
 
 
 def session_pids(sid: int) -> set[int]:
-    """Every live process in session `sid` (the trainer and whatever it started), from /proc."""
+    """Every process in session `sid` (the trainer and whatever it started)."""
     pids: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as f:
-                stat = f.read()
-        except OSError:
-            continue
-        # Fields after the command (which may hold spaces) are after the last ')'.
-        rest = stat[stat.rfind(b")") + 2 :].split()
-        if len(rest) > 3 and int(rest[3]) == sid:
-            pids.add(int(entry.name))
+    for pid in psutil.pids():
+        with contextlib.suppress(OSError):  # gone since the listing
+            if os.getsid(pid) == sid:
+                pids.add(pid)
     return pids
 
 
@@ -239,18 +186,17 @@ def card_choice_text(choice: CardChoice, node: str) -> str:
 def leftover_trainers(work_dir: Path) -> set[int]:
     """Processes an earlier agent with this work directory left running: the
     trainers (and whatever they started) whose LORAFLEET_JOB_DIR is under it."""
-    prefix = f"{JOB_DIR_VAR}={work_dir / 'jobs'}/".encode()
+    prefix = f"{work_dir / 'jobs'}/"
     found: set[int] = set()
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit() or int(entry.name) == os.getpid():
+    for proc in psutil.process_iter():
+        if proc.pid == os.getpid():
             continue
         try:
-            with open(f"/proc/{entry.name}/environ", "rb") as f:
-                environ = f.read()
-        except OSError:  # gone, or another user's (the agent runs them as itself then)
+            job_dir = proc.environ().get(JOB_DIR_VAR, "")
+        except psutil.Error:  # gone, or another user's (the agent runs them as itself then)
             continue
-        if any(var.startswith(prefix) for var in environ.split(b"\0")):
-            found.add(int(entry.name))
+        if job_dir.startswith(prefix):
+            found.add(proc.pid)
     return found
 
 
@@ -334,22 +280,32 @@ class Reporter:
 
     async def _publish_all(self) -> None:
         while (report := await self._queue.get()) is not None:
-            payload = encode(report)
-            headers = {"Nats-Msg-Id": f"{self.job_id}.{self.attempt}.{report.seq}"}
-            delay_s = 0.1
-            while True:
+            await self._publish(report)
+            self.published = report.seq
+
+    async def _publish(self, report: StatusReport) -> None:
+        """Publish until acknowledged: no limit here, the job's drain timeout
+        and the fence bound it."""
+        payload = encode(report)
+        headers = {Header.MSG_ID: f"{self.job_id}.{self.attempt}.{report.seq}"}
+        async for attempt in stamina.retry_context(
+            on=Exception,
+            attempts=None,
+            timeout=None,
+            wait_initial=PUBLISH_RETRY_FIRST_S,
+            wait_max=PUBLISH_RETRY_MAX_S,
+            wait_jitter=0,
+        ):
+            with attempt:
                 try:
                     await self.js.publish(
                         self.subject, payload, timeout=PUBLISH_TIMEOUT_S, headers=headers
                     )
-                    break
                 except Exception as e:
                     self.logger.warning(Event.STATUS_RETRY, seq=report.seq, error=repr(e))
-                    await asyncio.sleep(delay_s)
-                    delay_s = min(delay_s * 2, PUBLISH_RETRY_MAX_S)
-            self.published = report.seq
+                    raise
 
-    async def close(self, timeout_s: float | None = None) -> None:
+    async def stop(self, timeout_s: float | None = None) -> None:
         """Publish what is queued (at most `timeout_s` seconds; None: until done)."""
         self._queue.put_nowait(None)
         await asyncio.wait({self._task}, timeout=timeout_s)
@@ -440,7 +396,7 @@ class JobRun:
         finally:
             if self.sampler is not None:
                 self.sampler.stop()
-            await self.reporter.close(drain_timeout_s)
+            await self.reporter.stop(drain_timeout_s)
             await asyncio.to_thread(self._clean_dir)
 
     def _fail(self, message: str) -> None:
@@ -554,10 +510,7 @@ class JobRun:
             raise JobFailedError(str(e)) from None
 
     def _write_files(self, data_path: Path, choice: CardChoice) -> tuple[Path, Path]:
-        here = Path(__file__).parent
-        source = here / (
-            "standin_trainer.py" if self.cfg.trainer == "standin" else "trainer_script.py"
-        )
+        source = trainer.STANDIN_PATH if self.cfg.trainer == "standin" else trainer.SCRIPT_PATH
         script = self.job_dir / "trainer.py"
         shutil.copyfile(source, script)
         job_json = self.job_dir / "job.json"
@@ -679,8 +632,6 @@ class JobRun:
     async def _convert(self, env: TrainerEnvironment, adapter_dir: Path, base_dir: Path) -> Path:
         out = self.job_dir / "adapter.gguf"
         if self.cfg.trainer == "standin":
-            from lorafleet_services.agent.standin_trainer import gguf_bytes
-
             await asyncio.to_thread(out.write_bytes, gguf_bytes(self.job_id))
             self.reporter.report(message="stand-in trainer: a stand-in GGUF, not a conversion")
             return out

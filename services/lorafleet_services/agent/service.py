@@ -28,21 +28,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
 
-import msgspec
 from nats.aio.client import Client
 from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
+from nats.micro.request import Request
 
 import lorafleet
 from lorafleet import bus, log
-from lorafleet.errors import error_body
 from lorafleet.log import Event
-from lorafleet.names import InvalidNameError, check_token
+from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
+from lorafleet.service import Route, endpoint
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
-    ErrorCode,
     JobState,
     NodeCancelReply,
     NodeCancelRequest,
@@ -53,11 +52,8 @@ from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater
 from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_job_dirs
 
-Req = TypeVar("Req")
-
-#: The header and value of a KV delete (what nats-py's KeyValue.delete sends).
-KV_OP = "KV-Operation"
-KV_DEL = "DEL"
+#: Seconds the heartbeat's delete may take on a clean stop.
+HEARTBEAT_DELETE_TIMEOUT_S = 2.0
 
 #: Seconds between checks of the fencing condition.
 FENCE_CHECK_S = 0.25
@@ -82,6 +78,9 @@ class Agent:
         self.ended: dict[tuple[str, int], str] = {}
         self.fenced = False
         self._fence_task: asyncio.Task[None] | None = None
+        self._subs: list[Subscription] = []
+        self._tasks: list[asyncio.Task[None]] = []
+        self._stop = asyncio.Event()
         self.logger = log.get(node=cfg.node)
         self.heartbeat = Heartbeater(
             js, settings, cfg, version=lorafleet.__version__, current_job=self.current_job
@@ -89,6 +88,40 @@ class Agent:
 
     def current_job(self) -> str | None:
         return self.job.job_id if self.job is not None else None
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def routes(self) -> list[Route]:
+        return [
+            Route(self.names.node_start(self.node), StartRequest, self.start_job),
+            Route(self.names.node_cancel(self.node), NodeCancelRequest, self.cancel_job),
+        ]
+
+    async def start(self) -> None:
+        """Answer this node's start and cancel requests; heartbeat; watch the fence."""
+        # Separate subscriptions: a cancel that waits for a trainer to stop does
+        # not hold up a start's busy reply, and neither waits on the other.
+        for r in self.routes():
+            self._subs.append(await self.nc.subscribe(r.subject, cb=answering(r)))
+        await self.nc.flush()
+        self._tasks = [
+            asyncio.create_task(self.heartbeat.run(self._stop), name="heartbeat"),
+            asyncio.create_task(self.watch_fence(self._stop), name="fence"),
+        ]
+
+    async def stop(self) -> None:
+        """Take no more requests, stop the running job (reported `failed`) and
+        delete this node's heartbeat, so the scheduler knows at once."""
+        for s in self._subs:
+            with contextlib.suppress(Exception):
+                await s.unsubscribe()
+        self._stop.set()
+        for t in self._tasks:
+            t.cancel()
+        for t in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+        await self.shutdown()
 
     # --- requests -------------------------------------------------------------
 
@@ -188,7 +221,10 @@ class Agent:
             # What KV delete publishes, without its bucket lookup (a stream
             # info request the node's credentials do not allow).
             await self.js.publish(
-                self.names.node_heartbeat(self.node), b"", timeout=2, headers={KV_OP: KV_DEL}
+                self.names.node_heartbeat(self.node),
+                b"",
+                timeout=HEARTBEAT_DELETE_TIMEOUT_S,
+                headers={Header.KV_OPERATION: KV_DEL},
             )
 
 
@@ -224,36 +260,30 @@ async def ensure_layout_if_allowed(
         logger.warning(Event.NATS_ERROR, error=repr(e), message="could not ensure the layout")
 
 
-async def _answer(
-    nc: Client, msg: Msg, typ: type[Req], fn: Callable[[Req], Awaitable[Any]]
-) -> None:
-    """Decode, call, reply; a bad request gets lorafleet's error body and micro headers."""
-    logger = log.get()
-    if not msg.reply:
-        return
-    try:
-        req = msgspec.json.decode(msg.data, type=typ)
-    except (msgspec.DecodeError, msgspec.ValidationError) as e:
-        text = f"the request is not a valid {typ.__name__}: {e}"
-        headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "400"}
-        await nc.publish(msg.reply, error_body(ErrorCode.BAD_REQUEST, text), headers=headers)
-        return
-    try:
-        reply = await fn(req)
-    except Exception as e:
-        logger.exception(Event.REQUEST_FAILED, subject=msg.subject, error=repr(e))
-        text = f"the agent failed on this request: {e!r}; it is logged"
-        headers = {"Nats-Service-Error": text, "Nats-Service-Error-Code": "500"}
-        await nc.publish(msg.reply, error_body(ErrorCode.INTERNAL, text), headers=headers)
-        return
-    await msg.respond(bus.encode(reply))
+def answering(route: Route) -> Callable[[Msg], Awaitable[None]]:
+    """A plain subscription's callback for `route`, through lorafleet.service's
+    `endpoint()`: strict decoding, the same error replies as every service
+    (Nats-Service-Error headers and the JSON error body).
+
+    Not a micro service: micro also subscribes to `$SRV.>` (PING, INFO,
+    STATS), which a node's credentials do not allow
+    (lorafleet.permissions.agent_permissions); the server would refuse those
+    subscriptions.
+    """
+    handle = endpoint(route.request_type, route.fn, route.subject)
+
+    async def on_msg(msg: Msg) -> None:
+        if not msg.reply:
+            return  # nobody to answer: not a request
+        await handle(Request(msg))
+
+    return on_msg
 
 
-async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None = None) -> None:
-    """Run the agent until `stop` is set; `cfg` defaults to AgentConfig.from_env()."""
-    cfg = cfg or AgentConfig.from_env()
+async def clear_leftovers(cfg: AgentConfig) -> None:
+    """No job survives a restart: what an earlier agent left running goes
+    first, then its job directories."""
     logger = log.get(node=cfg.node)
-    # No job survives a restart: what an earlier agent left running goes first.
     killed = await asyncio.to_thread(kill_leftover_trainers, cfg.work_dir)
     if killed:
         logger.warning(
@@ -266,6 +296,13 @@ async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None =
         logger.info(
             Event.JOB_DIR_REMOVED, jobs=removed, message="job directories left by an earlier run"
         )
+
+
+async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None = None) -> None:
+    """Run the agent until `stop` is set; `cfg` defaults to AgentConfig.from_env()."""
+    cfg = cfg or AgentConfig.from_env()
+    logger = log.get(node=cfg.node)
+    await clear_leftovers(cfg)
     refused = asyncio.Event()
     nc = await bus.connect(
         settings, f"lorafleet-agent-{cfg.node}", on_refused=lambda _text: refused.set()
@@ -273,26 +310,7 @@ async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None =
     js = nc.jetstream()
     await ensure_layout_if_allowed(js, settings, refused)
     agent = Agent(nc, js, settings, cfg)
-    names = settings.names
-
-    async def on_start(msg: Msg) -> None:
-        await _answer(nc, msg, StartRequest, agent.start_job)
-
-    async def on_cancel(msg: Msg) -> None:
-        await _answer(nc, msg, NodeCancelRequest, agent.cancel_job)
-
-    # Separate subscriptions: a cancel that waits for a trainer to stop does
-    # not hold up a start's busy reply, and neither waits on the other.
-    subs = [
-        await nc.subscribe(names.node_start(cfg.node), cb=on_start),
-        await nc.subscribe(names.node_cancel(cfg.node), cb=on_cancel),
-    ]
-    await nc.flush()
-    inner_stop = asyncio.Event()
-    tasks = [
-        asyncio.create_task(agent.heartbeat.run(inner_stop), name="heartbeat"),
-        asyncio.create_task(agent.watch_fence(inner_stop), name="fence"),
-    ]
+    await agent.start()
     logger.info(
         Event.SERVICE_STARTED,
         version=lorafleet.__version__,
@@ -303,15 +321,6 @@ async def run(settings: Settings, stop: asyncio.Event, cfg: AgentConfig | None =
     try:
         await stop.wait()
     finally:
-        for s in subs:
-            with contextlib.suppress(Exception):
-                await s.unsubscribe()
-        inner_stop.set()
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
-        await agent.shutdown()
+        await agent.stop()
         await bus.drain_quietly(nc)
         logger.info(Event.SERVICE_STOPPED)

@@ -1,7 +1,7 @@
 """`python -m lorafleet_services.recorder`: run the recorder until SIGTERM."""
 
 from lorafleet import runtime
-from lorafleet_services.recorder.service import run
+from lorafleet_services.recorder.service import PROGRAM
 
 if __name__ == "__main__":
-    runtime.main("recorder", run)
+    runtime.main(PROGRAM)

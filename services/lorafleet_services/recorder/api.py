@@ -63,7 +63,7 @@ class RecorderApi:
         self.names = names
         self.datasets = datasets
         self.publish = publish
-        self.log = log.get()
+        self.logger = log.get()
 
     def routes(self) -> list[Route]:
         n = self.names
@@ -99,7 +99,7 @@ class RecorderApi:
                 f"the catalog has a model named {spec.name} already: choose another name",
                 "$.name",
             ) from None
-        self.log.info(Event.MODEL_ADDED, model=record.name, engine=record.engine.value)
+        self.logger.info(Event.MODEL_ADDED, model=record.name, engine=record.engine.value)
         return record
 
     async def models_list(self, _req: ModelListRequest) -> ModelList:
@@ -127,8 +127,7 @@ class RecorderApi:
             dataset = dataset_object_name(sha)
             # Stored before the job exists, so a job never names missing data.
             await self.datasets.put(dataset, content)
-        else:
-            assert spec.dataset is not None
+        elif spec.dataset is not None:  # always, after the check above
             dataset = spec.dataset
             stored = await self.datasets.get(dataset)
             if stored is None:
@@ -140,7 +139,7 @@ class RecorderApi:
                 )
             records, sha = self._check_data(stored, "$.dataset")
         job = await store.create_job(self.sm, spec, model, dataset, sha, records)
-        self.log.info(
+        self.logger.info(
             Event.JOB_QUEUED,
             job_id=job.id,
             node=job.node,
@@ -204,7 +203,7 @@ class RecorderApi:
             self._log_moves(change)
             await self._publish(change)
         else:
-            self.log.info(
+            self.logger.info(
                 Event.TRANSITION_REFUSED,
                 job_id=req.id,
                 node=req.node,
@@ -234,7 +233,7 @@ class RecorderApi:
         """Apply a batch in one transaction; log refusals. Publish with `after_status`."""
         result = await store.apply_status(self.sm, reports)
         for report, why in result.refused:
-            self.log.warning(
+            self.logger.warning(
                 Event.STATUS_REFUSED,
                 job_id=report.job_id,
                 node=report.node,
@@ -247,7 +246,7 @@ class RecorderApi:
         """Log and publish each change of a committed batch."""
         for change in result.changes:
             job = change.job
-            self.log.info(
+            self.logger.info(
                 Event.JOB_PROGRESS,
                 job_id=job.id,
                 node=job.node,
@@ -263,7 +262,7 @@ class RecorderApi:
     def _log_moves(self, change: JobChange) -> None:
         job = change.job
         for move in change.moves:
-            self.log.info(
+            self.logger.info(
                 Event.JOB_STATE,
                 job_id=job.id,
                 node=job.node,
@@ -281,7 +280,7 @@ class RecorderApi:
                     "loss": job.loss,
                     "peak_mib": job.peak_mib,
                 }
-                self.log.info(Event.JOB_FINISHED, **fields)
+                self.logger.info(Event.JOB_FINISHED, **fields)
 
     async def _publish(self, change: JobChange) -> None:
         # Best effort: the change is committed; a watcher that missed the
@@ -290,4 +289,4 @@ class RecorderApi:
         try:
             await self.publish(self.names.job_events(change.job.id), encode(event))
         except Exception as e:
-            self.log.warning(Event.NATS_ERROR, job_id=change.job.id, error=repr(e))
+            self.logger.warning(Event.NATS_ERROR, job_id=change.job.id, error=repr(e))

@@ -35,7 +35,8 @@ class UtcDateTime(TypeDecorator[dt.datetime]):
     def process_result_value(self, value: Any, dialect: Dialect) -> dt.datetime | None:
         if value is None:
             return None
-        assert isinstance(value, dt.datetime)
+        if not isinstance(value, dt.datetime):
+            raise TypeError(f"the database returned {value!r} for a timestamp column")
         if value.tzinfo is None:
             return value.replace(tzinfo=dt.UTC)
         return value.astimezone(dt.UTC)

@@ -425,23 +425,8 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
         if r.peak_mib is not None:
             peak = max(peak, r.peak_mib)
         if r.step is not None and r.loss is not None:
-            out.points.append(
-                {
-                    "job_id": job["id"],
-                    "step": r.step,
-                    "loss": r.loss,
-                    "learning_rate": r.learning_rate,
-                    "tokens_per_s": r.tokens_per_s,
-                    "peak_mib": r.peak_mib,
-                }
-            )
-        for name in _SCALARS:
-            value = getattr(r, name)
-            if value is None or (name == "message" and not value):
-                continue
-            if r.seq > seqs.get(name, 0):
-                scalars[name] = value
-                seqs[name] = r.seq
+            out.points.append(_loss_point(job["id"], r))
+        _take_scalars(r, scalars, seqs)
         if r.state is not None and r.seq > seqs.get("state", 0):
             if r.state is not state and can_move(state, r.state) and r.state is not JobState.DONE:
                 out.moves.append(Move(state, r.state, r.message))
@@ -459,19 +444,42 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
             elif r.state is not state:
                 out.stale.append(r)
         last_seq = max(last_seq, r.seq)
-    new: dict[str, Any] = {
-        **scalars,
-        "state": state.value,
-        "last_seq": last_seq,
-        "field_seqs": seqs,
-        "peak_mib": peak,
-    }
-    out.values = {k: v for k, v in new.items() if job[k] != v}
-    if out.values:
-        out.values["updated_at"] = t
-        if state in FINAL and JobState(job["state"]) not in FINAL:
-            out.values["finished_at"] = t
+    new = {**scalars, "state": state.value, "last_seq": last_seq, "field_seqs": seqs}
+    out.values = _changed(job, {**new, "peak_mib": peak}, t)
     return out
+
+
+def _loss_point(job_id: str, r: StatusReport) -> dict[str, Any]:
+    """The loss_points row of a report that carries a step and its loss."""
+    return {
+        "job_id": job_id,
+        "step": r.step,
+        "loss": r.loss,
+        "learning_rate": r.learning_rate,
+        "tokens_per_s": r.tokens_per_s,
+        "peak_mib": r.peak_mib,
+    }
+
+
+def _take_scalars(r: StatusReport, scalars: dict[str, Any], seqs: dict[str, int]) -> None:
+    """Each scalar `r` carries, if `r` is newer than the report that set it (`field_seqs`)."""
+    for name in _SCALARS:
+        value = getattr(r, name)
+        if value is None or (name == "message" and not value):
+            continue
+        if r.seq > seqs.get(name, 0):
+            scalars[name] = value
+            seqs[name] = r.seq
+
+
+def _changed(job: Mapping[str, Any], new: dict[str, Any], t: dt.datetime) -> dict[str, Any]:
+    """The columns of `new` that differ from `job`'s, stamped with `t` when any do."""
+    values = {k: v for k, v in new.items() if job[k] != v}
+    if values:
+        values["updated_at"] = t
+        if JobState(new["state"]) in FINAL and JobState(job["state"]) not in FINAL:
+            values["finished_at"] = t
+    return values
 
 
 @dataclass

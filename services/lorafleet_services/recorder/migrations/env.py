@@ -12,7 +12,8 @@ _PG_MIGRATION_LOCK = 0x10AF1EE7
 
 def run_migrations_online() -> None:
     url = context.config.get_main_option("sqlalchemy.url")
-    assert url is not None
+    if url is None:
+        raise RuntimeError("no sqlalchemy.url: run the migrations through db.migrate(url)")
     engine = create_engine(url, poolclass=pool.NullPool)
     with engine.connect() as connection:
         is_sqlite = connection.dialect.name == "sqlite"

@@ -19,6 +19,16 @@ _TS = sa.DateTime(timezone=True)
 
 
 def upgrade() -> None:
+    _create_models()
+    _create_jobs()
+    _create_loss_points()
+    _create_job_events()
+
+
+# One helper per table, in creation order (jobs refer to models; the rest to jobs).
+
+
+def _create_models() -> None:
     op.create_table(
         "models",
         sa.Column("name", sa.String(64), primary_key=True),
@@ -30,6 +40,9 @@ def upgrade() -> None:
         sa.Column("created_at", _TS, nullable=False),
         sa.CheckConstraint("engine IN ('vllm', 'llamacpp')", name="ck_models_engine"),
     )
+
+
+def _create_jobs() -> None:
     op.create_table(
         "jobs",
         sa.Column("id", sa.String(64), primary_key=True),
@@ -65,6 +78,9 @@ def upgrade() -> None:
     op.create_index("ix_jobs_node", "jobs", ["node"])
     op.create_index("ix_jobs_model", "jobs", ["model"])
     op.create_index("ix_jobs_created_at", "jobs", ["created_at"])
+
+
+def _create_loss_points() -> None:
     op.create_table(
         "loss_points",
         sa.Column(
@@ -77,6 +93,9 @@ def upgrade() -> None:
         sa.Column("peak_mib", sa.Integer(), nullable=True),
         sa.PrimaryKeyConstraint("job_id", "step", name="pk_loss_points"),
     )
+
+
+def _create_job_events() -> None:
     op.create_table(
         "job_events",
         sa.Column("id", sa.Integer(), primary_key=True, autoincrement=True),

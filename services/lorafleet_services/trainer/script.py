@@ -1,6 +1,6 @@
 """lorafleet's LoRA trainer: one self-contained script, run in a node's engine Python.
 
-    python trainer_script.py job.json
+    python script.py job.json
 
 It imports only the standard library, torch, transformers (and its
 huggingface_hub), peft, accelerate and safetensors: never lorafleet's own
@@ -23,16 +23,11 @@ The job file (JSON object; every key required unless a default is given)
     data_sha256  str: lowercase hex sha256 of the data file; a mismatch is refused.
     out_dir      str: the adapter goes to <out_dir>/adapter.
     params       object: the TrainerParams fields (lorafleet_schemas.messages),
-                 each optional with the same defaults: rank 16, alpha 32.0,
-                 dropout 0.05, target_modules "all-linear" (or a list of module
-                 names), learning_rate 2e-4, lr_scheduler "cosine" ("linear",
-                 "constant"), warmup_steps 0, epochs 1, max_steps 0 (0: as many
-                 as epochs take; > 0 wins over epochs), batch_size 4,
-                 gradient_accumulation 1, max_seq_len 1024 (tokens),
-                 gradient_checkpointing false, dtype "auto" ("bf16", "fp16",
-                 "fp32"; auto is bf16 on cards with bf16, fp16 on other cards,
-                 fp32 on the CPU), seed 42, eval_fraction 0.1. Unknown keys are
-                 refused.
+                 each optional with the same defaults and bounds (`Params` and
+                 `PARAM_RULES` below are generated from it). max_steps 0 means as
+                 many as epochs take, > 0 wins over epochs; dtype "auto" is bf16
+                 on cards with bf16, fp16 on other cards, fp32 on the CPU.
+                 Unknown keys are refused.
     device       "cuda" | "cpu" (default "cuda"); with cuda the first visible card.
     hf_offline   bool (default true): read the Hugging Face cache only.
 
@@ -137,20 +132,20 @@ class TerminatedError(BaseException):
 
 # --- parameters ---------------------------------------------------------------
 
-SCHEDULERS = ("linear", "cosine", "constant")
-DTYPES = ("auto", "bf16", "fp16", "fp32")
 ROLES = ("system", "user", "assistant")
 
 
+# BEGIN GENERATED PARAMS: python -m lorafleet_services.trainer.generate; do not edit
 @dataclasses.dataclass(frozen=True)
 class Params:
-    """TrainerParams, re-validated here: the script cannot trust its caller."""
+    """TrainerParams (lorafleet_schemas.messages), re-validated here: the script
+    cannot trust its caller."""
 
     rank: int = 16
     alpha: float = 32.0
     dropout: float = 0.05
     target_modules: list[str] | str = "all-linear"
-    learning_rate: float = 2e-4
+    learning_rate: float = 0.0002
     lr_scheduler: str = "cosine"
     warmup_steps: int = 0
     epochs: int = 1
@@ -162,6 +157,30 @@ class Params:
     dtype: str = "auto"
     seed: int = 42
     eval_fraction: float = 0.1
+
+
+#: Each parameter's check: (kind, bounds). kind: int and float (bounds gt, ge,
+#: lt, le), bool, choice (bounds: the values) or modules (a non-empty list of
+#: module names, or the one word).
+PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {
+    "rank": ("int", {"ge": 1, "le": 1024}),
+    "alpha": ("float", {"gt": 0}),
+    "dropout": ("float", {"ge": 0, "lt": 1}),
+    "target_modules": ("modules", {"word": "all-linear"}),
+    "learning_rate": ("float", {"gt": 0, "le": 1}),
+    "lr_scheduler": ("choice", {"values": ("linear", "cosine", "constant")}),
+    "warmup_steps": ("int", {"ge": 0}),
+    "epochs": ("int", {"ge": 1, "le": 1000}),
+    "max_steps": ("int", {"ge": 0}),
+    "batch_size": ("int", {"ge": 1, "le": 4096}),
+    "gradient_accumulation": ("int", {"ge": 1, "le": 4096}),
+    "max_seq_len": ("int", {"ge": 8, "le": 1048576}),
+    "gradient_checkpointing": ("bool", {}),
+    "dtype": ("choice", {"values": ("auto", "bf16", "fp16", "fp32")}),
+    "seed": ("int", {}),
+    "eval_fraction": ("float", {"ge": 0, "lt": 1}),
+}
+# END GENERATED PARAMS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -225,8 +244,51 @@ def _range(lo: int | None, hi: int | None) -> str:
     return f"at least {lo}" if lo is not None else f"at most {hi}"
 
 
+def _modules(name: str, v: Any, word: str) -> list[str] | str:
+    if v == word:
+        return word
+    names_ok = (
+        isinstance(v, list)
+        and v
+        and all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_.]+", m) for m in v)
+    )
+    if not names_ok:
+        raise BadInputError(
+            f'params.{name} is {v!r}; it must be "{word}" or a non-empty '
+            "list of module names (q_proj, v_proj, ...)"
+        )
+    return list(v)
+
+
+def _choice(name: str, v: Any, values: tuple[str, ...]) -> str:
+    if v not in values:
+        raise BadInputError(f"params.{name} is {v!r}; it must be one of {values}")
+    return str(v)
+
+
+def _bool(name: str, v: Any) -> bool:
+    if not isinstance(v, bool):
+        raise BadInputError(f"params.{name} is {v!r}; it must be true or false")
+    return v
+
+
+def _check_param(name: str, v: Any) -> Any:
+    kind, bounds = PARAM_RULES[name]
+    if kind == "int":
+        return _int(name, v, bounds.get("ge"), bounds.get("le"))
+    if kind == "float":
+        return _float(name, v, **bounds)
+    if kind == "choice":
+        return _choice(name, v, bounds["values"])
+    if kind == "modules":
+        return _modules(name, v, bounds["word"])
+    return _bool(name, v)
+
+
 def parse_params(raw: Any) -> Params:
-    """Validate the job's params object (missing keys take the defaults)."""
+    """Validate the job's params object (missing keys take the defaults), by
+    PARAM_RULES; the first bad one is named (the modules, choices and flags
+    before the numbers)."""
     if raw is None:
         raw = {}
     if not isinstance(raw, dict):
@@ -238,46 +300,8 @@ def parse_params(raw: Any) -> Params:
             f"params.{unknown[0]} is not a trainer parameter; known: {', '.join(sorted(known))}"
         )
     d = Params()
-    g = raw.get
-    tm = g("target_modules", d.target_modules)
-    if tm != "all-linear" and (
-        not isinstance(tm, list)
-        or not tm
-        or not all(isinstance(m, str) and re.fullmatch(r"[A-Za-z0-9_.]+", m) for m in tm)
-    ):
-        raise BadInputError(
-            f'params.target_modules is {tm!r}; it must be "all-linear" or a non-empty '
-            "list of module names (q_proj, v_proj, ...)"
-        )
-    sched = g("lr_scheduler", d.lr_scheduler)
-    if sched not in SCHEDULERS:
-        raise BadInputError(f"params.lr_scheduler is {sched!r}; it must be one of {SCHEDULERS}")
-    dtype = g("dtype", d.dtype)
-    if dtype not in DTYPES:
-        raise BadInputError(f"params.dtype is {dtype!r}; it must be one of {DTYPES}")
-    gc = g("gradient_checkpointing", d.gradient_checkpointing)
-    if not isinstance(gc, bool):
-        raise BadInputError(f"params.gradient_checkpointing is {gc!r}; it must be true or false")
-    return Params(
-        rank=_int("rank", g("rank", d.rank), 1, 1024),
-        alpha=_float("alpha", g("alpha", d.alpha), gt=0),
-        dropout=_float("dropout", g("dropout", d.dropout), ge=0, lt=1),
-        target_modules=list(tm) if isinstance(tm, list) else tm,
-        learning_rate=_float("learning_rate", g("learning_rate", d.learning_rate), gt=0, le=1),
-        lr_scheduler=sched,
-        warmup_steps=_int("warmup_steps", g("warmup_steps", d.warmup_steps), 0),
-        epochs=_int("epochs", g("epochs", d.epochs), 1, 1000),
-        max_steps=_int("max_steps", g("max_steps", d.max_steps), 0),
-        batch_size=_int("batch_size", g("batch_size", d.batch_size), 1, 4096),
-        gradient_accumulation=_int(
-            "gradient_accumulation", g("gradient_accumulation", d.gradient_accumulation), 1, 4096
-        ),
-        max_seq_len=_int("max_seq_len", g("max_seq_len", d.max_seq_len), 8, 1_048_576),
-        gradient_checkpointing=gc,
-        dtype=dtype,
-        seed=_int("seed", g("seed", d.seed)),
-        eval_fraction=_float("eval_fraction", g("eval_fraction", d.eval_fraction), ge=0, lt=1),
-    )
+    order = sorted(PARAM_RULES, key=lambda n: PARAM_RULES[n][0] in ("int", "float"))
+    return Params(**{n: _check_param(n, raw.get(n, getattr(d, n))) for n in order})
 
 
 def _str(raw: dict[str, Any], key: str, *, optional: bool = False) -> str | None:
@@ -631,6 +655,37 @@ def peak_mib(device: Any) -> int:
     return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
 
 
+def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
+    """Forward and backward over one step's micro-batches; answers the step's
+    loss as a tensor (still on the card: reading it would wait for the card)."""
+    n = len(micro)
+    total = None
+    for b in micro:
+        with loop.autocast():
+            out = loop.model(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
+            )
+        loss = out.loss / n
+        if loop.scaler is not None:
+            loop.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        d = loss.detach()
+        total = d if total is None else total + d
+    assert total is not None
+    return total
+
+
+def _optimizer_step(loop: Loop) -> None:
+    if loop.scaler is not None:
+        loop.scaler.step(loop.optimizer)
+        loop.scaler.update()
+    else:
+        loop.optimizer.step()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+
+
 def train_steps(
     loop: Loop,
     steps_plan: Iterator[tuple[int, list[Batch]]],
@@ -645,35 +700,16 @@ def train_steps(
     A step's time runs from the end of the one before, so that making its
     batches and reporting count too (tokens/s is what the job really gets).
     """
-    model, opt, sched, scaler = loop.model, loop.optimizer, loop.scheduler, loop.scaler
     t0 = time.perf_counter()
     upcoming = next(steps_plan, None)
     while upcoming is not None:
         epoch, micro = upcoming
-        lr = sched.get_last_lr()[0]
-        n = len(micro)
-        total = None
-        for b in micro:
-            with loop.autocast():
-                out = model(input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels)
-            loss = out.loss / n
-            if scaler is not None:
-                scaler.scale(loss).backward()
-            else:
-                loss.backward()
-            d = loss.detach()
-            total = d if total is None else total + d
-        if scaler is not None:
-            scaler.step(opt)
-            scaler.update()
-        else:
-            opt.step()
-        sched.step()
-        opt.zero_grad(set_to_none=True)
+        lr = loop.scheduler.get_last_lr()[0]
+        total = _accumulate(loop, micro)
+        _optimizer_step(loop)
         # On a card all of the above is only queued: make the next step's
         # batches now, while it runs, then wait for the loss.
         upcoming = next(steps_plan, None)
-        assert total is not None
         step_loss = float(total.item())
         if not math.isfinite(step_loss):
             raise TrainingError(
@@ -1114,7 +1150,7 @@ def main(argv: list[str]) -> int:
     # transformers method) are nothing a job's owner can act on.
     warnings.filterwarnings("ignore", category=FutureWarning)
     if len(argv) != 2:
-        emit("error", message="usage: trainer_script.py job.json")
+        emit("error", message="usage: script.py job.json")
         return 2
     try:
         return run(Path(argv[1]))

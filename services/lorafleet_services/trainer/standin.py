@@ -1,8 +1,8 @@
 """The stand-in trainer: a real subprocess speaking the trainer's protocol.
 
-    python standin_trainer.py job.json
+    python standin.py job.json
 
-It reads the same job file as the real trainer (see trainer_script.py) and
+It reads the same job file as the real trainer (see script.py) and
 prints the same JSON lines on stdout (`TrainerLine` in
 lorafleet_schemas.messages), without training anything: a falling loss, a
 peak MiB, eval lines, and a small adapter directory whose bytes depend only
@@ -75,9 +75,66 @@ def _int_env(name: str, default: int) -> int:
     return int(raw) if raw else default
 
 
+def _start_child() -> int:
+    """LORAFLEET_STANDIN_CHILD: a child that sleeps (the agent must kill the group)."""
+    if os.environ.get("LORAFLEET_STANDIN_CHILD") != "1":
+        return 0
+    child = subprocess.Popen(
+        [sys.executable, "-c", "import time\nwhile True: time.sleep(60)"],
+        stdin=subprocess.DEVNULL,
+    )
+    return child.pid
+
+
+def _steps(steps: int, epochs: int, step_s: float, fail_at: int) -> float | None:
+    """The step and eval lines of a falling loss; the last loss, or None after
+    failing at `fail_at` as asked."""
+    per_epoch = max(1, -(-steps // epochs))
+    loss = 2.5
+    started = time.monotonic()
+    for step in range(1, steps + 1):
+        time.sleep(step_s)
+        if step == fail_at:
+            print(f"stand-in: failing at step {step} as asked", file=sys.stderr)
+            emit("error", message=f"stand-in trainer failed at step {step} (as asked)")
+            return None
+        loss *= 0.9
+        elapsed = time.monotonic() - started
+        emit(
+            "step",
+            step=step,
+            steps=steps,
+            loss=round(loss, 6),
+            learning_rate=2e-4 * (1 - (step - 1) / steps),
+            tokens_per_s=1000.0,
+            eta_s=round(elapsed / step * (steps - step), 3),
+            peak_mib=100 + step,
+            epoch=1 + (step - 1) // per_epoch,
+        )
+        if step % per_epoch == 0 or step == steps:
+            emit("eval", step=step, epoch=1 + (step - 1) // per_epoch, eval_loss=round(loss, 6))
+    return loss
+
+
+def _save(job: dict[str, Any], loss: float, steps: int, records: int) -> None:
+    emit("state", state="saving", message="writing the stand-in adapter")
+    out = Path(job["out_dir"]) / "adapter"
+    out.mkdir(parents=True, exist_ok=True)
+    for name, content in adapter_files(job["job_id"]).items():
+        (out / name).write_bytes(content)
+    base = job.get("base") or {}
+    base_dir = base.get("local_dir") or str(Path(job["out_dir"]) / "base")
+    emit(
+        "done",
+        adapter_dir=str(out),
+        base_dir=base_dir,
+        summary={"final_loss": round(loss, 6), "steps": steps, "records": records},
+    )
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 2:
-        print("usage: standin_trainer.py job.json", file=sys.stderr)
+        print("usage: standin.py job.json", file=sys.stderr)
         return 2
     job = json.loads(Path(argv[1]).read_text())
     params = job.get("params") or {}
@@ -87,13 +144,7 @@ def main(argv: list[str]) -> int:
     hang = os.environ.get("LORAFLEET_STANDIN_HANG") == "1"
     epochs = max(1, int(params.get("epochs") or 1))
 
-    child_pid = 0
-    if os.environ.get("LORAFLEET_STANDIN_CHILD") == "1":
-        child = subprocess.Popen(
-            [sys.executable, "-c", "import time\nwhile True: time.sleep(60)"],
-            stdin=subprocess.DEVNULL,
-        )
-        child_pid = child.pid
+    child_pid = _start_child()
     emit("log", message=f"pid={os.getpid()} child_pid={child_pid}", level="info")
     # Libraries print to stdout too: the agent must skip what is not the protocol.
     print("stand-in: a stdout line that is not the protocol", flush=True)
@@ -113,44 +164,10 @@ def main(argv: list[str]) -> int:
     while hang:
         time.sleep(60)
 
-    per_epoch = max(1, -(-steps // epochs))
-    loss = 2.5
-    started = time.monotonic()
-    for step in range(1, steps + 1):
-        time.sleep(step_s)
-        if step == fail_at:
-            print(f"stand-in: failing at step {step} as asked", file=sys.stderr)
-            emit("error", message=f"stand-in trainer failed at step {step} (as asked)")
-            return 1
-        loss *= 0.9
-        elapsed = time.monotonic() - started
-        emit(
-            "step",
-            step=step,
-            steps=steps,
-            loss=round(loss, 6),
-            learning_rate=2e-4 * (1 - (step - 1) / steps),
-            tokens_per_s=1000.0,
-            eta_s=round(elapsed / step * (steps - step), 3),
-            peak_mib=100 + step,
-            epoch=1 + (step - 1) // per_epoch,
-        )
-        if step % per_epoch == 0 or step == steps:
-            emit("eval", step=step, epoch=1 + (step - 1) // per_epoch, eval_loss=round(loss, 6))
-
-    emit("state", state="saving", message="writing the stand-in adapter")
-    out = Path(job["out_dir"]) / "adapter"
-    out.mkdir(parents=True, exist_ok=True)
-    for name, content in adapter_files(job["job_id"]).items():
-        (out / name).write_bytes(content)
-    base = job.get("base") or {}
-    base_dir = base.get("local_dir") or str(Path(job["out_dir"]) / "base")
-    emit(
-        "done",
-        adapter_dir=str(out),
-        base_dir=base_dir,
-        summary={"final_loss": round(loss, 6), "steps": steps, "records": records},
-    )
+    loss = _steps(steps, epochs, step_s, fail_at)
+    if loss is None:
+        return 1
+    _save(job, loss, steps, records)
     if child_pid:
         os.kill(child_pid, signal.SIGTERM)
     return 0

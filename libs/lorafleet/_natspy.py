@@ -1,0 +1,322 @@
+"""Every place lorafleet works around nats-py (2.16), in one module.
+
+Each function or class here says what upstream lacks or does wrong, and
+tests/core/test_natspy.py pins that upstream behaviour: when a newer
+nats-py fixes or changes it, its pin fails, telling us to drop (or redo)
+the workaround. Nothing else in lorafleet reaches into nats-py privates,
+so moving to a newer nats-py, or to nats.py's nats-core / nats-jetstream
+packages, is this module's work.
+
+Private plumbing: services import it, users of lorafleet do not.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import contextlib
+import hashlib
+import json
+from typing import Any, BinaryIO
+
+import msgspec
+import nats.aio.client
+import nats.js.errors
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.aio.subscription import Subscription
+from nats.js import JetStreamContext
+from nats.js.api import ObjectInfo, ObjectStoreConfig
+from nats.micro.service import Endpoint, Service
+
+from lorafleet.names import (
+    OBJECT_DIGEST_PREFIX,
+    STATUS_NO_RESPONDERS,
+    Header,
+    object_chunk_subject,
+    object_meta_subject,
+    object_stream,
+)
+
+# --- the connection behind a JetStream context -----------------------------------
+
+
+def client_of(js: JetStreamContext) -> Client:
+    """The connection `js` was made from.
+
+    Upstream: JetStreamContext keeps it as `_nc` with no public accessor,
+    so code handed a context cannot publish plain messages on its connection
+    or read its max payload.
+    """
+    conn: Client = js._nc
+    return conn
+
+
+# --- micro: counting the error replies a handler sends itself ---------------------
+
+
+def last_endpoint(svc: Service) -> Endpoint:
+    """The endpoint `svc.add_endpoint` added last.
+
+    Upstream: add_endpoint returns None, and the service keeps its endpoints
+    in the private `_endpoints`.
+    """
+    endpoints: list[Endpoint] = svc._endpoints
+    return endpoints[-1]
+
+
+def count_endpoint_error(endpoint: Endpoint, error: str) -> None:
+    """Count an error reply in `nats micro stats` (num_errors, last_error).
+
+    Upstream: micro counts only what a handler raises (and then answers with
+    its own body); a handler that answers with `respond_error` itself, as
+    lorafleet's do to send a JSON error body, is counted as a success.
+    Stats read the private `_num_errors` and `_last_error`.
+    """
+    # nats-py types `_last_error` from its None default.
+    counters: Any = endpoint
+    counters._num_errors += 1
+    counters._last_error = error
+
+
+# --- the socket read size ------------------------------------------------------------
+
+
+def use_read_buffer(size_bytes: int) -> None:
+    """Read at least `size_bytes` per socket read, on every connection of this process.
+
+    Upstream: connect has no option for it; the client reads
+    `nats.aio.client.DEFAULT_BUFFER_SIZE` (32 KiB) bytes per read, a module
+    global looked up at each read. A process that receives bulk (the
+    artifact-store) wakes up far less often with a bigger one. Never lowers it.
+    """
+    nats.aio.client.DEFAULT_BUFFER_SIZE = max(nats.aio.client.DEFAULT_BUFFER_SIZE, size_bytes)
+
+
+# --- asynchronous JetStream publish ----------------------------------------------------
+
+
+class PublishRefusedError(Exception):
+    """JetStream answered a publish with an error (a full stream, a wrong subject, ...)."""
+
+    def __init__(self, description: str, code: int = 0, err_code: int = 0) -> None:
+        super().__init__(description)
+        self.description = description
+        self.code = code
+        self.err_code = err_code
+
+
+class NoStreamError(PublishRefusedError):
+    """No stream took the publish (no responders)."""
+
+
+class _PubError(msgspec.Struct):
+    code: int = 0
+    err_code: int = 0
+    description: str = ""
+
+
+class _PubReply(msgspec.Struct):
+    error: _PubError | None = None
+    seq: int = 0
+    duplicate: bool = False
+
+
+class AsyncPublisher:
+    """JetStream publishes whose acknowledgements are collected on one inbox.
+
+    `publish()` returns a future of the stored message's stream sequence,
+    or of PublishRefusedError. Cancel a future to stop waiting for it.
+
+    Upstream: `js.publish_async`'s reply callback turns a stream's refusal
+    into an exception with `APIError.from_error`, which raises instead of
+    returning; the exception escapes the callback (to the error callback)
+    and the publish's future never ends.
+    """
+
+    def __init__(self, nc: Client) -> None:
+        self._nc = nc
+        self._prefix = ""
+        self._sub: Subscription | None = None
+        self._futures: dict[str, asyncio.Future[int]] = {}
+        self._next = 0
+
+    async def start(self) -> AsyncPublisher:
+        self._prefix = self._nc.new_inbox()
+        self._sub = await self._nc.subscribe(self._prefix + ".*", cb=self._on_reply)
+        return self
+
+    async def stop(self) -> None:
+        """Cancel every future still waiting and unsubscribe."""
+        for fut in list(self._futures.values()):
+            fut.cancel()
+        self._futures.clear()
+        if self._sub is not None:
+            with contextlib.suppress(Exception):
+                await self._sub.unsubscribe()
+            self._sub = None
+
+    # TODO(wave1 merge): the old name, for the call sites in services/ until
+    # the merge moves them to stop(); then remove.
+    close = stop
+
+    async def __aenter__(self) -> AsyncPublisher:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    async def publish(
+        self, subject: str, body: bytes, headers: dict[str, str] | None = None
+    ) -> asyncio.Future[int]:
+        if self._sub is None:
+            raise RuntimeError("AsyncPublisher.start() first")
+        self._next += 1
+        token = str(self._next)
+        fut: asyncio.Future[int] = asyncio.get_running_loop().create_future()
+        self._futures[token] = fut
+        fut.add_done_callback(lambda _: self._futures.pop(token, None))
+        await self._nc.publish(subject, body, reply=f"{self._prefix}.{token}", headers=headers)
+        return fut
+
+    async def _on_reply(self, msg: Msg) -> None:
+        fut = self._futures.pop(msg.subject[len(self._prefix) + 1 :], None)
+        if fut is None or fut.done():
+            return
+        if msg.headers and msg.headers.get(Header.STATUS) == STATUS_NO_RESPONDERS:
+            fut.set_exception(NoStreamError("no stream answered (no responders)", 503))
+            return
+        try:
+            reply = msgspec.json.decode(msg.data, type=_PubReply)
+        except msgspec.DecodeError:
+            fut.set_exception(PublishRefusedError(f"not a JetStream reply: {msg.data[:200]!r}"))
+            return
+        if reply.error is not None:
+            e = reply.error
+            fut.set_exception(PublishRefusedError(e.description, e.code, e.err_code))
+        else:
+            fut.set_result(reply.seq)
+
+
+# --- reading objects by message gets --------------------------------------------------
+
+
+class ObjectNotFoundError(LookupError):
+    """No such object (or it was deleted) in the bucket."""
+
+
+class ObjectDamagedError(ValueError):
+    """The object's chunks are not what its meta message says (size, digest)."""
+
+
+def _object_info(data: bytes) -> ObjectInfo | None:
+    try:
+        raw: Any = json.loads(data)
+        return ObjectInfo.from_response(raw) if isinstance(raw, dict) else None
+    except (ValueError, TypeError, KeyError, AttributeError):
+        return None
+
+
+async def read_object(js: JetStreamContext, bucket: str, name: str, out: BinaryIO) -> int:
+    """Write object `name` of `bucket` into `out`; return its size in bytes.
+
+    Reads the object's meta message and then each chunk with
+    `$JS.API.STREAM.MSG.GET` on `OBJ_<bucket>`, so that one subject on that
+    one stream is all a reader's permissions need (names.msg_get_subject).
+    Costs one request per chunk (128 KiB by default). Checks the size and
+    the sha256 the meta message records. Raises ObjectNotFoundError,
+    ObjectDamagedError, or nats' errors (a timeout when the server does not
+    answer, or refuses the request).
+
+    Upstream: `ObjectStore.get` looks the stream up by subject
+    (`$JS.API.STREAM.NAMES`, which lists every stream's name), asks for its
+    info and creates a consumer; a node's credentials would have to allow all three.
+    """
+    stream = object_stream(bucket)
+    try:
+        meta = await js.get_last_msg(stream, object_meta_subject(bucket, name))
+    except nats.js.errors.NotFoundError:
+        raise ObjectNotFoundError(f"no object {name!r} in bucket {bucket}") from None
+    info = _object_info(meta.data or b"")
+    if info is None or info.deleted or not info.nuid:
+        raise ObjectNotFoundError(f"no object {name!r} in bucket {bucket} (deleted)")
+    subject = object_chunk_subject(bucket, info.nuid)
+    h = hashlib.sha256()
+    size = 0
+    seq = 1
+    for _ in range(info.chunks or 0):
+        try:
+            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
+        except nats.js.errors.NotFoundError:
+            break
+        data = msg.data or b""
+        await asyncio.to_thread(out.write, data)
+        h.update(data)
+        size += len(data)
+        seq = (msg.seq or seq) + 1
+    if size != (info.size or 0):
+        raise ObjectDamagedError(
+            f"object {name!r} in {bucket}: read {size} bytes, its meta says {info.size or 0}"
+        )
+    want = (
+        (info.digest or "")
+        .removeprefix(OBJECT_DIGEST_PREFIX)
+        .removeprefix(OBJECT_DIGEST_PREFIX.lower())
+    )
+    if want and base64.urlsafe_b64decode(want) != h.digest():
+        raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its meta")
+    return size
+
+
+# --- downloading objects into a file ----------------------------------------------------
+
+
+async def download_object(js: JetStreamContext, bucket: str, name: str, out: BinaryIO) -> None:
+    """Write object `name` of `bucket` into `out` (a file or io.BytesIO).
+
+    Raises nats.js.errors.ObjectNotFoundError or ObjectDeletedError, as
+    nats-py's get does; checks the digest the same way.
+
+    Upstream: `ObjectStore.get` without `writeinto` appends each chunk to an
+    immutable bytes value (`result.data += msg.data`), copying everything
+    read so far for each chunk: quadratic in the object's size.
+    """
+    obs = await js.object_store(bucket)
+    await obs.get(name, writeinto=out)  # type: ignore[arg-type]
+
+
+# --- creating an object store from its config ------------------------------------------
+
+
+async def create_object_store(js: JetStreamContext, config: ObjectStoreConfig) -> None:
+    """Create (or keep) the object store `config` describes, bucket included.
+
+    Upstream: `create_object_store` overwrites `config.bucket` with its own
+    `bucket` argument (None when not given), so a complete config alone fails.
+    """
+    await js.create_object_store(config.bucket or "", config=config)
+
+
+# --- permission refusals ---------------------------------------------------------------
+
+
+def refusal(e: BaseException) -> str | None:
+    """The server's words when `e` is a permissions violation, else None.
+
+    Upstream: nats-py does not raise for a refused publish or subscription:
+    the server's `-ERR 'Permissions Violation for Publish to "..."'` reaches
+    the error callback only, as an error whose text is the server's (a
+    refused request then times out).
+    """
+    text = str(e)
+    return text.removeprefix("nats: ") if "permissions violation" in text.lower() else None
+
+
+def is_authorization_violation(e: BaseException) -> bool:
+    """True when `e` is the server refusing this user and password.
+
+    Upstream: while nats-py retries a first connect, the server's
+    `-ERR 'Authorization Violation'` reaches the error callback only, and
+    nats-py raises a plain error with the server's text, no class of its own.
+    """
+    return "authorization violation" in str(e).lower()

@@ -1,0 +1,324 @@
+"""Pins of the nats-py behaviour lorafleet._natspy works around, and its workarounds.
+
+Each `test_upstream_*` asserts what nats-py (2.16) does today. When one
+fails after an upgrade, upstream has fixed or changed that behaviour: drop
+or redo the workaround its docstring names, then this pin.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import inspect
+import io
+from pathlib import Path
+
+import nats
+import nats.aio.client
+import nats.js.errors
+import pytest
+from nats.aio.client import Client
+from nats.aio.msg import Msg
+from nats.js.api import DiscardPolicy, ObjectStoreConfig, StreamConfig
+from nats.js.object_store import ObjectStore
+from nats.micro import add_service
+from nats.micro.request import Request
+from nats.micro.service import EndpointConfig, ServiceConfig
+
+from lorafleet import _natspy, names, permissions
+from lorafleet.names import Names, msg_get_subject
+from lorafleet.natsserver import NatsServer
+from tests.eventually import eventually
+
+#: Seconds a pin waits to be sure something upstream does not happen.
+NEVER_S = 0.5
+#: A chunk size that splits the test object into several chunks; bytes.
+SMALL_CHUNK_BYTES = 1024
+
+
+async def _errors_collected(url: str, **kwargs: object) -> tuple[Client, list[Exception]]:
+    errors: list[Exception] = []
+
+    async def error_cb(e: Exception) -> None:
+        errors.append(e)
+
+    nc = await nats.connect(url, error_cb=error_cb, allow_reconnect=False, **kwargs)
+    return nc, errors
+
+
+# --- js._nc ---------------------------------------------------------------------
+
+
+def test_upstream_jetstream_context_has_no_public_connection() -> None:
+    nc = Client()
+    js = nc.jetstream()
+    public = {a for a in dir(js) if not a.startswith("_")}
+    assert not public & {"nc", "conn", "client", "connection"}, public
+    assert js._nc is nc
+    assert _natspy.client_of(js) is nc
+
+
+# --- micro's error counts ---------------------------------------------------------
+
+
+def test_upstream_add_endpoint_returns_nothing() -> None:
+    from nats.micro.service import Service
+
+    assert inspect.signature(Service.add_endpoint).return_annotation in (None, "None")
+
+
+async def test_upstream_micro_counts_only_raised_errors(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    svc = await add_service(nc, ServiceConfig(name="pin", version="0.0.1"))
+
+    async def answer_error(req: Request) -> None:
+        await req.respond_error("400", "refused", data=b'{"error": {}}')
+
+    await svc.add_endpoint(EndpointConfig(name="e", subject="pin.e", handler=answer_error))
+    await nc.request("pin.e", b"", timeout=2)
+    [stats] = svc.stats().endpoints
+    assert (stats.num_requests, stats.num_errors, stats.last_error) == (1, 0, None)
+
+    _natspy.count_endpoint_error(_natspy.last_endpoint(svc), "400: refused")
+    [stats] = svc.stats().endpoints
+    assert (stats.num_errors, stats.last_error) == (1, "400: refused")
+    await svc.stop()
+    await nc.close()
+
+
+# --- the socket read size ----------------------------------------------------------
+
+
+def test_upstream_read_size_is_a_module_global_with_no_option(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    assert not {"buffer_size", "read_buffer_size", "read_size"} & set(
+        inspect.signature(Client.connect).parameters
+    )
+    assert nats.aio.client.DEFAULT_BUFFER_SIZE == 32 * 1024
+    assert "DEFAULT_BUFFER_SIZE" in inspect.getsource(Client._read_loop)
+
+    monkeypatch.setattr(nats.aio.client, "DEFAULT_BUFFER_SIZE", 32 * 1024)
+    _natspy.use_read_buffer(1 << 20)
+    assert nats.aio.client.DEFAULT_BUFFER_SIZE == 1 << 20
+    _natspy.use_read_buffer(1024)
+    assert nats.aio.client.DEFAULT_BUFFER_SIZE == 1 << 20, "never lowered"
+
+
+# --- publish_async and a refused publish --------------------------------------------
+
+
+def test_upstream_api_error_from_error_raises_instead_of_returning() -> None:
+    with pytest.raises(nats.js.errors.BadRequestError):
+        nats.js.errors.APIError.from_error(
+            {"code": 400, "err_code": 10077, "description": "maximum messages exceeded"}
+        )
+
+
+async def test_upstream_publish_async_never_ends_a_refused_publish(
+    nats_server: NatsServer,
+) -> None:
+    nc, errors = await _errors_collected(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(
+        StreamConfig(name="PIN", subjects=["pin.>"], max_msgs=1, discard=DiscardPolicy.NEW)
+    )
+    await js.publish("pin.a", b"1")
+
+    theirs = await js.publish_async("pin.a", b"2")
+    async with _natspy.AsyncPublisher(nc) as pub:
+        ours = await pub.publish("pin.a", b"2")
+        with pytest.raises(_natspy.PublishRefusedError) as refused:
+            await asyncio.wait_for(ours, 5)
+        assert "maximum messages" in refused.value.description
+        ok = await pub.publish("other.x", b"")
+        with pytest.raises(_natspy.NoStreamError):
+            await asyncio.wait_for(ok, 5)
+    # The refusal reached nats-py's reply callback and escaped from it.
+    await eventually(lambda: errors, "nats-py's reply callback raised the refusal")
+    assert isinstance(errors[0], nats.js.errors.APIError), errors
+    await asyncio.sleep(NEVER_S)
+    assert not theirs.done(), "publish_async now ends a refused publish: drop AsyncPublisher"
+    theirs.cancel()
+    await nc.close()
+
+
+async def test_async_publisher_acknowledges_with_the_stream_sequence(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(StreamConfig(name="PIN", subjects=["pin.>"]))
+    pub = await _natspy.AsyncPublisher(nc).start()
+    first = await pub.publish("pin.a", b"1")
+    second = await pub.publish("pin.a", b"2", headers={"Nats-Msg-Id": "two"})
+    assert await asyncio.wait_for(asyncio.gather(first, second), 5) == [1, 2]
+    pending = await pub.publish("pin.a", b"3")
+    pending.cancel()
+    await pub.stop()
+    await nc.close()
+
+
+# --- object-store reads -------------------------------------------------------------------
+
+
+async def _api_subjects_during(nc: Client, spy: Client, action: object) -> set[str]:
+    """The JetStream API subjects requested on the server while `action` runs."""
+    seen: set[str] = set()
+
+    async def note(msg: Msg) -> None:
+        seen.add(msg.subject)
+
+    sub = await spy.subscribe("$JS.API.>", cb=note)
+    await spy.flush()
+    assert inspect.isawaitable(action)
+    await action
+    await nc.flush()
+    await spy.flush()
+    await asyncio.sleep(0.1)  # the spy's callback task runs after its flush
+    await sub.unsubscribe()
+    return seen
+
+
+async def test_upstream_object_get_needs_stream_lookup_info_and_a_consumer(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    spy = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    obs = await js.create_object_store("pin")
+    content = bytes(range(256)) * 20
+    await obs.put("o", content)
+
+    theirs = await _api_subjects_during(nc, spy, obs.get("o"))
+    assert "$JS.API.STREAM.NAMES" in theirs, theirs
+    assert any(s.startswith("$JS.API.CONSUMER.CREATE.OBJ_pin") for s in theirs), theirs
+
+    out = io.BytesIO()
+    ours = await _api_subjects_during(nc, spy, _natspy.read_object(js, "pin", "o", out))
+    assert ours == {msg_get_subject("pin")}
+    assert out.getvalue() == content
+    await spy.close()
+    await nc.close()
+
+
+async def test_read_object_refuses_missing_deleted_and_damaged_objects(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    obs = await js.create_object_store("pin")
+    with pytest.raises(_natspy.ObjectNotFoundError):
+        await _natspy.read_object(js, "pin", "none", io.BytesIO())
+    await obs.put("gone", b"x")
+    await obs.delete("gone")
+    with pytest.raises(_natspy.ObjectNotFoundError, match="deleted"):
+        await _natspy.read_object(js, "pin", "gone", io.BytesIO())
+    info = await obs.put("cut", b"y" * 100)
+    await js.purge_stream("OBJ_pin", subject=f"$O.pin.C.{info.nuid}")
+    with pytest.raises(_natspy.ObjectDamagedError, match="read 0 bytes"):
+        await _natspy.read_object(js, "pin", "cut", io.BytesIO())
+    await nc.close()
+
+
+def test_upstream_object_get_appends_to_immutable_bytes() -> None:
+    assert "writeinto" in inspect.signature(ObjectStore.get).parameters
+    result = ObjectStore.ObjectResult(info=None)  # type: ignore[arg-type]
+    assert type(result.data) is bytes, "get now grows a mutable buffer: plain get may do"
+    assert "result.data += msg.data" in inspect.getsource(ObjectStore.get)
+
+
+async def test_download_object_writes_every_chunk(nats_server: NatsServer) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    obs = await js.create_object_store("pin")
+    content = bytes(range(256)) * 40
+    meta = nats.js.api.ObjectMeta(
+        name="o", options=nats.js.api.ObjectMetaOptions(max_chunk_size=SMALL_CHUNK_BYTES)
+    )
+    info = await obs.put("o", content, meta=meta)
+    assert (info.chunks or 0) > 1
+    out = io.BytesIO()
+    await _natspy.download_object(js, "pin", "o", out)
+    assert out.getvalue() == content
+    with pytest.raises(nats.js.errors.ObjectNotFoundError):
+        await _natspy.download_object(js, "pin", "none", io.BytesIO())
+    await nc.close()
+
+
+# --- creating an object store from its config ----------------------------------------
+
+
+async def test_upstream_create_object_store_ignores_the_config_bucket(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    with pytest.raises(TypeError):
+        await js.create_object_store(config=ObjectStoreConfig(bucket="pin"))
+    await _natspy.create_object_store(js, ObjectStoreConfig(bucket="pin", description="d"))
+    obs = await js.object_store("pin")
+    assert (await obs.status()).description == "d"
+    await nc.close()
+
+
+# --- refusals reach the error callback only --------------------------------------------
+
+
+async def test_upstream_refused_publish_does_not_raise(tmp_path: Path) -> None:
+    config = tmp_path / "nats.conf"
+    perms = {"publish": {"allow": ["ok.>"]}, "subscribe": {"allow": ["_INBOX.>"]}}
+    config.write_text(permissions.server_config({"u": ("p", perms)}))
+    async with NatsServer(tmp_path / "store", config_file=config) as server:
+        nc, errors = await _errors_collected(server.url_for("u", "p"))
+        await nc.publish("denied.x", b"")  # no exception: the server's -ERR comes later
+        await nc.flush()
+        await eventually(lambda: errors, "the refusal reached the error callback")
+        refused = _natspy.refusal(errors[0])
+        assert refused is not None and 'publish to "denied.x"' in refused.lower(), errors
+        assert not _natspy.is_authorization_violation(errors[0])
+        await nc.close()
+
+
+def test_names_agree_with_nats_py_own_names() -> None:
+    """names.py spells NATS's subjects, streams and headers itself (one place
+    for every literal); they must stay what nats-py and the server use."""
+    from nats.js import client as js_client
+    from nats.js import kv, object_store
+    from nats.js.api import Header as JsHeader
+    from nats.micro import request as micro_request
+
+    assert names.kv_stream("b") == js_client.KV_STREAM_TEMPLATE.format(bucket="b")
+    assert names.kv_subject("b", "k") == js_client.KV_PRE_TEMPLATE.format(bucket="b") + "k"
+    assert names.object_stream("b") == object_store.OBJ_STREAM_TEMPLATE.format(bucket="b")
+    encoded = base64.urlsafe_b64encode(b"a/b").decode()
+    assert names.object_meta_subject("b", "a/b") == object_store.OBJ_META_PRE_TEMPLATE.format(
+        bucket="b", obj=encoded
+    )
+    assert names.object_chunk_subject("b", "n") == object_store.OBJ_CHUNKS_PRE_TEMPLATE.format(
+        bucket="b", obj="n"
+    )
+    assert names.object_chunk_subjects("b") == object_store.OBJ_ALL_CHUNKS_PRE_TEMPLATE.format(
+        bucket="b"
+    )
+    assert names.object_meta_subjects("b") == object_store.OBJ_ALL_META_PRE_TEMPLATE.format(
+        bucket="b"
+    )
+    assert names.OBJECT_DIGEST_PREFIX == object_store.OBJ_DIGEST_TYPE
+    H = names.Header
+    assert JsHeader.MSG_ID.value == H.MSG_ID
+    assert JsHeader.EXPECTED_LAST_SUBJECT_SEQUENCE.value == H.EXPECTED_LAST_SUBJECT_SEQUENCE
+    assert JsHeader.ROLLUP.value == H.ROLLUP
+    assert JsHeader.STATUS.value == H.STATUS
+    assert (H.KV_OPERATION, H.MARKER_REASON) == (kv.KV_OP, kv.KV_MARKER_REASON)
+    assert (names.KV_DEL, names.KV_PURGE, names.ROLLUP_SUBJECT) == (
+        kv.KV_DEL,
+        kv.KV_PURGE,
+        kv.MSG_ROLLUP_SUBJECT,
+    )
+    assert (H.SERVICE_ERROR, H.SERVICE_ERROR_CODE) == (
+        micro_request.ERROR_HEADER,
+        micro_request.ERROR_CODE_HEADER,
+    )
+    assert Names().node_heartbeat("gpu-1") == "$KV.lorafleet_nodes.gpu-1"
+    assert msg_get_subject("d") == "$JS.API.STREAM.MSG.GET.OBJ_d"
