@@ -6,10 +6,11 @@ from typing import Any
 
 import msgspec
 import structlog
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
 from lorafleet.log import Event
+from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.test_logic import hb

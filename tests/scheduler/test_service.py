@@ -14,6 +14,7 @@ from structlog.testing import capture_logs
 
 from lorafleet import bus
 from lorafleet.log import Event
+from lorafleet.names import KV_DEL, Header
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Heartbeat, NodeList, NodeListRequest
 from lorafleet_services.scheduler.leadership import LEADER_KEY
@@ -140,7 +141,7 @@ async def test_a_deleted_heartbeat_reads_as_a_clean_stop_not_an_expiry(fast: Set
                 lambda: "gpu-8" in s.nodes.table.nodes, "the node in the table", timeout_s=5
             )
             # What an agent's clean stop publishes (a KV delete).
-            await s.js.publish(subject, b"", headers={"KV-Operation": "DEL"})
+            await s.js.publish(subject, b"", headers={Header.KV_OPERATION: KV_DEL})
             await eventually(
                 lambda: not s.nodes.table.nodes["gpu-8"].alive, "the node gone", timeout_s=5
             )

@@ -24,12 +24,11 @@ from typing import Any
 
 import nats.js.errors
 from nats.js import JetStreamContext
-from nats.js.api import Header
-from nats.js.kv import KV_DEL, KV_MARKER_REASON, KV_OP, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 
 from lorafleet.bus import LEADER_TTL_S
 from lorafleet.log import Event
-from lorafleet.names import Names
+from lorafleet.names import KV_DEL, KV_PURGE, Header, Names, kv_stream
 from lorafleet_services.scheduler.kv_watch import KeyWatch
 
 #: Seconds between renewals of the leader key (its TTL is bus.LEADER_TTL_S).
@@ -41,8 +40,6 @@ LEADER_SAFETY_S = 0.5
 LEADER_KEY = "scheduler"
 #: JetStream's error codes for a wrong expected last subject sequence.
 _WRONG_LAST_SEQUENCE = (10071, 10164)
-# LOCAL until names.py has it (engineer E): the stream behind a KV bucket.
-_KV_STREAM = "KV_{}"
 
 
 class Leadership:
@@ -137,13 +134,13 @@ class Leadership:
         last = 0
         try:
             current = await self.js.get_msg(
-                _KV_STREAM.format(self.names.leader_bucket), subject=self._subject
+                kv_stream(self.names.leader_bucket), subject=self._subject
             )
         except nats.js.errors.NotFoundError:
             pass
         else:
             headers = current.headers or {}
-            deleted = KV_OP in headers or KV_MARKER_REASON in headers
+            deleted = Header.KV_OPERATION in headers or Header.MARKER_REASON in headers
             if not deleted and current.data != self.instance.encode():
                 return  # someone else leads
             last = current.seq or 0

@@ -25,9 +25,10 @@ from collections.abc import Callable
 from typing import Any
 
 import msgspec
-from nats.js.kv import KV_DEL, KV_PURGE, KeyValue
+from nats.js.kv import KeyValue
 
 from lorafleet.log import Event
+from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_schemas.messages import Heartbeat
 from lorafleet_services.scheduler.logic import BeatChange, Node, NodeTable, utc_hms
 

@@ -36,7 +36,8 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
-from lorafleet import bus, log
+import lorafleet
+from lorafleet import log, runtime
 from lorafleet.log import Event
 from lorafleet.recorder_client import RecorderClient
 from lorafleet.service import Route, start_service
@@ -55,7 +56,6 @@ from lorafleet_services.scheduler.kv_watch import KeyWatch
 from lorafleet_services.scheduler.leadership import Leadership
 from lorafleet_services.scheduler.nodes import NodeWatcher
 
-VERSION = "0.1.0"
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
 #: behind the event triggers); default 1.
 SWEEP_S = 1.0
@@ -114,7 +114,7 @@ class Scheduler:
         self._service = await start_service(
             self.nc,
             self.names.scheduler_service,
-            VERSION,
+            lorafleet.__version__,
             "lorafleet scheduler: nodes, dispatch, cancel",
             [
                 Route(self.names.nodes_list, NodeListRequest, self.nodes_list),
@@ -194,25 +194,15 @@ class Scheduler:
         return await self.dispatcher.cancel(req)
 
 
+async def make(nc: Client, settings: Settings) -> Scheduler:
+    return Scheduler(nc, settings)
+
+
+#: How `runtime.serve` runs the scheduler (its NATS client is "lorafleet-scheduler";
+#: after a reconnect serve calls `Scheduler.reconnected`).
+PROGRAM = runtime.Program("scheduler", make)
+
+
 async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """The scheduler process: connect, ensure the layout, serve until `stop`."""
-    logger = log.get()
-    holder: list[Scheduler] = []
-
-    async def reconnected_cb() -> None:
-        logger.info(Event.NATS_RECONNECTED)
-        if holder:
-            holder[0].reconnected()
-
-    nc = await bus.connect(settings, "lorafleet-scheduler", reconnected_cb=reconnected_cb)
-    try:
-        await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings))
-        scheduler = Scheduler(nc, settings)
-        holder.append(scheduler)
-        await scheduler.start()
-        logger.info(Event.SERVICE_STARTED, service_name=settings.names.scheduler_service)
-        await stop.wait()
-        await scheduler.stop()
-    finally:
-        await bus.drain_quietly(nc)
-        logger.info(Event.SERVICE_STOPPED)
+    """Connect, ensure the layout, serve until `stop` (`runtime.serve(PROGRAM)`)."""
+    await runtime.serve(PROGRAM, settings, stop)
