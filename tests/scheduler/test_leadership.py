@@ -16,14 +16,7 @@ from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_services.scheduler.leadership import LEADER_KEY, LEADER_SAFETY_S, Leadership
 from tests.eventually import eventually
-
-
-class Clock:
-    def __init__(self, now: float = 1000.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
+from tests.scheduler.clock import Clock
 
 
 @pytest.fixture
@@ -48,7 +41,7 @@ async def key_value(nc: Client, settings: Settings) -> bytes | None:
 async def test_the_lease_ends_its_safety_margin_before_the_key_could_expire(
     nc: Client, settings: Settings
 ) -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     acquired: list[float] = []
     a = replica(nc, settings, "a", clock)
     a.on_acquired = lambda: acquired.append(clock.now)
@@ -67,7 +60,7 @@ async def test_the_lease_ends_its_safety_margin_before_the_key_could_expire(
 
 
 async def test_a_held_key_is_not_taken_and_renewals_keep_it(nc: Client, settings: Settings) -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     a, b = replica(nc, settings, "a", clock), replica(nc, settings, "b", clock)
     await a.step()
     for _ in range(3):
@@ -79,7 +72,7 @@ async def test_a_held_key_is_not_taken_and_renewals_keep_it(nc: Client, settings
 
 
 async def test_a_renewal_refused_loses_the_lease(nc: Client, settings: Settings) -> None:
-    clock = Clock()
+    clock = Clock(1000.0)
     a, b = replica(nc, settings, "a", clock), replica(nc, settings, "b", clock)
     await a.step()
     # Behind a's back (its key expired while it was paused, say): b takes the key.
@@ -99,8 +92,8 @@ async def test_a_renewal_refused_loses_the_lease(nc: Client, settings: Settings)
 async def test_resigning_deletes_the_key_and_the_other_takes_it_at_once(
     nc: Client, settings: Settings
 ) -> None:
-    a = replica(nc, settings, "a", Clock())
-    b = replica(nc, settings, "b", Clock())
+    a = replica(nc, settings, "a", Clock(1000.0))
+    b = replica(nc, settings, "b", Clock(1000.0))
     a.start()
     b.start()
     try:

@@ -13,17 +13,10 @@ from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
+from tests.scheduler.clock import Clock
 from tests.scheduler.test_logic import hb
 
 TIMEOUT_S = 3.0
-
-
-class Clock:
-    def __init__(self, now: float = 100.0) -> None:
-        self.now = now
-
-    def __call__(self) -> float:
-        return self.now
 
 
 def entry(key: str, value: bytes = b"", operation: str | None = None) -> KeyValue.Entry:
