@@ -7,8 +7,19 @@
             print(event.job.state, event.job.loss)
 
 Every call is a NATS request to a lorafleet service (see docs/api.md); a
-service's error reply raises its `lorafleet.errors.ApiError` subclass
-(`NotFoundError`, `ConflictError`, ...) with the message and the field at fault.
+service's error reply raises its `lorafleet.errors.ApiError` subclass with
+the message and the field at fault, so callers catch by class:
+
+    try:
+        job = await lf.get(job_id)
+    except NotFoundError:
+        ...
+
+`BadRequestError` (change the request as the message says), `NotFoundError`
+(the job, model or artifact named does not exist), `ConflictError` (it does
+not fit the current state), `UnavailableError` (try again later),
+`InternalError` (the service failed; its log says why). No service answering
+at all raises nats-py's `nats.errors.NoRespondersError` or `TimeoutError`.
 """
 
 from __future__ import annotations
@@ -100,6 +111,8 @@ class Client:
 
     # --- catalog ---
     async def add_model(self, spec: ModelSpec) -> ModelRecord:
+        """Add a catalog entry. BadRequestError for an incomplete spec,
+        ConflictError when the name is taken by a different entry."""
         return await self._req(self.names.models_add, spec, ModelRecord)
 
     async def models(self) -> list[ModelRecord]:
@@ -115,18 +128,25 @@ class Client:
 
     # --- jobs ---
     async def submit(self, spec: JobSpec) -> JobRecord:
+        """Queue a job. NotFoundError when its model (or dataset object) is
+        unknown, BadRequestError when its data or parameters are wrong."""
         return await self._req(self.names.jobs_submit, spec, JobRecord)
 
     async def get(self, job_id: str) -> JobRecord:
+        """The job as the recorder holds it; NotFoundError for an unknown id."""
         return await self._req(self.names.jobs_get, JobGetRequest(id=job_id), JobRecord)
 
     async def jobs(self, request: JobListRequest | None = None) -> list[JobRecord]:
         return (await self._req(self.names.jobs_list, request or JobListRequest(), JobList)).jobs
 
     async def curve(self, job_id: str) -> JobCurve:
+        """The job's loss curve; NotFoundError for an unknown id."""
         return await self._req(self.names.jobs_curve, JobCurveRequest(id=job_id), JobCurve)
 
     async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
+        """Cancel the job (a final one is returned as it is). NotFoundError
+        for an unknown id; ConflictError when it kept changing state (send
+        the cancel again)."""
         return await self._req(
             self.names.jobs_cancel, JobCancelRequest(id=job_id, reason=reason), JobRecord
         )
@@ -186,6 +206,7 @@ class Client:
         return reply.artifacts
 
     async def artifact(self, job_id: str, kind: ArtifactKind) -> ArtifactRecord:
+        """One stored artifact; NotFoundError when the job has none of `kind`."""
         return await self._req(
             self.names.artifacts_get, ArtifactGetRequest(job_id=job_id, kind=kind), ArtifactRecord
         )

@@ -43,6 +43,8 @@ class Event:
     STATUS_STALE: Final = "status.stale"
     NODE_UP: Final = "node.up"
     NODE_LOST: Final = "node.lost"
+    #: A node's agent stopped cleanly (it deleted its heartbeat key).
+    NODE_LEFT: Final = "node.left"
     NODE_BUSY: Final = "node.busy"
     LEADER_ACQUIRED: Final = "leader.acquired"
     LEADER_LOST: Final = "leader.lost"

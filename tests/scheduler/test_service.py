@@ -7,14 +7,19 @@ from __future__ import annotations
 import asyncio
 import datetime as dt
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import pytest
+from structlog.testing import capture_logs
 
 from lorafleet import bus
+from lorafleet.log import Event
+from lorafleet.names import KV_DEL, Header
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Heartbeat, NodeList, NodeListRequest
-from lorafleet_services.scheduler.service import LEADER_KEY, Scheduler
+from lorafleet_services.scheduler.leadership import LEADER_KEY
+from lorafleet_services.scheduler.service import Scheduler
+from tests.eventually import eventually
 
 
 @pytest.fixture
@@ -41,19 +46,15 @@ async def pair(fast: Settings) -> AsyncIterator[list[Scheduler]]:
             await bus.drain_quietly(s.nc)
 
 
-async def _until(pred: object, timeout_s: float, what: str) -> float:
-    """Poll `pred()` (a callable) until true; return the seconds it took."""
-    assert callable(pred)
+async def _seconds_until(check: Callable[[], object], what: str, timeout_s: float) -> float:
+    """Wait (polling every 20 ms) until `check()` is true; the seconds it took."""
     t0 = time.monotonic()
-    while time.monotonic() - t0 < timeout_s:
-        if pred():
-            return time.monotonic() - t0
-        await asyncio.sleep(0.02)
-    raise AssertionError(f"timed out waiting for {what}")
+    await eventually(check, what, timeout_s=timeout_s, interval_s=0.02)
+    return time.monotonic() - t0
 
 
 async def test_one_of_two_replicas_leads(pair: list[Scheduler]) -> None:
-    await _until(lambda: any(s.is_leader() for s in pair), 5, "a leader")
+    await _seconds_until(lambda: any(s.is_leader() for s in pair), "a leader", 5)
     for _ in range(50):  # 1 s: renewals keep the same leader, never two
         assert sum(s.is_leader() for s in pair) == 1
         await asyncio.sleep(0.02)
@@ -64,12 +65,14 @@ async def test_one_of_two_replicas_leads(pair: list[Scheduler]) -> None:
 
 
 async def test_the_other_takes_over_when_the_leader_dies(pair: list[Scheduler]) -> None:
-    await _until(lambda: any(s.is_leader() for s in pair), 5, "a leader")
+    await _seconds_until(lambda: any(s.is_leader() for s in pair), "a leader", 5)
     leader = next(s for s in pair if s.is_leader())
     other = next(s for s in pair if s is not leader)
-    # A crash: no clean hand-over, the key must expire.
-    for t in leader._tasks:
-        t.cancel()
+    # A crash: no clean hand-over, no more renewals; the key must expire.
+    # The crashed replica still believes it leads until its lease runs out.
+    assert leader.leadership._task is not None and leader._rounds is not None
+    leader.leadership._task.cancel()
+    leader._rounds.cancel()
     await leader.nc.close()
     both: list[bool] = []
 
@@ -77,7 +80,7 @@ async def test_the_other_takes_over_when_the_leader_dies(pair: list[Scheduler]) 
         both.append(leader.is_leader() and other.is_leader())
         return other.is_leader()
 
-    took_s = await _until(taken, bus.LEADER_TTL_S + 3, "the follower to lead")
+    took_s = await _seconds_until(taken, "the follower to lead", bus.LEADER_TTL_S + 3)
     # The key expires LEADER_TTL_S (3 s, the node timeout) after the last
     # renewal; the follower acts on the expiry marker (measured: ~3.0 s).
     assert took_s <= bus.LEADER_TTL_S + 1.0
@@ -85,11 +88,11 @@ async def test_the_other_takes_over_when_the_leader_dies(pair: list[Scheduler]) 
 
 
 async def test_a_clean_stop_hands_over_at_once(pair: list[Scheduler]) -> None:
-    await _until(lambda: any(s.is_leader() for s in pair), 5, "a leader")
+    await _seconds_until(lambda: any(s.is_leader() for s in pair), "a leader", 5)
     leader = next(s for s in pair if s.is_leader())
     other = next(s for s in pair if s is not leader)
     await leader.stop()
-    took_s = await _until(other.is_leader, 3, "the follower to lead")
+    took_s = await _seconds_until(other.is_leader, "the follower to lead", 3)
     assert took_s < 1.0  # the deleted key, not its TTL
 
 
@@ -108,13 +111,43 @@ async def test_nodes_list_follows_beats_and_their_expiry(pair: list[Scheduler]) 
         return await bus.request(s.nc, s.names.nodes_list, NodeListRequest(), NodeList)
 
     # Either replica answers nodes.list: both must have seen the beat.
-    await _until(lambda: all("gpu-7" in r.table.nodes for r in pair), 5, "the node in both")
+    await _seconds_until(
+        lambda: all("gpu-7" in r.nodes.table.nodes for r in pair), "the node in both", 5
+    )
     (info,) = (await listed()).nodes
     assert info.alive and info.heartbeat.node == "gpu-7"
     # No more beats: the per-message TTL expires and the marker marks it lost.
-    lost_s = await _until(
-        lambda: not any(r.table.nodes["gpu-7"].alive for r in pair), 5, "the node lost"
+    lost_s = await _seconds_until(
+        lambda: not any(r.nodes.table.nodes["gpu-7"].alive for r in pair), "the node lost", 5
     )
     assert lost_s <= s.settings.node_timeout_s + 1.0
     (info,) = (await listed()).nodes
     assert not info.alive
+
+
+async def test_a_deleted_heartbeat_reads_as_a_clean_stop_not_an_expiry(fast: Settings) -> None:
+    with capture_logs() as logs:
+        s = await _scheduler(fast, "s1")
+        try:
+            beat = Heartbeat(
+                node="gpu-8",
+                version="t",
+                started_at=dt.datetime.now(dt.UTC),
+                time=dt.datetime.now(dt.UTC),
+            )
+            subject = s.names.node_heartbeat("gpu-8")
+            await s.js.publish(subject, bus.encode(beat), msg_ttl=60)
+            await eventually(
+                lambda: "gpu-8" in s.nodes.table.nodes, "the node in the table", timeout_s=5
+            )
+            # What an agent's clean stop publishes (a KV delete).
+            await s.js.publish(subject, b"", headers={Header.KV_OPERATION: KV_DEL})
+            await eventually(
+                lambda: not s.nodes.table.nodes["gpu-8"].alive, "the node gone", timeout_s=5
+            )
+        finally:
+            await s.stop()
+            await bus.drain_quietly(s.nc)
+    about = [e for e in logs if e.get("node") == "gpu-8" and e["event"] != Event.NODE_UP]
+    assert [e["event"] for e in about] == ["node.left"]
+    assert about[0]["message"].startswith("stopped cleanly (heartbeat deleted)")

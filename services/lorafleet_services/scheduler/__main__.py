@@ -1,7 +1,7 @@
 """`python -m lorafleet_services.scheduler`: the scheduler process."""
 
 from lorafleet import runtime
-from lorafleet_services.scheduler.service import run
+from lorafleet_services.scheduler.service import PROGRAM
 
 if __name__ == "__main__":
-    runtime.main("scheduler", run)
+    runtime.main(PROGRAM)

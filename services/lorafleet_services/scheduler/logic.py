@@ -1,14 +1,16 @@
 """The scheduler's rules, as plain functions over plain data (no bus, no clock).
 
 Every function takes `now` (monotonic seconds) from its caller, so the tests
-drive time by hand. The service (service.py) feeds these functions with what
-the KV watcher and the recorder say, and applies their answers through the
-recorder's compare-and-set; nothing here talks to NATS.
+drive time by hand. The node watcher (nodes.py) and the dispatcher
+(dispatch.py) feed these functions with what the KV watch and the recorder
+say, and apply their answers through the recorder's compare-and-set;
+nothing here talks to NATS.
 
 The rules, in one place:
 
-- A node is *alive* from its first heartbeat until its beat expires (the
-  KV MaxAge marker, or the sweep: no beat for `timeout_s`).
+- A node is *alive* from its first heartbeat until its key is deleted (a
+  clean stop) or its beat expires (the KV MaxAge marker, or the sweep: no
+  beat for `timeout_s`).
 - A node is *idle* when it is alive, its last heartbeat names no job, and
   the recorder holds no job on it (`busy`). One job per node.
 - A job named for a node goes to that node when it is idle and, if the node

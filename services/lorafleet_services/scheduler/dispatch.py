@@ -1,0 +1,349 @@
+"""Jobs onto and off nodes: the leader's dispatch round, and cancel.
+
+One round (`Dispatcher.round`, the leader's, one at a time): fail the jobs
+of nodes lost since the last round, plan and send queued jobs
+(`logic.plan_dispatch`), say why the others wait, and every
+`RECONCILE_EVERY_S` compare what the recorder holds on nodes with what the
+nodes run (`logic.reconcile`). Every decision is in logic.py; this module
+applies them through the recorder's compare-and-set and sends the
+requests to agents, which are awaited off the round so that a silent agent
+holds up nobody else. `cancel` is any replica's (`jobs.cancel`).
+
+Dispatch, and why a refused start fails the job: the job moves queued ->
+starting by compare-and-set *before* the start request goes out (so two
+schedulers cannot both send it). The state machine never lets a job back
+to `queued`, so a start the agent explicitly refuses fails the job with the
+agent's reason. A start request that gets no answer leaves the job
+`starting`: the agent may have taken it, and reconcile decides within its
+grace (the heartbeat names the job, or the job fails as lost).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Callable, Coroutine
+from typing import Any
+
+import nats.errors
+from nats.aio.client import Client
+
+from lorafleet import bus
+from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet.recorder_client import RecorderClient
+from lorafleet.states import FINAL, ON_NODE
+from lorafleet_schemas.messages import (
+    JobCancelRequest,
+    JobListRequest,
+    JobRecord,
+    JobState,
+    ModelRecord,
+    NodeCancelReply,
+    NodeCancelRequest,
+    StartReply,
+    StartRequest,
+    TransitionRequest,
+)
+from lorafleet_services.scheduler import logic
+from lorafleet_services.scheduler.logic import Node, NodeTable
+
+#: Seconds between reconcile passes (each asks the recorder about jobs nodes
+#: run that it does not hold active); default 1.
+RECONCILE_EVERY_S = 1.0
+#: Most jobs one list request returns (the recorder's cap).
+LIST_LIMIT = 1000
+#: Seconds a node cancel waits at least for its answer: the agent answers
+#: once its trainer has stopped, which takes a moment.
+NODE_CANCEL_TIMEOUT_S = 15.0
+
+
+class AgentRequests:
+    """The two requests the scheduler sends an agent (tests put a fake here).
+
+    timeout_s: seconds a start request waits for its answer.
+    """
+
+    def __init__(self, nc: Client, names: Names, timeout_s: float) -> None:
+        self.nc = nc
+        self.names = names
+        self.timeout_s = timeout_s
+
+    async def start(self, node: str, req: StartRequest) -> StartReply:
+        return await bus.request(
+            self.nc, self.names.node_start(node), req, StartReply, timeout_s=self.timeout_s
+        )
+
+    async def cancel(self, node: str, req: NodeCancelRequest) -> NodeCancelReply:
+        return await bus.request(
+            self.nc,
+            self.names.node_cancel(node),
+            req,
+            NodeCancelReply,
+            timeout_s=max(self.timeout_s, NODE_CANCEL_TIMEOUT_S),
+        )
+
+
+class Dispatcher:
+    """Moves jobs between the queue and the nodes of `table`.
+
+    clock: monotonic seconds (the grace of reconcile runs on it).
+    """
+
+    def __init__(
+        self,
+        recorder: RecorderClient,
+        agents: AgentRequests,
+        table: NodeTable,
+        clock: Callable[[], float],
+        logger: Any,
+    ) -> None:
+        self.recorder = recorder
+        self.agents = agents
+        self.table = table
+        self.clock = clock
+        self.logger = logger
+        #: job id -> monotonic seconds when this scheduler sent it or first saw it on its node.
+        self.first_seen: dict[str, float] = {}
+        self._last_reconcile = 0.0
+        self._waiting_said: dict[str, str] = {}
+        self._model_cache: dict[str, ModelRecord] = {}
+        self._message_updates = True
+        self._background: set[asyncio.Task[Any]] = set()
+
+    async def stop(self) -> None:
+        """Drop pending start and node-cancel requests: what they would have
+        done, reconcile does for the next leader."""
+        tasks = list(self._background)
+        for t in tasks:
+            t.cancel()
+        for t in tasks:
+            with contextlib.suppress(asyncio.CancelledError, Exception):
+                await t
+
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+        task = asyncio.create_task(coro)
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    async def fail_on_node(self, job: JobRecord, message: str) -> bool:
+        """Fail `job` from whatever active state it is in, while it is still on its node."""
+        ended = await self.recorder.fail_job(job, message, still=lambda j: j.node == job.node)
+        if ended.applied:
+            self.logger.warning(
+                Event.JOB_LOST,
+                job_id=job.id,
+                node=job.node,
+                state=ended.from_state.value if ended.from_state else "",
+                message=message,
+            )
+        return ended.applied
+
+    # --- the round ------------------------------------------------------
+
+    async def round(self, now: float, lost: list[Node]) -> None:
+        """One pass: fail `lost` nodes' jobs, dispatch queued jobs, reconcile.
+        Only call it once the node table is complete."""
+        # Both lists at once: the round's latency is mostly these round trips.
+        on_node, queued = await asyncio.gather(
+            self.recorder.list_jobs(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT)),
+            self.recorder.list_jobs(
+                JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)
+            ),
+        )
+        failed: set[str] = set()
+        for node in lost:
+            for job in logic.jobs_lost_with(node, on_node, self.first_seen):
+                if await self.fail_on_node(job, logic.node_lost_message(node)):
+                    failed.add(job.id)
+        if queued:
+            await self._dispatch_queued(queued, on_node, now)
+        if now - self._last_reconcile >= RECONCILE_EVERY_S:
+            self._last_reconcile = now
+            await self._reconcile([j for j in on_node if j.id not in failed], now)
+
+    async def _dispatch_queued(
+        self, queued: list[JobRecord], on_node: list[JobRecord], now: float
+    ) -> None:
+        busy = logic.busy_nodes(on_node, self.table.nodes, self.first_seen)
+        plan = logic.plan_dispatch(queued, self.table.nodes, busy, now)
+        by_id = {j.id: j for j in queued}
+        for job_id, message in plan.waiting.items():
+            await self._say_waiting(by_id[job_id], message)
+        if plan.send:
+            models = await self._models({j.model for j, _ in plan.send})
+            for job, target in plan.send:
+                await self._dispatch(job, target, models)
+
+    async def _models(self, wanted: set[str]) -> dict[str, ModelRecord]:
+        """The catalog, asked again only when a job names a model not seen yet
+        (catalog entries are added, not changed)."""
+        if not wanted <= self._model_cache.keys():
+            self._model_cache = {m.name: m for m in await self.recorder.models()}
+        return self._model_cache
+
+    async def _say_waiting(self, job: JobRecord, message: str) -> None:
+        if self._waiting_said.get(job.id) == message:
+            return
+        self._waiting_said[job.id] = message
+        if len(self._waiting_said) > 10 * LIST_LIMIT:
+            self._waiting_said.clear()
+        self.logger.info(Event.JOB_WAITING, job_id=job.id, node=job.node, message=message)
+        if job.message == message or not self._message_updates:
+            return
+        # A queued -> queued "transition" only sets the message (the recorder
+        # records no event for it); older recorders refuse it.
+        try:
+            await self.recorder.transition(
+                TransitionRequest(
+                    id=job.id, from_state=JobState.QUEUED, to_state=JobState.QUEUED, message=message
+                )
+            )
+        except (BadRequestError, ConflictError) as e:
+            self._message_updates = False
+            self.logger.warning(
+                Event.TRANSITION_REFUSED,
+                job_id=job.id,
+                message="the recorder cannot set a queued job's message; "
+                "waiting reasons are only logged",
+                error=str(e),
+            )
+
+    async def _dispatch(self, job: JobRecord, node: str, models: dict[str, ModelRecord]) -> None:
+        model = models.get(job.model)
+        if model is None:
+            # The catalog entry went away after submit: nothing can train this.
+            reply = await self.recorder.transition(
+                TransitionRequest(
+                    id=job.id,
+                    from_state=JobState.QUEUED,
+                    to_state=JobState.FAILED,
+                    message=f"model {job.model} is no longer in the catalog; add it and submit "
+                    "the job again",
+                )
+            )
+            if reply.applied:
+                self.logger.warning(Event.JOB_LOST, job_id=job.id, message=reply.job.message)
+            return
+        reply = await self.recorder.transition(
+            TransitionRequest(
+                id=job.id,
+                from_state=JobState.QUEUED,
+                to_state=JobState.STARTING,
+                node=node,
+                message=f"sent to {node}",
+            )
+        )
+        if not reply.applied:
+            self.logger.info(
+                Event.TRANSITION_REFUSED,
+                job_id=job.id,
+                node=node,
+                state=reply.job.state.value,
+                message="the job moved on before dispatch (cancelled, or another scheduler)",
+            )
+            return
+        self.first_seen[job.id] = self.clock()
+        self._spawn(self._send_start(reply.job, node, start_request(reply.job, model)))
+
+    async def _send_start(self, job: JobRecord, node: str, start: StartRequest) -> None:
+        try:
+            reply = await self.agents.start(node, start)
+        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+            # The agent may have the job: reconcile decides (see the module doc).
+            self.logger.warning(
+                Event.REQUEST_FAILED,
+                job_id=job.id,
+                node=node,
+                message="the agent did not answer the start request; reconcile will decide",
+                error=repr(e),
+            )
+            return
+        except ApiError as e:
+            reply = StartReply(accepted=False, reason=str(e))
+        except Exception as e:
+            self.logger.warning(Event.REQUEST_FAILED, job_id=job.id, node=node, error=repr(e))
+            return
+        if reply.accepted:
+            self.logger.info(
+                Event.JOB_DISPATCHED, job_id=job.id, node=node, message=f"attempt {job.attempt}"
+            )
+            return
+        self.logger.warning(Event.NODE_BUSY, job_id=job.id, node=node, message=reply.reason)
+        await self.fail_on_node(
+            job, f"the agent on {node} did not accept the job: {reply.reason or 'no reason given'}"
+        )
+
+    async def _reconcile(self, on_node: list[JobRecord], now: float) -> None:
+        ids = {j.id for j in on_node}
+        for job_id in list(self.first_seen):
+            if job_id not in ids:
+                del self.first_seen[job_id]
+        for job in on_node:
+            self.first_seen.setdefault(job.id, now)
+        result = logic.reconcile(on_node, self.table.nodes, now, self.first_seen)
+        for action in result.fail:
+            await self.fail_on_node(action.job, action.message)
+        for check in result.check:
+            found = await self.recorder.get_job(check.job_id)
+            if logic.should_cancel_on_node(found):
+                why = (
+                    "unknown to the recorder"
+                    if found is None
+                    else f"the job is {found.state.value}"
+                )
+                self._spawn(self._cancel_on_node(check.node, check.job_id, why))
+
+    async def _cancel_on_node(self, node: str, job_id: str, reason: str) -> None:
+        try:
+            reply = await self.agents.cancel(node, NodeCancelRequest(job_id=job_id, reason=reason))
+        except Exception as e:
+            self.logger.warning(
+                Event.REQUEST_FAILED, job_id=job_id, node=node, message="node cancel", error=repr(e)
+            )
+            return
+        self.logger.info(
+            Event.JOB_CANCELLED,
+            job_id=job_id,
+            node=node,
+            message=f"told the node to stop: {reason} (stopped={reply.stopped})",
+        )
+
+    # --- cancel (any replica) -------------------------------------------
+
+    async def cancel(self, req: JobCancelRequest) -> JobRecord:
+        """Cancel a job: a queued one is never sent; an active one is stopped
+        on its node once the recorder has committed. A final job is returned
+        as it is."""
+        message = f"cancelled: {req.reason}" if req.reason else "cancelled on request"
+        job = await self.recorder.get_job(req.id)
+        if job is None:
+            raise NotFoundError(f"no job has id {req.id!r}", field="$.id")
+        ended = await self.recorder.end_job(job, JobState.CANCELLED, message)
+        if ended.applied and ended.job is not None and ended.from_state is not None:
+            done = ended.job
+            self.logger.info(
+                Event.JOB_CANCELLED, job_id=done.id, node=done.node, state=ended.from_state.value
+            )
+            if ended.from_state in ON_NODE and done.node is not None:
+                self._spawn(self._cancel_on_node(done.node, done.id, message))
+            return done
+        if ended.job is not None and ended.job.state in FINAL:
+            return ended.job
+        raise ConflictError(f"job {req.id} kept changing state; send the cancel again")
+
+
+def start_request(job: JobRecord, model: ModelRecord) -> StartRequest:
+    """What an agent is sent to start `job` (as the recorder holds it after
+    the move to `starting`)."""
+    return StartRequest(
+        job_id=job.id,
+        attempt=job.attempt,
+        model=model,
+        gpu_memory_mib=job.gpu_memory_mib,
+        dataset=job.dataset,
+        dataset_sha256=job.dataset_sha256,
+        params=job.params,
+        artifacts=list(job.artifacts_expected),
+    )

@@ -1,0 +1,146 @@
+"""The node watcher: entries of KV `<prefix>_nodes` -> the node table.
+
+A `KeyWatch` on the bucket hands every entry to `NodeWatcher.on_entry`:
+first every key's last value, then `None` (the table is complete: `synced`),
+then every beat, every delete and every expiry marker. Nothing here talks
+to NATS, so the tests feed it entries by hand.
+
+How a node goes away, and how each reads in the log:
+
+- its agent stopped cleanly and deleted its key (KV operation DEL):
+  `node.left`, "stopped cleanly (heartbeat deleted)";
+- its beat expired (the server's MaxAge marker, a PURGE): `node.lost`,
+  "heartbeat expired";
+- the sweep found it silent past the timeout (the safety net): `node.lost`,
+  "no heartbeat".
+
+Either way the node is marked lost and queued for the leader, which fails
+the jobs the recorder holds on it (`take_lost`).
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable
+from typing import Any
+
+import msgspec
+from nats.js.kv import KeyValue
+
+from lorafleet.log import Event
+from lorafleet.names import KV_DEL, KV_PURGE
+from lorafleet_schemas.messages import Heartbeat
+from lorafleet_services.scheduler.logic import BeatChange, Node, NodeTable, utc_hms
+
+
+class Departure(enum.Enum):
+    """Why a node's key went away; the value is what the log says."""
+
+    LEFT = "stopped cleanly (heartbeat deleted)"
+    EXPIRED = "heartbeat expired"
+    SILENT = "no heartbeat"
+
+
+def departure(operation: str | None) -> Departure | None:
+    """What a KV entry's operation says about its node (None: a beat)."""
+    if operation == KV_DEL:
+        return Departure.LEFT
+    if operation == KV_PURGE:
+        return Departure.EXPIRED
+    return None
+
+
+class NodeWatcher:
+    """The node table as the nodes bucket tells it.
+
+    node_timeout_s: seconds of silence after which the sweep loses a node,
+    and how long after our own reconnect expiry markers are left to it.
+    clock: monotonic seconds. wake: called when dispatch may have something
+    new to do (a node came up, went idle, was lost, or the table is complete).
+    """
+
+    def __init__(
+        self,
+        node_timeout_s: float,
+        clock: Callable[[], float],
+        logger: Any,
+        wake: Callable[[], None],
+    ) -> None:
+        self.node_timeout_s = node_timeout_s
+        self.clock = clock
+        self.logger = logger
+        self.wake = wake
+        self.table = NodeTable()
+        #: True once the watcher has delivered the bucket's current content.
+        self.synced = False
+        self._lost: list[Node] = []
+        self._reconnected_at: float | None = None
+
+    def on_entry(self, entry: KeyValue.Entry | None) -> None:
+        if entry is None:
+            # The bucket's current content is in: a node missing now is gone.
+            if not self.synced:
+                self.synced = True
+                self.wake()
+            return
+        why = departure(entry.operation)
+        if why is not None:
+            self._on_departure(entry.key, why)
+            return
+        try:
+            hb = msgspec.json.decode(entry.value or b"", type=Heartbeat)
+        except msgspec.DecodeError as e:
+            self.logger.warning(Event.NATS_ERROR, node=entry.key, error=f"bad heartbeat: {e}")
+            return
+        change = self.table.beat(hb, self.clock())
+        if change is BeatChange.UP:
+            self.logger.info(
+                Event.NODE_UP, node=hb.node, message=f"{len(hb.cards)} cards", job_id=hb.job
+            )
+            self.wake()
+        elif change is BeatChange.IDLE:
+            self.wake()
+
+    def _on_departure(self, name: str, why: Departure) -> None:
+        event = Event.NODE_LEFT if why is Departure.LEFT else Event.NODE_LOST
+        if self._in_reconnect_grace():
+            # The server may have expired beats that could not reach it while
+            # it was down (and a fresh watch redelivers old deletes): the
+            # sweep judges these nodes from now on.
+            self.logger.info(
+                event, node=name, message=f"{why.value} right after a reconnect: left to the sweep"
+            )
+            return
+        node = self.table.expire(name)
+        if node is not None:
+            self._gone(node, why)
+
+    def _gone(self, node: Node, why: Departure) -> None:
+        self.logger.warning(
+            Event.NODE_LEFT if why is Departure.LEFT else Event.NODE_LOST,
+            node=node.name,
+            job_id=node.running,
+            message=f"{why.value}; last beat {utc_hms(node.heartbeat.time)}",
+        )
+        self._lost.append(node)
+        self.wake()
+
+    def _in_reconnect_grace(self) -> bool:
+        since = self._reconnected_at
+        return since is not None and self.clock() - since < self.node_timeout_s
+
+    def reconnected(self) -> None:
+        """Our connection came back: forgive the silence (it was ours, not
+        the nodes'), and leave expiry markers to the sweep for a while."""
+        self._reconnected_at = self.clock()
+        self.table.touch_all(self._reconnected_at)
+
+    def sweep(self, now: float) -> None:
+        """Lose every live node silent for longer than the timeout (the safety net)."""
+        for node in self.table.sweep(now, self.node_timeout_s):
+            self._gone(node, Departure.SILENT)
+
+    def take_lost(self) -> list[Node]:
+        """The nodes lost since the last call, whose jobs are to be failed."""
+        lost, self._lost = self._lost, []
+        return lost

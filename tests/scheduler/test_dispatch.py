@@ -1,0 +1,225 @@
+"""The dispatcher with an in-memory recorder and fake agents: no bus.
+
+The recorder fake keeps the real RecorderClient's compare-and-set loop
+(`end_job`) and answers `transition` as the recorder does: applied only
+from the job's current state, along the state machine."""
+
+from __future__ import annotations
+
+import asyncio
+
+import msgspec
+import pytest
+import structlog
+
+from lorafleet.errors import NotFoundError
+from lorafleet.names import Names
+from lorafleet.recorder_client import RecorderClient
+from lorafleet.states import can_move
+from lorafleet_schemas.messages import (
+    Engine,
+    Heartbeat,
+    JobCancelRequest,
+    JobListRequest,
+    JobRecord,
+    JobState,
+    ModelRecord,
+    NodeCancelReply,
+    NodeCancelRequest,
+    StartReply,
+    StartRequest,
+    TransitionReply,
+    TransitionRequest,
+)
+from lorafleet_services.scheduler.dispatch import AgentRequests, Dispatcher
+from lorafleet_services.scheduler.logic import NodeTable
+from tests.scheduler.test_logic import T0, hb, job
+
+
+class MemoryRecorder(RecorderClient):
+    def __init__(self, *jobs: JobRecord) -> None:
+        super().__init__(None, Names(), 1.0)  # type: ignore[arg-type]
+        self.jobs = {j.id: j for j in jobs}
+        self.catalog = [
+            ModelRecord(
+                name="m",
+                engine=Engine.VLLM,
+                hf_repo=None,
+                hf_revision="main",
+                local_dir="/models/m",
+                description="",
+                created_at=T0,
+            )
+        ]
+
+    async def get_job(self, job_id: str) -> JobRecord | None:
+        return self.jobs.get(job_id)
+
+    async def list_jobs(self, req: JobListRequest) -> list[JobRecord]:
+        states = set(req.states or []) | ({req.state} if req.state else set())
+        return [j for j in self.jobs.values() if j.state in states]
+
+    async def models(self) -> list[ModelRecord]:
+        return self.catalog
+
+    async def transition(self, req: TransitionRequest) -> TransitionReply:
+        current = self.jobs.get(req.id)
+        if current is None:
+            raise NotFoundError(f"no job {req.id}")
+        message_only = req.from_state is req.to_state is JobState.QUEUED
+        if current.state is not req.from_state or not (
+            message_only or can_move(req.from_state, req.to_state)
+        ):
+            return TransitionReply(applied=False, job=current)
+        moved = msgspec.structs.replace(
+            current,
+            state=req.to_state,
+            message=req.message,
+            node=req.node or current.node,
+            attempt=current.attempt + (req.to_state is JobState.STARTING),
+        )
+        self.jobs[req.id] = moved
+        return TransitionReply(applied=True, job=moved)
+
+
+class FakeAgents(AgentRequests):
+    """Agents that answer starts with `reply` (an exception is raised)."""
+
+    def __init__(self, reply: StartReply | BaseException = StartReply(accepted=True)) -> None:
+        super().__init__(None, Names(), 1.0)  # type: ignore[arg-type]
+        self.reply = reply
+        self.starts: list[tuple[str, StartRequest]] = []
+        self.cancels: list[tuple[str, NodeCancelRequest]] = []
+
+    async def start(self, node: str, req: StartRequest) -> StartReply:
+        self.starts.append((node, req))
+        if isinstance(self.reply, BaseException):
+            raise self.reply
+        return self.reply
+
+    async def cancel(self, node: str, req: NodeCancelRequest) -> NodeCancelReply:
+        self.cancels.append((node, req))
+        return NodeCancelReply(stopped=True)
+
+
+def dispatcher(
+    recorder: MemoryRecorder, agents: FakeAgents, table: NodeTable, now: float = 100.0
+) -> Dispatcher:
+    return Dispatcher(recorder, agents, table, lambda: now, structlog.get_logger())
+
+
+async def settle(d: Dispatcher) -> None:
+    """Let the requests the dispatcher sent off the round finish."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+    await d.stop()
+
+
+def nodes(*beats: Heartbeat, now: float = 100.0) -> NodeTable:
+    t = NodeTable()
+    for b in beats:
+        t.beat(b, now)
+    return t
+
+
+async def test_a_queued_job_moves_to_starting_then_its_start_goes_out() -> None:
+    rec = MemoryRecorder(job("j1", node="a"))
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    await settle(d)
+    sent = rec.jobs["j1"]
+    assert sent.state is JobState.STARTING and sent.node == "a" and sent.attempt == 1
+    ((node, start),) = agents.starts
+    assert node == "a" and start.job_id == "j1" and start.attempt == 1 and start.model.name == "m"
+
+
+async def test_a_start_the_agent_refuses_fails_the_job_with_its_reason() -> None:
+    rec = MemoryRecorder(job("j1", node="a"))
+    agents = FakeAgents(StartReply(accepted=False, reason="busy with j0"))
+    d = dispatcher(rec, agents, nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    await settle(d)
+    failed = rec.jobs["j1"]
+    assert failed.state is JobState.FAILED
+    assert failed.message == "the agent on a did not accept the job: busy with j0"
+
+
+async def test_a_start_nobody_answers_leaves_the_job_starting() -> None:
+    rec = MemoryRecorder(job("j1", node="a"))
+    d = dispatcher(rec, FakeAgents(TimeoutError()), nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    await settle(d)
+    assert rec.jobs["j1"].state is JobState.STARTING
+
+
+async def test_a_waiting_job_gets_its_reason_once() -> None:
+    rec = MemoryRecorder(job("j1", node="b"))
+    calls: list[TransitionRequest] = []
+    transition = rec.transition
+
+    async def counted(req: TransitionRequest) -> TransitionReply:
+        calls.append(req)
+        return await transition(req)
+
+    rec.transition = counted  # type: ignore[method-assign]
+    d = dispatcher(rec, FakeAgents(), nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    await d.round(101.0, [])
+    (req,) = calls
+    assert req.from_state is req.to_state is JobState.QUEUED
+    assert rec.jobs["j1"].message.startswith("waiting for node b: no agent of that name")
+
+
+async def test_a_job_whose_model_left_the_catalog_fails() -> None:
+    rec = MemoryRecorder(job("j1", node="a"))
+    rec.catalog = []
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    assert rec.jobs["j1"].state is JobState.FAILED and "no longer in the catalog" in (
+        rec.jobs["j1"].message
+    )
+    assert agents.starts == []
+
+
+async def test_the_jobs_of_a_lost_node_fail_naming_it() -> None:
+    rec = MemoryRecorder(job("j1", node="a", state=JobState.RUNNING))
+    table = nodes(hb("a", cards=[(24000, 24000)], job="j1"))
+    lost = table.expire("a")
+    assert lost is not None
+    d = dispatcher(rec, FakeAgents(), table)
+    await d.round(100.0, [lost])
+    assert rec.jobs["j1"].state is JobState.FAILED
+    assert rec.jobs["j1"].message.startswith("node a stopped heartbeating (last beat 12:00:00 UTC)")
+
+
+async def test_reconcile_tells_a_node_to_stop_a_job_the_recorder_holds_final() -> None:
+    rec = MemoryRecorder(job("j1", node="a", state=JobState.CANCELLED))
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, nodes(hb("a", job="j1")))
+    await d.round(100.0, [])
+    await settle(d)
+    ((node, req),) = agents.cancels
+    assert node == "a" and req.job_id == "j1" and req.reason == "the job is cancelled"
+
+
+async def test_cancel_a_queued_a_running_a_final_and_an_unknown_job() -> None:
+    rec = MemoryRecorder(
+        job("q", node="a"),
+        job("r", node="a", state=JobState.RUNNING),
+        job("d", node="a", state=JobState.DONE),
+    )
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, NodeTable())
+    queued = await d.cancel(JobCancelRequest(id="q", reason="not needed"))
+    assert queued.state is JobState.CANCELLED and queued.message == "cancelled: not needed"
+    running = await d.cancel(JobCancelRequest(id="r"))
+    assert running.state is JobState.CANCELLED and running.message == "cancelled on request"
+    done = await d.cancel(JobCancelRequest(id="d"))
+    assert done.state is JobState.DONE
+    with pytest.raises(NotFoundError):
+        await d.cancel(JobCancelRequest(id="nope"))
+    await settle(d)
+    # Only the job that was on its node is stopped there.
+    assert [(n, r.job_id) for n, r in agents.cancels] == [("a", "r")]

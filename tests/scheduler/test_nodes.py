@@ -1,0 +1,128 @@
+"""The node watcher fed KV entries by hand: no bus, a hand-driven clock."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+import structlog
+from nats.js.kv import KeyValue
+from structlog.testing import capture_logs
+
+from lorafleet.log import Event
+from lorafleet.names import KV_DEL, KV_PURGE
+from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
+from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
+from tests.scheduler.clock import Clock
+from tests.scheduler.test_logic import hb
+
+TIMEOUT_S = 3.0
+
+
+def entry(key: str, value: bytes = b"", operation: str | None = None) -> KeyValue.Entry:
+    return KeyValue.Entry(
+        bucket="lorafleet_nodes",
+        key=key,
+        value=value,
+        revision=1,
+        delta=0,
+        created=None,
+        operation=operation,
+    )
+
+
+def beat(node: str, job: str | None = None) -> KeyValue.Entry:
+    return entry(node, msgspec.json.encode(hb(node, job=job)))
+
+
+def watcher(clock: Clock) -> tuple[NodeWatcher, list[int]]:
+    wakes: list[int] = []
+    w = NodeWatcher(TIMEOUT_S, clock, structlog.get_logger(), lambda: wakes.append(1))
+    return w, wakes
+
+
+def events(logs: list[dict[str, Any]], node: str) -> list[tuple[str, str]]:
+    return [(e["event"], e.get("message", "")) for e in logs if e.get("node") == node]
+
+
+def test_the_table_is_synced_by_the_first_none_and_beats_wake_dispatch() -> None:
+    w, wakes = watcher(Clock())
+    w.on_entry(beat("a"))
+    assert "a" in w.table.nodes and not w.synced
+    w.on_entry(None)
+    assert w.synced
+    w.on_entry(None)  # a fresh watch after a reconnect: no second wake
+    assert len(wakes) == 2  # node.up, synced
+    w.on_entry(beat("a", job="j1"))
+    assert len(wakes) == 2  # nothing new for dispatch
+    w.on_entry(beat("a"))
+    assert len(wakes) == 3  # idle again
+
+
+def test_a_delete_reads_as_a_clean_stop_and_an_expiry_as_a_loss() -> None:
+    with capture_logs() as logs:
+        w, _ = watcher(Clock())
+        w.on_entry(beat("a"))
+        w.on_entry(beat("b"))
+        w.on_entry(entry("a", operation=KV_DEL))
+        w.on_entry(entry("b", operation=KV_PURGE))
+    (left,) = [e for e in events(logs, "a") if e[0] != Event.NODE_UP]
+    assert left == (Event.NODE_LEFT, "stopped cleanly (heartbeat deleted); last beat 12:00:00 UTC")
+    (lost,) = [e for e in events(logs, "b") if e[0] != Event.NODE_UP]
+    assert lost == (Event.NODE_LOST, "heartbeat expired; last beat 12:00:00 UTC")
+    # Either way the leader fails the jobs held on it, as before.
+    assert [n.name for n in w.take_lost()] == ["a", "b"]
+    assert w.take_lost() == []
+    assert not w.table.nodes["a"].alive and not w.table.nodes["b"].alive
+
+
+def test_departure_by_operation() -> None:
+    assert departure(KV_DEL) is Departure.LEFT
+    assert departure(KV_PURGE) is Departure.EXPIRED
+    assert departure(None) is None
+
+
+def test_a_second_marker_for_a_lost_node_changes_nothing() -> None:
+    w, _ = watcher(Clock())
+    w.on_entry(beat("a"))
+    w.on_entry(entry("a", operation=KV_PURGE))
+    w.on_entry(entry("a", operation=KV_DEL))
+    w.on_entry(entry("nobody", operation=KV_DEL))
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_markers_right_after_our_reconnect_are_left_to_the_sweep() -> None:
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(beat("b"))
+    clock.now += 10.0
+    w.reconnected()
+    w.on_entry(entry("a", operation=KV_PURGE))
+    w.on_entry(entry("b", operation=KV_DEL))
+    assert w.table.nodes["a"].alive and w.table.nodes["b"].alive
+    assert w.take_lost() == []
+    # The sweep counts from the reconnect, not from the last beat.
+    clock.now += TIMEOUT_S
+    w.sweep(clock.now)
+    assert w.take_lost() == []
+    clock.now += SWEEP_MARGIN_S
+    with capture_logs() as logs:
+        w.logger = structlog.get_logger()
+        w.sweep(clock.now)
+    assert sorted(n.name for n in w.take_lost()) == ["a", "b"]
+    assert {e["event"] for e in logs} == {Event.NODE_LOST}
+    assert all(e["message"].startswith("no heartbeat;") for e in logs)
+    # Past the grace, a marker counts again.
+    w.on_entry(beat("a"))
+    w.on_entry(entry("a", operation=KV_PURGE))
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_bad_heartbeat_is_logged_and_skipped() -> None:
+    w, _ = watcher(Clock())
+    with capture_logs() as logs:
+        w.logger = structlog.get_logger()
+        w.on_entry(entry("a", b"not json"))
+    assert "a" not in w.table.nodes
+    assert logs[0]["event"] == Event.NATS_ERROR and "bad heartbeat" in logs[0]["error"]
