@@ -39,10 +39,9 @@ from lorafleet.artifacts import (
     AsyncPublisher,
     download_artifact,
     get_record,
-    object_meta_subject,
 )
 from lorafleet.bus import ensure_layout, layout_for
-from lorafleet.names import Names
+from lorafleet.names import Names, artifact_object_name, object_meta_subject
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind
@@ -113,7 +112,9 @@ async def lorafleet_delivery(nc: Client, path: Path) -> tuple[float, float, str]
     js = nc.jetstream()
     job_id, attempt = await new_job(nc)
     # The commit is the object's info message: a plain subscriber sees it as it is stored.
-    committed = await nc.subscribe(object_meta_subject(N, job_id, "peft"), max_msgs=1)
+    committed = await nc.subscribe(
+        object_meta_subject(N.artifacts_bucket, artifact_object_name(job_id, "peft")), max_msgs=1
+    )
     start = time.perf_counter()
     await deliver(js, N, node="n1", job_id=job_id, attempt=attempt, kind=ArtifactKind.PEFT,
                   path=path)  # fmt: skip

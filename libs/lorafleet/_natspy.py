@@ -156,10 +156,6 @@ class AsyncPublisher:
                 await self._sub.unsubscribe()
             self._sub = None
 
-    # TODO(wave1 merge): the old name, for the call sites in services/ until
-    # the merge moves them to stop(); then remove.
-    close = stop
-
     async def __aenter__(self) -> AsyncPublisher:
         return await self.start()
 

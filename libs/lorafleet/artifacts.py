@@ -30,7 +30,7 @@ from lorafleet._natspy import (
     PublishRefusedError,
     download_object,
 )
-from lorafleet.names import OBJECT_DIGEST_PREFIX, Header, Names, artifact_object_name
+from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
 __all__ = [
@@ -66,28 +66,6 @@ class ArtifactDigestError(ValueError):
 def msg_id(job_id: str, kind: str, attempt: int, seq: int) -> str:
     """The Nats-Msg-Id of one chunk: a retried publish of it is stored once."""
     return f"{job_id}.{kind}.{attempt}.{seq}"
-
-
-# --- TODO(wave1 merge): old names, for call sites outside libs/ ------------------
-# The merge moves their callers to names.py (Header.CHUNK, Header.MSG_ID, and
-# object_stream / object_meta_subject / object_chunk_subject, which take a
-# bucket); then remove this block. Same names, old signatures (Names), so
-# that nothing calls the new ones with a Names by mistake meanwhile.
-
-CHUNK_HEADER = Header.CHUNK
-MSG_ID_HEADER = Header.MSG_ID
-
-
-def object_stream(names: Names) -> str:
-    return _names.object_stream(names.artifacts_bucket)
-
-
-def object_meta_subject(names: Names, job_id: str, kind: str) -> str:
-    return _names.object_meta_subject(names.artifacts_bucket, artifact_object_name(job_id, kind))
-
-
-def object_chunk_subject(names: Names, nuid: str) -> str:
-    return _names.object_chunk_subject(names.artifacts_bucket, nuid)
 
 
 # --- the NATS object store's own format ---------------------------------------

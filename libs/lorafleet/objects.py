@@ -16,15 +16,9 @@ from lorafleet._natspy import (
     read_object,
 )
 
-# TODO(wave1 merge): the names' old home, for tests/permissions until the
-# merge imports them from lorafleet.names; then remove.
-from lorafleet.names import msg_get_subject, object_stream
-
 __all__ = [
     "ObjectDamagedError",
     "ObjectNotFoundError",
     "download_object",
-    "msg_get_subject",
-    "object_stream",
     "read_object",
 ]

@@ -42,7 +42,7 @@ import asyncio
 import contextlib
 import signal
 import sys
-from collections.abc import Awaitable, Callable, Coroutine, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
@@ -194,38 +194,13 @@ def read_or_exit(name: str, read: Callable[[], T]) -> T:
         exit_with(name, e, EXIT_SETTINGS)
 
 
-ServiceRun = Callable[[Settings, asyncio.Event], Awaitable[None]]
-
-
-def main(
-    program: Program | str, run: ServiceRun | None = None, settings: Settings | None = None
-) -> None:
-    """Run `program` as this process (see the module docstring for exit codes).
-
-    `main(name, run)` with `run(settings, stop)` is the older form, kept
-    until every service is a Program; it gets the same exit codes.
-    """
-    name = program.name if isinstance(program, Program) else program
-    settings = settings or read_or_exit(name, Settings.from_env)
-    log.configure(name, settings.log_level)
-    body: Coroutine[Any, Any, None]
-    if isinstance(program, Program):
-        body = serve(program, settings)
-    elif run is not None:
-        body = _run_until_signal(run, settings)
-    else:
-        raise TypeError("main(name, run): run(settings, stop) is missing")
+def main(program: Program, settings: Settings | None = None) -> None:
+    """Run `program` as this process (see the module docstring for exit codes)."""
+    settings = settings or read_or_exit(program.name, Settings.from_env)
+    log.configure(program.name, settings.log_level)
     try:
-        asyncio.run(body)
+        asyncio.run(serve(program, settings))
     except SettingsError as e:
-        exit_with(name, e, EXIT_SETTINGS)
+        exit_with(program.name, e, EXIT_SETTINGS)
     except bus.ConnectError as e:
-        exit_with(name, e, EXIT_CONNECT)
-
-
-async def _run_until_signal(run: ServiceRun, settings: Settings) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
-    await run(settings, stop)
+        exit_with(program.name, e, EXIT_CONNECT)

@@ -125,18 +125,18 @@ def recorder_cmd() -> None:
 def scheduler_cmd() -> None:
     """Run the scheduler until SIGTERM."""
     from lorafleet import runtime
-    from lorafleet_services.scheduler.service import run
+    from lorafleet_services.scheduler.service import PROGRAM
 
-    runtime.main("scheduler", run)
+    runtime.main(PROGRAM)
 
 
 @app.command("artifact-store")
 def artifact_store_cmd() -> None:
     """Run the artifact-store until SIGTERM."""
     from lorafleet import runtime
-    from lorafleet_services.artifact_store.service import run
+    from lorafleet_services.artifact_store.service import PROGRAM
 
-    runtime.main("artifact-store", run)
+    runtime.main(PROGRAM)
 
 
 @app.command("agent")

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from lorafleet._natspy import NoStreamError, PublishRefusedError
+from lorafleet.artifacts import NoStreamError, PublishRefusedError
 from lorafleet_services.agent import delivery
 from lorafleet_services.agent.delivery import (
     MAX_TRIES,

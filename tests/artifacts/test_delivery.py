@@ -16,7 +16,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
-from lorafleet._natspy import AsyncPublisher
+from lorafleet.artifacts import AsyncPublisher
 from lorafleet.names import Header, Names
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind

@@ -15,7 +15,7 @@ import pytest
 from nats.aio.client import Client
 
 from lorafleet import bus, objects
-from lorafleet.names import dataset_object_name
+from lorafleet.names import dataset_object_name, object_stream
 from lorafleet_schemas.messages import Heartbeat
 from tests.eventually import eventually
 from tests.permissions.conftest import Fleet
@@ -171,7 +171,7 @@ async def test_node_reads_datasets_with_its_one_api_subject(fleet: Fleet, servic
         await refused(
             refusals,
             "Publish to",
-            f"$JS.API.STREAM.INFO.{objects.object_stream(names.datasets_bucket)}",
+            f"$JS.API.STREAM.INFO.{object_stream(names.datasets_bucket)}",
         )
     finally:
         await bus.drain_quietly(nc)

@@ -9,9 +9,8 @@ from pathlib import Path
 import pytest
 
 from lorafleet.bus import redact_url, refusal
-from lorafleet.names import InvalidNameError, Names
+from lorafleet.names import InvalidNameError, Names, msg_get_subject
 from lorafleet.natsserver import binary
-from lorafleet.objects import msg_get_subject
 from lorafleet.permissions import (
     SERVICE_USER,
     PermissionsError,

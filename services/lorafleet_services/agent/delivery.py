@@ -33,8 +33,8 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet._natspy import AsyncPublisher, NoStreamError, PublishRefusedError, client_of
-from lorafleet.artifacts import msg_id
+from lorafleet._natspy import client_of
+from lorafleet.artifacts import AsyncPublisher, NoStreamError, PublishRefusedError, msg_id
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind

@@ -149,8 +149,3 @@ async def make(nc: Client, settings: Settings) -> ArtifactStore:
 PROGRAM = runtime.Program(
     "artifact-store", make, before_connect=use_bulk_reads, client_name="lorafleet-artifact-store"
 )
-
-
-async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Connect, serve until `stop` is set, then drain (`runtime.serve(PROGRAM)`)."""
-    await runtime.serve(PROGRAM, settings, stop)

@@ -169,8 +169,3 @@ async def make(nc: Client, settings: Settings) -> Recorder:
 
 #: How `runtime.serve` runs the recorder (its NATS client is "lorafleet-recorder").
 PROGRAM = runtime.Program("recorder", make, before_connect=migrate)
-
-
-async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Migrate, connect, serve until `stop` is set, then drain (`runtime.serve(PROGRAM)`)."""
-    await runtime.serve(PROGRAM, settings, stop)

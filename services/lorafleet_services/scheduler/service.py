@@ -201,8 +201,3 @@ async def make(nc: Client, settings: Settings) -> Scheduler:
 #: How `runtime.serve` runs the scheduler (its NATS client is "lorafleet-scheduler";
 #: after a reconnect serve calls `Scheduler.reconnected`).
 PROGRAM = runtime.Program("scheduler", make)
-
-
-async def run(settings: Settings, stop: asyncio.Event) -> None:
-    """Connect, ensure the layout, serve until `stop` (`runtime.serve(PROGRAM)`)."""
-    await runtime.serve(PROGRAM, settings, stop)
