@@ -33,7 +33,8 @@ from pathlib import Path
 
 import msgspec
 
-from lorafleet import bus, log
+from lorafleet import _bus as bus
+from lorafleet import log
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (

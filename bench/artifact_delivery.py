@@ -35,12 +35,12 @@ import psutil
 from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 
+from lorafleet._bus import ensure_layout, layout_for
 from lorafleet.artifacts import (
     AsyncPublisher,
     download_artifact,
     get_record,
 )
-from lorafleet.bus import ensure_layout, layout_for
 from lorafleet.names import Names, artifact_object_name, object_meta_subject
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings

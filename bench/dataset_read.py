@@ -20,7 +20,8 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafleet import bus, objects
+from lorafleet import _bus as bus
+from lorafleet import objects
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 

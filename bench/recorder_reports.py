@@ -27,7 +27,8 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import make_url
 
-from lorafleet import bus, log
+from lorafleet import _bus as bus
+from lorafleet import log
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, StatusReport

@@ -33,7 +33,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings

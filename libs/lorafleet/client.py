@@ -35,7 +35,7 @@ from typing import TypeVar
 
 from nats.aio.client import Client as Nats
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL

@@ -72,6 +72,11 @@ class InternalError(ApiError):
     code = ErrorCode.INTERNAL
 
 
+class ConnectError(ConnectionError):
+    """No NATS server answered at the configured URL, or it refused these
+    credentials; the message says which setting to change."""
+
+
 _BY_CODE: dict[str, type[ApiError]] = {
     cls.code.value: cls
     for cls in (BadRequestError, NotFoundError, ConflictError, UnavailableError, InternalError)

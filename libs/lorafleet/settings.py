@@ -25,7 +25,7 @@ class SettingsError(ValueError):
     """An environment variable with a value lorafleet cannot use.
 
     The one base of every settings error (the agent's AgentConfigError is
-    one): a process stopped by one exits 2 with its one line (lorafleet.runtime).
+    one): a process stopped by one exits 2 with its one line (lorafleet._runtime).
     """
 
 

@@ -31,9 +31,8 @@ import typer
 from rich.console import Console
 from rich.table import Table
 
-from lorafleet import bus
 from lorafleet.client import Client
-from lorafleet.errors import ApiError
+from lorafleet.errors import ApiError, ConnectError
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
@@ -100,7 +99,7 @@ def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
     except ApiError as e:
         err.print(f"[red]error[/red] {e}")
         raise typer.Exit(1) from None
-    except bus.ConnectError as e:
+    except ConnectError as e:
         err.print(f"[red]error[/red] {e}")
         raise typer.Exit(2) from None
 
@@ -115,7 +114,7 @@ def print_json(value: Any) -> None:
 @app.command("recorder")
 def recorder_cmd() -> None:
     """Run the recorder (the system of record) until SIGTERM."""
-    from lorafleet import runtime
+    from lorafleet import _runtime as runtime
     from lorafleet_services.recorder.service import PROGRAM
 
     runtime.main(PROGRAM)
@@ -124,7 +123,7 @@ def recorder_cmd() -> None:
 @app.command("scheduler")
 def scheduler_cmd() -> None:
     """Run the scheduler until SIGTERM."""
-    from lorafleet import runtime
+    from lorafleet import _runtime as runtime
     from lorafleet_services.scheduler.service import PROGRAM
 
     runtime.main(PROGRAM)
@@ -133,7 +132,7 @@ def scheduler_cmd() -> None:
 @app.command("artifact-store")
 def artifact_store_cmd() -> None:
     """Run the artifact-store until SIGTERM."""
-    from lorafleet import runtime
+    from lorafleet import _runtime as runtime
     from lorafleet_services.artifact_store.service import PROGRAM
 
     runtime.main(PROGRAM)
@@ -150,7 +149,7 @@ def agent_cmd(
     wheel_dir: str | None = typer.Option(None, help="Local wheels for the overlay (offline)."),
 ) -> None:
     """Run a node's agent until SIGTERM."""
-    from lorafleet import runtime
+    from lorafleet import _runtime as runtime
 
     overrides: dict[str, Any] = {
         "node": node,

@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, TextIO
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig

@@ -15,7 +15,7 @@ import nats
 import psutil
 from nats.js.kv import KeyValue
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.names import Header
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import (

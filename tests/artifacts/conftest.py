@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
+from lorafleet._bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record, msg_id
-from lorafleet.bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.names import Header, Names, object_meta_subjects, object_stream
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord

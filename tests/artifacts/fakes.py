@@ -7,7 +7,7 @@ import datetime as dt
 
 import msgspec
 
-from lorafleet.recorder_client import Ended
+from lorafleet._recorder_client import Ended
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
     ArtifactKind,

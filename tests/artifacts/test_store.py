@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.bus import connect, drain_quietly
+from lorafleet._bus import connect, drain_quietly
 from lorafleet.names import Header, Names
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState

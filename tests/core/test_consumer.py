@@ -1,4 +1,4 @@
-"""The one pull-consumer loop (lorafleet.consumer) against a real nats-server."""
+"""The one pull-consumer loop (lorafleet._consumer) against a real nats-server."""
 
 from __future__ import annotations
 
@@ -12,8 +12,8 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from lorafleet import bus
-from lorafleet.consumer import PullConsumer, PullConsumerConfig
+from lorafleet import _bus as bus
+from lorafleet._consumer import PullConsumer, PullConsumerConfig
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually

@@ -5,7 +5,8 @@ from __future__ import annotations
 import nats
 import pytest
 
-from lorafleet import bus
+from lorafleet import _bus as bus
+from lorafleet.errors import ConnectError
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 
@@ -47,5 +48,5 @@ async def test_connect_fails_fast_with_a_clear_error() -> None:
     # nats-py alone retries a first connect for minutes; the per-test
     # timeout fails this test if bus.connect does not give up by itself.
     settings = Settings(nats_url="nats://127.0.0.1:9", connect_timeout_s=1)
-    with pytest.raises(bus.ConnectError, match="LORAFLEET_NATS_URL"):
+    with pytest.raises(ConnectError, match="LORAFLEET_NATS_URL"):
         await bus.connect(settings, "test")

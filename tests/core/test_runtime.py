@@ -1,4 +1,4 @@
-"""One service lifecycle (lorafleet.runtime): exit codes of a real process, serve() in-process."""
+"""One service lifecycle (lorafleet._runtime): exit codes of a real process, serve() in-process."""
 
 from __future__ import annotations
 
@@ -13,7 +13,8 @@ import pytest
 import structlog
 from nats.aio.client import Client
 
-from lorafleet import log, runtime
+from lorafleet import _runtime as runtime
+from lorafleet import log
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually

@@ -11,7 +11,8 @@ import nats.errors
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet import bus
+from lorafleet import _bus as bus
+from lorafleet.errors import ConnectError
 from lorafleet.names import Names
 from lorafleet.natsserver import NatsServer
 from lorafleet.permissions import SERVICE_USER, agent_permissions, service_permissions
@@ -45,7 +46,7 @@ async def test_the_printed_config_runs_a_server_with_those_users(tmp_path: Path)
             await bus.drain_quietly(nc)
         assert len(refusals) == 2, refusals
         wrong = node.with_(nats_url=server.url_for("node-1", "wrong"), connect_timeout_s=1.0)
-        with pytest.raises(bus.ConnectError, match="Authorization Violation"):
+        with pytest.raises(ConnectError, match="Authorization Violation"):
             await bus.connect(wrong, "node-1")
 
 

@@ -16,7 +16,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
 from lorafleet_services.agent.config import AgentConfig

@@ -14,7 +14,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import bus, objects
+from lorafleet import _bus as bus
+from lorafleet import objects
+from lorafleet.errors import ConnectError
 from lorafleet.names import dataset_object_name, object_stream
 from lorafleet_schemas.messages import Heartbeat
 from tests.eventually import eventually
@@ -181,7 +183,7 @@ async def test_a_wrong_password_is_a_connect_error_without_the_password(fleet: F
     settings = fleet.base.with_(
         nats_url=fleet.server.url_for("node-1", "not-the-password"), connect_timeout_s=1.0
     )
-    with pytest.raises(bus.ConnectError) as e:
+    with pytest.raises(ConnectError) as e:
         await bus.connect(settings, "node-1")
     assert "Authorization Violation" in str(e.value)
     assert "node-1:***@" in str(e.value)

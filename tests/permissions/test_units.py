@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.bus import redact_url, refusal
+from lorafleet._bus import redact_url, refusal
 from lorafleet.names import InvalidNameError, Names, msg_get_subject
 from lorafleet.natsserver import binary
 from lorafleet.permissions import (

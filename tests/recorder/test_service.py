@@ -17,7 +17,7 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.names import Header, Names, dataset_object_name
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings

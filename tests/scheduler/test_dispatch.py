@@ -12,9 +12,9 @@ import msgspec
 import pytest
 import structlog
 
+from lorafleet._recorder_client import RecorderClient
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
-from lorafleet.recorder_client import RecorderClient
 from lorafleet.states import can_move
 from lorafleet_schemas.messages import (
     Engine,

@@ -10,8 +10,8 @@ import structlog
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
-from lorafleet import bus
-from lorafleet.bus import LEADER_TTL_S
+from lorafleet import _bus as bus
+from lorafleet._bus import LEADER_TTL_S
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_services.scheduler.leadership import LEADER_KEY, LEADER_SAFETY_S, Leadership

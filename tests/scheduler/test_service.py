@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from structlog.testing import capture_logs
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header
 from lorafleet.settings import Settings

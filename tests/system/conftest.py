@@ -22,7 +22,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from lorafleet import bus
+from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings

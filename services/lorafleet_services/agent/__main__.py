@@ -3,7 +3,7 @@
 
 from __future__ import annotations
 
-from lorafleet import runtime
+from lorafleet import _runtime as runtime
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.service import program
 

@@ -27,7 +27,7 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet.bus import encode
+from lorafleet._bus import encode
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Card, EnginesInstalled, Heartbeat

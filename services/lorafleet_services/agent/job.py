@@ -36,7 +36,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import datetime as dt
-import hashlib
 import json
 import os
 import shutil
@@ -51,7 +50,8 @@ import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log, objects
-from lorafleet.bus import encode
+from lorafleet._bus import encode
+from lorafleet.artifacts import file_sha256
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
@@ -157,14 +157,6 @@ def job_file(
         "device": choice.device,
         "hf_offline": cfg.hf_offline,
     }
-
-
-def sha256_file(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        while chunk := f.read(1 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def session_pids(sid: int) -> set[int]:
@@ -476,7 +468,7 @@ class JobRun:
             ) from None
         except Exception as e:
             raise JobFailedError(f"fetching the dataset {name!r} from {bucket}: {e!r}") from None
-        sha = await asyncio.to_thread(sha256_file, path)
+        sha = await asyncio.to_thread(file_sha256, path)
         if sha != self.req.dataset_sha256:
             raise JobFailedError(
                 f"the dataset {name!r} in {bucket} has sha256 {sha}, but the job says "

@@ -36,10 +36,11 @@ from nats.js import JetStreamContext
 from nats.micro.request import Request
 
 import lorafleet
-from lorafleet import log, runtime
+from lorafleet import _runtime as runtime
+from lorafleet import log
+from lorafleet._micro import Route, endpoint
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
-from lorafleet.service import Route, endpoint
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     JobState,
@@ -229,7 +230,7 @@ class Agent:
 
 
 def answering(route: Route) -> Callable[[Msg], Awaitable[None]]:
-    """A plain subscription's callback for `route`, through lorafleet.service's
+    """A plain subscription's callback for `route`, through lorafleet._micro's
     `endpoint()`: strict decoding, the same error replies as every service
     (Nats-Service-Error headers and the JSON error body).
 

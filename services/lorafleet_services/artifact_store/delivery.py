@@ -24,10 +24,10 @@ from typing import Protocol
 from nats.aio.msg import Msg
 
 from lorafleet import log
+from lorafleet._recorder_client import Ended
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
 from lorafleet.names import Names, object_chunk_subject
-from lorafleet.recorder_client import Ended
 from lorafleet_schemas.messages import ArtifactStoredRequest, JobRecord
 from lorafleet_services.artifact_store.assembly import (
     Assembly,

@@ -13,11 +13,11 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 from lorafleet import log
-from lorafleet.bus import encode
+from lorafleet._bus import encode
+from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
-from lorafleet.service import Route
 from lorafleet.states import FINAL, IllegalTransitionError
 from lorafleet_schemas.messages import (
     ArtifactStoredRequest,

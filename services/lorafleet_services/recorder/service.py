@@ -1,7 +1,7 @@
 """The recorder on NATS: micro endpoints and the durable status consumer.
 
 Thin glue around api.RecorderApi. The status consumer is the one pull
-loop of lorafleet.consumer (`names.recorder_consumer` on
+loop of lorafleet._consumer (`names.recorder_consumer` on
 `names.status_stream`): it hands over up to FETCH_BATCH reports at a time,
 which are applied in one transaction, acked after commit, and the job
 events published after that. A crash between commit and ack redelivers
@@ -25,11 +25,13 @@ from nats.micro.service import Service
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import lorafleet
-from lorafleet import bus, log, runtime
+from lorafleet import _bus as bus
+from lorafleet import _runtime as runtime
+from lorafleet import log
+from lorafleet._consumer import PullConsumer, PullConsumerConfig
+from lorafleet._micro import start_service
 from lorafleet._natspy import download_object
-from lorafleet.consumer import PullConsumer, PullConsumerConfig
 from lorafleet.log import Event
-from lorafleet.service import start_service
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db

@@ -28,11 +28,11 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
-from lorafleet import bus
+from lorafleet import _bus as bus
+from lorafleet._recorder_client import RecorderClient
 from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names
-from lorafleet.recorder_client import RecorderClient
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
     JobCancelRequest,

@@ -26,7 +26,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorafleet.bus import LEADER_TTL_S
+from lorafleet._bus import LEADER_TTL_S
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE, Header, Names, kv_stream
 from lorafleet_services.scheduler.kv_watch import KeyWatch

@@ -37,10 +37,11 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 
 import lorafleet
-from lorafleet import log, runtime
+from lorafleet import _runtime as runtime
+from lorafleet import log
+from lorafleet._micro import Route, start_service
+from lorafleet._recorder_client import RecorderClient
 from lorafleet.log import Event
-from lorafleet.recorder_client import RecorderClient
-from lorafleet.service import Route, start_service
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (

@@ -33,7 +33,7 @@ from nats.js.api import (
 
 from lorafleet import log
 from lorafleet._natspy import create_object_store, is_authorization_violation, refusal
-from lorafleet.errors import raise_for_error
+from lorafleet.errors import ConnectError, raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.settings import Settings
@@ -61,10 +61,6 @@ MAX_OUTSTANDING_PINGS = 2
 DRAIN_TIMEOUT_S = 5.0
 #: Seconds between two tries of a request nobody answered.
 NO_RESPONDERS_PAUSE_S = 0.1
-
-
-class ConnectError(ConnectionError):
-    """No NATS server answered at the configured URL."""
 
 
 def redact_url(url: str) -> str:

@@ -31,7 +31,7 @@ scheduler re-reads its KV).
 Exit codes of `main`: 0 after a clean stop; 2 with one line on stderr for
 a bad setting (any `SettingsError`, the agent's `AgentConfigError` too,
 wherever it is raised); 1 with one line on stderr when no NATS server
-answers (`bus.ConnectError`); other failures end with a traceback (1).
+answers (`ConnectError`); other failures end with a traceback (1).
 Tests and the embedded stack call `serve(program, settings, stop=event)`
 in-process instead.
 """
@@ -49,7 +49,9 @@ from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 from nats.aio.client import Client
 
 import lorafleet
-from lorafleet import bus, log
+from lorafleet import _bus as bus
+from lorafleet import log
+from lorafleet.errors import ConnectError
 from lorafleet.log import Event
 from lorafleet.settings import Settings, SettingsError
 
@@ -202,5 +204,5 @@ def main(program: Program, settings: Settings | None = None) -> None:
         asyncio.run(serve(program, settings))
     except SettingsError as e:
         exit_with(program.name, e, EXIT_SETTINGS)
-    except bus.ConnectError as e:
+    except ConnectError as e:
         exit_with(program.name, e, EXIT_CONNECT)

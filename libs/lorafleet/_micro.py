@@ -23,8 +23,8 @@ from nats.micro.request import Request
 from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
 from lorafleet import log
+from lorafleet._bus import encode
 from lorafleet._natspy import count_endpoint_error, last_endpoint
-from lorafleet.bus import encode
 from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError
 from lorafleet.log import Event
 

@@ -1,0 +1,169 @@
+"""The code's shape, checked: imports point downward with no cycles, and no
+class or function grows past what one reader can hold.
+
+schemas (lorafleet_schemas) -> libs (lorafleet) -> services
+(lorafleet_services): a lower root never imports a higher one, and no two
+modules import each other, even through others or inside a function. The
+trainer imports nothing of lorafleet: it runs in the node's vLLM Python.
+"""
+
+from __future__ import annotations
+
+import ast
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+PACKAGES = {
+    "lorafleet_schemas": ROOT / "schemas" / "lorafleet_schemas",
+    "lorafleet": ROOT / "libs" / "lorafleet",
+    "lorafleet_services": ROOT / "services" / "lorafleet_services",
+}
+#: Each root may import the roots listed for it, and itself.
+MAY_IMPORT = {
+    "lorafleet_schemas": {"lorafleet_schemas"},
+    "lorafleet": {"lorafleet_schemas", "lorafleet"},
+    "lorafleet_services": {"lorafleet_schemas", "lorafleet", "lorafleet_services"},
+}
+#: Programs that run outside lorafleet's environment (the node's vLLM
+#: Python) and import none of it; trainer/generate.py writes into script.py
+#: from lorafleet's side and may.
+SELF_CONTAINED = ("lorafleet_services.trainer.script", "lorafleet_services.trainer.standin")
+MAX_CLASS_LINES = 350
+MAX_FUNCTION_LINES = 60
+#: The trainer's `run` reads top to bottom as the training's script: the one exception.
+LONG_FUNCTIONS_ALLOWED = {("lorafleet_services.trainer.script", "run")}
+
+
+@dataclass(frozen=True)
+class Module:
+    name: str
+    path: Path
+    tree: ast.Module
+
+
+def modules() -> Iterator[Module]:
+    for top, folder in PACKAGES.items():
+        for path in sorted(folder.rglob("*.py")):
+            rel = path.relative_to(folder).with_suffix("")
+            parts = [top, *rel.parts]
+            if parts[-1] == "__init__":
+                parts.pop()
+            yield Module(".".join(parts), path, ast.parse(path.read_text(), str(path)))
+
+
+def imported(mod: Module, known: set[str]) -> set[str]:
+    """The project modules `mod` imports, anywhere in it (a function-level
+    import is an import too)."""
+    out: set[str] = set()
+    package = mod.name if mod.path.name == "__init__.py" else mod.name.rpartition(".")[0]
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            # `from pkg import mod` imports pkg.mod (and runs pkg/__init__,
+            # which imports what it imports itself: not an edge of this module).
+            for alias in node.names:
+                sub = f"{base}.{alias.name}"
+                out.add(sub if sub in known else base)
+    return {name for name in out if name in known}
+
+
+def graph() -> dict[str, set[str]]:
+    mods = list(modules())
+    known = {m.name for m in mods}
+    return {m.name: imported(m, known) - {m.name} for m in mods}
+
+
+def test_imports_point_downward() -> None:
+    wrong = [
+        f"{src} imports {dst}"
+        for src, dsts in graph().items()
+        for dst in dsts
+        if dst.split(".")[0] not in MAY_IMPORT[src.split(".")[0]]
+    ]
+    assert not wrong, "imports must point downward (schemas -> libs -> services):\n" + "\n".join(
+        wrong
+    )
+
+
+def test_the_trainer_imports_nothing_of_lorafleet() -> None:
+    wrong = [
+        f"{src} imports {dst}"
+        for src, dsts in graph().items()
+        if src.startswith(SELF_CONTAINED)
+        for dst in dsts
+        if not dst.startswith(SELF_CONTAINED)
+    ]
+    assert not wrong, "\n".join(wrong)
+
+
+def cycles(g: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on_stack.add(v)
+        for w in sorted(g.get(v, ())):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on_stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on_stack.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                found.append(sorted(comp))
+
+    for v in sorted(g):
+        if v not in index:
+            visit(v)
+    return found
+
+
+def test_no_import_cycles() -> None:
+    assert cycles(graph()) == []
+
+
+def test_a_cycle_is_found() -> None:
+    assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def sizes() -> Iterator[tuple[str, str, str, int]]:
+    for mod in modules():
+        for node in ast.walk(mod.tree):
+            if isinstance(node, ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                kind = "class" if isinstance(node, ast.ClassDef) else "function"
+                lines = (node.end_lineno or node.lineno) - node.lineno + 1
+                yield kind, mod.name, node.name, lines
+
+
+@pytest.mark.parametrize(
+    ("kind", "limit"), [("class", MAX_CLASS_LINES), ("function", MAX_FUNCTION_LINES)]
+)
+def test_nothing_grows_past_one_readers_hold(kind: str, limit: int) -> None:
+    over = sorted(
+        f"{mod}.{name}: {lines} lines"
+        for k, mod, name, lines in sizes()
+        if k == kind and lines > limit and (mod, name) not in LONG_FUNCTIONS_ALLOWED
+    )
+    assert not over, f"over {limit} lines ({kind}); split them at their seams:\n" + "\n".join(over)
