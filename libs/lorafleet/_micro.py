@@ -11,6 +11,7 @@ and turns every failure into an error reply carrying both the micro headers
 from __future__ import annotations
 
 import re
+import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -22,7 +23,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._bus import encode
 from lorafleet._natspy import count_endpoint_error, last_endpoint
 from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError
@@ -103,14 +104,18 @@ def endpoint(
     on_error: told "<code>: <message>" of every error reply.
     """
     logger = log.get()
+    metrics.endpoint_metrics(subject)
+    requests = metrics.API_REQUESTS.labels(subject)
+    duration = metrics.API_DURATION.labels(subject)
 
     async def fail(req: Request, e: ApiError) -> None:
         http = HTTP_CODES[e.code]
+        metrics.API_ERRORS.labels(subject, e.code.value).inc()
         if on_error is not None:
             on_error(f"{http}: {e.message}")
         await req.respond_error(http, e.message, data=e.body())
 
-    async def handle(req: Request) -> None:
+    async def answer(req: Request) -> None:
         try:
             result = await fn(decode_request(req.data, typ))
         except ApiError as e:
@@ -123,6 +128,14 @@ def endpoint(
             )
             return
         await req.respond(result if isinstance(result, bytes) else encode(result))
+
+    async def handle(req: Request) -> None:
+        started = time.perf_counter()
+        try:
+            await answer(req)
+        finally:
+            requests.inc()
+            duration.observe(time.perf_counter() - started)
 
     return handle
 

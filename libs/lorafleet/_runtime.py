@@ -9,6 +9,8 @@ Each service describes itself as a `Program` and its `__main__` ends with
 logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
 `serve()` does, in order:
 
+0. serves Prometheus metrics (lorafleet.metrics) on `settings.metrics_addr`
+   when it is set, until the very end; a port in use is a SettingsError;
 1. `program.before_connect(settings)`, if given (the recorder migrates its
    database; the agent kills what an earlier run left behind);
 2. connects to NATS (`bus.connect`, client name `lorafleet-<name>` unless
@@ -18,8 +20,9 @@ logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
    credentials may not create streams; the refusal is logged and the agent
    goes on);
 4. `service = await program.make(nc, settings)`, then `await service.start()`
-   and logs `service.started` (with `version` and `program.started_fields`):
-   `start()` returns once the service answers requests;
+   and logs `service.started` (with `version`, `metrics` (the endpoint's
+   URL, when one is served) and `program.started_fields`): `start()`
+   returns once the service answers requests;
 5. waits for the stop signal, then `await service.stop()`, drains the
    connection and logs `service.stopped` (also when a step above failed).
 
@@ -50,7 +53,7 @@ from nats.aio.client import Client
 
 import lorafleet
 from lorafleet import _bus as bus
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
 from lorafleet.settings import Settings, SettingsError
@@ -107,12 +110,39 @@ class Program:
 
 async def serve(program: Program, settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run `program` until `stop` is set (default: until SIGTERM or SIGINT)."""
-    logger = log.get()
     if stop is None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, stop.set)
+    metrics_server = await start_metrics(program, settings)
+    try:
+        await _serve(program, settings, stop, metrics_server)
+    finally:
+        if metrics_server is not None:
+            await metrics_server.stop()
+
+
+async def start_metrics(program: Program, settings: Settings) -> metrics.MetricsServer | None:
+    """The metrics endpoint, when `settings.metrics_addr` is set (bound before
+    anything else, so that a port in use stops the process at once)."""
+    metrics.register(program.name)
+    metrics.RUNNING_JOBS.linger_s = settings.metrics_linger_s
+    metrics.BUILD_INFO.labels(program.name, lorafleet.__version__).set(1)
+    if not settings.metrics_addr:
+        return None
+    server = metrics.MetricsServer(settings.metrics_addr)
+    await server.start()
+    return server
+
+
+async def _serve(
+    program: Program,
+    settings: Settings,
+    stop: asyncio.Event,
+    metrics_server: metrics.MetricsServer | None,
+) -> None:
+    logger = log.get()
     if program.before_connect is not None:
         await program.before_connect(settings)
     refused = asyncio.Event()
@@ -139,7 +169,10 @@ async def serve(program: Program, settings: Settings, stop: asyncio.Event | None
         try:
             await service.start()
             logger.info(
-                Event.SERVICE_STARTED, version=lorafleet.__version__, **program.started_fields
+                Event.SERVICE_STARTED,
+                version=lorafleet.__version__,
+                **({"metrics": metrics_server.url} if metrics_server is not None else {}),
+                **program.started_fields,
             )
             await stop.wait()
         finally:

@@ -72,6 +72,8 @@ class Event:
     ARTIFACT_DELIVERED: Final = "artifact.delivered"
     #: A generic back-off (stamina) is about to try again.
     RETRY_SCHEDULED: Final = "retry.scheduled"
+    #: Collecting metrics for a scrape failed in part (lorafleet.metrics).
+    METRICS_FAILED: Final = "metrics.failed"
 
 
 def configure(service: str, level: str = "info", stream: Any = None) -> None:

@@ -74,6 +74,14 @@ class Settings:
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).
     artifact_orphan_age_s: float = 600.0
+    #: Where this process serves Prometheus metrics (`GET /metrics`):
+    #: "host:port", ":port" (every interface) or port 0 (a free one, logged
+    #: on `service.started`). Default "": off, since two processes on one
+    #: host would collide on any fixed default; `lorafleet up` turns it on.
+    metrics_addr: str = ""
+    #: Seconds a finished job's per-job series stay on the metrics endpoint,
+    #: so that the last scrape sees its final values; default 60.
+    metrics_linger_s: float = 60.0
 
     def __post_init__(self) -> None:
         Names(self.subject_prefix)  # validates the prefix
@@ -97,6 +105,10 @@ class Settings:
             raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
+        if self.metrics_addr:
+            parse_host_port(self.metrics_addr, "LORAFLEET_METRICS_ADDR")
+        if self.metrics_linger_s < 0:
+            raise SettingsError("LORAFLEET_METRICS_LINGER_S must be >= 0 seconds")
 
     @property
     def names(self) -> Names:
@@ -121,6 +133,19 @@ class Settings:
     def to_env(self) -> dict[str, str]:
         """These settings as `LORAFLEET_*` variables, for a child process."""
         return write_env(self, "LORAFLEET_")
+
+
+def parse_host_port(addr: str, setting: str) -> tuple[str, int]:
+    """("host", port) of "host:port", ":port" (host "": every interface) or
+    "[v6]:port"; a bad one raises SettingsError naming `setting`."""
+    host, sep, port = addr.strip().rpartition(":")
+    host = host.removeprefix("[").removesuffix("]")
+    if not sep or not port.isdigit() or not 0 <= int(port) <= 65535:
+        raise SettingsError(
+            f"{setting}={addr!r} is not host:port: use e.g. 127.0.0.1:9460, :9460 "
+            "(every interface) or 127.0.0.1:0 (a free port)"
+        )
+    return host, int(port)
 
 
 #: Words an environment variable may use for a bool (any case).

@@ -49,7 +49,7 @@ import psutil
 import stamina
 from nats.js import JetStreamContext
 
-from lorafleet import log, objects
+from lorafleet import log, metrics, objects
 from lorafleet._bus import encode
 from lorafleet.artifacts import file_sha256
 from lorafleet.log import Event
@@ -257,6 +257,7 @@ class Reporter:
 
     def report(self, state: JobState | None = None, message: str = "", **fields: Any) -> None:
         self.seq += 1
+        metrics.RUNNING_JOBS.report(self.node, self.job_id, fields)
         self._queue.put_nowait(
             StatusReport(
                 job_id=self.job_id,

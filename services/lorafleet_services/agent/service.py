@@ -37,7 +37,7 @@ from nats.micro.request import Request
 
 import lorafleet
 from lorafleet import _runtime as runtime
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._micro import Route, endpoint
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
@@ -159,6 +159,7 @@ class Agent:
         return StartReply(accepted=True)
 
     def _job_ended(self, run: JobRun) -> None:
+        metrics.RUNNING_JOBS.ended(self.node, run.job_id)
         self.ended[(run.job_id, run.req.attempt)] = {
             None: "when the agent was fenced",
             JobState.UPLOADING: "with its artifacts delivered",

@@ -17,13 +17,14 @@ import asyncio
 import contextlib
 import datetime as dt
 import secrets
+import time
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from nats.aio.msg import Msg
 
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._recorder_client import Ended
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
@@ -82,6 +83,8 @@ class Delivery:
     touched: float = 0.0
     #: Its info is published: the object chunks belong to a stored object now.
     committed: bool = False
+    #: Monotonic seconds when it was opened (its delivery duration starts).
+    opened_s: float = field(default_factory=time.monotonic)
 
 
 # --- the machine ------------------------------------------------------------------
@@ -211,6 +214,7 @@ class Deliveries:
             return None
         why = refusal(job, key)
         if why is not None:
+            metrics.ARTIFACTS_REJECTED.inc()
             self.logger.warning(
                 Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node, kind=key.kind.value,
                 error=f"refused a delivery from node {key.node}: {why}",
@@ -262,6 +266,7 @@ class Deliveries:
         d.committed = True
         await self._tell_recorder(key, whole.size, whole.sha256)
         await self.streams.purge_delivery(d.subject, d.assembly.stream_seq)
+        metrics.artifact_stored(key.kind.value, whole.size, time.monotonic() - d.opened_s)
         self.logger.info(
             Event.ARTIFACT_STORED, job_id=key.job_id, node=key.node, kind=key.kind.value,
             size=whole.size, sha256=whole.sha256, chunks=whole.count,
@@ -304,6 +309,7 @@ class Deliveries:
     async def fail(self, d: Delivery, message: str) -> None:
         """A short or corrupt delivery: nothing stored, the job failed, saying why."""
         key = d.key
+        metrics.ARTIFACTS_REJECTED.inc()
         self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                             kind=key.kind.value, error=message)  # fmt: skip
         # The job first: a store that dies after this finds the job failed and

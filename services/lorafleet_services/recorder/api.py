@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._bus import encode
 from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
@@ -139,6 +139,7 @@ class RecorderApi:
                 )
             records, sha = self._check_data(stored, "$.dataset")
         job = await store.create_job(self.sm, spec, model, dataset, sha, records)
+        metrics.JOBS_SUBMITTED.inc()
         self.logger.info(
             Event.JOB_QUEUED,
             job_id=job.id,
@@ -232,6 +233,7 @@ class RecorderApi:
     async def apply_status(self, reports: Sequence[StatusReport]) -> StatusResult:
         """Apply a batch in one transaction; log refusals. Publish with `after_status`."""
         result = await store.apply_status(self.sm, reports)
+        metrics.reports_committed(reports, result.applied, len(result.refused))
         for report, why in result.refused:
             self.logger.warning(
                 Event.STATUS_REFUSED,
@@ -270,6 +272,7 @@ class RecorderApi:
                 message=move.message,
             )
             if move.to_state in FINAL:
+                metrics.JOBS_FINISHED.labels(move.to_state.value).inc()
                 fields: dict[str, Any] = {
                     "job_id": job.id,
                     "node": job.node,

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import io
+from collections.abc import Callable
 
 import msgspec
 import nats.js.errors
@@ -27,14 +29,14 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import lorafleet
 from lorafleet import _bus as bus
 from lorafleet import _runtime as runtime
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._consumer import PullConsumer, PullConsumerConfig
 from lorafleet._micro import start_service
 from lorafleet._natspy import download_object
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
-from lorafleet_services.recorder import db
+from lorafleet_services.recorder import db, store
 from lorafleet_services.recorder.api import RecorderApi
 
 #: Reports fetched and applied in one transaction, at most.
@@ -107,6 +109,7 @@ class Recorder:
         )
         self.logger = log.get()
         self._service: Service | None = None
+        self._unregister: Callable[[], None] | None = None
         self._consumer = PullConsumer(
             self.js, consumer_config(settings), self._apply, ensure_stream=self._ensure_layout
         )
@@ -120,6 +123,7 @@ class Recorder:
     async def start(self) -> None:
         """Consume status and serve requests (the JetStream layout exists: runtime.serve)."""
         await self._consumer.start()
+        self._unregister = metrics.LIVE.add(refresh=self._count_jobs)
         self._service = await start_service(
             self.nc,
             self.names.recorder_service,
@@ -135,10 +139,18 @@ class Recorder:
     async def stop(self) -> None:
         """Stop consuming and answering, then close the database engine (owned here)."""
         await self._consumer.stop()
+        if self._unregister is not None:
+            self._unregister()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
         await self.engine.dispose()
+
+    async def _count_jobs(self) -> None:
+        """Jobs by state for the metrics endpoint (one query per scrape)."""
+        counts, oldest = await store.job_counts(self.api.sm)
+        age_s = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest else 0.0
+        metrics.JOB_COUNTS.set(counts, age_s)
 
     async def _apply(self, msgs: list[Msg]) -> None:
         reports: list[StatusReport] = []

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import msgspec
-from sqlalchemy import Table, insert, or_, select, update
+from sqlalchemy import Table, func, insert, or_, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
@@ -290,6 +290,18 @@ async def list_jobs(
     async with sm() as s, s.begin():
         rows = (await s.execute(q.limit(limit))).mappings().all()
     return [job_record(r) for r in rows]
+
+
+async def job_counts(sm: Sessions) -> tuple[dict[str, int], dt.datetime | None]:
+    """Jobs by state, and when the oldest queued job was created (None: none queued)."""
+    by_state = select(_jobs.c.state, func.count()).group_by(_jobs.c.state)
+    oldest = select(func.min(_jobs.c.created_at)).where(_jobs.c.state == JobState.QUEUED.value)
+    async with sm() as s, s.begin():
+        counts = {state: int(n) for state, n in (await s.execute(by_state)).all()}
+        created = (await s.execute(oldest)).scalar()
+    if created is not None and created.tzinfo is None:
+        created = created.replace(tzinfo=dt.UTC)  # SQLite keeps no zone
+    return counts, created
 
 
 async def transition(

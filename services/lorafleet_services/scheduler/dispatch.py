@@ -29,6 +29,7 @@ import nats.errors
 from nats.aio.client import Client
 
 from lorafleet import _bus as bus
+from lorafleet import metrics
 from lorafleet._recorder_client import RecorderClient
 from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
@@ -266,6 +267,7 @@ class Dispatcher:
             self.logger.warning(Event.REQUEST_FAILED, job_id=job.id, node=node, error=repr(e))
             return
         if reply.accepted:
+            metrics.job_started(job.created_at)
             self.logger.info(
                 Event.JOB_DISPATCHED, job_id=job.id, node=node, message=f"attempt {job.attempt}"
             )

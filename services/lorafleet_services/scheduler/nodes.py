@@ -27,6 +27,7 @@ from typing import Any
 import msgspec
 from nats.js.kv import KeyValue
 
+from lorafleet import metrics
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_schemas.messages import Heartbeat
@@ -116,6 +117,7 @@ class NodeWatcher:
             self._gone(node, why)
 
     def _gone(self, node: Node, why: Departure) -> None:
+        metrics.node_departed(why.name.lower())
         self.logger.warning(
             Event.NODE_LEFT if why is Departure.LEFT else Event.NODE_LOST,
             node=node.name,

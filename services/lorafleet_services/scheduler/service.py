@@ -28,7 +28,7 @@ import os
 import secrets
 import socket
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import msgspec
@@ -38,7 +38,7 @@ from nats.js import JetStreamContext
 
 import lorafleet
 from lorafleet import _runtime as runtime
-from lorafleet import log
+from lorafleet import log, metrics
 from lorafleet._micro import Route, start_service
 from lorafleet._recorder_client import RecorderClient
 from lorafleet.log import Event
@@ -104,10 +104,12 @@ class Scheduler:
         )
         self._rounds: asyncio.Task[None] | None = None
         self._service: Any = None
+        self._unregister: Callable[[], None] | None = None
 
     # --- lifecycle ------------------------------------------------------
 
     async def start(self) -> None:
+        self._unregister = metrics.LIVE.add(self.metric_samples)
         self._node_watch.start()
         self.leadership.start()
         self._rounds = asyncio.create_task(self._run_rounds())
@@ -136,6 +138,16 @@ class Scheduler:
                 await self._service.stop()
         # Last, so that the other replica takes over only once this one is idle.
         await self.leadership.stop()
+        if self._unregister is not None:
+            self._unregister()
+
+    def metric_samples(self) -> Iterator[metrics.Sample]:
+        """The node table and leadership, for the metrics endpoint."""
+        now = self.clock()
+        yield from metrics.node_samples(
+            (n.heartbeat, n.alive, now - n.last_seen) for n in self.nodes.table.nodes.values()
+        )
+        yield metrics.LEADER, (), float(self.is_leader())
 
     def reconnected(self) -> None:
         """Called after the connection came back: re-watch (every key's last
@@ -175,7 +187,8 @@ class Scheduler:
                 self.nodes.take_lost()
                 continue
             try:
-                await self.round(now)
+                with metrics.DISPATCH_ROUND.time():
+                    await self.round(now)
             except Exception as e:
                 self.logger.warning(Event.REQUEST_FAILED, message="dispatch round", error=repr(e))
 
