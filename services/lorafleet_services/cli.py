@@ -33,6 +33,7 @@ from rich.table import Table
 
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
+from lorafleet.metrics import endpoints_text
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
@@ -73,6 +74,8 @@ err = Console(stderr=True)
 EMBEDDED_NATS_PORT = 4250
 #: Seconds between two looks of `lorafleet up` at its children.
 UP_WATCH_INTERVAL_S = 0.5
+#: Where `lorafleet up`'s first process serves /metrics (the others: 9461, ...).
+UP_METRICS_ADDR = "127.0.0.1:9460"
 
 
 def settings_from_env() -> Settings:
@@ -172,6 +175,11 @@ def up_cmd(
     nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
     node: str = typer.Option(LOCAL_NODE, help="The local agent's node name."),
     agent: bool = typer.Option(True, help="Run a local agent."),
+    metrics_addr: str | None = typer.Option(
+        None,
+        help="Where the first process serves /metrics, the others on the next ports; "
+        f'"" for none. Default: LORAFLEET_METRICS_ADDR, else {UP_METRICS_ADDR}.',
+    ),
 ) -> None:
     """Run all of lorafleet on this machine (embedded NATS, SQLite, one agent)."""
     from lorafleet import log
@@ -185,11 +193,15 @@ def up_cmd(
         stack = EmbeddedStack(
             data_dir=directory, nats_port=nats_port, agent=config, echo=sys.stderr
         )
+        stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
+        if metrics_addr is not None:
+            stack.metrics_addr = metrics_addr
         settings = await stack.start()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
             f"database {settings.effective_database_url}; Ctrl-C stops it"
         )
+        err.print(endpoints_text(stack.metrics_urls()), highlight=False)
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):

@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from lorafleet import _bus as bus
+from lorafleet import metrics
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
@@ -226,6 +227,9 @@ class EmbeddedStack:
     nats_port: 0 picks a free port; `lorafleet up` uses 4250 by default so
         that a NATS on 4222 is left alone.
     agent: the local agent's config; None runs no agent.
+    metrics_addr: where the children serve /metrics: "" none; "host:port"
+        the first child's, each next one the next port (port 0: each a free
+        one). `metrics_urls()` says where they are.
     """
 
     data_dir: Path
@@ -235,6 +239,7 @@ class EmbeddedStack:
     settings: Settings | None = None
     nats: NatsServer | None = None
     children: list[ServiceProcess] = field(default_factory=list)
+    metrics_addr: str = ""
 
     async def start(self) -> Settings:
         from lorafleet_services.recorder.db import migrate
@@ -263,6 +268,8 @@ class EmbeddedStack:
         return self.settings
 
     async def _spawn(self, module: str, settings: Settings, env: dict[str, str]) -> ServiceProcess:
+        addr = metrics.child_addr(self.metrics_addr, len(self.children))
+        env = {**env, "LORAFLEET_METRICS_ADDR": addr}
         proc = ServiceProcess(module, settings, env=env, echo=self.echo)
         await proc.start()
         self.children.append(proc)
@@ -276,6 +283,15 @@ class EmbeddedStack:
             await self.nats.stop()
         with contextlib.suppress(FileNotFoundError):
             (self.data_dir / "nats-url").unlink()
+
+    def metrics_urls(self) -> dict[str, str]:
+        """{service: its /metrics URL} of the children that serve one."""
+        urls: dict[str, str] = {}
+        for child in self.children:
+            started = child.events("service.started")
+            if started and started[-1].get("metrics"):
+                urls[child.module.rsplit(".", 1)[-1].replace("_", "-")] = started[-1]["metrics"]
+        return urls
 
     def crashed(self) -> list[str]:
         """Modules of children that have exited on their own."""

@@ -55,9 +55,12 @@ class PrometheusError(AssertionError):
 
 
 class Prometheus:
-    def __init__(self, data_dir: Path, targets: Mapping[str, str]) -> None:
+    def __init__(
+        self, data_dir: Path, targets: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S
+    ) -> None:
         self.data_dir = data_dir
         self.targets = dict(targets)
+        self.interval_s = interval_s
         self.port = free_port()
         self.proc: asyncio.subprocess.Process | None = None
 
@@ -70,7 +73,7 @@ class Prometheus:
         assert binary, "prometheus is not installed: apt-get install prometheus (./dev does)"
         self.data_dir.mkdir(parents=True, exist_ok=True)
         config = self.data_dir / "prometheus.yml"
-        config.write_text(scrape_config(self.targets))
+        config.write_text(scrape_config(self.targets, self.interval_s))
         with (self.data_dir / "prometheus.log").open("wb") as log:
             self.proc = await asyncio.create_subprocess_exec(
                 binary, f"--config.file={config}", f"--storage.tsdb.path={self.data_dir / 'tsdb'}",

@@ -1,0 +1,230 @@
+"""What Prometheus metrics cost the hot paths: metrics on against off, in one script.
+
+    .venv/bin/python bench/metrics_overhead.py [--reports 20000] [--nodes 100]
+                                               [--jobs 200] [--rounds 3]
+
+Two hot paths, each measured alternately off, on, off, on (the best run of
+each counts: this machine is shared, and the slowest runs are the noise):
+
+1. status reports persisted per second by one in-process recorder on
+   PostgreSQL (bench/recorder_reports.py's measurement);
+2. submit-to-start latency (p99) with `--nodes` simulated idle nodes
+   heartbeating (bench/scheduler_dispatch.py's trial: submit, wait for the
+   start request at the node, cancel), recorder and scheduler as processes.
+
+"off" is the code without metrics: every prometheus_client update
+(inc, set, observe, labels) and the agent-side job table are replaced by
+no-ops (in this process, and through a sitecustomize.py on the children's
+PYTHONPATH), and no endpoint is served. "on" is the code as shipped, every
+process serving /metrics on a free port and scraped once a second (15 times
+Prometheus's default pace) by a real Prometheus (tests/metrics/prom.py)
+while it measures. Target: on
+within 5% of off on both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import random
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Callable, Coroutine
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlparse
+
+from lorafleet import log
+from lorafleet.natsserver import NatsServer
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import StartRequest
+from recorder_reports import make_jobs, make_reports, publish, recorder_rate
+from scheduler_common import Fleet, bench_stack, percentile, summary, wait_nodes_listed
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.pg
+import contextlib
+
+from tests.metrics.prom import Prometheus
+from tests.pg import throwaway_database
+
+#: Seconds between two scrapes of every endpoint while "on" is measured.
+SCRAPE_S = 1.0
+#: Dispatch trials run first and not counted.
+WARMUP = 10
+
+#: Turns every metric update into a no-op (run in this process, and as the
+#: children's sitecustomize.py).
+STUB = """
+import prometheus_client.metrics as _m
+
+def _noop(self, *args, **kwargs):
+    return None
+
+def _self(self, *args, **kwargs):
+    return self
+
+for _cls, _names in ((_m.Counter, ("inc",)), (_m.Gauge, ("inc", "dec", "set")),
+                     (_m.Histogram, ("observe",))):
+    for _name in _names:
+        setattr(_cls, _name, _noop)
+_m.MetricWrapperBase.labels = _self
+
+import lorafleet.metrics as _lm
+_lm.RunningJobs.report = _noop
+"""
+
+
+class Metrics:
+    """Metrics on or off, for this process and the children it starts."""
+
+    def __init__(self, tmp: str) -> None:
+        self.stub_dir = Path(tmp) / "metrics-off"
+        self.stub_dir.mkdir()
+        (self.stub_dir / "sitecustomize.py").write_text(STUB)
+        self.saved: dict[Any, dict[str, Any]] = {}
+        self.pythonpath = os.environ.get("PYTHONPATH", "")
+
+    def off(self) -> None:
+        import prometheus_client.metrics as m
+
+        import lorafleet.metrics as lm
+
+        for cls in (m.Counter, m.Gauge, m.Histogram, m.MetricWrapperBase, lm.RunningJobs):
+            self.saved.setdefault(cls, dict(vars(cls)))
+        exec(STUB, {})
+        os.environ["PYTHONPATH"] = os.pathsep.join(
+            filter(None, [str(self.stub_dir), self.pythonpath])
+        )
+
+    def on(self) -> None:
+        for cls, attrs in self.saved.items():
+            for name in ("inc", "dec", "set", "observe", "labels", "report"):
+                if name in attrs:
+                    setattr(cls, name, attrs[name])
+        os.environ["PYTHONPATH"] = self.pythonpath
+
+
+@contextlib.asynccontextmanager
+async def scraped(tmp: str, urls: list[str]) -> AsyncIterator[Prometheus]:
+    """A real Prometheus scraping `urls` every SCRAPE_S seconds (its own process)."""
+    targets = {f"p{i}": urlparse(u).netloc for i, u in enumerate(urls)}
+    async with Prometheus(Path(tmp) / f"prom-{time.monotonic_ns()}", targets, SCRAPE_S) as prom:
+        # Its first scrapes come a few seconds after start: measure once it scrapes.
+        await prom.wait_scrapes_after({}, more=1)
+        yield prom
+
+
+async def reports_per_s(tmp: str, total: int, jobs: int, on: bool) -> float:
+    """Reports/s of one in-process recorder (served and scraped when `on`)."""
+    from lorafleet import metrics
+
+    with throwaway_database("lorafleet_bench") as url:
+        async with NatsServer(f"{tmp}/nats-{time.monotonic_ns()}") as server:
+            settings = Settings(nats_url=server.url, database_url=url, data_dir=tmp)
+            job_ids = await make_jobs(url, jobs)
+            await publish(settings, make_reports(job_ids, total))
+            if not on:
+                return await recorder_rate(settings, total)
+            metrics.register("recorder")
+            endpoint = metrics.MetricsServer("127.0.0.1:0")
+            await endpoint.start()
+            try:
+                async with scraped(tmp, [endpoint.url]):
+                    return await recorder_rate(settings, total)
+            finally:
+                await endpoint.stop()
+
+
+async def start_latencies(tmp: str, nodes: int, jobs: int, on: bool) -> list[float]:
+    """Submit -> start request received, in seconds, for `jobs` trials."""
+    async with bench_stack(metrics_addr="127.0.0.1:0" if on else "") as stack:
+        await stack.add_model()
+        received: dict[str, float] = {}
+        arrived = asyncio.Event()
+
+        def on_start(node: str, req: StartRequest, at: float) -> None:
+            received[req.job_id] = at
+            arrived.set()
+
+        fleet = Fleet(stack.nc, stack.settings, nodes, on_start=on_start)
+        await fleet.start()
+        await wait_nodes_listed(stack, nodes)
+        try:
+            if not on:
+                return await run_trials(stack, list(fleet.nodes), jobs, received, arrived)
+            procs = (stack.recorder, stack.scheduler)
+            async with scraped(tmp, [p.events("service.started")[-1]["metrics"] for p in procs]):
+                return await run_trials(stack, list(fleet.nodes), jobs, received, arrived)
+        finally:
+            await fleet.stop()
+
+
+async def run_trials(
+    stack: Any, names: list[str], jobs: int, received: dict[str, float], arrived: asyncio.Event
+) -> list[float]:
+    rng = random.Random(7)
+    latencies: list[float] = []
+    for i in range(WARMUP + jobs):
+        node = rng.choice(names) if i % 2 == 0 else None
+        t0 = time.perf_counter()
+        job_id = await stack.submit(node)
+        while job_id not in received:
+            arrived.clear()
+            await asyncio.wait_for(arrived.wait(), 10)
+        if i >= WARMUP:
+            latencies.append(received[job_id] - t0)
+        await stack.call(stack.settings.names.jobs_cancel, {"id": job_id})
+        await asyncio.sleep(0.02)
+    return latencies
+
+
+async def alternate(
+    metrics: Metrics, rounds: int, measure: Callable[[bool], Coroutine[Any, Any, Any]]
+) -> dict[bool, list[Any]]:
+    runs: dict[bool, list[Any]] = {False: [], True: []}
+    for _ in range(rounds):
+        for on in (False, True):
+            metrics.on() if on else metrics.off()
+            runs[on].append(await measure(on))
+    metrics.on()
+    return runs
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--reports", type=int, default=20_000)
+    ap.add_argument("--report-jobs", type=int, default=4)
+    ap.add_argument("--nodes", type=int, default=100)
+    ap.add_argument("--jobs", type=int, default=200)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    log.configure("bench", "error")
+    total = args.reports // args.report_jobs * args.report_jobs
+    with tempfile.TemporaryDirectory() as tmp:
+        metrics = Metrics(tmp)
+        rates = await alternate(
+            metrics, args.rounds, lambda on: reports_per_s(tmp, total, args.report_jobs, on)
+        )
+        lat = await alternate(
+            metrics, args.rounds, lambda on: start_latencies(tmp, args.nodes, args.jobs, on)
+        )
+    off_rate, on_rate = max(rates[False]), max(rates[True])
+    runs = {on: ", ".join(f"{r:,.0f}" for r in rates[on]) for on in (False, True)}
+    met = "met" if on_rate >= 0.95 * off_rate else "NOT met"
+    print(f"status reports persisted ({total} reports, PostgreSQL, best of {args.rounds}):")
+    print(f"  metrics off: {off_rate:,.0f} reports/s   (runs: {runs[False]})")
+    print(f"  metrics on:  {on_rate:,.0f} reports/s   (runs: {runs[True]})")
+    print(f"  on / off: {on_rate / off_rate:.3f}   target >= 0.95: {met}")
+    p99 = {on: min(percentile(trials, 99) for trials in lat[on]) for on in (False, True)}
+    print(f"submit-to-start ({args.nodes} nodes, {args.jobs} trials, best p99 of {args.rounds}):")
+    for on in (False, True):
+        best = min(lat[on], key=lambda trials: percentile(trials, 99))
+        print(f"  metrics {'on: ' if on else 'off:'} {summary(best)}")
+    met = "met" if p99[True] <= 1.05 * p99[False] else "NOT met"
+    print(f"  p99 on / off: {p99[True] / p99[False]:.3f}   target <= 1.05: {met}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
