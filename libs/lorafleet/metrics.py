@@ -426,13 +426,21 @@ class RunningJobs:
         job = self._jobs.get((node, job_id))
         if job is not None and job.ended_at is None:
             job.ended_at = self.clock()
+        self._prune()  # also where nothing scrapes: the table stays bounded
 
-    def samples(self) -> Iterator[Sample]:
+    def __len__(self) -> int:
+        """Jobs held: running, or finished and lingering."""
+        return len(self._jobs)
+
+    def _prune(self) -> None:
         now = self.clock()
         for key, job in list(self._jobs.items()):
             if job.ended_at is not None and now - job.ended_at >= self.linger_s:
                 del self._jobs[key]
-                continue
+
+    def samples(self) -> Iterator[Sample]:
+        self._prune()
+        for key, job in list(self._jobs.items()):
             for name, value in job.values.items():
                 gauge, scale = _JOB_FIELDS[name]
                 yield gauge, key, value * scale

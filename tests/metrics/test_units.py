@@ -62,6 +62,16 @@ def test_running_jobs_keep_each_field_and_go_after_the_linger() -> None:
     jobs.ended("n1", "never-ran")  # an unknown job ends quietly
 
 
+def test_finished_jobs_go_even_where_nothing_scrapes() -> None:
+    clock = Clock()
+    jobs = metrics.RunningJobs(linger_s=1.0, clock=clock)
+    for i in range(100):
+        jobs.report("n1", f"j{i}", {"step": 1})
+        jobs.ended("n1", f"j{i}")
+        clock.now += 2.0
+    assert len(jobs) == 1, "only the job still lingering is kept"
+
+
 def test_node_samples_cover_cards_of_live_nodes_only() -> None:
     rows = [
         (beat("a", [(80, 70), (80, 12)], job="j"), True, 0.4),
