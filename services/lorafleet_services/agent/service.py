@@ -39,6 +39,7 @@ import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log
 from lorafleet._micro import Route, endpoint
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
 from lorafleet.settings import Settings
@@ -117,11 +118,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._stop.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(*self._tasks)
         await self.shutdown()
 
     # --- requests -------------------------------------------------------------
