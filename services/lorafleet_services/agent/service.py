@@ -148,9 +148,7 @@ class Agent:
             )
         run = JobRun(self.js, self.names, self.cfg, req)
         self.job = run
-        run.start()
-        assert run.task is not None
-        run.task.add_done_callback(lambda _t: self._job_ended(run))
+        run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
         self.heartbeat.poke()
         return StartReply(accepted=True)
