@@ -1,0 +1,47 @@
+"""The `lorafleet` command.
+
+Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent --node NAME
+Catalog:    lorafleet models add NAME --engine vllm|llamacpp
+                (--hf-repo R [--revision V] | --local-dir D)
+            lorafleet models list
+Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
+                [--node N] [--param key=value ...] [--watch]
+            lorafleet jobs list|get|curve ...,  lorafleet watch ID,  lorafleet cancel ID
+Nodes:      lorafleet nodes
+Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
+NATS:       lorafleet nats-config --node N [--node N ...] [--blocks]
+
+One module per command group: services.py (the services, up, demo),
+catalog.py, jobs.py, nodes.py, artifacts.py, auth.py; _app.py holds the
+Typer apps and what they share. A new command goes in its group's module.
+
+Without LORAFLEET_NATS_URL the commands use the NATS server of a running
+`lorafleet up` (its URL is kept in the data directory).
+"""
+
+from __future__ import annotations
+
+# Each module registers its commands on the shared apps when imported.
+from lorafleet_services.cli import artifacts, auth, catalog, jobs, nodes, services
+from lorafleet_services.cli._app import app
+from lorafleet_services.cli.services import up_agent_config
+
+__all__ = [
+    "app",
+    "artifacts",
+    "auth",
+    "catalog",
+    "jobs",
+    "main",
+    "nodes",
+    "services",
+    "up_agent_config",
+]
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,71 @@
+"""What every command group shares: the Typer apps, the consoles, the
+settings a command connects with, and running a client call as a command."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import sys
+from collections.abc import Awaitable, Callable
+from pathlib import Path
+from typing import Any, TypeVar
+
+import msgspec
+import typer
+from rich.console import Console
+
+from lorafleet.client import Client
+from lorafleet.errors import ApiError, ConnectError
+from lorafleet.settings import Settings
+
+T = TypeVar("T")
+
+app = typer.Typer(
+    name="lorafleet",
+    help="Train LoRA adapters on the GPU nodes that serve your LLMs.",
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+models_app = typer.Typer(help="The model catalog.", no_args_is_help=True)
+jobs_app = typer.Typer(help="Training jobs.", no_args_is_help=True)
+app.add_typer(models_app, name="models")
+app.add_typer(jobs_app, name="jobs")
+
+console = Console()
+err = Console(stderr=True)
+
+#: `lorafleet up` listens here unless told otherwise (4222 is often taken).
+EMBEDDED_NATS_PORT = 4250
+
+
+def settings_from_env() -> Settings:
+    """Settings from the environment; the NATS URL of a running `lorafleet up`
+    when LORAFLEET_NATS_URL is not set."""
+    base = Settings.from_env()
+    if "LORAFLEET_NATS_URL" not in os.environ:
+        url_file = Path(base.data_dir) / "nats-url"
+        if url_file.is_file():
+            return base.with_(nats_url=url_file.read_text().strip())
+        return base.with_(nats_url=f"nats://127.0.0.1:{EMBEDDED_NATS_PORT}")
+    return base
+
+
+def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
+    """Connect, run `fn`, close; a lorafleet error becomes a one-line message and exit 1."""
+
+    async def main() -> T:
+        async with await Client.connect(settings_from_env()) as client:
+            return await fn(client)
+
+    try:
+        return asyncio.run(main())
+    except ApiError as e:
+        err.print(f"[red]error[/red] {e}")
+        raise typer.Exit(1) from None
+    except ConnectError as e:
+        err.print(f"[red]error[/red] {e}")
+        raise typer.Exit(2) from None
+
+
+def print_json(value: Any) -> None:
+    sys.stdout.write(msgspec.json.format(msgspec.json.encode(value)).decode() + "\n")
