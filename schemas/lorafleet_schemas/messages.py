@@ -266,6 +266,10 @@ class JobEvent(msgspec.Struct, kw_only=True):
     #: "state" when the state changed, "progress" otherwise.
     kind: Literal["state", "progress"]
     job: JobRecord
+    #: The trainer's latest throughput and time-to-go, when the change came
+    #: from its status reports (they are not kept on the job).
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
 
 
 # --- internal: scheduler / artifact-store -> recorder ----------------------

@@ -132,7 +132,15 @@ class ServiceProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> ServiceProcess:
-        env = {**os.environ, **self.settings.to_env(), **self.env, "PYTHONUNBUFFERED": "1"}
+        # JSON whatever the user's LORAFLEET_LOG_FORMAT: `start()` reads the
+        # child's lines; `echo` may render them for a person (log.ConsoleLines).
+        env = {
+            **os.environ,
+            **self.settings.to_env(),
+            **self.env,
+            "PYTHONUNBUFFERED": "1",
+            "LORAFLEET_LOG_FORMAT": "json",
+        }
         self._started = asyncio.Event()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self.module, *self.args,

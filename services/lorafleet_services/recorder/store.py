@@ -489,6 +489,9 @@ class JobChange:
     job: JobRecord
     kind: Literal["state", "progress"]
     moves: list[Move]
+    #: The latest throughput and time-to-go among the batch's reports (for the event).
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
 
 
 @dataclass
@@ -498,6 +501,12 @@ class StatusResult:
     stale: list[StatusReport] = field(default_factory=list)
     #: Reports applied (not refused), counting repeats.
     applied: int = 0
+
+
+def _latest_rates(reports: Sequence[StatusReport]) -> StatusReport | None:
+    """The newest report (by seq) that carries tokens/s, if any."""
+    rated = [r for r in reports if r.tokens_per_s is not None]
+    return max(rated, key=lambda r: r.seq) if rated else None
 
 
 def _insert_ignore(s: AsyncSession, table: Table) -> Any:
@@ -552,11 +561,14 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             if folded.values:
                 await _guarded_update(s, row, folded.values)
                 row.update(folded.values)
+                latest = _latest_rates(job_reports)
                 result.changes.append(
                     JobChange(
                         job_record(row),
                         "state" if folded.moves else "progress",
                         folded.moves,
+                        latest.tokens_per_s if latest else None,
+                        latest.eta_s if latest else None,
                     )
                 )
         if points:
