@@ -12,7 +12,8 @@ Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [-
 NATS:       lorafleet nats-config --node N [--node N ...] [--blocks]
 
 One module per command group: services.py (the services, up, demo),
-catalog.py, jobs.py, nodes.py, artifacts.py, auth.py; _app.py holds the
+catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
+plots), nodes.py, top.py, artifacts.py, auth.py; _app.py holds the
 Typer apps and what they share. A new command goes in its group's module.
 
 Without LORAFLEET_NATS_URL the commands use the NATS server of a running
@@ -22,7 +23,7 @@ Without LORAFLEET_NATS_URL the commands use the NATS server of a running
 from __future__ import annotations
 
 # Each module registers its commands on the shared apps when imported.
-from lorafleet_services.cli import artifacts, auth, catalog, jobs, nodes, services
+from lorafleet_services.cli import artifacts, auth, catalog, jobs, nodes, services, top
 from lorafleet_services.cli._app import app
 from lorafleet_services.cli.services import up_agent_config
 
@@ -35,6 +36,7 @@ __all__ = [
     "main",
     "nodes",
     "services",
+    "top",
     "up_agent_config",
 ]
 

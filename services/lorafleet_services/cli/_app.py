@@ -8,17 +8,26 @@ import os
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import msgspec
+import nats.errors
 import typer
 from rich.console import Console
 
+from lorafleet._bus import redact_url
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
 from lorafleet.settings import Settings
 
 T = TypeVar("T")
+
+#: Exit codes (docs/cli.md): 0 done; 1 the job failed, or a request was
+#: refused (unknown job, invalid data); 2 the job was cancelled, a usage
+#: error, or nothing to talk to; 130 interrupted (Ctrl-C).
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="lorafleet",
@@ -60,11 +69,24 @@ def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
     try:
         return asyncio.run(main())
     except ApiError as e:
-        err.print(f"[red]error[/red] {e}")
-        raise typer.Exit(1) from None
+        fail(str(e), EXIT_FAILED)
     except ConnectError as e:
-        err.print(f"[red]error[/red] {e}")
-        raise typer.Exit(2) from None
+        fail(str(e), EXIT_USAGE)
+    except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
+        url = redact_url(settings_from_env().nats_url)
+        fail(
+            f"no lorafleet service answered on {url}: start them (`lorafleet up`, or "
+            "`lorafleet recorder`, `scheduler`, `artifact-store`) or set LORAFLEET_NATS_URL",
+            EXIT_USAGE,
+        )
+    except KeyboardInterrupt:
+        raise typer.Exit(EXIT_INTERRUPTED) from None
+
+
+def fail(message: str, code: int) -> NoReturn:
+    """One line on stderr saying what to change, then exit `code` (no traceback)."""
+    err.print(f"[red]error[/red] {message}", highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
 
 
 def print_json(value: Any) -> None:

@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import typer
 from rich.table import Table
 
 from lorafleet_schemas.messages import Engine, ModelSpec
-from lorafleet_services.cli._app import console, models_app, print_json, run_client
+from lorafleet_services.cli._app import (
+    console,
+    err,
+    fail,
+    models_app,
+    print_json,
+    run_client,
+    settings_from_env,
+)
 
 
 @models_app.command("add")
@@ -41,3 +51,28 @@ def models_list(as_json: bool = typer.Option(False, "--json")) -> None:
     for m in models:
         table.add_row(m.name, m.engine.value, m.local_dir or f"{m.hf_repo}@{m.hf_revision}")
     console.print(table)
+
+
+@models_app.command("add-demo")
+def models_add_demo(
+    engine: Engine = typer.Option(Engine.VLLM, help="llamacpp also makes a GGUF (fetches code)."),
+) -> None:
+    """Build the demo's tiny Llama in the data directory (no download), add it
+    to the catalog as tiny-llama, and write the demo's question/answer pairs
+    next to it (for `lorafleet submit --data`). Needs lorafleet[train]."""
+    from lorafleet_services.demo import DEMO_MODEL, demo_records, tiny_model
+    from lorafleet_services.stack import DEMO_DATA_FILE
+
+    directory = Path(settings_from_env().data_dir)
+    try:
+        model_dir = tiny_model(directory, err)
+    except ImportError as e:
+        fail(f"building the tiny model needs transformers ({e}): pip install 'lorafleet[train]'", 2)
+    data = directory / DEMO_DATA_FILE
+    data.write_text(demo_records())
+    spec = ModelSpec(name=DEMO_MODEL, engine=engine, local_dir=str(model_dir))
+    print_json(run_client(lambda c: c.add_model(spec)))
+    err.print(
+        f"next: lorafleet submit --model {DEMO_MODEL} --gpu-mib 1 --data {data} --watch",
+        highlight=False,
+    )

@@ -20,6 +20,7 @@ from lorafleet_services.stack import (
     ConversionPreparer,
     EmbeddedStack,
     local_agent_config,
+    next_steps,
 )
 
 #: Seconds between two looks of `lorafleet up` at its children.
@@ -89,36 +90,43 @@ def up_cmd(
     agent: bool = typer.Option(True, help="Run a local agent."),
 ) -> None:
     """Run all of lorafleet on this machine (embedded NATS, SQLite, one agent)."""
+    from lorafleet import _runtime as runtime
     from lorafleet import log
 
-    base = Settings.from_env()
+    base = runtime.read_or_exit("up", Settings.from_env)
     directory = data_dir or Path(base.data_dir)
     log.configure("up", base.log_level)
+    # The services log JSON into a pipe; a person at a terminal reads them rendered.
+    echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
 
     async def main() -> None:
         config = await up_agent_config(directory, node) if agent else None
-        stack = EmbeddedStack(
-            data_dir=directory, nats_port=nats_port, agent=config, echo=sys.stderr
-        )
+        stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, agent=config, echo=echo)
         settings = await stack.start()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
             f"database {settings.effective_database_url}; Ctrl-C stops it"
         )
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            loop.add_signal_handler(sig, stop.set)
-        try:
-            while not stop.is_set():
-                if stack.crashed():
-                    err.print(f"[red]stopped[/red]: {', '.join(stack.crashed())} exited")
-                    break
-                await asyncio.sleep(UP_WATCH_INTERVAL_S)
-        finally:
-            await stack.stop()
+        err.print("\n".join(next_steps(directory, node if agent else None)), highlight=False)
+        await _until_stopped(stack)
 
     asyncio.run(main())
+
+
+async def _until_stopped(stack: EmbeddedStack) -> None:
+    """Wait for SIGINT/SIGTERM or a child's exit; then stop the stack."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            if stack.crashed():
+                err.print(f"[red]stopped[/red]: {', '.join(stack.crashed())} exited")
+                break
+            await asyncio.sleep(UP_WATCH_INTERVAL_S)
+    finally:
+        await stack.stop()
 
 
 async def up_agent_config(

@@ -1,0 +1,127 @@
+"""`lorafleet top`: the fleet's htop — nodes, running jobs, the queue.
+
+A snapshot is three requests (nodes, jobs on nodes, queued jobs); the table
+is a plain function of it (`fleet_view`), tested without a bus. On a
+terminal the view is redrawn in place every `--interval-s`; piped or with
+`--once` it is printed once.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+from dataclasses import dataclass
+
+import typer
+from rich.console import Group, RenderableType
+from rich.live import Live
+from rich.progress_bar import ProgressBar
+from rich.table import Table
+from rich.text import Text
+
+from lorafleet.client import Client
+from lorafleet.states import ON_NODE
+from lorafleet_schemas.messages import JobListRequest, JobRecord, JobState, NodeInfo
+from lorafleet_services.cli._app import app, console, run_client
+
+#: Seconds between two snapshots of a live `top`.
+TOP_INTERVAL_S = 1.0
+#: Rows of the queue shown (the oldest first).
+QUEUE_ROWS = 20
+
+
+@dataclass
+class FleetSnapshot:
+    nodes: list[NodeInfo]
+    running: list[JobRecord]
+    queued: list[JobRecord]
+    taken_at: dt.datetime
+
+
+async def snapshot(client: Client) -> FleetSnapshot:
+    nodes = await client.nodes()
+    running = await client.jobs(JobListRequest(states=sorted(ON_NODE), limit=200))
+    queued = await client.jobs(
+        JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=QUEUE_ROWS)
+    )
+    return FleetSnapshot(nodes.nodes, running, queued, dt.datetime.now(dt.UTC))
+
+
+def fleet_view(snap: FleetSnapshot) -> RenderableType:
+    """Three tables: nodes, running jobs, queue."""
+    return Group(_nodes_table(snap), _running_table(snap), _queue_table(snap))
+
+
+def _nodes_table(snap: FleetSnapshot) -> Table:
+    table = Table(title=f"nodes ({len(snap.nodes)})", title_justify="left", expand=True)
+    for column in ("node", "alive", "cards (free/total MiB)", "training", "beat"):
+        table.add_column(column)
+    for info in sorted(snap.nodes, key=lambda n: n.heartbeat.node):
+        hb = info.heartbeat
+        cards = "\n".join(f"{c.index}:{c.name} {c.free_mib}/{c.total_mib}" for c in hb.cards)
+        age_s = (snap.taken_at - hb.time).total_seconds()
+        table.add_row(
+            hb.node,
+            Text("yes", "green") if info.alive else Text("no", "red"),
+            cards or ("cpu" if hb.cpu_training else "none"),
+            hb.job or "-",
+            f"{max(age_s, 0):.0f}s ago",
+        )
+    return table
+
+
+def _running_table(snap: FleetSnapshot) -> Table:
+    table = Table(title=f"running ({len(snap.running)})", title_justify="left", expand=True)
+    for column in ("job", "name", "node", "state", "progress", "step", "loss", "peak MiB"):
+        table.add_column(column)
+    for job in snap.running:
+        table.add_row(
+            job.id,
+            job.name,
+            job.node or "-",
+            job.state.value,
+            ProgressBar(total=max(job.steps, 1), completed=job.step, width=20),
+            f"{job.step}/{job.steps}" if job.steps else "",
+            f"{job.loss:.4f}" if job.loss is not None else "",
+            str(job.peak_mib or ""),
+        )
+    return table
+
+
+def _queue_table(snap: FleetSnapshot) -> Table:
+    table = Table(title=f"queued ({len(snap.queued)})", title_justify="left", expand=True)
+    for column in ("job", "name", "model", "MiB", "node", "waiting for"):
+        table.add_column(column)
+    for job in snap.queued:
+        table.add_row(
+            job.id,
+            job.name,
+            job.model,
+            str(job.gpu_memory_mib),
+            job.node or "any",
+            job.message or "a node",
+        )
+    return table
+
+
+@app.command("top")
+def top(
+    interval_s: float = typer.Option(
+        TOP_INTERVAL_S, "--interval-s", min=0.2, help="Seconds between two redraws."
+    ),
+    once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+) -> None:
+    """The fleet at a glance, redrawn in place: nodes (alive, cards, what each
+    trains, heartbeat age), running jobs with their progress, and the queue
+    with what each job waits for. Ctrl-C leaves."""
+
+    async def go(client: Client) -> None:
+        if once or not console.is_terminal:
+            console.print(fleet_view(await snapshot(client)))
+            return
+        with Live(fleet_view(await snapshot(client)), console=console, screen=False) as live:
+            while True:
+                await asyncio.sleep(interval_s)
+                live.update(fleet_view(await snapshot(client)), refresh=True)
+
+    run_client(go)
