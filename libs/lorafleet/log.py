@@ -107,10 +107,14 @@ def log_format(stream: Any, env: MutableMapping[str, str] | None = None) -> LogF
     return "console" if isatty is not None and isatty() else "json"
 
 
-def _service_first(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
-    # The console renderer shows `logger_name` in brackets before the fields.
+def _for_a_person(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+    # The console renderer shows `logger_name` in brackets before the fields:
+    # the process. The time of day (UTC, to the ms) is what a person scans for.
     if "service" in event:
         event["logger_name"] = event.pop("service")
+    stamp = event.get("timestamp")
+    if isinstance(stamp, str) and len(stamp) >= 23 and stamp[10] == "T":
+        event["timestamp"] = stamp[11:23] + "Z"
     return event
 
 
@@ -128,7 +132,7 @@ def configure(
     logging.basicConfig(level=level.upper(), stream=stream, format="%(message)s")
     render: list[Any] = [structlog.processors.JSONRenderer()]
     if fmt == "console":
-        render = [_service_first, console_renderer(colors=_isatty(stream))]
+        render = [_for_a_person, console_renderer(colors=_isatty(stream))]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
@@ -190,7 +194,7 @@ class ConsoleLines(io.TextIOBase):
         if not isinstance(obj, dict) or "event" not in obj:
             return line
         level = str(obj.get("level", "info"))
-        return str(self.renderer(None, level, _service_first(None, level, obj)))
+        return str(self.renderer(None, level, _for_a_person(None, level, obj)))
 
     def flush(self) -> None:
         self.out.flush()

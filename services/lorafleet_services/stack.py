@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -97,6 +98,7 @@ def next_steps(data_dir: Path, node: str | None) -> list[str]:
         f"  lorafleet submit --model tiny-llama --gpu-mib 1 --data {data_dir / DEMO_DATA_FILE}"
         + (f" --node {node}" if node else "")
         + " --watch",
+        "  lorafleet watch JOB                            # follow a job (Ctrl-C leaves it be)",
         "  lorafleet top                                  # the fleet: nodes, running jobs, queue",
         "  lorafleet jobs show JOB --png loss.png         # a job's loss curve",
     ]
@@ -271,6 +273,8 @@ class EmbeddedStack:
     children: list[ServiceProcess] = field(default_factory=list)
 
     async def start(self) -> Settings:
+        # alembic logs INFO lines on import ("setup plugin ..."): nothing for a user.
+        logging.getLogger("alembic").setLevel(logging.WARNING)
         from lorafleet_services.recorder.db import migrate
 
         self.data_dir.mkdir(parents=True, exist_ok=True)

@@ -118,9 +118,9 @@ def progress_fields(view: JobView, now: float | None = None) -> list[str]:
     if job.steps:
         parts.append(f"step {job.step}/{job.steps} ({100 * job.step // job.steps}%)")
     if job.loss is not None:
-        parts.append(f"loss {job.loss:.4f}")
+        parts.append(f"loss {job.loss:.4g}")
     if job.eval_loss is not None:
-        parts.append(f"eval {job.eval_loss:.4f}")
+        parts.append(f"eval {job.eval_loss:.4g}")
     if view.tokens_per_s is not None:
         parts.append(f"{view.tokens_per_s:,.0f} tok/s")
     left = view.eta_left_s(now)
@@ -195,11 +195,11 @@ def summary_lines(view: JobView, artifacts: list[ArtifactRecord]) -> list[str]:
     lines = [f"job {job.id} {job.state.value}" + (f": {job.message}" if job.message else "")]
     numbers = []
     if job.loss is not None:
-        numbers.append(f"final loss {job.loss:.4f}")
+        numbers.append(f"final loss {job.loss:.4g}")
     if job.eval_loss is not None:
-        numbers.append(f"final eval loss {job.eval_loss:.4f}")
+        numbers.append(f"final eval loss {job.eval_loss:.4g}")
     if view.best_eval_loss is not None:
-        numbers.append(f"best eval loss {view.best_eval_loss:.4f}")
+        numbers.append(f"best eval loss {view.best_eval_loss:.4g}")
     if job.steps:
         numbers.append(f"{job.step}/{job.steps} steps")
     if job.peak_mib:
