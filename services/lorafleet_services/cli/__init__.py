@@ -4,10 +4,11 @@ Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent 
 Catalog:    lorafleet models add NAME --engine vllm|llamacpp
                 (--hf-repo R [--revision V] | --local-dir D)
             lorafleet models list
+            lorafleet models add-demo
 Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
-                [--node N] [--param key=value ...] [--watch]
-            lorafleet jobs list|get|curve ...,  lorafleet watch ID,  lorafleet cancel ID
-Nodes:      lorafleet nodes
+                [--node N] [--param key=value ...] [--watch [--plain|--json]]
+            lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
+Fleet:      lorafleet top,  lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
 NATS:       lorafleet nats-config --node N [--node N ...] [--blocks]
 
@@ -23,7 +24,14 @@ Without LORAFLEET_NATS_URL the commands use the NATS server of a running
 from __future__ import annotations
 
 # Each module registers its commands on the shared apps when imported.
-from lorafleet_services.cli import artifacts, auth, catalog, jobs, nodes, services, top
+# Their order is --help's order of panels: services, jobs, fleet, the rest.
+from lorafleet_services.cli import services
+
+# isort: split
+from lorafleet_services.cli import jobs, top
+
+# isort: split
+from lorafleet_services.cli import artifacts, auth, catalog, nodes
 from lorafleet_services.cli._app import app
 from lorafleet_services.cli.services import up_agent_config
 

@@ -37,8 +37,8 @@ app = typer.Typer(
 )
 models_app = typer.Typer(help="The model catalog.", no_args_is_help=True)
 jobs_app = typer.Typer(help="Training jobs.", no_args_is_help=True)
-app.add_typer(models_app, name="models")
-app.add_typer(jobs_app, name="jobs")
+app.add_typer(models_app, name="models", rich_help_panel="Catalog")
+app.add_typer(jobs_app, name="jobs", rich_help_panel="Jobs")
 
 console = Console()
 err = Console(stderr=True)

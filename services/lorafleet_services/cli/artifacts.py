@@ -11,13 +11,13 @@ from lorafleet_schemas.messages import ArtifactKind
 from lorafleet_services.cli._app import app, err, print_json, run_client
 
 
-@app.command("artifacts")
+@app.command("artifacts", rich_help_panel="Artifacts")
 def artifacts(job_id: str) -> None:
     """A job's stored artifacts, as JSON."""
     print_json(run_client(lambda c: c.artifacts(job_id)))
 
 
-@app.command("download")
+@app.command("download", rich_help_panel="Artifacts")
 def download(
     job_id: str,
     kind: list[ArtifactKind] = typer.Option([], help="Default: every artifact of the job."),

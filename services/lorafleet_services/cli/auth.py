@@ -10,7 +10,7 @@ from lorafleet.settings import Settings
 from lorafleet_services.cli._app import app, err, print_json
 
 
-@app.command("nats-config")
+@app.command("nats-config", rich_help_panel="Access")
 def nats_config_cmd(
     node: list[str] = typer.Option(..., "--node", help="A node's name; repeat for each node."),
     listen: str = typer.Option("0.0.0.0:4222", help="host:port the server listens on."),

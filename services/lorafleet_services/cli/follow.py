@@ -246,13 +246,13 @@ async def follow(
     if mode == "json":
         _json_line(first)
     elif mode == "plain":
-        console.print(state_line(view.job), highlight=False)
+        _say(console, state_line(view.job))
     if mode == "live":
         with Live(live_panel(view), console=console, refresh_per_second=LIVE_REFRESH_PER_S) as live:
-            console.print(state_line(view.job), highlight=False)
+            _say(console, state_line(view.job))
             async for event in events:
                 for line in view.update(event):
-                    console.print(line, highlight=False)
+                    _say(console, line)
                 live.update(live_panel(view))
             live.update(live_panel(view), refresh=True)
     else:
@@ -262,14 +262,19 @@ async def follow(
                 continue
             lines = view.update(event)
             for line in lines:
-                console.print(line, highlight=False)
+                _say(console, line)
             if not lines and pacer.due(view.job):
-                console.print(plain_line(view), highlight=False)
+                _say(console, plain_line(view))
     if mode != "json":
         artifacts = await client.artifacts(job_id) if view.job.artifacts_stored else []
         for line in summary_lines(view, artifacts):
-            console.print(line, highlight=False)
+            _say(console, line)
     return view.job
+
+
+def _say(console: Console, line: str) -> None:
+    # One line per thing said, however narrow the terminal or pipe (no wrapping).
+    console.print(line, highlight=False, soft_wrap=True, markup=False)
 
 
 def _json_line(event: JobEvent) -> None:

@@ -61,7 +61,7 @@ def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
         raise typer.BadParameter(f"trainer parameters: {e}") from None
 
 
-@app.command("submit")
+@app.command("submit", rich_help_panel="Jobs")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
     gpu_mib: int = typer.Option(..., help="MiB of one card the job needs."),
@@ -227,7 +227,7 @@ def jobs_curve(job_id: str) -> None:
     print_json(run_client(lambda c: c.curve(job_id)))
 
 
-@app.command("watch")
+@app.command("watch", rich_help_panel="Jobs")
 def watch(
     job_id: str,
     plain: bool = typer.Option(False, "--plain", help="Lines, no live display."),
@@ -244,7 +244,7 @@ def watch(
     raise typer.Exit(exit_code(job))
 
 
-@app.command("cancel")
+@app.command("cancel", rich_help_panel="Jobs")
 def cancel(job_id: str, reason: str = typer.Option("")) -> None:
     """Cancel a job: a queued one is never sent, a running one is stopped on its node."""
     print_json(run_client(lambda c: c.cancel(job_id, reason)))

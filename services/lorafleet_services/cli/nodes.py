@@ -8,7 +8,7 @@ from rich.table import Table
 from lorafleet_services.cli._app import app, console, print_json, run_client
 
 
-@app.command("nodes")
+@app.command("nodes", rich_help_panel="Fleet")
 def nodes(as_json: bool = typer.Option(False, "--json")) -> None:
     """Nodes heartbeating now, with their cards and jobs."""
     reply = run_client(lambda c: c.nodes())

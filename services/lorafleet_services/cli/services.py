@@ -27,7 +27,7 @@ from lorafleet_services.stack import (
 UP_WATCH_INTERVAL_S = 0.5
 
 
-@app.command("recorder")
+@app.command("recorder", rich_help_panel="Services")
 def recorder_cmd() -> None:
     """Run the recorder (the system of record) until SIGTERM."""
     from lorafleet import _runtime as runtime
@@ -36,7 +36,7 @@ def recorder_cmd() -> None:
     runtime.main(PROGRAM)
 
 
-@app.command("scheduler")
+@app.command("scheduler", rich_help_panel="Services")
 def scheduler_cmd() -> None:
     """Run the scheduler until SIGTERM."""
     from lorafleet import _runtime as runtime
@@ -45,7 +45,7 @@ def scheduler_cmd() -> None:
     runtime.main(PROGRAM)
 
 
-@app.command("artifact-store")
+@app.command("artifact-store", rich_help_panel="Services")
 def artifact_store_cmd() -> None:
     """Run the artifact-store until SIGTERM."""
     from lorafleet import _runtime as runtime
@@ -54,7 +54,7 @@ def artifact_store_cmd() -> None:
     runtime.main(PROGRAM)
 
 
-@app.command("agent")
+@app.command("agent", rich_help_panel="Services")
 def agent_cmd(
     node: str = typer.Option(..., help="This node's name (letters, digits, - and _)."),
     engines_dir: Path | None = typer.Option(None, help="Where engines are installed."),
@@ -82,7 +82,7 @@ def agent_cmd(
     runtime.main(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
 
 
-@app.command("up")
+@app.command("up", rich_help_panel="Services")
 def up_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: LORAFLEET_DATA_DIR."),
     nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
@@ -146,7 +146,7 @@ async def up_agent_config(
         return config
 
 
-@app.command("demo")
+@app.command("demo", rich_help_panel="Services")
 def demo_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: a new temporary directory."),
     out: Path = typer.Option(Path("lorafleet-demo-artifacts"), help="Where artifacts go."),

@@ -104,7 +104,7 @@ def _queue_table(snap: FleetSnapshot) -> Table:
     return table
 
 
-@app.command("top")
+@app.command("top", rich_help_panel="Fleet")
 def top(
     interval_s: float = typer.Option(
         TOP_INTERVAL_S, "--interval-s", min=0.2, help="Seconds between two redraws."
