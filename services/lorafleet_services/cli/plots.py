@@ -26,8 +26,11 @@ def _title(job: JobRecord) -> str:
     return f"job {job.id}" + (f" ({job.name})" if job.name else "") + f" - {job.state.value}"
 
 
-def eval_points(job: JobRecord) -> tuple[list[int], list[float]]:
-    """The eval losses known: the recorder keeps the latest, at its step."""
+def eval_points(job: JobRecord, curve: JobCurve) -> tuple[list[int], list[float]]:
+    """The eval-loss curve; a recorder without one (before schema 0002) gives
+    the job's latest eval loss, at its step."""
+    if curve.evals:
+        return [p.step for p in curve.evals], [p.eval_loss for p in curve.evals]
     if job.eval_loss is None:
         return [], []
     return [job.step], [job.eval_loss]
@@ -42,9 +45,9 @@ def terminal_plot(job: JobRecord, curve: JobCurve, width: int) -> str:
     plt.plotsize(max(width, 40), TERMINAL_PLOT_ROWS)
     if curve.points:
         plt.plot([p.step for p in curve.points], [p.loss for p in curve.points], label="loss")
-    steps, losses = eval_points(job)
+    steps, losses = eval_points(job, curve)
     if steps:
-        plt.scatter(steps, losses, label="eval loss", marker="x")
+        plt.plot(steps, losses, label="eval loss", marker="x")
     plt.title(_title(job))
     plt.xlabel("step")
     return str(plt.build())
@@ -64,9 +67,9 @@ def write_png(job: JobRecord, curve: JobCurve, out: Path) -> None:
     fig, ax = plt.subplots(figsize=PNG_SIZE_IN, dpi=PNG_DPI)
     try:
         ax.plot([p.step for p in curve.points], [p.loss for p in curve.points], label="loss")
-        steps, losses = eval_points(job)
+        steps, losses = eval_points(job, curve)
         if steps:
-            ax.scatter(steps, losses, label="eval loss", marker="x", color="tab:orange")
+            ax.plot(steps, losses, label="eval loss", marker="x", color="tab:orange")
         ax.set_title(_title(job))
         ax.set_xlabel("step")
         ax.set_ylabel("loss")

@@ -40,6 +40,7 @@ from lorafleet.states import FINAL, IllegalTransitionError, can_move, check_move
 from lorafleet_schemas.messages import (
     ArtifactKind,
     Engine,
+    EvalPoint,
     JobCurve,
     JobEventRecord,
     JobRecord,
@@ -52,6 +53,7 @@ from lorafleet_schemas.messages import (
     TrainerParams,
 )
 from lorafleet_services.recorder.db import Sessions
+from lorafleet_services.recorder.models import EvalPoint as EvalPointRow
 from lorafleet_services.recorder.models import Job, JobEventRow, Model
 from lorafleet_services.recorder.models import LossPoint as LossPointRow
 
@@ -62,6 +64,7 @@ _jobs: Table = Job.__table__  # type: ignore[assignment]
 _models: Table = Model.__table__  # type: ignore[assignment]
 _points: Table = LossPointRow.__table__  # type: ignore[assignment]
 _events: Table = JobEventRow.__table__  # type: ignore[assignment]
+_evals: Table = EvalPointRow.__table__  # type: ignore[assignment]
 
 #: Scalar job fields a status report sets, each from its newest report.
 _SCALARS = ("step", "steps", "loss", "eval_loss", "message")
@@ -386,6 +389,7 @@ class Folded:
 
     values: dict[str, Any] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
     refused: list[tuple[StatusReport, str]] = field(default_factory=list)
     #: Reports whose state change was older than the job's state (dropped).
@@ -426,6 +430,8 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
             peak = max(peak, r.peak_mib)
         if r.step is not None and r.loss is not None:
             out.points.append(_loss_point(job["id"], r))
+        if r.step is not None and r.eval_loss is not None:
+            out.evals.append({"job_id": job["id"], "step": r.step, "eval_loss": r.eval_loss})
         _take_scalars(r, scalars, seqs)
         if r.state is not None and r.seq > seqs.get("state", 0):
             if r.state is not state and can_move(state, r.state) and r.state is not JobState.DONE:
@@ -543,6 +549,7 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             ).mappings()
         }
         points: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
         for job_id in sorted(by_job):
             job_reports = by_job[job_id]
@@ -555,6 +562,7 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             result.stale.extend(folded.stale)
             result.applied += len(job_reports) - len(folded.refused)
             points.extend(folded.points)
+            evals.extend(folded.evals)
             events.extend(
                 _event_row(job_id, t, m.from_state, m.to_state, m.message) for m in folded.moves
             )
@@ -573,6 +581,8 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
                 )
         if points:
             await s.execute(_insert_ignore(s, _points), points)
+        if evals:
+            await s.execute(_insert_ignore(s, _evals), evals)
         if events:
             await s.execute(insert(_events), events)
     return result
@@ -674,4 +684,14 @@ async def curve(sm: Sessions, job_id: str) -> JobCurve:
             )
             for e in events
         ]
-    return JobCurve(id=job_id, points=point_list, events=event_list)
+        evals = await _eval_points(s, job_id)
+    return JobCurve(id=job_id, points=point_list, events=event_list, evals=evals)
+
+
+async def _eval_points(s: AsyncSession, job_id: str) -> list[EvalPoint]:
+    rows = await s.execute(
+        select(_evals.c.step, _evals.c.eval_loss)
+        .where(_evals.c.job_id == job_id)
+        .order_by(_evals.c.step)
+    )
+    return [EvalPoint(step=step, eval_loss=loss) for step, loss in rows]
