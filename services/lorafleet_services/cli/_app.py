@@ -59,8 +59,9 @@ def settings_from_env() -> Settings:
     return base
 
 
-def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
-    """Connect, run `fn`, close; a lorafleet error becomes a one-line message and exit 1."""
+def run_client(fn: Callable[[Client], Awaitable[T]], interrupted: str = "") -> T:
+    """Connect, run `fn`, close; a lorafleet error becomes a one-line message
+    and its exit code; Ctrl-C exits 130, saying `interrupted` if given."""
 
     async def main() -> T:
         async with await Client.connect(settings_from_env()) as client:
@@ -80,6 +81,8 @@ def run_client(fn: Callable[[Client], Awaitable[T]]) -> T:
             EXIT_USAGE,
         )
     except KeyboardInterrupt:
+        if interrupted:
+            err.print(interrupted, highlight=False, soft_wrap=True)
         raise typer.Exit(EXIT_INTERRUPTED) from None
 
 

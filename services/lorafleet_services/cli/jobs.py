@@ -105,7 +105,7 @@ def submit(
             return await follow(c, job.id, choose_mode(plain, as_json, err), err)
         return job
 
-    job = run_client(go)
+    job = run_client(go, interrupted="stopped watching; the job goes on (`lorafleet jobs list`)")
     if not (watch_ and as_json):
         print_json(job)
     if watch_:
@@ -240,7 +240,10 @@ def watch(
     state change and per tenth of the steps otherwise. Exit 0 done, 1 failed,
     2 cancelled."""
     mode = choose_mode(plain, as_json, err)
-    job = run_client(lambda c: follow(c, job_id, mode, err, every_s=every_s))
+    job = run_client(
+        lambda c: follow(c, job_id, mode, err, every_s=every_s),
+        interrupted=f"stopped watching; job {job_id} goes on (`lorafleet cancel` stops it)",
+    )
     raise typer.Exit(exit_code(job))
 
 

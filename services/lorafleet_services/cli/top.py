@@ -82,7 +82,7 @@ def _running_table(snap: FleetSnapshot) -> Table:
             job.state.value,
             ProgressBar(total=max(job.steps, 1), completed=job.step, width=20),
             f"{job.step}/{job.steps}" if job.steps else "",
-            f"{job.loss:.4f}" if job.loss is not None else "",
+            f"{job.loss:.4g}" if job.loss is not None else "",
             str(job.peak_mib or ""),
         )
     return table
