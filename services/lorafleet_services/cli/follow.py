@@ -44,6 +44,9 @@ PLAIN_EVERY_S = 30.0
 PLAIN_EVERY_FRACTION = 0.1
 #: Redraws of the live display per second (a local redraw, not a request).
 LIVE_REFRESH_PER_S = 4
+#: Seconds without an event after which the job is read once, in case an
+#: event was missed (a reconnect); progress itself comes only from events.
+RESYNC_AFTER_S = 15.0
 
 
 def exit_code(job: JobRecord) -> int:
@@ -239,7 +242,7 @@ async def follow(
 ) -> JobRecord:
     """Follow the job to its end in `mode` on `console`; its last record.
     The summary follows, except in json mode."""
-    events = client.watch(job_id)
+    events = client.watch(job_id, poll_s=RESYNC_AFTER_S)
     first = await anext(events)
     view = JobView(first.job)
     pacer = PlainPacer(every_s=every_s, last_step=0)

@@ -135,7 +135,7 @@ def jobs_list(
             j.node or "-",
             j.state.value,
             f"{j.step}/{j.steps}" if j.steps else "",
-            f"{j.loss:.4f}" if j.loss is not None else "",
+            f"{j.loss:.4g}" if j.loss is not None else "",
             str(j.peak_mib or ""),
             j.message,
         )
