@@ -70,7 +70,7 @@ async def test_watch_redraws_one_display_in_place_and_top_lists_the_job(up: Up) 
 
 
 async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> None:
-    job_id = await up.submit(300)
+    job_id = await up.submit(100)
     rc, out, err = await up.lorafleet("watch", job_id, "--every-s", "1000")
     assert rc == 0, err
     progress = [ln for ln in err.splitlines() if STEP.search(ln) and "tok/s" in ln]
@@ -80,7 +80,7 @@ async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> Non
     rc, out, err = await up.lorafleet("watch", job_id, "--json")
     assert rc == 0, err
     [event] = [json.loads(line) for line in out.splitlines()]
-    assert event["job"]["state"] == "done" and event["job"]["step"] == 300
+    assert event["job"]["state"] == "done" and event["job"]["step"] == 100
 
 
 async def test_jobs_show_draws_the_loss_curve_and_writes_a_png(up: Up) -> None:

@@ -105,9 +105,11 @@ def up_cmd(
         settings = await stack.start()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
-            f"database {settings.effective_database_url}; Ctrl-C stops it"
+            f"database {settings.effective_database_url}; Ctrl-C stops it",
+            soft_wrap=True,
         )
-        err.print("\n".join(next_steps(directory, node if agent else None)), highlight=False)
+        hints = "\n".join(next_steps(directory, node if agent else None))
+        err.print(hints, highlight=False, soft_wrap=True, markup=False)
         await _until_stopped(stack)
 
     asyncio.run(main())
