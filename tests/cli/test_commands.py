@@ -4,6 +4,7 @@ stand-in trainer; and the same commands with pipes, as scripts run them."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import re
 import struct
@@ -118,3 +119,16 @@ async def test_errors_say_what_to_do_in_one_line(up: Up) -> None:
 
 def _one_line(err: str) -> bool:
     return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
+    job_id = await up.submit(3000)
+    watch = asyncio.create_task(up.lorafleet("watch", job_id, "--plain"))
+    await eventually(
+        lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+        until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
+    )  # fmt: skip
+    rc, _, err = await up.lorafleet("cancel", job_id, "--reason", "enough")
+    assert rc == 0, err
+    rc, _, err = await asyncio.wait_for(watch, 60)
+    assert rc == 2 and "cancelled" in err, err
