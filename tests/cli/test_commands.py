@@ -52,8 +52,10 @@ async def test_watch_redraws_one_display_in_place_and_top_lists_the_job(up: Up) 
 
     top = t.new_window()
     t.type(top, *up.argv("top", "--interval-s", "0.5"))
-    fleet = await t.wait_for(top, job_id)
+    await t.wait_for(top, job_id)
+    fleet = await t.wait_for(top, "1,000")  # the trainer's tokens/s, from the events
     assert re.search(r"│ local\s+│ yes", fleet), fleet
+    assert re.search(rf"│ {job_id}\s+│.*│ local\s+│ running", fleet), fleet
     assert "running (1)" in fleet, fleet
     t.keys(top, "C-c")
 

@@ -1,7 +1,8 @@
 """`lorafleet top`: the fleet's htop — nodes, running jobs, the queue.
 
-A snapshot is three requests (nodes, jobs on nodes, queued jobs); the table
-is a plain function of it (`fleet_view`), tested without a bus. On a
+A snapshot is three requests (nodes, jobs on nodes, queued jobs), plus the
+trainers' tokens/s taken from the job events meanwhile (`Rates`); the
+table is a plain function of it (`fleet_view`). On a
 terminal the view is redrawn in place every `--interval-s`; piped or with
 `--once` it is printed once.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import typer
 from rich.console import Group, RenderableType
@@ -21,7 +22,7 @@ from rich.text import Text
 
 from lorafleet.client import Client
 from lorafleet.states import ON_NODE
-from lorafleet_schemas.messages import JobListRequest, JobRecord, JobState, NodeInfo
+from lorafleet_schemas.messages import JobEvent, JobListRequest, JobRecord, JobState, NodeInfo
 from lorafleet_services.cli._app import app, console, run_client
 
 #: Seconds between two snapshots of a live `top`.
@@ -36,6 +37,23 @@ class FleetSnapshot:
     running: list[JobRecord]
     queued: list[JobRecord]
     taken_at: dt.datetime
+    #: Job id -> the latest tokens/s its events carried (`Rates`).
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class Rates:
+    """The trainers' throughput, from the job events (not kept on the jobs)."""
+
+    tokens_per_s: dict[str, float] = field(default_factory=dict)
+
+    def take(self, event: JobEvent) -> None:
+        if event.tokens_per_s is not None:
+            self.tokens_per_s[event.job.id] = event.tokens_per_s
+
+    async def follow(self, client: Client) -> None:
+        async for event in client.events():
+            self.take(event)
 
 
 async def snapshot(client: Client) -> FleetSnapshot:
@@ -45,6 +63,12 @@ async def snapshot(client: Client) -> FleetSnapshot:
         JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=QUEUE_ROWS)
     )
     return FleetSnapshot(nodes.nodes, running, queued, dt.datetime.now(dt.UTC))
+
+
+def with_rates(snap: FleetSnapshot, rates: Rates) -> FleetSnapshot:
+    running = {j.id for j in snap.running}
+    snap.tokens_per_s = {k: v for k, v in rates.tokens_per_s.items() if k in running}
+    return snap
 
 
 def fleet_view(snap: FleetSnapshot) -> RenderableType:
@@ -72,9 +96,11 @@ def _nodes_table(snap: FleetSnapshot) -> Table:
 
 def _running_table(snap: FleetSnapshot) -> Table:
     table = Table(title=f"running ({len(snap.running)})", title_justify="left", expand=True)
-    for column in ("job", "name", "node", "state", "progress", "step", "loss", "peak MiB"):
+    columns = ("job", "name", "node", "state", "progress", "step", "loss", "tok/s", "peak MiB")
+    for column in columns:
         table.add_column(column)
     for job in snap.running:
+        rate = snap.tokens_per_s.get(job.id)
         table.add_row(
             job.id,
             job.name,
@@ -83,6 +109,7 @@ def _running_table(snap: FleetSnapshot) -> Table:
             ProgressBar(total=max(job.steps, 1), completed=job.step, width=20),
             f"{job.step}/{job.steps}" if job.steps else "",
             f"{job.loss:.4g}" if job.loss is not None else "",
+            f"{rate:,.0f}" if rate is not None else "",
             str(job.peak_mib or ""),
         )
     return table
@@ -119,9 +146,14 @@ def top(
         if once or not console.is_terminal:
             console.print(fleet_view(await snapshot(client)))
             return
-        with Live(fleet_view(await snapshot(client)), console=console, screen=False) as live:
-            while True:
-                await asyncio.sleep(interval_s)
-                live.update(fleet_view(await snapshot(client)), refresh=True)
+        rates = Rates()
+        listening = asyncio.create_task(rates.follow(client))
+        try:
+            with Live(fleet_view(await snapshot(client)), console=console) as live:
+                while True:
+                    await asyncio.sleep(interval_s)
+                    live.update(fleet_view(with_rates(await snapshot(client), rates)), refresh=True)
+        finally:
+            listening.cancel()
 
     run_client(go)
