@@ -181,6 +181,23 @@ class Client:
         finally:
             await sub.unsubscribe()
 
+    async def events(self) -> AsyncIterator[JobEvent]:
+        """Every job's events as the recorder publishes them, until the caller
+        stops iterating (no first read, no poll: what `lorafleet top` adds
+        to its snapshots). An undecodable message is skipped."""
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        async def on_msg(msg: object) -> None:
+            with contextlib.suppress(Exception):
+                queue.put_nowait(bus.decode(msg.data, JobEvent))  # type: ignore[attr-defined]
+
+        sub = await self.nc.subscribe(self.names.all_job_events, cb=on_msg)
+        try:
+            while True:
+                yield await queue.get()
+        finally:
+            await sub.unsubscribe()
+
     async def wait(
         self, job_id: str, until: frozenset[JobState] = FINAL, timeout_s: float | None = None
     ) -> JobRecord:

@@ -74,6 +74,9 @@ class Settings:
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).
     artifact_orphan_age_s: float = 600.0
+    #: Log lines as "json" or "console" (for a person); default: console on
+    #: a terminal, JSON otherwise (see lorafleet.log).
+    log_format: str = ""
 
     def __post_init__(self) -> None:
         Names(self.subject_prefix)  # validates the prefix
@@ -97,6 +100,10 @@ class Settings:
             raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
+        if self.log_format not in ("", "json", "console"):
+            raise SettingsError(
+                f"LORAFLEET_LOG_FORMAT={self.log_format!r}: set it to json or console"
+            )
 
     @property
     def names(self) -> Names:

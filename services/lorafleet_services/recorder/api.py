@@ -285,7 +285,12 @@ class RecorderApi:
     async def _publish(self, change: JobChange) -> None:
         # Best effort: the change is committed; a watcher that missed the
         # event reads the job. A failed publish must not fail the request.
-        event = JobEvent(kind=change.kind, job=change.job)
+        event = JobEvent(
+            kind=change.kind,
+            job=change.job,
+            tokens_per_s=change.tokens_per_s,
+            eta_s=change.eta_s,
+        )
         try:
             await self.publish(self.names.job_events(change.job.id), encode(event))
         except Exception as e:

@@ -116,6 +116,18 @@ class LossPoint(Base):
     peak_mib: Mapped[int | None] = mapped_column(Integer)
 
 
+class EvalPoint(Base):
+    """One evaluation of the held-out records; (job_id, step) is stored once."""
+
+    __tablename__ = "eval_points"
+
+    job_id: Mapped[str] = mapped_column(
+        String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True
+    )
+    step: Mapped[int] = mapped_column(Integer, primary_key=True)
+    eval_loss: Mapped[float] = mapped_column(Float)
+
+
 class JobEventRow(Base):
     """One state change of a job and its reason."""
 
