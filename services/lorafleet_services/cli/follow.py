@@ -219,12 +219,14 @@ def summary_lines(view: JobView, artifacts: list[ArtifactRecord]) -> list[str]:
 
 
 def human_bytes(size: int) -> str:
-    value = float(size)
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if value < 1024 or unit == "GiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+    if size < 1024:
+        return f"{size} B"
+    value = size / 1024
+    for unit in ("KiB", "MiB"):
+        if value < 1024:
+            return f"{value:.1f} {unit}"
         value /= 1024
-    raise AssertionError("unreachable")
+    return f"{value:.1f} GiB"
 
 
 def choose_mode(plain: bool, as_json: bool, console: Console) -> Mode:
