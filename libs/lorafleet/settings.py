@@ -74,6 +74,18 @@ class Settings:
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).
     artifact_orphan_age_s: float = 600.0
+    #: This process's NATS identity: a file holding its nkey seed (`SU...`,
+    #: mode 0600; `lorafleet auth` writes one per node, service and client).
+    #: Default none (no nkey; a user and password in the URL, or no auth).
+    nats_nkey_seed: str | None = None
+    #: TLS: a PEM file of the CA that signed the server's certificate (and
+    #: switches TLS on). Default none: the system's CAs when a URL is tls://.
+    nats_tls_ca: str | None = None
+    #: TLS: this process's client certificate (PEM), for a server that
+    #: verifies clients; with `nats_tls_key`. Default none.
+    nats_tls_cert: str | None = None
+    #: TLS: the private key (PEM) of `nats_tls_cert`. Default none.
+    nats_tls_key: str | None = None
 
     def __post_init__(self) -> None:
         Names(self.subject_prefix)  # validates the prefix
@@ -97,6 +109,11 @@ class Settings:
             raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise SettingsError(
+                "LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY go together: "
+                "set both (a client certificate and its key) or neither"
+            )
 
     @property
     def names(self) -> Names:

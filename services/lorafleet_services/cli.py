@@ -9,7 +9,8 @@ Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
             lorafleet jobs list|get|curve ...,  lorafleet watch ID,  lorafleet cancel ID
 Nodes:      lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
-NATS:       lorafleet nats-config --node N [--node N ...] [--blocks]
+NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]
+            lorafleet nats-config --node N [--node N ...] [--blocks]   (passwords; older)
 
 Without LORAFLEET_NATS_URL the commands use the NATS server of a running
 `lorafleet up` (its URL is kept in the data directory).
@@ -507,6 +508,16 @@ def nats_config_cmd(
         agent = None if user == perms.SERVICE_USER else user
         lines.append(f"#   {user}: {perms.client_env(user, password, host, node=agent)}")
     sys.stdout.write("\n".join(lines) + "\n")
+
+
+def _register_auth() -> None:
+    # The command lives in its own module (lorafleet_services.auth).
+    from lorafleet_services.auth import auth_cmd
+
+    app.command("auth")(auth_cmd)
+
+
+_register_auth()
 
 
 def main() -> None:
