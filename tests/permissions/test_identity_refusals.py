@@ -9,6 +9,7 @@ import contextlib
 import io
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import nats.errors
 import nats.js.errors
@@ -17,6 +18,8 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from lorafleet import _bus as bus
+from lorafleet.errors import ConnectError
+from lorafleet.identities import IdentityStore
 from lorafleet.names import (
     artifact_object_name,
     js_api_subject,
@@ -192,3 +195,14 @@ async def test_no_one_but_the_recorder_reads_its_consumer(conns: Conns) -> None:
     info = await recorder_js.consumer_info(stream, durable)
     # Nothing was delivered to anyone: the report waits for the recorder.
     assert (info.num_pending, info.num_ack_pending, info.delivered.stream_seq) == (1, 0, 0)
+
+
+async def test_an_unknown_nkey_is_a_connect_error_naming_its_seed(
+    id_fleet: IdentityFleet, tmp_path: Path
+) -> None:
+    stranger, _ = IdentityStore(tmp_path / "elsewhere").ensure("node", "node-1")
+    settings = id_fleet.settings_for("node", "node-1").with_(
+        nats_nkey_seed=str(stranger.seed_file), connect_timeout_s=1.0
+    )
+    with pytest.raises(ConnectError, match=r"refused the nkey in .*elsewhere/node/node-1.nk"):
+        await bus.connect(settings, "stranger")
