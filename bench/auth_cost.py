@@ -1,0 +1,217 @@
+"""What TLS and nkey identities cost: submit-to-start and artifact delivery,
+secured against plain connections, in the same script.
+
+    .venv/bin/python bench/auth_cost.py [--jobs 100] [--mib 64] [--rounds 3]
+
+Each mode runs its own nats-server (JetStream, file storage), a throwaway
+PostgreSQL database (bench/scheduler_common's), and the recorder, scheduler
+and artifact-store as real processes. One simulated node (scheduler_common's
+Fleet) heartbeats and answers start requests from this process; the client
+is this process too.
+
+- plain (the baseline): no authentication, `nats://`, every process the same
+  anonymous user;
+- secured: `lorafleet auth`'s config (one nkey per process, each with its
+  least-privilege block), a TLS-only server with a certificate made on the
+  spot (openssl), every process checking it by the CA — the services, the
+  node and the client each on its own identity.
+
+Measured per mode: submit-to-start (client submit request until the node
+has the scheduler's start request; the job is then cancelled), `--jobs`
+trials after a warm-up; and artifact delivery (the node's deliver() of a
+`--mib` MiB adapter until the client hears the job `done`, i.e. the
+artifact-store committed and the recorder recorded it), best of `--rounds`.
+Prints both and the ratios secured/plain.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import datetime as dt
+import json
+import os
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from scheduler_common import Fleet, percentile, summary
+
+from lorafleet import _bus as bus
+from lorafleet.client import Client
+from lorafleet.identities import IdentityStore, ensure_fleet
+from lorafleet.identities import server_config as identities_config
+from lorafleet.natsserver import NatsServer
+from lorafleet.permissions import ServerTls
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    Engine,
+    JobSpec,
+    JobState,
+    ModelSpec,
+    StartRequest,
+    StatusReport,
+)
+from lorafleet_services.agent.delivery import deliver
+from lorafleet_services.stack import ServiceProcess
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests.permissions.certs import make_certs
+from tests.pg import throwaway_database
+
+NODE = "sim-0000"
+DATA = "".join(json.dumps({"q": f"q{i}", "a": f"a{i}"}) + "\n" for i in range(10))
+#: Trials run first and not counted (connections, caches, the database warm up).
+WARMUP = 10
+#: Seconds one job may take to reach a state.
+STATE_TIMEOUT_S = 60.0
+
+
+@dataclass
+class Mode:
+    """The settings of each process in one mode (the same ones when plain)."""
+
+    name: str
+    service: dict[str, Settings]
+    client: Settings
+    node: Settings
+
+
+@asynccontextmanager
+async def secured_or_plain(root: Path, secured: bool, db_url: str) -> AsyncIterator[Mode]:
+    base = Settings(data_dir=str(root / "data"), database_url=db_url)
+    if not secured:
+        server = await NatsServer(root / "nats").start()
+        plain = base.with_(nats_url=server.url)
+        nc = await bus.connect(plain, "bench-layout")
+        await bus.ensure_layout(nc.jetstream(), bus.layout_for(plain))
+        await bus.drain_quietly(nc)
+        services = ("recorder", "artifact-store", "scheduler")
+        yield Mode("plain", dict.fromkeys(services, plain), plain, plain)
+        await server.stop()
+        return
+    store = IdentityStore(root / "identities")
+    identities, _ = ensure_fleet(store, [NODE])
+    certs = make_certs(root / "certs")
+    conf = root / "nats.conf"
+    tls = ServerTls(str(certs.server_cert), str(certs.server_key))
+    conf.write_text(identities_config(base.names, identities, tls=tls))
+    server = await NatsServer(root / "nats", config_file=conf).start()
+    url = f"tls://{server.host}:{server.port}"
+
+    def own(kind: str, name: str) -> Settings:
+        ident = store.load(kind, name)
+        return base.with_(
+            nats_url=url,
+            nats_nkey_seed=str(ident.seed_file),
+            nats_inbox_prefix=ident.inbox_prefix,
+            nats_tls_ca=str(certs.ca),
+        )
+
+    services = {s: own("service", s) for s in ("recorder", "artifact-store", "scheduler")}
+    yield Mode("TLS + nkeys", services, own("client", "cli"), own("node", NODE))
+    await server.stop()
+
+
+async def submit_to_start(
+    client: Client, fleet: Fleet, received: dict[str, float], jobs: int
+) -> list[float]:
+    latencies = []
+    for i in range(WARMUP + jobs):
+        t0 = time.perf_counter()
+        job = await client.submit(JobSpec(model="tiny", gpu_memory_mib=1000, data=DATA, node=NODE))
+        while job.id not in received:
+            await asyncio.sleep(0.0005)
+        if i >= WARMUP:
+            latencies.append(received[job.id] - t0)
+        await client.cancel(job.id, "bench")
+        while fleet.nodes[NODE].job is not None:
+            await asyncio.sleep(0.001)
+    return latencies
+
+
+async def delivery(client: Client, fleet: Fleet, mode: Mode, starts: dict[str, StartRequest],
+                   path: Path) -> float:  # fmt: skip
+    """Seconds from deliver()'s start until the client hears the job `done`."""
+    job = await client.submit(JobSpec(model="tiny", gpu_memory_mib=1000, data=DATA, node=NODE))
+    while job.id not in starts:
+        await asyncio.sleep(0.001)
+    req = starts[job.id]
+    names = mode.node.names
+    report = StatusReport(job_id=job.id, node=NODE, attempt=req.attempt, seq=1,
+                          time=dt.datetime.now(dt.UTC), state=JobState.UPLOADING)  # fmt: skip
+    await fleet.nc.jetstream().publish(names.status(NODE, job.id), bus.encode(report))
+    await client.wait(job.id, frozenset({JobState.UPLOADING}), timeout_s=STATE_TIMEOUT_S)
+    t0 = time.perf_counter()
+    await deliver(fleet.nc.jetstream(), names, node=NODE, job_id=job.id, attempt=req.attempt,
+                  kind=ArtifactKind.PEFT, path=path)  # fmt: skip
+    done = await client.wait(job.id, timeout_s=STATE_TIMEOUT_S)
+    seconds = time.perf_counter() - t0
+    if done.state is not JobState.DONE:
+        raise SystemExit(f"the delivery ended the job {done.state.value}: {done.message}")
+    fleet.nodes[NODE].job = None
+    await fleet.beat(fleet.nodes[NODE])
+    return seconds
+
+
+async def measure(secured: bool, jobs: int, path: Path, rounds: int) -> tuple[list[float], float]:
+    with (
+        tempfile.TemporaryDirectory(prefix="lorafleet-auth-") as tmp,
+        throwaway_database("lorafleet_bench_auth") as db_url,
+    ):
+        async with AsyncExitStack() as stack:
+            mode = await stack.enter_async_context(secured_or_plain(Path(tmp), secured, db_url))
+            for module, name in (("recorder", "recorder"), ("artifact_store", "artifact-store"),
+                                 ("scheduler", "scheduler")):  # fmt: skip
+                proc = ServiceProcess(f"lorafleet_services.{module}", mode.service[name])
+                await proc.start()
+                stack.push_async_callback(proc.stop)
+            client = Client(await bus.connect(mode.client, "bench-client"), mode.client)
+            stack.push_async_callback(client.close)
+            await client.add_model(ModelSpec(name="tiny", engine=Engine.VLLM, local_dir="/m"))
+            received: dict[str, float] = {}
+            starts: dict[str, StartRequest] = {}
+
+            def on_start(_node: str, req: StartRequest, at: float) -> None:
+                received[req.job_id] = at
+                starts[req.job_id] = req
+
+            node_nc = await bus.connect(mode.node, "bench-node")
+            stack.push_async_callback(bus.drain_quietly, node_nc)
+            fleet = Fleet(node_nc, mode.node, 1, on_start=on_start)
+            await fleet.start()  # its one node is named sim-0000, NODE
+            stack.push_async_callback(fleet.stop)
+            while not any(n.alive for n in (await client.nodes()).nodes):
+                await asyncio.sleep(0.1)
+            latencies = await submit_to_start(client, fleet, received, jobs)
+            best = min([await delivery(client, fleet, mode, starts, path) for _ in range(rounds)])
+            print(f"{mode.name:>12}: submit-to-start {summary(latencies)}; "
+                  f"delivery {path.stat().st_size / best / 1e6:.1f} MB/s")  # fmt: skip
+            return latencies, best
+
+
+async def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--jobs", type=int, default=100)
+    ap.add_argument("--mib", type=int, default=64)
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    with tempfile.TemporaryDirectory(prefix="lorafleet-auth-data-") as tmp:
+        path = Path(tmp) / "adapter.bin"
+        path.write_bytes(os.urandom(args.mib << 20))
+        plain_lat, plain_s = await measure(False, args.jobs, path, args.rounds)
+        sec_lat, sec_s = await measure(True, args.jobs, path, args.rounds)
+    p99_plain, p99_sec = percentile(plain_lat, 99), percentile(sec_lat, 99)
+    print(f"submit-to-start p99: plain {p99_plain * 1e3:.1f} ms, TLS + nkeys "
+          f"{p99_sec * 1e3:.1f} ms: ratio {p99_sec / p99_plain:.2f}x")  # fmt: skip
+    print(f"delivery throughput ratio TLS + nkeys / plain: {plain_s / sec_s:.2f}")
+    print(f"CPU cores: {os.cpu_count()}, load average {os.getloadavg()[0]:.1f}")
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
