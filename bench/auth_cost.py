@@ -39,8 +39,6 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from scheduler_common import Fleet, percentile, summary
-
 from lorafleet import _bus as bus
 from lorafleet.client import Client
 from lorafleet.identities import IdentityStore, ensure_fleet
@@ -59,8 +57,10 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.delivery import deliver
 from lorafleet_services.stack import ServiceProcess
+from scheduler_common import Fleet, percentile, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests.eventually import eventually
 from tests.permissions.certs import make_certs
 from tests.pg import throwaway_database
 
@@ -68,6 +68,8 @@ NODE = "sim-0000"
 DATA = "".join(json.dumps({"q": f"q{i}", "a": f"a{i}"}) + "\n" for i in range(10))
 #: Trials run first and not counted (connections, caches, the database warm up).
 WARMUP = 10
+#: Seconds between two looks at what the callbacks have noted.
+POLL_S = 0.001
 #: Seconds one job may take to reach a state.
 STATE_TIMEOUT_S = 60.0
 
@@ -125,13 +127,14 @@ async def submit_to_start(
     for i in range(WARMUP + jobs):
         t0 = time.perf_counter()
         job = await client.submit(JobSpec(model="tiny", gpu_memory_mib=1000, data=DATA, node=NODE))
-        while job.id not in received:
-            await asyncio.sleep(0.0005)
+        # The latency is stamped on arrival (on_start); polling only paces the loop.
+        await eventually(
+            lambda job_id=job.id: job_id in received, "the start request", interval_s=POLL_S
+        )
         if i >= WARMUP:
             latencies.append(received[job.id] - t0)
         await client.cancel(job.id, "bench")
-        while fleet.nodes[NODE].job is not None:
-            await asyncio.sleep(0.001)
+        await eventually(lambda: fleet.nodes[NODE].job is None, "the cancel", interval_s=POLL_S)
     return latencies
 
 
@@ -139,8 +142,7 @@ async def delivery(client: Client, fleet: Fleet, mode: Mode, starts: dict[str, S
                    path: Path) -> float:  # fmt: skip
     """Seconds from deliver()'s start until the client hears the job `done`."""
     job = await client.submit(JobSpec(model="tiny", gpu_memory_mib=1000, data=DATA, node=NODE))
-    while job.id not in starts:
-        await asyncio.sleep(0.001)
+    await eventually(lambda: job.id in starts, "the start request", interval_s=POLL_S)
     req = starts[job.id]
     names = mode.node.names
     report = StatusReport(job_id=job.id, node=NODE, attempt=req.attempt, seq=1,
@@ -186,8 +188,9 @@ async def measure(secured: bool, jobs: int, path: Path, rounds: int) -> tuple[li
             fleet = Fleet(node_nc, mode.node, 1, on_start=on_start)
             await fleet.start()  # its one node is named sim-0000, NODE
             stack.push_async_callback(fleet.stop)
-            while not any(n.alive for n in (await client.nodes()).nodes):
-                await asyncio.sleep(0.1)
+            await eventually(
+                client.nodes, "the node to be listed", until=lambda r: any(n.alive for n in r.nodes)
+            )
             latencies = await submit_to_start(client, fleet, received, jobs)
             best = min([await delivery(client, fleet, mode, starts, path) for _ in range(rounds)])
             print(f"{mode.name:>12}: submit-to-start {summary(latencies)}; "
