@@ -38,6 +38,8 @@ class IdentitySystem:
         c = self.client
         await c.add_model(ModelSpec(name="tiny", engine=Engine.VLLM, local_dir=str(base)))
         dataset = await c.upload_dataset(DATA.encode())
+        # Again (the same data resubmitted): found, not put twice, nothing refused.
+        assert await c.upload_dataset(DATA.encode()) == dataset
         job = await c.submit(
             JobSpec(model="tiny", gpu_memory_mib=1000, dataset=dataset, node="node-1")
         )
