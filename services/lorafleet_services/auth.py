@@ -70,6 +70,12 @@ def auth_cmd(
     tls_cert: str | None = typer.Option(None, help="The server's certificate (PEM): TLS on."),
     tls_key: str | None = typer.Option(None, help="The server certificate's key (PEM)."),
     tls_ca: str | None = typer.Option(None, help="The CA (PEM) processes check the server by."),
+    verify_clients: bool = typer.Option(
+        False,
+        "--verify-clients",
+        help="Mutual TLS: the server wants a certificate signed by --tls-ca from every "
+        "process (each then needs LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY).",
+    ),
 ) -> None:
     """Make the nkey identities that are missing — one per service (recorder,
     scheduler, artifact-store), per client and per node, each seed a 0600
@@ -77,9 +83,13 @@ def auth_cmd(
     and DIR/env/<kind>-<name>.env (the LORAFLEET_* settings of each process)."""
     err = typer.echo
     try:
-        server_tls = ServerTls(tls_cert, tls_key, tls_ca) if tls_cert and tls_key else None
         if (tls_cert is None) != (tls_key is None):
             raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
+        if verify_clients and not tls_cert:
+            raise PermissionsError("--verify-clients needs TLS: give --tls-cert and --tls-key")
+        server_tls = (
+            ServerTls(tls_cert, tls_key, tls_ca, verify_clients) if tls_cert and tls_key else None
+        )
         store = IdentityStore(directory)
         identities, made = ensure_fleet(store, node, client)
         names = Settings.from_env().names

@@ -155,3 +155,25 @@ def test_process_env_for_a_node(tmp_path: Path) -> None:
     env = process_env(ident, "tls://nats:4222")
     assert env["LORAFLEET_AGENT_NODE"] == "gpu-1"
     assert env["LORAFLEET_NATS_URL"] == "tls://nats:4222"
+
+
+def test_auth_with_tls_writes_the_tls_block_and_the_ca_into_each_env(tmp_path: Path) -> None:
+    root = tmp_path / "ids"
+    tls = ["--tls-cert", "/etc/nats/s.pem", "--tls-key", "/etc/nats/s.key"]
+    args = ["auth", "--dir", str(root), "--url", "tls://nats:4222", *tls]
+    out = CliRunner().invoke(app, [*args, "--tls-ca", "/etc/ca.pem", "--verify-clients"])
+    assert out.exit_code == 0, out.output
+    config = (root / "nats-server.conf").read_text()
+    assert (
+        'tls: {"cert_file": "/etc/nats/s.pem", "key_file": "/etc/nats/s.key", '
+        '"ca_file": "/etc/ca.pem", "verify": true}'
+    ) in config
+    env = (root / "env" / "service-recorder.env").read_text()
+    assert "LORAFLEET_NATS_URL=tls://nats:4222" in env
+    assert "LORAFLEET_NATS_TLS_CA=/etc/ca.pem" in env
+    bad = CliRunner().invoke(app, ["auth", "--dir", str(root), "--verify-clients"])
+    assert bad.exit_code == 1
+    assert "--verify-clients needs TLS" in bad.output
+    no_ca = CliRunner().invoke(app, [*args, "--verify-clients"])
+    assert no_ca.exit_code == 1
+    assert "needs the CA that signs them" in no_ca.output
