@@ -126,12 +126,7 @@ class _Callbacks:
         if refused is None:
             self.logger.warning(Event.NATS_ERROR, error=repr(e))
             return
-        self.logger.warning(
-            Event.NATS_REFUSED,
-            message=refused,
-            error="the server refused this for want of permission: check this process's "
-            "NATS user and its permissions (`lorafleet nats-config`)",
-        )
+        self.logger.warning(Event.NATS_REFUSED, message=refused, error=refusal_hint(refused))
         if self.on_refused is not None:
             self.on_refused(refused)
 
@@ -144,6 +139,21 @@ class _Callbacks:
 
     async def reconnected(self) -> None:
         self.logger.info(Event.NATS_RECONNECTED)
+
+
+def refusal_hint(refused: str) -> str:
+    """What to check after the server's refusal `refused` (its own words)."""
+    if "subscription" in refused.lower() and '"_inbox' in refused.lower():
+        return (
+            "the server refused this process's reply inbox: an identity reads replies on "
+            "its own prefix only; set LORAFLEET_NATS_INBOX_PREFIX as its env file says "
+            "(`lorafleet auth` writes it)"
+        )
+    return (
+        "the server refused this for want of permission: check that this process runs "
+        "with its own identity (LORAFLEET_NATS_NKEY_SEED) and that the server's config "
+        "is current (`lorafleet auth`, then reload the server)"
+    )
 
 
 def _options(settings: Settings, name: str, callbacks: _Callbacks) -> dict[str, Any]:

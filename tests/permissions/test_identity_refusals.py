@@ -206,3 +206,22 @@ async def test_an_unknown_nkey_is_a_connect_error_naming_its_seed(
     )
     with pytest.raises(ConnectError, match=r"refused the nkey in .*elsewhere/node/node-1.nk"):
         await bus.connect(settings, "stranger")
+
+
+async def test_a_client_without_its_inbox_prefix_is_told_to_set_it(
+    id_fleet: IdentityFleet,
+) -> None:
+    refusals: list[str] = []
+    settings = id_fleet.settings_for("client", "cli").with_(nats_inbox_prefix="_INBOX")
+    nc = await bus.connect(settings, "no-prefix", on_refused=refusals.append)
+    try:
+        with pytest.raises(nats.errors.TimeoutError):
+            await nc.request(id_fleet.base.names.jobs_list, b"{}", timeout=REFUSED_WAIT_S)
+        text = await eventually(lambda: refusals, "the inbox subscription to be refused")
+        assert "subscription" in text[0].lower()
+        assert "LORAFLEET_NATS_INBOX_PREFIX" in bus.refusal_hint(text[0])
+        assert "LORAFLEET_NATS_INBOX_PREFIX" not in bus.refusal_hint(
+            'Permissions Violation for Publish to "lorafleet.store.jobs.transition"'
+        )
+    finally:
+        await bus.drain_quietly(nc)
