@@ -44,7 +44,9 @@ class Settings:
     nats_creds: str | None = None
     #: Prefix of this process's reply inboxes; default "_INBOX" (nats-py's).
     #: An agent whose credentials allow only its own subjects uses
-    #: "_INBOX_<node>" (`lorafleet nats-config` prints it).
+    #: "_INBOX_<node>"; a service or client on its own nkey identity
+    #: "_INBOX.service.<name>" or "_INBOX.client.<name>" (`lorafleet auth`
+    #: writes each into the identity's env file).
     nats_inbox_prefix: str = "_INBOX"
     #: Prefix of every subject, stream and bucket. Default "lorafleet".
     subject_prefix: str = DEFAULT_PREFIX
