@@ -22,6 +22,7 @@ from lorafleet.permissions import (
     identity_inbox_prefix,
     owned_layout_parts,
 )
+from lorafleet.settings import Settings, SettingsError
 from lorafleet_services.cli import app
 
 N = Names()
@@ -177,3 +178,10 @@ def test_auth_with_tls_writes_the_tls_block_and_the_ca_into_each_env(tmp_path: P
     no_ca = CliRunner().invoke(app, [*args, "--verify-clients"])
     assert no_ca.exit_code == 1
     assert "needs the CA that signs them" in no_ca.output
+
+
+def test_tls_and_seed_settings_read_from_the_environment() -> None:
+    s = Settings.from_env({"LORAFLEET_NATS_NKEY_SEED": "/s.nk", "LORAFLEET_NATS_TLS_CA": "/ca.pem"})
+    assert (s.nats_nkey_seed, s.nats_tls_ca, s.nats_tls_cert) == ("/s.nk", "/ca.pem", None)
+    with pytest.raises(SettingsError, match="LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY"):
+        Settings.from_env({"LORAFLEET_NATS_TLS_CERT": "/c.pem"})
