@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import signal
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +20,8 @@ from nats.js.api import AckPolicy, ConsumerConfig
 
 from lorafleet import _bus as bus
 from lorafleet.errors import ConnectError
-from lorafleet.identities import IdentityStore
+from lorafleet.identities import IdentityStore, ensure_fleet
+from lorafleet.identities import server_config as identities_config
 from lorafleet.names import (
     artifact_object_name,
     js_api_subject,
@@ -225,3 +227,39 @@ async def test_a_client_without_its_inbox_prefix_is_told_to_set_it(
         )
     finally:
         await bus.drain_quietly(nc)
+
+
+async def test_a_node_added_later_joins_after_a_reload_and_no_one_else_notices(
+    id_fleet: IdentityFleet, tmp_path: Path
+) -> None:
+    """`lorafleet auth --node node-3` on a running installation: one new seed,
+    the config rewritten, the server reloaded (SIGHUP); connected identities
+    stay connected on their unchanged keys, and node-3 reaches its own subjects."""
+    names = id_fleet.base.names
+    recorder = await bus.connect(id_fleet.settings_for("service", "recorder"), "recorder")
+    layout = bus.layout_for(id_fleet.base)
+    try:
+        await bus.ensure_layout(recorder.jetstream(), layout, LAYOUT_OWNERS["recorder"])
+        before = {i.label: i.public_key for i in id_fleet.store.all()}
+        identities, made = ensure_fleet(id_fleet.store, ["node-3"])
+        assert [i.label for i in made] == ["node/node-3"]
+        assert {i.label: i.public_key for i in identities if i.label in before} == before
+        assert id_fleet.server.config_file is not None
+        id_fleet.server.config_file.write_text(identities_config(names, identities))
+        assert id_fleet.server.proc is not None
+        id_fleet.server.proc.send_signal(signal.SIGHUP)
+        await eventually(
+            lambda: any("Reloaded server configuration" in ln for ln in id_fleet.server.output),
+            "the server to reload its config",
+        )
+        node3 = await bus.connect(id_fleet.settings_for("node", "node-3"), "node-3")
+        try:
+            ack = await node3.jetstream().publish(names.status("node-3", "job-a"), b"{}")
+            assert ack.stream == names.status_stream
+        finally:
+            await bus.drain_quietly(node3)
+        # The recorder's connection was not dropped by the reload.
+        assert recorder.is_connected and recorder.stats["reconnects"] == 0
+        await recorder.jetstream().stream_info(names.status_stream)
+    finally:
+        await bus.drain_quietly(recorder)
