@@ -232,17 +232,24 @@ async def test_a_client_without_its_inbox_prefix_is_told_to_set_it(
 async def test_a_node_added_later_joins_after_a_reload_and_no_one_else_notices(
     id_fleet: IdentityFleet, tmp_path: Path
 ) -> None:
-    """`lorafleet auth --node node-3` on a running installation: one new seed,
-    the config rewritten, the server reloaded (SIGHUP); connected identities
-    stay connected on their unchanged keys, and node-3 reaches its own subjects."""
+    """`lorafleet auth --node node-3` on a running installation (node-2's seed
+    rotated too): new seeds for those two only, the config rewritten, the
+    server reloaded (SIGHUP); connected identities stay connected on their
+    unchanged keys, node-3 reaches its own subjects, node-2's old key is refused."""
     names = id_fleet.base.names
     recorder = await bus.connect(id_fleet.settings_for("service", "recorder"), "recorder")
     layout = bus.layout_for(id_fleet.base)
     try:
         await bus.ensure_layout(recorder.jetstream(), layout, LAYOUT_OWNERS["recorder"])
+        # node-2's seed is rotated at the same time: its file deleted, a new one made.
+        old_seed = tmp_path / "node-2-old.nk"
+        node2_seed = id_fleet.store.seed_path("node", "node-2")
+        old_seed.write_bytes(node2_seed.read_bytes())
+        old_seed.chmod(0o600)
+        node2_seed.unlink()
         before = {i.label: i.public_key for i in id_fleet.store.all()}
-        identities, made = ensure_fleet(id_fleet.store, ["node-3"])
-        assert [i.label for i in made] == ["node/node-3"]
+        identities, made = ensure_fleet(id_fleet.store, ["node-2", "node-3"])
+        assert sorted(i.label for i in made) == ["node/node-2", "node/node-3"]
         assert {i.label: i.public_key for i in identities if i.label in before} == before
         assert id_fleet.server.config_file is not None
         id_fleet.server.config_file.write_text(identities_config(names, identities))
@@ -258,6 +265,13 @@ async def test_a_node_added_later_joins_after_a_reload_and_no_one_else_notices(
             assert ack.stream == names.status_stream
         finally:
             await bus.drain_quietly(node3)
+        # node-2's old key stopped working at the reload; its new one works.
+        old_node2 = id_fleet.settings_for("node", "node-2").with_(
+            nats_nkey_seed=str(old_seed), connect_timeout_s=1.0
+        )
+        with pytest.raises(ConnectError, match="refused the nkey"):
+            await bus.connect(old_node2, "node-2-old")
+        await bus.drain_quietly(await bus.connect(id_fleet.settings_for("node", "node-2"), "n2"))
         # The recorder's connection was not dropped by the reload.
         assert recorder.is_connected and recorder.stats["reconnects"] == 0
         await recorder.jetstream().stream_info(names.status_stream)
