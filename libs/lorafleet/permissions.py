@@ -22,7 +22,7 @@ So it cannot put another node's heartbeat, status or artifacts, receive
 another node's start or cancel, call the recorder's internal
 `<prefix>.store.jobs.*`, create or change streams, or read the artifacts.
 
-With nkey identities (`lorafleet auth`, `fleet_identities`) each service
+With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
 has its own block, allowed only what it uses, and creates only the
 JetStream pieces it owns (`LAYOUT_OWNERS`):
 - recorder: answers `api.jobs.{submit,get,list,curve}`, `api.models.*` and
@@ -193,7 +193,7 @@ def _every_consumer(stream: str) -> list[str]:
         js_api_subject("CONSUMER", "INFO", stream, ">"),
         js_api_subject("CONSUMER", "DELETE", stream, ">"),
         js_api_subject("CONSUMER", "MSG", "NEXT", stream, ">"),
-        f"$JS.ACK.{stream}.>",
+        js_ack_subjects(stream, "*"),  # any consumer of it
         js_api_subject("STREAM", "NAMES"),
     ]
 
