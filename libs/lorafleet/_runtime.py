@@ -53,6 +53,7 @@ from lorafleet import log
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
+from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings, SettingsError
 
 T = TypeVar("T")
@@ -131,7 +132,8 @@ async def serve(program: Program, settings: Settings, stop: asyncio.Event | None
     )
     try:
         if program.layout == "ensure":
-            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings))
+            parts = owned_layout_parts(settings.nats_nkey_seed, program.name)
+            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
         else:
             await ensure_layout_if_allowed(nc, settings, refused)
         service = await program.make(nc, settings)

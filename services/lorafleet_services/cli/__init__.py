@@ -10,11 +10,13 @@ Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
             lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
 Fleet:      lorafleet top,  lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
-NATS:       lorafleet nats-config --node N [--node N ...] [--blocks]
+NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]
+            lorafleet nats-config --node N [--node N ...] [--blocks]   (passwords; older)
 
 One module per command group: services.py (the services, up, demo),
 catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
-plots), nodes.py, top.py, artifacts.py, auth.py; _app.py holds the
+plots), nodes.py, top.py, artifacts.py, auth.py (nats-config), identities.py
+(auth: nkey identities); _app.py holds the
 Typer apps and what they share. A new command goes in its group's module.
 
 Without LORAFLEET_NATS_URL the commands use the NATS server of a running
@@ -31,7 +33,7 @@ from lorafleet_services.cli import services
 from lorafleet_services.cli import jobs, top
 
 # isort: split
-from lorafleet_services.cli import artifacts, auth, catalog, nodes
+from lorafleet_services.cli import artifacts, auth, catalog, identities, nodes
 from lorafleet_services.cli._app import app
 from lorafleet_services.cli.services import up_agent_config
 
@@ -40,6 +42,7 @@ __all__ = [
     "artifacts",
     "auth",
     "catalog",
+    "identities",
     "jobs",
     "main",
     "nodes",
