@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import re
+import ssl
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, TypeVar
@@ -69,10 +70,28 @@ def redact_url(url: str) -> str:
 
 
 def _unauthorized(settings: Settings) -> ConnectError:
+    if settings.nats_nkey_seed:
+        return ConnectError(
+            f"the NATS server at {redact_url(settings.nats_url)} refused the nkey in "
+            f"{settings.nats_nkey_seed} (Authorization Violation): its public key is not in "
+            "the server's config; re-run `lorafleet auth` with this identity and reload "
+            "the server, or point LORAFLEET_NATS_NKEY_SEED at this process's own seed"
+        )
     return ConnectError(
         f"the NATS server at {redact_url(settings.nats_url)} refused this user and "
         "password (Authorization Violation): set LORAFLEET_NATS_URL to "
-        "nats://USER:PASSWORD@HOST:PORT with a user of its config (`lorafleet nats-config`)"
+        "nats://USER:PASSWORD@HOST:PORT with a user of its config (`lorafleet nats-config`), "
+        "or LORAFLEET_NATS_NKEY_SEED to this process's seed (`lorafleet auth`)"
+    )
+
+
+def _tls_failed(settings: Settings, error: BaseException) -> ConnectError:
+    reason = getattr(error, "reason", None) or getattr(error, "verify_message", None) or error
+    return ConnectError(
+        f"the TLS handshake with {redact_url(settings.nats_url)} failed ({reason}): set "
+        "LORAFLEET_NATS_TLS_CA to the CA that signed the server's certificate, connect by "
+        "a host name the certificate names, and set LORAFLEET_NATS_TLS_CERT and "
+        "LORAFLEET_NATS_TLS_KEY when the server verifies clients"
     )
 
 
@@ -93,21 +112,21 @@ class _Callbacks:
         # A wrong user or password reaches only the error callback while
         # nats-py retries the first connect: remembered, to say so when it gives up.
         self.unauthorized = False
+        # Likewise a failed TLS handshake (an unknown CA, a wrong host name,
+        # a server that wants a client certificate): kept to name it.
+        self.tls_error: ssl.SSLError | None = None
         self.conn: Client | None = None
 
     async def error(self, e: Exception) -> None:
         if is_authorization_violation(e):
             self.unauthorized = True
+        if isinstance(e, ssl.SSLError):
+            self.tls_error = e
         refused = refusal(e)
         if refused is None:
             self.logger.warning(Event.NATS_ERROR, error=repr(e))
             return
-        self.logger.warning(
-            Event.NATS_REFUSED,
-            message=refused,
-            error="the server refused this for want of permission: check this process's "
-            "NATS user and its permissions (`lorafleet nats-config`)",
-        )
+        self.logger.warning(Event.NATS_REFUSED, message=refused, error=refusal_hint(refused))
         if self.on_refused is not None:
             self.on_refused(refused)
 
@@ -120,6 +139,21 @@ class _Callbacks:
 
     async def reconnected(self) -> None:
         self.logger.info(Event.NATS_RECONNECTED)
+
+
+def refusal_hint(refused: str) -> str:
+    """What to check after the server's refusal `refused` (its own words)."""
+    if "subscription" in refused.lower() and '"_inbox' in refused.lower():
+        return (
+            "the server refused this process's reply inbox: an identity reads replies on "
+            "its own prefix only; set LORAFLEET_NATS_INBOX_PREFIX as its env file says "
+            "(`lorafleet auth` writes it)"
+        )
+    return (
+        "the server refused this for want of permission: check that this process runs "
+        "with its own identity (LORAFLEET_NATS_NKEY_SEED) and that the server's config "
+        "is current (`lorafleet auth`, then reload the server)"
+    )
 
 
 def _options(settings: Settings, name: str, callbacks: _Callbacks) -> dict[str, Any]:
@@ -139,7 +173,58 @@ def _options(settings: Settings, name: str, callbacks: _Callbacks) -> dict[str, 
     }
     if settings.nats_creds:
         options["user_credentials"] = settings.nats_creds
+    options.update(identity_options(settings))
     return options
+
+
+def identity_options(settings: Settings) -> dict[str, Any]:
+    """nats.connect's options for this process's nkey seed and TLS files.
+
+    Each file is checked here, so a missing or unreadable one is a
+    ConnectError naming its setting rather than a failure deep in nats-py.
+    """
+    options: dict[str, Any] = {}
+    if settings.nats_nkey_seed:
+        _readable(settings.nats_nkey_seed, "LORAFLEET_NATS_NKEY_SEED", "an nkey seed file")
+        options["nkeys_seed"] = settings.nats_nkey_seed
+    if settings.nats_tls_ca or settings.nats_tls_cert:
+        options["tls"] = tls_context(settings)
+    return options
+
+
+def tls_context(settings: Settings) -> ssl.SSLContext:
+    """A client TLS context: the server checked against `nats_tls_ca` (else
+    the system's CAs), and this process's certificate when one is set."""
+    ca = settings.nats_tls_ca
+    if ca:
+        _readable(ca, "LORAFLEET_NATS_TLS_CA", "a PEM CA certificate")
+    try:
+        ctx = ssl.create_default_context(ssl.Purpose.SERVER_AUTH, cafile=ca or None)
+    except ssl.SSLError as e:
+        raise ConnectError(f"LORAFLEET_NATS_TLS_CA={ca}: not a PEM CA certificate ({e})") from None
+    if settings.nats_tls_cert and settings.nats_tls_key:
+        cert, key = settings.nats_tls_cert, settings.nats_tls_key
+        _readable(cert, "LORAFLEET_NATS_TLS_CERT", "a PEM certificate")
+        _readable(key, "LORAFLEET_NATS_TLS_KEY", "a PEM private key")
+        try:
+            ctx.load_cert_chain(cert, key)
+        except ssl.SSLError as e:
+            raise ConnectError(
+                f"LORAFLEET_NATS_TLS_CERT={cert} and LORAFLEET_NATS_TLS_KEY={key} "
+                f"are not a certificate and its key ({e})"
+            ) from None
+    return ctx
+
+
+def _readable(path: str, setting: str, what: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise ConnectError(
+            f"{setting}={path}: cannot read {what} there ({e.strerror}); "
+            "point it at the file `lorafleet auth` wrote, or unset it"
+        ) from None
 
 
 async def connect(
@@ -163,6 +248,8 @@ async def connect(
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
         if callbacks.unauthorized:
             raise _unauthorized(settings) from None
+        if callbacks.tls_error is not None or isinstance(e, ssl.SSLError):
+            raise _tls_failed(settings, callbacks.tls_error or e) from None
         raise _unreachable(settings) from e
     except nats.errors.Error as e:
         if not is_authorization_violation(e):
@@ -245,17 +332,30 @@ class Layout:
         )
 
 
-async def ensure_layout(js: JetStreamContext, layout: Layout) -> None:
-    """Create (or update to these settings) every stream, KV and object store."""
-    for cfg in (layout.status_stream(), layout.artifacts_stream()):
-        try:
-            await js.add_stream(cfg)
-        except nats.js.errors.BadRequestError:
-            await js.update_stream(cfg)
-    for kv in (layout.nodes_kv(), layout.leader_kv()):
-        await js.create_key_value(kv)
-    for obj in (layout.datasets_store(), layout.artifacts_store()):
-        await create_object_store(js, obj)
+async def ensure_layout(
+    js: JetStreamContext, layout: Layout, parts: tuple[str, ...] | None = None
+) -> None:
+    """Create (or update to these settings) every stream, KV and object store,
+    or only `parts` (Layout's method names: "status_stream", "nodes_kv", ...;
+    a service with its own identity creates only what it owns,
+    lorafleet.permissions.owned_layout_parts)."""
+
+    def wanted(part: str) -> bool:
+        return parts is None or part in parts
+
+    for part in ("status_stream", "artifacts_stream"):
+        if wanted(part):
+            cfg: StreamConfig = getattr(layout, part)()
+            try:
+                await js.add_stream(cfg)
+            except nats.js.errors.BadRequestError:
+                await js.update_stream(cfg)
+    for part in ("nodes_kv", "leader_kv"):
+        if wanted(part):
+            await js.create_key_value(getattr(layout, part)())
+    for part in ("datasets_store", "artifacts_store"):
+        if wanted(part):
+            await create_object_store(js, getattr(layout, part)())
 
 
 def layout_for(settings: Settings) -> Layout:

@@ -42,7 +42,6 @@ in-process instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -54,8 +53,10 @@ from nats.aio.client import Client
 import lorafleet
 from lorafleet import _bus as bus
 from lorafleet import log, metrics
+from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
+from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings, SettingsError
 
 T = TypeVar("T")
@@ -161,7 +162,8 @@ async def _serve(
     )
     try:
         if program.layout == "ensure":
-            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings))
+            parts = owned_layout_parts(settings.nats_nkey_seed, program.name)
+            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
         else:
             await ensure_layout_if_allowed(nc, settings, refused)
         service = await program.make(nc, settings)
@@ -197,9 +199,7 @@ async def ensure_layout_if_allowed(nc: Client, settings: Settings, refused: asyn
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task not in done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await stop_tasks(task)
         logger.info(
             Event.NATS_REFUSED,
             message="this node's credentials may not create the JetStream layout; "

@@ -33,6 +33,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
+import nats.js.errors
 from nats.aio.client import Client as Nats
 
 from lorafleet import _bus as bus
@@ -123,6 +124,13 @@ class Client:
         """Put NDJSON into the datasets bucket under its sha256; returns the object name."""
         name = dataset_object_name(hashlib.sha256(data).hexdigest())
         store = await self.js.object_store(self.names.datasets_bucket)
+        # The name is the content's sha256: a stored one is this data already.
+        # Putting it again would also purge the old chunks, which a client
+        # identity may not do (lorafleet.permissions.client_permissions).
+        with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
+            info = await store.get_info(name)
+            if info.size == len(data) and not info.deleted:
+                return name
         await store.put(name, io.BytesIO(data))
         return name
 
@@ -178,6 +186,23 @@ class Client:
                     continue  # older than what we showed
                 last = event.job
                 yield event
+        finally:
+            await sub.unsubscribe()
+
+    async def events(self) -> AsyncIterator[JobEvent]:
+        """Every job's events as the recorder publishes them, until the caller
+        stops iterating (no first read, no poll: what `lorafleet top` adds
+        to its snapshots). An undecodable message is skipped."""
+        queue: asyncio.Queue[JobEvent] = asyncio.Queue()
+
+        async def on_msg(msg: object) -> None:
+            with contextlib.suppress(Exception):
+                queue.put_nowait(bus.decode(msg.data, JobEvent))  # type: ignore[attr-defined]
+
+        sub = await self.nc.subscribe(self.names.all_job_events, cb=on_msg)
+        try:
+            while True:
+                yield await queue.get()
         finally:
             await sub.unsubscribe()
 

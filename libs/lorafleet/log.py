@@ -1,17 +1,27 @@
-"""structlog JSON logging with a fixed vocabulary of event names.
+"""structlog logging with a fixed vocabulary of event names.
 
 Dashboards (Grafana over Loki) select on `event` and on the field names
 below, so both are fixed: add to them, never rename. Every line is one JSON
 object on stderr with `timestamp` (ISO 8601, UTC), `level`, `service`,
 `event`, and the event's fields (`job_id`, `node`, `state`, `loss`, `step`,
 `steps`, `peak_mib`, `kind`, `size`, `sha256`, `message`, `error`).
+
+On a terminal the same events and fields are rendered for a person instead:
+one coloured line each, the process named first (structlog's console
+renderer). LORAFLEET_LOG_FORMAT=json or =console overrides the guess;
+`ConsoleLines` renders JSON lines a child process wrote the same way (what
+`lorafleet up` shows of its services).
 """
 
 from __future__ import annotations
 
+import io
+import json
 import logging
+import os
 import sys
-from typing import Any, Final
+from collections.abc import MutableMapping
+from typing import Any, Final, Literal, TextIO
 
 import stamina.instrumentation
 import structlog
@@ -76,21 +86,67 @@ class Event:
     METRICS_FAILED: Final = "metrics.failed"
 
 
-def configure(service: str, level: str = "info", stream: Any = None) -> None:
-    """Log JSON lines to `stream` (default stderr), each tagged with `service`."""
-    logging.basicConfig(level=level.upper(), stream=stream or sys.stderr, format="%(message)s")
+#: The environment variable that picks the log format: "json" or "console".
+LOG_FORMAT_ENV: Final = "LORAFLEET_LOG_FORMAT"
+LogFormat = Literal["json", "console"]
+LOG_FORMATS: Final = ("json", "console")
+
+
+class LogFormatError(ValueError):
+    """LORAFLEET_LOG_FORMAT holds something other than json or console."""
+
+
+def log_format(stream: Any, env: MutableMapping[str, str] | None = None) -> LogFormat:
+    """LORAFLEET_LOG_FORMAT when set; else console on a terminal, JSON otherwise."""
+    value = (os.environ if env is None else env).get(LOG_FORMAT_ENV, "").strip().lower()
+    if value == "json":
+        return "json"
+    if value == "console":
+        return "console"
+    if value:
+        raise LogFormatError(f"{LOG_FORMAT_ENV}={value!r}: set it to json or console")
+    isatty = getattr(stream, "isatty", None)
+    return "console" if isatty is not None and isatty() else "json"
+
+
+def _for_a_person(_logger: Any, _name: str, event: MutableMapping[str, Any]) -> Any:
+    # The console renderer shows `logger_name` in brackets before the fields:
+    # the process. The time of day (UTC, to the ms) is what a person scans for.
+    if "service" in event:
+        event["logger_name"] = event.pop("service")
+    stamp = event.get("timestamp")
+    if isinstance(stamp, str) and len(stamp) >= 23 and stamp[10] == "T":
+        event["timestamp"] = stamp[11:23] + "Z"
+    return event
+
+
+def console_renderer(colors: bool) -> structlog.dev.ConsoleRenderer:
+    return structlog.dev.ConsoleRenderer(colors=colors, pad_event_to=24, sort_keys=False)
+
+
+def configure(
+    service: str, level: str = "info", stream: Any = None, fmt: LogFormat | None = None
+) -> None:
+    """Log to `stream` (default stderr), each line tagged with `service`: JSON
+    lines, or console lines for a person (`fmt`, default `log_format(stream)`)."""
+    stream = stream or sys.stderr
+    fmt = fmt or log_format(stream)
+    logging.basicConfig(level=level.upper(), stream=stream, format="%(message)s")
+    render: list[Any] = [structlog.processors.JSONRenderer()]
+    if fmt == "console":
+        render = [_for_a_person, console_renderer(colors=_isatty(stream))]
     structlog.configure(
         processors=[
             structlog.contextvars.merge_contextvars,
             structlog.processors.add_log_level,
             structlog.processors.TimeStamper(fmt="iso", utc=True),
             structlog.processors.format_exc_info,
-            structlog.processors.JSONRenderer(),
+            *render,
         ],
         wrapper_class=structlog.make_filtering_bound_logger(
             logging.getLevelNamesMapping()[level.upper()]
         ),
-        logger_factory=structlog.PrintLoggerFactory(stream or sys.stderr),
+        logger_factory=structlog.PrintLoggerFactory(stream),
         cache_logger_on_first_use=False,
     )
     structlog.contextvars.bind_contextvars(service=service)
@@ -109,3 +165,38 @@ def _log_retry(details: stamina.instrumentation.RetryDetails) -> None:
 def get(**bound: Any) -> Any:
     """A logger; `bound` fields go on every line it writes."""
     return structlog.get_logger().bind(**bound)
+
+
+def _isatty(stream: Any) -> bool:
+    isatty = getattr(stream, "isatty", None)
+    return bool(isatty is not None and isatty())
+
+
+class ConsoleLines(io.TextIOBase):
+    """A text stream that writes each JSON log line it is given to `out` as a
+    console line (same event, same fields); other text passes through."""
+
+    def __init__(self, out: TextIO) -> None:
+        super().__init__()
+        self.out = out
+        self.renderer = console_renderer(colors=_isatty(out))
+        self._partial = ""
+
+    def write(self, text: str) -> int:
+        *lines, self._partial = (self._partial + text).split("\n")
+        for line in lines:
+            self.out.write(self.render(line) + "\n")
+        return len(text)
+
+    def render(self, line: str) -> str:
+        try:
+            obj = json.loads(line)
+        except ValueError:
+            return line
+        if not isinstance(obj, dict) or "event" not in obj:
+            return line
+        level = str(obj.get("level", "info"))
+        return str(self.renderer(None, level, _for_a_person(None, level, obj)))
+
+    def flush(self) -> None:
+        self.out.flush()

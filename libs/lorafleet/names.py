@@ -287,6 +287,22 @@ def stream_msg_get_subject(stream: str) -> str:
     return f"$JS.API.STREAM.MSG.GET.{stream}"
 
 
+def js_api_subject(*tokens: str) -> str:
+    """A JetStream API request subject, `$JS.API.<tokens...>` (what a grant names:
+    `js_api_subject("STREAM", "INFO", stream)`)."""
+    return ".".join(("$JS.API", *tokens))
+
+
+def js_ack_subjects(stream: str, consumer: str) -> str:
+    """Every ack subject of one consumer (`$JS.ACK.<stream>.<consumer>.>`)."""
+    return f"$JS.ACK.{stream}.{consumer}.>"
+
+
+def js_flow_control_subjects(stream: str) -> str:
+    """Every flow-control subject of one stream's consumers (`$JS.FC.<stream>.>`)."""
+    return f"$JS.FC.{stream}.>"
+
+
 def msg_get_subject(bucket: str) -> str:
     """The one JetStream API subject `read_object` requests on an object-store
     bucket (what a reader's permissions must allow)."""

@@ -22,18 +22,32 @@ So it cannot put another node's heartbeat, status or artifacts, receive
 another node's start or cancel, call the recorder's internal
 `<prefix>.store.jobs.*`, create or change streams, or read the artifacts.
 
-The services (recorder, scheduler, artifact-store) are trusted with the
-installation: every subject under the prefix, the JetStream API (they
-create the layout and consume the streams), the KV and object-store
-subjects of lorafleet's buckets, micro service discovery (`$SRV.>`) and
-the default inboxes. Clients (the `lorafleet` command) can use the service
-user.
+With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
+has its own block, allowed only what it uses, and creates only the
+JetStream pieces it owns (`LAYOUT_OWNERS`):
+- recorder: answers `api.jobs.{submit,get,list,curve}`, `api.models.*` and
+  `store.jobs.*`; publishes `events.jobs.*`; owns the STATUS stream and
+  reads it through its durable consumer alone; owns the datasets bucket;
+- scheduler: answers `api.jobs.cancel` and `api.nodes.list`; asks the
+  recorder (`api.jobs.{get,list}`, `api.models.list`,
+  `store.jobs.transition`) and the nodes (`node.*.{start,cancel}`); hears
+  `events.jobs.*`; owns and reads the nodes and leader KV buckets and
+  writes only the leader's;
+- artifact-store: answers `api.artifacts.*`; reports to
+  `store.jobs.artifact`; owns the ARTIFACTS stream (its durable consumer,
+  message gets and purges) and the artifacts bucket;
+- a client (operators, the CLI): `<prefix>.api.>`, puts datasets, reads
+  artifacts and hears `events.jobs.*`; nothing internal.
+Each reads replies on its own inboxes (`identity_inbox_prefix`). The
+older password form (`service_permissions`, one user for every service)
+is still what `lorafleet nats-config` prints.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.names import (
@@ -43,9 +57,16 @@ from lorafleet.names import (
     SERVICE_DISCOVERY_SUBJECTS,
     Names,
     check_token,
+    js_ack_subjects,
+    js_api_subject,
+    js_flow_control_subjects,
+    kv_stream,
     kv_subjects,
     msg_get_subject,
     node_inbox_prefix,
+    object_chunk_subjects,
+    object_meta_subjects,
+    object_stream,
     object_subjects,
 )
 
@@ -109,6 +130,220 @@ def service_permissions(names: Names) -> Permissions:
     }
 
 
+# --- one identity per service and client (nkeys) ------------------------------
+
+#: The services that get an identity of their own, in start order.
+SERVICES = ("recorder", "scheduler", "artifact-store")
+
+#: Which service creates (and updates) which JetStream piece at its start
+#: (bus.Layout's part names); no other identity may.
+LAYOUT_OWNERS: dict[str, tuple[str, ...]] = {
+    "recorder": ("status_stream", "datasets_store"),
+    "scheduler": ("nodes_kv", "leader_kv"),
+    "artifact-store": ("artifacts_stream", "artifacts_store"),
+}
+
+
+def owned_layout_parts(nats_nkey_seed: str | None, service: str) -> tuple[str, ...] | None:
+    """The layout parts `service` ensures at its start (bus.ensure_layout's
+    `parts`): with an identity of its own (an nkey seed) only what it owns,
+    since it may not create the others'; with a shared user or none, every
+    part (None), so that any start order works on a fresh server."""
+    if not nats_nkey_seed or service not in LAYOUT_OWNERS:
+        return None
+    return LAYOUT_OWNERS[service]
+
+
+def identity_inbox_prefix(kind: str, name: str) -> str:
+    """The reply inbox prefix of an identity: a node's `_INBOX_<node>`, a
+    service's `_INBOX.service.<name>`, a client's `_INBOX.client.<name>`.
+    Distinct first tokens, so no node name can reach a service's replies."""
+    if kind == "node":
+        return node_inbox_prefix(name)
+    if kind not in ("service", "client"):
+        raise PermissionsError(f"identity kind {kind!r}: use node, service or client")
+    return f"{DEFAULT_INBOX}.{kind}.{check_token(name, f'{kind} name')}"
+
+
+def _stream_owner(stream: str) -> list[str]:
+    """Creating, updating and reading the config of `stream` (ensure_layout)."""
+    return [js_api_subject("STREAM", verb, stream) for verb in ("CREATE", "UPDATE", "INFO")]
+
+
+def _durable(stream: str, durable: str) -> list[str]:
+    """Pulling from, and acking on, one durable consumer (lorafleet._consumer)."""
+    return [
+        js_api_subject("CONSUMER", "CREATE", stream, durable),
+        js_api_subject("CONSUMER", "CREATE", stream, durable, ">"),
+        js_api_subject("CONSUMER", "DURABLE", "CREATE", stream, durable),
+        js_api_subject("CONSUMER", "INFO", stream, durable),
+        js_api_subject("CONSUMER", "DELETE", stream, durable),
+        js_api_subject("CONSUMER", "MSG", "NEXT", stream, durable),
+        js_ack_subjects(stream, durable),
+    ]
+
+
+def _every_consumer(stream: str) -> list[str]:
+    """Any consumer on `stream`, made, pulled, acked and deleted: the stream's
+    owner reads deliveries back with short-lived pull consumers (the artifact-store)."""
+    return [
+        js_api_subject("CONSUMER", "CREATE", stream, ">"),
+        js_api_subject("CONSUMER", "CREATE", stream),
+        js_api_subject("CONSUMER", "DURABLE", "CREATE", stream, ">"),
+        js_api_subject("CONSUMER", "INFO", stream, ">"),
+        js_api_subject("CONSUMER", "DELETE", stream, ">"),
+        js_api_subject("CONSUMER", "MSG", "NEXT", stream, ">"),
+        js_ack_subjects(stream, "*"),  # any consumer of it
+        js_api_subject("STREAM", "NAMES"),
+    ]
+
+
+def _reader(stream: str) -> list[str]:
+    """Reading `stream` through ephemeral ordered consumers (a KV watch, an
+    object get) and message gets: nothing that changes it."""
+    return [
+        js_api_subject("STREAM", "INFO", stream),
+        js_api_subject("CONSUMER", "CREATE", stream),
+        js_api_subject("CONSUMER", "CREATE", stream, "*", ">"),
+        js_api_subject("CONSUMER", "INFO", stream, "*"),
+        # nats-py's subscribe looks the stream up by subject; it lists names only.
+        js_api_subject("STREAM", "NAMES"),
+        js_api_subject("STREAM", "MSG", "GET", stream),
+        js_api_subject("DIRECT", "GET", stream),
+        js_api_subject("DIRECT", "GET", stream, ">"),
+        js_flow_control_subjects(stream),
+    ]
+
+
+def _block(publish: list[str], subscribe: list[str]) -> Permissions:
+    return {
+        "publish": {"allow": list(dict.fromkeys(publish))},
+        "subscribe": {"allow": list(dict.fromkeys(subscribe))},
+        "allow_responses": True,
+    }
+
+
+def _inbox(kind: str, name: str) -> str:
+    return f"{identity_inbox_prefix(kind, name)}.>"
+
+
+def recorder_permissions(names: Names) -> Permissions:
+    """The recorder's block (see the module doc)."""
+    p, status, datasets = names.prefix, names.status_stream, object_stream(names.datasets_bucket)
+    return _block(
+        [
+            f"{p}.events.jobs.*",
+            *_stream_owner(status),
+            *_durable(status, names.recorder_consumer),
+            *_stream_owner(datasets),
+            *_reader(datasets),
+            js_api_subject("STREAM", "PURGE", datasets),
+            object_subjects(names.datasets_bucket),
+        ],
+        [
+            *(names.api("jobs", verb) for verb in ("submit", "get", "list", "curve")),
+            names.api("models", "*"),
+            f"{p}.store.jobs.*",
+            SERVICE_DISCOVERY_SUBJECTS,
+            _inbox("service", "recorder"),
+        ],
+    )
+
+
+def scheduler_permissions(names: Names) -> Permissions:
+    """The scheduler's block (see the module doc)."""
+    p = names.prefix
+    nodes_kv, leader_kv = kv_stream(names.nodes_bucket), kv_stream(names.leader_bucket)
+    return _block(
+        [
+            names.jobs_get,
+            names.jobs_list,
+            names.models_list,
+            names.store_transition,
+            f"{p}.node.*.start",
+            f"{p}.node.*.cancel",
+            js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits
+            *_stream_owner(nodes_kv),
+            *_reader(nodes_kv),
+            *_stream_owner(leader_kv),
+            *_reader(leader_kv),
+            kv_subjects(names.leader_bucket),
+        ],
+        [
+            names.all_job_events,
+            names.jobs_cancel,
+            names.nodes_list,
+            SERVICE_DISCOVERY_SUBJECTS,
+            _inbox("service", "scheduler"),
+        ],
+    )
+
+
+def artifact_store_permissions(names: Names) -> Permissions:
+    """The artifact-store's block (see the module doc)."""
+    chunks, objects_ = names.artifacts_stream, object_stream(names.artifacts_bucket)
+    return _block(
+        [
+            names.jobs_get,  # is the delivering node the job's? (the recorder says)
+            names.store_artifact,
+            *_stream_owner(chunks),
+            *_every_consumer(chunks),
+            js_api_subject("STREAM", "MSG", "GET", chunks),
+            js_api_subject("STREAM", "PURGE", chunks),
+            *_stream_owner(objects_),
+            *_reader(objects_),
+            js_api_subject("STREAM", "PURGE", objects_),
+            object_subjects(names.artifacts_bucket),
+        ],
+        [
+            names.api("artifacts", "*"),
+            SERVICE_DISCOVERY_SUBJECTS,
+            _inbox("service", "artifact-store"),
+        ],
+    )
+
+
+def client_permissions(names: Names, client: str) -> Permissions:
+    """An operator's or the CLI's block: the API, putting datasets (their
+    chunks and info), reading artifacts, hearing job events; nothing internal."""
+    p = names.prefix
+    datasets, artifacts = names.datasets_bucket, names.artifacts_bucket
+    return _block(
+        [
+            f"{p}.api.>",
+            object_chunk_subjects(datasets),
+            object_meta_subjects(datasets),
+            js_api_subject("STREAM", "INFO", object_stream(datasets)),
+            js_api_subject("STREAM", "MSG", "GET", object_stream(datasets)),
+            *_reader(object_stream(artifacts)),
+        ],
+        [names.all_job_events, _inbox("client", client)],
+    )
+
+
+def service_block(names: Names, service: str) -> Permissions:
+    """The block of one of `SERVICES`."""
+    makers = {
+        "recorder": recorder_permissions,
+        "scheduler": scheduler_permissions,
+        "artifact-store": artifact_store_permissions,
+    }
+    if service not in makers:
+        raise PermissionsError(f"service {service!r}: use one of {', '.join(SERVICES)}")
+    return makers[service](names)
+
+
+def identity_block(names: Names, kind: str, name: str) -> Permissions:
+    """The block of the identity `kind` ("node", "service", "client") `name`."""
+    if kind == "node":
+        return agent_permissions(names, name)
+    if kind == "service":
+        return service_block(names, name)
+    if kind == "client":
+        return client_permissions(names, check_token(name, "client name"))
+    raise PermissionsError(f"identity kind {kind!r}: use node, service or client")
+
+
 # --- checking a block (pure; for tests and operators) ---------------------------
 
 
@@ -162,18 +397,82 @@ def server_config(
     """
     if not users:
         raise PermissionsError("a config needs at least one user")
-    lines = ["# lorafleet: generated by `lorafleet nats-config`", ""]
+    lines = _header("lorafleet nats-config", listen, store_dir, max_payload, None)
+    lines += ["", "authorization {", "  users = ["]
+    for user, (password, perms) in users.items():
+        _check_user(user, password)
+        entry = {"user": user, "password": password, "permissions": perms}
+        lines.append(f"    {json.dumps(entry)}")
+    lines += ["  ]", "}", ""]
+    return "\n".join(lines)
+
+
+@dataclass(frozen=True, slots=True)
+class ServerTls:
+    """The server side of TLS: its certificate and key (PEM files), and the CA
+    its clients' certificates must be signed by when `verify_clients`."""
+
+    cert: str
+    key: str
+    ca: str | None = None
+    verify_clients: bool = False
+
+    def __post_init__(self) -> None:
+        if self.verify_clients and not self.ca:
+            raise PermissionsError("verifying client certificates needs the CA that signs them")
+
+
+def _header(
+    generator: str,
+    listen: str | None,
+    store_dir: str | None,
+    max_payload: int | None,
+    tls: ServerTls | None,
+) -> list[str]:
+    lines = [f"# lorafleet: generated by `{generator}`", ""]
     if listen is not None:
         lines.append(f"listen: {json.dumps(listen)}")
     if max_payload is not None:
         lines.append(f"max_payload: {int(max_payload)}")
     js = {"store_dir": store_dir} if store_dir else {}
     lines.append(f"jetstream: {json.dumps(js)}" if js else "jetstream: enabled")
+    if tls is not None:
+        block: dict[str, Any] = {"cert_file": tls.cert, "key_file": tls.key}
+        if tls.ca:
+            block["ca_file"] = tls.ca
+        if tls.verify_clients:
+            block["verify"] = True
+        lines.append(f"tls: {json.dumps(block)}")
+    return lines
+
+
+def nkey_server_config(
+    identities: Mapping[str, tuple[str, Permissions]],
+    *,
+    listen: str | None = None,
+    store_dir: str | None = None,
+    max_payload: int | None = None,
+    tls: ServerTls | None = None,
+) -> str:
+    """A nats-server config with JetStream on and one nkey user per identity
+    (`identities`: its name -> (public key `U...`, permissions)).
+
+    Only public keys go in: the file reveals no secret. Each entry is
+    preceded by a comment naming its identity. See `server_config` for
+    listen, store_dir and max_payload; `tls` turns TLS on.
+    """
+    if not identities:
+        raise PermissionsError("a config needs at least one identity")
+    lines = _header("lorafleet auth", listen, store_dir, max_payload, tls)
     lines += ["", "authorization {", "  users = ["]
-    for user, (password, perms) in users.items():
-        _check_user(user, password)
-        entry = {"user": user, "password": password, "permissions": perms}
-        lines.append(f"    {json.dumps(entry)}")
+    for name, (public_key, perms) in identities.items():
+        if not (public_key.startswith("U") and public_key.isalnum() and len(public_key) == 56):
+            raise PermissionsError(
+                f"{name}: {public_key!r} is not an nkey user public key (56 characters, "
+                "starting with U); the seed file may be damaged: delete it and re-run"
+            )
+        lines.append(f"    # {name}")
+        lines.append(f"    {json.dumps({'nkey': public_key, 'permissions': perms})}")
     lines += ["  ]", "}", ""]
     return "\n".join(lines)
 

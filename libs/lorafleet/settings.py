@@ -44,7 +44,9 @@ class Settings:
     nats_creds: str | None = None
     #: Prefix of this process's reply inboxes; default "_INBOX" (nats-py's).
     #: An agent whose credentials allow only its own subjects uses
-    #: "_INBOX_<node>" (`lorafleet nats-config` prints it).
+    #: "_INBOX_<node>"; a service or client on its own nkey identity
+    #: "_INBOX.service.<name>" or "_INBOX.client.<name>" (`lorafleet auth`
+    #: writes each into the identity's env file).
     nats_inbox_prefix: str = "_INBOX"
     #: Prefix of every subject, stream and bucket. Default "lorafleet".
     subject_prefix: str = DEFAULT_PREFIX
@@ -74,6 +76,21 @@ class Settings:
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).
     artifact_orphan_age_s: float = 600.0
+    #: Log lines as "json" or "console" (for a person); default: console on
+    #: a terminal, JSON otherwise (see lorafleet.log).
+    log_format: str = ""
+    #: This process's NATS identity: a file holding its nkey seed (`SU...`,
+    #: mode 0600; `lorafleet auth` writes one per node, service and client).
+    #: Default none (no nkey; a user and password in the URL, or no auth).
+    nats_nkey_seed: str | None = None
+    #: TLS: a PEM file of the CA that signed the server's certificate (and
+    #: switches TLS on). Default none: the system's CAs when a URL is tls://.
+    nats_tls_ca: str | None = None
+    #: TLS: this process's client certificate (PEM), for a server that
+    #: verifies clients; with `nats_tls_key`. Default none.
+    nats_tls_cert: str | None = None
+    #: TLS: the private key (PEM) of `nats_tls_cert`. Default none.
+    nats_tls_key: str | None = None
     #: Where this process serves Prometheus metrics (`GET /metrics`):
     #: "host:port", ":port" (every interface) or port 0 (a free one, logged
     #: on `service.started`). Default "": off, since two processes on one
@@ -105,6 +122,15 @@ class Settings:
             raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
+        if self.log_format not in ("", "json", "console"):
+            raise SettingsError(
+                f"LORAFLEET_LOG_FORMAT={self.log_format!r}: set it to json or console"
+            )
+        if (self.nats_tls_cert is None) != (self.nats_tls_key is None):
+            raise SettingsError(
+                "LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY go together: "
+                "set both (a client certificate and its key) or neither"
+            )
         if self.metrics_addr:
             parse_host_port(self.metrics_addr, "LORAFLEET_METRICS_ADDR")
         if self.metrics_linger_s < 0:

@@ -239,6 +239,11 @@ class LossPoint(msgspec.Struct, kw_only=True):
     peak_mib: int | None = None
 
 
+class EvalPoint(msgspec.Struct, kw_only=True):
+    step: int
+    eval_loss: float
+
+
 class JobCurveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     id: str
 
@@ -249,6 +254,8 @@ class JobCurve(msgspec.Struct, kw_only=True):
     id: str
     points: list[LossPoint]
     events: list[JobEventRecord]
+    #: The eval loss at each evaluated step, by step.
+    evals: list[EvalPoint] = msgspec.field(default_factory=list)
 
 
 class JobEventRecord(msgspec.Struct, kw_only=True):
@@ -266,6 +273,10 @@ class JobEvent(msgspec.Struct, kw_only=True):
     #: "state" when the state changed, "progress" otherwise.
     kind: Literal["state", "progress"]
     job: JobRecord
+    #: The trainer's latest throughput and time-to-go, when the change came
+    #: from its status reports (they are not kept on the job).
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
 
 
 # --- internal: scheduler / artifact-store -> recorder ----------------------

@@ -23,14 +23,17 @@ from rich.console import Console
 from lorafleet.client import Client
 from lorafleet_schemas.messages import (
     Engine,
-    JobRecord,
     JobSpec,
     JobState,
     ModelSpec,
     TrainerParams,
 )
 from lorafleet_services.agent.conversion import local_conversion_source
+from lorafleet_services.cli.follow import choose_mode, follow
 from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
+
+#: The demo model's catalog name.
+DEMO_MODEL = "tiny-llama"
 
 
 def demo_records(n: int = 96, seed: int = 7) -> str:
@@ -48,7 +51,7 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
     the job ended done and every artifact arrived in `out_dir` with its sha256."""
     directory = data_dir or Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
     console.print(f"data directory: {directory}")
-    model_dir = _tiny_model(directory, console)
+    model_dir = tiny_model(directory, console)
     if engine is Engine.LLAMACPP:
         console.print("preparing llama.cpp's conversion code (from PyPI's llama-cpp-python) ...")
     agent = await local_agent_config(
@@ -61,21 +64,18 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
     console.print(f"lorafleet is up: NATS {settings.nats_url}")
     try:
         async with await Client.connect(settings) as lf:
-            if "tiny-llama" not in {m.name for m in await lf.models()}:
-                spec = ModelSpec(name="tiny-llama", engine=engine, local_dir=str(model_dir))
+            if DEMO_MODEL not in {m.name for m in await lf.models()}:
+                spec = ModelSpec(name=DEMO_MODEL, engine=engine, local_dir=str(model_dir))
                 await lf.add_model(spec)
             job = await lf.submit(demo_job())
             console.print(f"queued job {job.id} ({job.records} records)")
-            last = await _follow(lf, job, console)
+            last = await follow(lf, job.id, choose_mode(False, False, console), console)
             if last.state is not JobState.DONE:
                 console.print(f"[red]the job ended {last.state.value}[/red]: {last.message}")
                 return 1
             if not await _download_checked(lf, job.id, out_dir, console):
                 return 1
-            console.print(
-                f"[green]done[/green]: final loss {last.loss}, eval loss {last.eval_loss}, "
-                f"peak {last.peak_mib} MiB"
-            )
+            console.print("[green]done[/green]: the adapter trained, arrived and checks out")
             return 0
     finally:
         await stack.stop()
@@ -85,7 +85,7 @@ def demo_job() -> JobSpec:
     """The demo's job: a few epochs of small sums on the local agent's CPU."""
     return JobSpec(
         name="demo",
-        model="tiny-llama",
+        model=DEMO_MODEL,
         node=LOCAL_NODE,
         gpu_memory_mib=1,
         data=demo_records(),
@@ -96,9 +96,9 @@ def demo_job() -> JobSpec:
     )  # fmt: skip
 
 
-def _tiny_model(directory: Path, console: Console) -> Path:
+def tiny_model(directory: Path, console: Console) -> Path:
     """The tiny Llama under `directory`, built on the spot the first time (no download)."""
-    model_dir = directory / "models" / "tiny-llama"
+    model_dir = directory / "models" / DEMO_MODEL
     if not (model_dir / "config.json").is_file():
         console.print("building a tiny Llama (no download) ...")
         from transformers.utils import logging as hf_logging
@@ -108,20 +108,6 @@ def _tiny_model(directory: Path, console: Console) -> Path:
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         build_tiny_model("llama", model_dir)
     return model_dir
-
-
-async def _follow(lf: Client, job: JobRecord, console: Console) -> JobRecord:
-    """Print each state change and step of `job` until it ends; its last record."""
-    last = job
-    async for event in lf.watch(job.id):
-        j = event.job
-        if event.kind == "state" or j.step != last.step:
-            loss = f" loss {j.loss:.4f}" if j.loss is not None else ""
-            step = f" step {j.step}/{j.steps}" if j.steps else ""
-            said = f" - {j.message}" if event.kind == "state" and j.message else ""
-            console.print(f"  {j.state.value}{step}{loss}{said}")
-        last = j
-    return last
 
 
 async def _download_checked(lf: Client, job_id: str, out_dir: Path, console: Console) -> bool:

@@ -13,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import logging
 import os
 import signal
 import subprocess
@@ -20,7 +21,7 @@ import sys
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TextIO
+from typing import Any, Protocol
 
 from lorafleet import _bus as bus
 from lorafleet import metrics
@@ -46,6 +47,8 @@ LOCAL_NODE = "local"
 LOCAL_CONVERSION_DIR = "llama.cpp-source"
 
 _AGENT_ENV_PREFIX = "LORAFLEET_AGENT_"
+#: The demo's question/answer pairs, written into the data directory by `lorafleet up`.
+DEMO_DATA_FILE = "demo-pairs.jsonl"
 
 #: Prepares llama.cpp's conversion code in a directory: (conversion_source, llamacpp_tag).
 ConversionPreparer = Callable[[Path], Awaitable[tuple[str, str]]]
@@ -87,8 +90,33 @@ async def local_agent_config(
     return AgentConfig.from_env(env, **unset, node=node)
 
 
+def next_steps(data_dir: Path, node: str | None) -> list[str]:
+    """What `lorafleet up` tells its user to type next, and where things are."""
+    lines = [
+        f"data (NATS store, SQLite database, agent work): {data_dir}",
+        "next, in another terminal:",
+        "  lorafleet models add-demo                      # a tiny Llama, built here",
+        f"  lorafleet submit --model tiny-llama --gpu-mib 1 --data {data_dir / DEMO_DATA_FILE}"
+        + (f" --node {node}" if node else "")
+        + " --watch",
+        "  lorafleet watch JOB                            # follow a job (Ctrl-C leaves it be)",
+        "  lorafleet top                                  # the fleet: nodes, running jobs, queue",
+        "  lorafleet jobs show JOB --png loss.png         # a job's loss curve",
+    ]
+    if node is None:
+        lines.insert(1, "no local agent (--no-agent): start `lorafleet agent --node NAME`")
+    return lines
+
+
 def _agent_env_sets(env: Mapping[str, str], *fields: str) -> bool:
     return any(f"{_AGENT_ENV_PREFIX}{name.upper()}" in env for name in fields)
+
+
+class Echo(Protocol):
+    """Where a child's log lines are copied: a text stream (sys.stderr, log.ConsoleLines)."""
+
+    def write(self, text: str, /) -> int: ...
+    def flush(self) -> None: ...
 
 
 class ServiceStartError(RuntimeError):
@@ -109,7 +137,7 @@ class ServiceProcess:
         settings: Settings,
         args: list[str] | None = None,
         env: Mapping[str, str] | None = None,
-        echo: TextIO | None = None,
+        echo: Echo | None = None,
     ) -> None:
         self.module = module
         self.settings = settings
@@ -133,7 +161,15 @@ class ServiceProcess:
         return self.proc is not None and self.proc.returncode is None
 
     async def start(self, timeout_s: float = START_TIMEOUT_S) -> ServiceProcess:
-        env = {**os.environ, **self.settings.to_env(), **self.env, "PYTHONUNBUFFERED": "1"}
+        # JSON whatever the user's LORAFLEET_LOG_FORMAT: `start()` reads the
+        # child's lines; `echo` may render them for a person (log.ConsoleLines).
+        env = {
+            **os.environ,
+            **self.settings.to_env(),
+            **self.env,
+            "PYTHONUNBUFFERED": "1",
+            "LORAFLEET_LOG_FORMAT": "json",
+        }
         self._started = asyncio.Event()
         self.proc = await asyncio.create_subprocess_exec(
             sys.executable, "-m", self.module, *self.args,
@@ -235,13 +271,15 @@ class EmbeddedStack:
     data_dir: Path
     nats_port: int = 0
     agent: AgentConfig | None = None
-    echo: TextIO | None = None
+    echo: Echo | None = None
     settings: Settings | None = None
     nats: NatsServer | None = None
     children: list[ServiceProcess] = field(default_factory=list)
     metrics_addr: str = ""
 
     async def start(self) -> Settings:
+        # alembic logs INFO lines on import ("setup plugin ..."): nothing for a user.
+        logging.getLogger("alembic").setLevel(logging.WARNING)
         from lorafleet_services.recorder.db import migrate
 
         self.data_dir.mkdir(parents=True, exist_ok=True)

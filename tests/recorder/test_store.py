@@ -172,6 +172,7 @@ async def test_status_in_order(models: Sessions) -> None:
     assert got.message == "delivering"
     curve = await store.curve(models, job.id)
     assert [p.step for p in curve.points] == list(range(1, 21))
+    assert [(p.step, p.eval_loss) for p in curve.evals] == [(20, 1.25)]
     assert [e.to_state for e in curve.events][-3:] == [
         JobState.PREPARING,
         JobState.RUNNING,
@@ -179,6 +180,21 @@ async def test_status_in_order(models: Sessions) -> None:
     ]
     [change] = result.changes
     assert change.kind == "state" and change.job.state is JobState.UPLOADING
+
+
+async def test_each_evaluation_is_kept_once_for_the_eval_curve(models: Sessions) -> None:
+    job = await started(models)
+    reports = [
+        rep(job, 1, state=JobState.RUNNING),
+        rep(job, 2, step=1, steps=2, loss=2.0),
+        rep(job, 3, step=1, eval_loss=1.5),
+        rep(job, 4, step=2, steps=2, loss=1.0),
+        rep(job, 5, step=2, eval_loss=1.25),
+    ]
+    await store.apply_status(models, reports[::-1])
+    await store.apply_status(models, reports)  # repeated: stored once
+    curve = await store.curve(models, job.id)
+    assert [(p.step, p.eval_loss) for p in curve.evals] == [(1, 1.5), (2, 1.25)]
 
 
 async def test_status_repeated_and_shuffled_same_result(models: Sessions) -> None:
@@ -203,6 +219,7 @@ async def test_status_repeated_and_shuffled_same_result(models: Sessions) -> Non
         assert comparable(got) == comparable(expected_job), trial
         curve = await store.curve(models, job.id)
         assert curve.points == expected_curve.points
+        assert curve.evals == expected_curve.evals
     # Applying everything again changes nothing at all.
     before = await store.get_job(models, job.id)
     result = await store.apply_status(models, training_reports(job))

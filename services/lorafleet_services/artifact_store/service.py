@@ -35,6 +35,7 @@ from lorafleet._recorder_client import RecorderClient
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
 from lorafleet.names import Names
+from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings
 from lorafleet_services.artifact_store.api import ArtifactApi
 from lorafleet_services.artifact_store.delivery import RETRY_DELAY_S, Deliveries
@@ -124,7 +125,8 @@ class ArtifactStore:
         await self._pub.stop()
 
     async def _ensure_layout(self) -> None:
-        await ensure_layout(self.js, layout_for(self.settings))
+        parts = owned_layout_parts(self.settings.nats_nkey_seed, PROGRAM.name)
+        await ensure_layout(self.js, layout_for(self.settings), parts)
 
     async def _handle(self, batch: list[Msg]) -> None:
         """One batch from the durable consumer; each message is acked (or held) by

@@ -138,6 +138,7 @@ class RecorderApi:
                     "$.dataset",
                 )
             records, sha = self._check_data(stored, "$.dataset")
+            _check_named_by_content(dataset, sha)
         job = await store.create_job(self.sm, spec, model, dataset, sha, records)
         metrics.JOBS_SUBMITTED.inc()
         self.logger.info(
@@ -288,8 +289,26 @@ class RecorderApi:
     async def _publish(self, change: JobChange) -> None:
         # Best effort: the change is committed; a watcher that missed the
         # event reads the job. A failed publish must not fail the request.
-        event = JobEvent(kind=change.kind, job=change.job)
+        event = JobEvent(
+            kind=change.kind,
+            job=change.job,
+            tokens_per_s=change.tokens_per_s,
+            eta_s=change.eta_s,
+        )
         try:
             await self.publish(self.names.job_events(change.job.id), encode(event))
         except Exception as e:
             self.logger.warning(Event.NATS_ERROR, job_id=change.job.id, error=repr(e))
+
+
+def _check_named_by_content(dataset: str, sha: str) -> None:
+    """A `sha256/<hex>` dataset must hold the data of that sha256: a client may
+    put into the datasets bucket, so one could have overwritten it."""
+    prefix = dataset_object_name("")
+    if dataset.startswith(prefix) and dataset != dataset_object_name(sha):
+        raise ConflictError(
+            f"the object {dataset} holds data whose sha256 is {sha}, not the one its name "
+            "gives: it was overwritten; have an operator delete it (`nats object rm "
+            "<datasets bucket> <name>`) and submit again",
+            "$.dataset",
+        )

@@ -34,6 +34,7 @@ from lorafleet._consumer import PullConsumer, PullConsumerConfig
 from lorafleet._micro import start_service
 from lorafleet._natspy import download_object
 from lorafleet.log import Event
+from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db, store
@@ -118,7 +119,8 @@ class Recorder:
         await self.nc.publish(subject, payload)
 
     async def _ensure_layout(self) -> None:
-        await bus.ensure_layout(self.js, bus.layout_for(self.settings))
+        parts = owned_layout_parts(self.settings.nats_nkey_seed, PROGRAM.name)
+        await bus.ensure_layout(self.js, bus.layout_for(self.settings), parts)
 
     async def start(self) -> None:
         """Consume status and serve requests (the JetStream layout exists: runtime.serve)."""

@@ -40,6 +40,7 @@ from lorafleet.states import FINAL, IllegalTransitionError, can_move, check_move
 from lorafleet_schemas.messages import (
     ArtifactKind,
     Engine,
+    EvalPoint,
     JobCurve,
     JobEventRecord,
     JobRecord,
@@ -52,6 +53,7 @@ from lorafleet_schemas.messages import (
     TrainerParams,
 )
 from lorafleet_services.recorder.db import Sessions
+from lorafleet_services.recorder.models import EvalPoint as EvalPointRow
 from lorafleet_services.recorder.models import Job, JobEventRow, Model
 from lorafleet_services.recorder.models import LossPoint as LossPointRow
 
@@ -62,6 +64,7 @@ _jobs: Table = Job.__table__  # type: ignore[assignment]
 _models: Table = Model.__table__  # type: ignore[assignment]
 _points: Table = LossPointRow.__table__  # type: ignore[assignment]
 _events: Table = JobEventRow.__table__  # type: ignore[assignment]
+_evals: Table = EvalPointRow.__table__  # type: ignore[assignment]
 
 #: Scalar job fields a status report sets, each from its newest report.
 _SCALARS = ("step", "steps", "loss", "eval_loss", "message")
@@ -398,6 +401,7 @@ class Folded:
 
     values: dict[str, Any] = field(default_factory=dict)
     points: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
     moves: list[Move] = field(default_factory=list)
     refused: list[tuple[StatusReport, str]] = field(default_factory=list)
     #: Reports whose state change was older than the job's state (dropped).
@@ -438,6 +442,8 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
             peak = max(peak, r.peak_mib)
         if r.step is not None and r.loss is not None:
             out.points.append(_loss_point(job["id"], r))
+        if r.step is not None and r.eval_loss is not None:
+            out.evals.append({"job_id": job["id"], "step": r.step, "eval_loss": r.eval_loss})
         _take_scalars(r, scalars, seqs)
         if r.state is not None and r.seq > seqs.get("state", 0):
             if r.state is not state and can_move(state, r.state) and r.state is not JobState.DONE:
@@ -501,6 +507,9 @@ class JobChange:
     job: JobRecord
     kind: Literal["state", "progress"]
     moves: list[Move]
+    #: The latest throughput and time-to-go among the batch's reports (for the event).
+    tokens_per_s: float | None = None
+    eta_s: float | None = None
 
 
 @dataclass
@@ -510,6 +519,12 @@ class StatusResult:
     stale: list[StatusReport] = field(default_factory=list)
     #: Reports applied (not refused), counting repeats.
     applied: int = 0
+
+
+def _latest_rates(reports: Sequence[StatusReport]) -> StatusReport | None:
+    """The newest report (by seq) that carries tokens/s, if any."""
+    rated = [r for r in reports if r.tokens_per_s is not None]
+    return max(rated, key=lambda r: r.seq) if rated else None
 
 
 def _insert_ignore(s: AsyncSession, table: Table) -> Any:
@@ -526,13 +541,12 @@ async def apply_status(sm: Sessions, reports: Sequence[StatusReport]) -> StatusR
     by_job: dict[str, list[StatusReport]] = {}
     for r in reports:
         by_job.setdefault(r.job_id, []).append(r)
-    for attempt in range(GUARD_RETRIES + 1):
+    for _ in range(GUARD_RETRIES):
         try:
             return await _apply_status_once(sm, by_job)
         except _GuardMissedError:
-            if attempt == GUARD_RETRIES:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return await _apply_status_once(sm, by_job)  # the last try: a miss now propagates
 
 
 async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]) -> StatusResult:
@@ -546,6 +560,7 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             ).mappings()
         }
         points: list[dict[str, Any]] = []
+        evals: list[dict[str, Any]] = []
         events: list[dict[str, Any]] = []
         for job_id in sorted(by_job):
             job_reports = by_job[job_id]
@@ -558,21 +573,27 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             result.stale.extend(folded.stale)
             result.applied += len(job_reports) - len(folded.refused)
             points.extend(folded.points)
+            evals.extend(folded.evals)
             events.extend(
                 _event_row(job_id, t, m.from_state, m.to_state, m.message) for m in folded.moves
             )
             if folded.values:
                 await _guarded_update(s, row, folded.values)
                 row.update(folded.values)
+                latest = _latest_rates(job_reports)
                 result.changes.append(
                     JobChange(
                         job_record(row),
                         "state" if folded.moves else "progress",
                         folded.moves,
+                        latest.tokens_per_s if latest else None,
+                        latest.eta_s if latest else None,
                     )
                 )
         if points:
             await s.execute(_insert_ignore(s, _points), points)
+        if evals:
+            await s.execute(_insert_ignore(s, _evals), evals)
         if events:
             await s.execute(insert(_events), events)
     return result
@@ -591,13 +612,12 @@ async def record_artifact(
     if any. `size` (bytes) and `sha256` are the artifact-store's; the
     artifact-store keeps them, the recorder keeps which kinds are stored.
     """
-    for attempt in range(GUARD_RETRIES + 1):
+    for _ in range(GUARD_RETRIES):
         try:
             return await _record_artifact_once(sm, job_id, kind)
         except _GuardMissedError:
-            if attempt == GUARD_RETRIES:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return await _record_artifact_once(sm, job_id, kind)  # the last try: a miss now propagates
 
 
 def _stored_message(stored: list[str]) -> str:
@@ -674,4 +694,14 @@ async def curve(sm: Sessions, job_id: str) -> JobCurve:
             )
             for e in events
         ]
-    return JobCurve(id=job_id, points=point_list, events=event_list)
+        evals = await _eval_points(s, job_id)
+    return JobCurve(id=job_id, points=point_list, events=event_list, evals=evals)
+
+
+async def _eval_points(s: AsyncSession, job_id: str) -> list[EvalPoint]:
+    rows = await s.execute(
+        select(_evals.c.step, _evals.c.eval_loss)
+        .where(_evals.c.job_id == job_id)
+        .order_by(_evals.c.step)
+    )
+    return [EvalPoint(step=step, eval_loss=loss) for step, loss in rows]

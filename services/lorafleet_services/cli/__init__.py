@@ -1,0 +1,60 @@
+"""The `lorafleet` command.
+
+Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent --node NAME
+Catalog:    lorafleet models add NAME --engine vllm|llamacpp
+                (--hf-repo R [--revision V] | --local-dir D)
+            lorafleet models list
+            lorafleet models add-demo
+Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
+                [--node N] [--param key=value ...] [--watch [--plain|--json]]
+            lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
+Fleet:      lorafleet top,  lorafleet nodes
+Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
+NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]
+            lorafleet nats-config --node N [--node N ...] [--blocks]   (passwords; older)
+
+One module per command group: services.py (the services, up, demo),
+catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
+plots), nodes.py, top.py, artifacts.py, auth.py (nats-config), identities.py
+(auth: nkey identities); _app.py holds the
+Typer apps and what they share. A new command goes in its group's module.
+
+Without LORAFLEET_NATS_URL the commands use the NATS server of a running
+`lorafleet up` (its URL is kept in the data directory).
+"""
+
+from __future__ import annotations
+
+# Each module registers its commands on the shared apps when imported.
+# Their order is --help's order of panels: services, jobs, fleet, the rest.
+from lorafleet_services.cli import services
+
+# isort: split
+from lorafleet_services.cli import jobs, top
+
+# isort: split
+from lorafleet_services.cli import artifacts, auth, catalog, identities, nodes
+from lorafleet_services.cli._app import app
+from lorafleet_services.cli.services import up_agent_config
+
+__all__ = [
+    "app",
+    "artifacts",
+    "auth",
+    "catalog",
+    "identities",
+    "jobs",
+    "main",
+    "nodes",
+    "services",
+    "top",
+    "up_agent_config",
+]
+
+
+def main() -> None:
+    app()
+
+
+if __name__ == "__main__":
+    main()

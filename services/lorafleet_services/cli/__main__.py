@@ -1,0 +1,3 @@
+from lorafleet_services.cli import main
+
+main()

@@ -1,0 +1,37 @@
+"""`lorafleet artifacts` and `download`: what a job made."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from lorafleet.client import Client
+from lorafleet_schemas.messages import ArtifactKind
+from lorafleet_services.cli._app import app, err, print_json, run_client
+
+
+@app.command("artifacts", rich_help_panel="Artifacts")
+def artifacts(job_id: str) -> None:
+    """A job's stored artifacts, as JSON."""
+    print_json(run_client(lambda c: c.artifacts(job_id)))
+
+
+@app.command("download", rich_help_panel="Artifacts")
+def download(
+    job_id: str,
+    kind: list[ArtifactKind] = typer.Option([], help="Default: every artifact of the job."),
+    out: Path = typer.Option(Path("."), help="Directory to write into."),
+) -> None:
+    """Download a job's artifacts (sha256 checked)."""
+
+    async def go(c: Client) -> None:
+        kinds = kind or [a.kind for a in await c.artifacts(job_id)]
+        out.mkdir(parents=True, exist_ok=True)
+        for k in kinds:
+            suffix = ".tar.gz" if k is ArtifactKind.PEFT else ".gguf"
+            path = out / f"{job_id}-{k.value}{suffix}"
+            rec = await c.download(job_id, k, path)
+            err.print(f"{path}  {rec.size} bytes  sha256 {rec.sha256} (checked)")
+
+    run_client(go)

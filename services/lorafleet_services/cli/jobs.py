@@ -1,0 +1,253 @@
+"""Jobs: `submit`, `jobs list|get|curve`, `watch`, `cancel`."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import msgspec
+import typer
+from rich.table import Table
+from rich.text import Text
+
+from lorafleet.client import Client
+from lorafleet_schemas.messages import (
+    ArtifactRecord,
+    JobCurve,
+    JobListRequest,
+    JobRecord,
+    JobSpec,
+    JobState,
+    TrainerParams,
+)
+from lorafleet_services.cli._app import (
+    EXIT_USAGE,
+    app,
+    console,
+    err,
+    fail,
+    jobs_app,
+    print_json,
+    run_client,
+)
+from lorafleet_services.cli.follow import (
+    PLAIN_EVERY_S,
+    choose_mode,
+    duration,
+    exit_code,
+    follow,
+    human_bytes,
+)
+from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write_png
+
+
+def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
+    """--params FILE (JSON) and --param key=value (value as JSON, else text)."""
+    raw: dict[str, Any] = {}
+    if params_file is not None:
+        raw.update(json.loads(params_file.read_text()))
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--param {pair!r}: write it as key=value")
+        try:
+            raw[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raw[key.strip()] = value
+    try:
+        return msgspec.convert(raw, TrainerParams)
+    except msgspec.ValidationError as e:
+        raise typer.BadParameter(f"trainer parameters: {e}") from None
+
+
+@app.command("submit", rich_help_panel="Jobs")
+def submit(
+    model: str = typer.Option(..., help="The catalog model the adapter is for."),
+    gpu_mib: int = typer.Option(..., help="MiB of one card the job needs."),
+    data: Path = typer.Option(
+        ..., help="NDJSON of {q, a} or {messages} records.", exists=True, dir_okay=False
+    ),
+    node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
+    name: str = typer.Option("", help="A name for the job."),
+    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
+    watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
+    plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),
+    as_json: bool = typer.Option(False, "--json", help="With --watch: events as JSON lines."),
+) -> None:
+    """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
+    body = data.read_bytes()
+    trainer = parse_params(param, params)
+
+    async def go(c: Client) -> JobRecord:
+        if len(body) > 512 * 1024:
+            spec = JobSpec(
+                model=model,
+                gpu_memory_mib=gpu_mib,
+                node=node,
+                name=name,
+                dataset=await c.upload_dataset(body),
+                params=trainer,
+            )
+        else:
+            spec = JobSpec(
+                model=model,
+                gpu_memory_mib=gpu_mib,
+                node=node,
+                name=name,
+                data=body.decode(),
+                params=trainer,
+            )
+        job = await c.submit(spec)
+        err.print(f"queued job [bold]{job.id}[/bold] ({job.records} records)")
+        if watch_:
+            return await follow(c, job.id, choose_mode(plain, as_json, err), err)
+        return job
+
+    job = run_client(go, interrupted="stopped watching; the job goes on (`lorafleet jobs list`)")
+    if not (watch_ and as_json):
+        print_json(job)
+    if watch_:
+        raise typer.Exit(exit_code(job))
+
+
+@jobs_app.command("list")
+def jobs_list(
+    state: JobState | None = typer.Option(None),
+    node: str | None = typer.Option(None),
+    model: str | None = typer.Option(None),
+    limit: int = typer.Option(50),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """Jobs, newest first."""
+    req = JobListRequest(state=state, node=node, model=model, limit=limit)
+    jobs = run_client(lambda c: c.jobs(req))
+    if as_json:
+        print_json(jobs)
+        return
+    table = Table("id", "name", "model", "node", "state", "step", "loss", "peak MiB", "message")
+    for j in jobs:
+        table.add_row(
+            j.id,
+            j.name,
+            j.model,
+            j.node or "-",
+            j.state.value,
+            f"{j.step}/{j.steps}" if j.steps else "",
+            f"{j.loss:.4g}" if j.loss is not None else "",
+            str(j.peak_mib or ""),
+            j.message,
+        )
+    console.print(table)
+
+
+@jobs_app.command("get")
+def jobs_get(job_id: str) -> None:
+    """One job, as JSON."""
+    print_json(run_client(lambda c: c.get(job_id)))
+
+
+@jobs_app.command("show")
+def jobs_show(
+    job_id: str,
+    png: Path | None = typer.Option(None, "--png", help="Also write the loss plot to this PNG."),
+) -> None:
+    """Everything about a job: its record, state changes, artifacts, and the
+    loss curve drawn in the terminal (--png FILE writes it as an image too)."""
+
+    async def go(c: Client) -> tuple[JobRecord, JobCurve, list[ArtifactRecord]]:
+        return await c.get(job_id), await c.curve(job_id), await c.artifacts(job_id)
+
+    job, curve, stored = run_client(go)
+    console.print(job_details(job, stored))
+    if curve.events:
+        console.print(job_history(curve))
+    if curve.points:
+        console.print(Text.from_ansi(terminal_plot(job, curve, console.width - 2)))
+    else:
+        console.print("no loss points yet", style="dim")
+    if png is not None:
+        try:
+            write_png(job, curve, png)
+        except PlotsMissingError as e:
+            fail(str(e), EXIT_USAGE)
+        err.print(f"wrote {png}")
+
+
+def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
+    table = Table.grid(padding=(0, 2))
+    table.add_column(style="bold")
+    table.add_column()
+    took = (
+        (job.finished_at - (job.started_at or job.created_at)).total_seconds()
+        if job.finished_at
+        else None
+    )
+    rows = [
+        ("job", f"{job.id}" + (f" ({job.name})" if job.name else "")),
+        ("state", job.state.value + (f": {job.message}" if job.message else "")),
+        ("model", f"{job.model} ({job.engine.value})"),
+        (
+            "node",
+            f"{job.node or 'not placed'}, {job.gpu_memory_mib} MiB asked, attempt {job.attempt}",
+        ),
+        ("data", f"{job.records} records, {job.dataset}"),
+        ("params", ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(job.params).items())),
+        ("progress", f"step {job.step}/{job.steps}" if job.steps else "-"),
+        ("loss", f"{job.loss:.4g}" if job.loss is not None else "-"),
+        ("eval loss", f"{job.eval_loss:.4g}" if job.eval_loss is not None else "-"),
+        ("peak", f"{job.peak_mib} MiB" if job.peak_mib else "-"),
+        ("created", job.created_at.isoformat(timespec="seconds")),
+        ("took", duration(took) if took is not None else "-"),
+    ]
+    rows += [
+        (f"artifact {a.kind.value}", f"{human_bytes(a.size)}  sha256 {a.sha256}") for a in stored
+    ]
+    for key, value in rows:
+        table.add_row(key, Text(value))
+    return table
+
+
+def job_history(curve: JobCurve) -> Table:
+    table = Table("time", "from", "to", "message", title="state changes", title_justify="left")
+    for e in curve.events:
+        table.add_row(
+            e.time.astimezone().strftime("%H:%M:%S"),
+            e.from_state.value if e.from_state else "",
+            e.to_state.value,
+            e.message,
+        )
+    return table
+
+
+@jobs_app.command("curve")
+def jobs_curve(job_id: str) -> None:
+    """A job's loss curve and state changes, as JSON."""
+    print_json(run_client(lambda c: c.curve(job_id)))
+
+
+@app.command("watch", rich_help_panel="Jobs")
+def watch(
+    job_id: str,
+    plain: bool = typer.Option(False, "--plain", help="Lines, no live display."),
+    as_json: bool = typer.Option(False, "--json", help="The events as JSON lines on stdout."),
+    every_s: float = typer.Option(
+        PLAIN_EVERY_S, "--every-s", min=0.1, help="Plain: a progress line at least this often."
+    ),
+) -> None:
+    """Follow a job until it ends: a live display on a terminal, a line per
+    state change and per tenth of the steps otherwise. Exit 0 done, 1 failed,
+    2 cancelled."""
+    mode = choose_mode(plain, as_json, err)
+    job = run_client(
+        lambda c: follow(c, job_id, mode, err, every_s=every_s),
+        interrupted=f"stopped watching; job {job_id} goes on (`lorafleet cancel` stops it)",
+    )
+    raise typer.Exit(exit_code(job))
+
+
+@app.command("cancel", rich_help_panel="Jobs")
+def cancel(job_id: str, reason: str = typer.Option("")) -> None:
+    """Cancel a job: a queued one is never sent, a running one is stopped on its node."""
+    print_json(run_client(lambda c: c.cancel(job_id, reason)))

@@ -1,0 +1,174 @@
+"""The services, one command each, and `up`/`demo`: all of lorafleet on one machine."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from lorafleet.metrics import endpoints_text
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import Engine
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
+from lorafleet_services.cli._app import EMBEDDED_NATS_PORT, app, err
+from lorafleet_services.stack import (
+    LOCAL_NODE,
+    ConversionPreparer,
+    EmbeddedStack,
+    local_agent_config,
+    next_steps,
+)
+
+#: Seconds between two looks of `lorafleet up` at its children.
+UP_WATCH_INTERVAL_S = 0.5
+#: Where `lorafleet up`'s first process serves /metrics (the others: 9461, ...).
+UP_METRICS_ADDR = "127.0.0.1:9460"
+
+
+@app.command("recorder", rich_help_panel="Services")
+def recorder_cmd() -> None:
+    """Run the recorder (the system of record) until SIGTERM."""
+    from lorafleet import _runtime as runtime
+    from lorafleet_services.recorder.service import PROGRAM
+
+    runtime.main(PROGRAM)
+
+
+@app.command("scheduler", rich_help_panel="Services")
+def scheduler_cmd() -> None:
+    """Run the scheduler until SIGTERM."""
+    from lorafleet import _runtime as runtime
+    from lorafleet_services.scheduler.service import PROGRAM
+
+    runtime.main(PROGRAM)
+
+
+@app.command("artifact-store", rich_help_panel="Services")
+def artifact_store_cmd() -> None:
+    """Run the artifact-store until SIGTERM."""
+    from lorafleet import _runtime as runtime
+    from lorafleet_services.artifact_store.service import PROGRAM
+
+    runtime.main(PROGRAM)
+
+
+@app.command("agent", rich_help_panel="Services")
+def agent_cmd(
+    node: str = typer.Option(..., help="This node's name (letters, digits, - and _)."),
+    engines_dir: Path | None = typer.Option(None, help="Where engines are installed."),
+    work_dir: Path | None = typer.Option(None, help="The agent's own directory."),
+    run_as: str | None = typer.Option(None, help="The engines' unprivileged user."),
+    allow_cpu: bool = typer.Option(False, help="Train on the CPU when there is no card."),
+    python: str | None = typer.Option(None, help="Trainer interpreter (default: newest vLLM's)."),
+    wheel_dir: str | None = typer.Option(None, help="Local wheels for the overlay (offline)."),
+) -> None:
+    """Run a node's agent until SIGTERM."""
+    from lorafleet import _runtime as runtime
+
+    overrides: dict[str, Any] = {
+        "node": node,
+        "engines_dir": engines_dir,
+        "work_dir": work_dir,
+        "run_as": run_as,
+        "python": python,
+        "wheel_dir": wheel_dir,
+    }
+    if allow_cpu:
+        overrides["allow_cpu"] = True
+    from lorafleet_services.agent.service import program
+
+    runtime.main(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
+
+
+@app.command("up", rich_help_panel="Services")
+def up_cmd(
+    data_dir: Path | None = typer.Option(None, help="Default: LORAFLEET_DATA_DIR."),
+    nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
+    node: str = typer.Option(LOCAL_NODE, help="The local agent's node name."),
+    agent: bool = typer.Option(True, help="Run a local agent."),
+    metrics_addr: str | None = typer.Option(
+        None,
+        help="Where the first process serves /metrics, the others on the next ports; "
+        f'"" for none. Default: LORAFLEET_METRICS_ADDR, else {UP_METRICS_ADDR}.',
+    ),
+) -> None:
+    """Run all of lorafleet on this machine (embedded NATS, SQLite, one agent)."""
+    from lorafleet import _runtime as runtime
+    from lorafleet import log
+
+    base = runtime.read_or_exit("up", Settings.from_env)
+    directory = data_dir or Path(base.data_dir)
+    log.configure("up", base.log_level)
+    # The services log JSON into a pipe; a person at a terminal reads them rendered.
+    echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
+
+    async def main() -> None:
+        config = await up_agent_config(directory, node) if agent else None
+        stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, agent=config, echo=echo)
+        stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
+        if metrics_addr is not None:
+            stack.metrics_addr = metrics_addr
+        settings = await stack.start()
+        err.print(
+            f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
+            f"database {settings.effective_database_url}; Ctrl-C stops it",
+            soft_wrap=True,
+        )
+        hints = "\n".join(next_steps(directory, node if agent else None))
+        err.print(hints, highlight=False, soft_wrap=True, markup=False)
+        err.print(endpoints_text(stack.metrics_urls()), highlight=False, markup=False)
+        await _until_stopped(stack)
+
+    asyncio.run(main())
+
+
+async def _until_stopped(stack: EmbeddedStack) -> None:
+    """Wait for SIGINT/SIGTERM or a child's exit; then stop the stack."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    try:
+        while not stop.is_set():
+            if stack.crashed():
+                err.print(f"[red]stopped[/red]: {', '.join(stack.crashed())} exited")
+                break
+            await asyncio.sleep(UP_WATCH_INTERVAL_S)
+    finally:
+        await stack.stop()
+
+
+async def up_agent_config(
+    directory: Path, node: str, prepare: ConversionPreparer = local_conversion_source
+) -> AgentConfig:
+    """The local agent's config; without PyPI reachable it still starts, and says
+    where GGUF conversion will fetch llama.cpp's code from instead."""
+    try:
+        return await local_agent_config(directory, node, prepare=prepare)
+    except ConversionError as e:
+        config = await local_agent_config(directory, node, prepare=None)
+        err.print(
+            f"[yellow]warning[/yellow] {e}; GGUF conversion will fetch "
+            f"{config.conversion_source}: set LORAFLEET_AGENT_CONVERSION_SOURCE "
+            "to a local llama.cpp source tarball to convert offline"
+        )
+        return config
+
+
+@app.command("demo", rich_help_panel="Services")
+def demo_cmd(
+    data_dir: Path | None = typer.Option(None, help="Default: a new temporary directory."),
+    out: Path = typer.Option(Path("lorafleet-demo-artifacts"), help="Where artifacts go."),
+    engine: Engine = typer.Option(Engine.LLAMACPP, help="llamacpp also makes a GGUF."),
+) -> None:
+    """The main job on the embedded default: train a tiny model's adapter on
+    the CPU through the whole system, then download and check its artifacts."""
+    from lorafleet_services.demo import run_demo
+
+    code = asyncio.run(run_demo(data_dir=data_dir, out_dir=out, engine=engine, console=err))
+    raise typer.Exit(code)

@@ -1,0 +1,111 @@
+"""The CLI's tests: the real `lorafleet` command against a running `lorafleet up`
+(one per module: embedded NATS, SQLite, the services, a local agent with the
+stand-in trainer), typed into a real terminal (tmux) or run with pipes."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import socket
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests.cli.terminal import Terminal
+
+ROOT = Path(__file__).resolve().parents[2]
+#: Seconds per stand-in step: 300 steps take ~10 s, long enough to look at twice.
+STEP_S = "0.03"
+DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class Up:
+    """A running `lorafleet up` in window 0 of `terminal`, and what the
+    commands need to reach it."""
+
+    terminal: Terminal
+    env: dict[str, str]
+    data_dir: Path
+    pairs: Path
+
+    def argv(self, *args: str) -> list[str]:
+        return [sys.executable, "-m", "lorafleet_services.cli", *args]
+
+    async def lorafleet(
+        self, *args: str, env: dict[str, str] | None = None
+    ) -> tuple[int, str, str]:
+        """Run `lorafleet ARGS` with pipes (not a terminal); (rc, stdout, stderr)."""
+        proc = await asyncio.create_subprocess_exec(
+            *self.argv(*args), cwd=ROOT, env={**self.env, **(env or {})},
+            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+        )  # fmt: skip
+        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        assert proc.returncode is not None
+        return proc.returncode, out.decode(), err.decode()
+
+    async def submit(self, steps: int, *more: str) -> str:
+        """Queue a stand-in job of `steps` steps; its id."""
+        rc, out, err = await self.lorafleet(
+            "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs),
+            "--param", f"max_steps={steps}", *more,
+        )  # fmt: skip
+        assert rc == 0, err
+        return str(json.loads(out)["id"])
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    tmp = tmp_path_factory.mktemp("up")
+    data_dir = tmp / "data"
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("schemas", "libs", "services")),
+        "LORAFLEET_DATA_DIR": str(data_dir),
+        "LORAFLEET_AGENT_TRAINER": "standin",
+        "LORAFLEET_STANDIN_STEP_S": STEP_S,
+        # A source is named, so `up` fetches nothing (vllm models convert nothing).
+        "LORAFLEET_AGENT_CONVERSION_SOURCE": str(tmp / "{tag}.tar.gz"),
+        "LORAFLEET_AGENT_LLAMACPP_TAG": "b1",
+        "LORAFLEET_CONNECT_TIMEOUT_S": "2",
+        "COLUMNS": "120",
+    }
+    for name in ("LORAFLEET_NATS_URL", "LORAFLEET_LOG_FORMAT", "NO_COLOR"):
+        env.pop(name, None)
+    terminal = Terminal(env, str(ROOT))
+    pairs = tmp / "pairs.jsonl"
+    pairs.write_text(DATA)
+    (tmp / "tiny").mkdir()
+    running = Up(terminal, env, data_dir, pairs)
+    try:
+        window = f"{terminal.session}:0"
+        terminal.type(window, *running.argv("up", "--nats-port", str(free_port())))
+        asyncio.run(terminal.wait_for(window, "lorafleet is up", timeout_s=90))
+        rc, _, err = asyncio.run(
+            running.lorafleet(
+                "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(tmp / "tiny")
+            )
+        )
+        assert rc == 0, err
+        yield running
+    finally:
+        terminal.keys(f"{terminal.session}:0", "C-c")
+        asyncio.run(_stopped(data_dir))
+        terminal.close()
+
+
+async def _stopped(data_dir: Path) -> None:
+    # `up` removes its nats-url file once everything has stopped.
+    from tests.eventually import eventually
+
+    await eventually(lambda: not (data_dir / "nats-url").exists(), "lorafleet up stopped")

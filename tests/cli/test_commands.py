@@ -1,0 +1,136 @@
+"""The command an operator lives in, run for real: `lorafleet up` in one
+terminal, `watch`, `top` and `jobs show` in others, against real jobs of the
+stand-in trainer; and the same commands with pipes, as scripts run them."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import struct
+
+from tests.cli.conftest import Up
+from tests.eventually import eventually
+
+STEP = re.compile(r"step (\d+)/(\d+)")
+
+
+def shown_step(screen: str) -> int:
+    """The step the live display shows (its numbers line)."""
+    steps = [
+        int(m[1])
+        for line in screen.splitlines()
+        if "tok/s" in line
+        for m in [STEP.search(line)]
+        if m
+    ]
+    return steps[-1] if steps else -1
+
+
+async def test_up_says_what_to_type_next_in_readable_log_lines(up: Up) -> None:
+    screen = up.terminal.history(f"{up.terminal.session}:0")
+    for hint in ("lorafleet models add", "lorafleet submit", "lorafleet watch", "lorafleet top"):
+        assert hint in screen, screen
+    assert str(up.data_dir) in screen
+    # Console lines, one per event, the process named: not JSON.
+    for service in ("recorder", "scheduler", "artifact-store", "agent"):
+        assert re.search(rf"service\.started\s+\[{service}\]", screen), screen
+    assert not [line for line in screen.splitlines() if line.lstrip().startswith("{")], screen
+
+
+async def test_watch_redraws_one_display_in_place_and_top_lists_the_job(up: Up) -> None:
+    job_id = await up.submit(300)
+    t = up.terminal
+    watch = t.new_window()
+    t.type(watch, *up.argv("watch", job_id), then='; echo "exit""=$?"')
+    first = await eventually(
+        lambda: t.screen(watch), "the live display mid-run",
+        until=lambda s: 0 < shown_step(s) < 250 and "ETA" in s, timeout_s=60, interval_s=0.1,
+    )  # fmt: skip
+    for part in ("━", "loss ", "1,000 tok/s", "ETA ", "peak ", "running"):
+        assert part in first, first
+
+    top = t.new_window()
+    t.type(top, *up.argv("top", "--interval-s", "0.5"))
+    await t.wait_for(top, job_id)
+    fleet = await t.wait_for(top, "1,000")  # the trainer's tokens/s, from the events
+    assert re.search(r"│ local\s+│ yes", fleet), fleet
+    assert re.search(rf"│ {job_id}\s+│.*│ local\s+│ running", fleet), fleet
+    assert "running (1)" in fleet, fleet
+    t.keys(top, "C-c")
+
+    later = await eventually(
+        lambda: t.screen(watch), "the display to move on",
+        until=lambda s: shown_step(s) > shown_step(first), timeout_s=30, interval_s=0.1,
+    )  # fmt: skip
+    # Redrawn in place: the same lines, a later step — not a line per step.
+    assert len(later.rstrip().splitlines()) == len(first.rstrip().splitlines()), (first, later)
+    end = await t.wait_for(watch, "exit=", timeout_s=60)
+    assert "exit=0" in end and "final loss" in end and "step 300/300" in end, end
+    history = t.history(watch)
+    assert len([ln for ln in history.splitlines() if "tok/s" in ln]) == 1, history
+    assert len(history.rstrip().splitlines()) < 40, history
+
+
+async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> None:
+    job_id = await up.submit(100)
+    rc, out, err = await up.lorafleet("watch", job_id, "--every-s", "1000")
+    assert rc == 0, err
+    progress = [ln for ln in err.splitlines() if STEP.search(ln) and "tok/s" in ln]
+    assert 3 <= len(progress) <= 11, err
+    assert "final loss" in err and "peft:" in err, err
+    # --json streams the events: a finished job's watch is its one final event.
+    rc, out, err = await up.lorafleet("watch", job_id, "--json")
+    assert rc == 0, err
+    [event] = [json.loads(line) for line in out.splitlines()]
+    assert event["job"]["state"] == "done" and event["job"]["step"] == 100
+
+
+async def test_jobs_show_draws_the_loss_curve_and_writes_a_png(up: Up) -> None:
+    job_id = await up.submit(40, "--param", "epochs=4", "--watch", "--plain")
+    rc, out, _ = await up.lorafleet("jobs", "curve", job_id)
+    assert [p["step"] for p in json.loads(out)["evals"]] == [10, 20, 30, 40]
+    png = up.data_dir.parent / "loss.png"
+    rc, out, err = await up.lorafleet("jobs", "show", job_id, "--png", str(png))
+    assert rc == 0, err
+    assert job_id in out and "state changes" in out and "step 40/40" in out, out
+    assert re.search(r"[▀▄▚▞▖▗▘▝]{5}", out) and "eval loss" in out, out  # the curves, drawn
+    head = png.read_bytes()[:24]
+    assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head
+    width, height = struct.unpack(">II", head[16:24])
+    assert (width, height) == (1000, 500)
+    assert 10_000 < png.stat().st_size < 1_000_000
+
+
+async def test_errors_say_what_to_do_in_one_line(up: Up) -> None:
+    rc, _, err = await up.lorafleet("watch", "no-such-job")
+    assert rc == 1 and _one_line(err) and "no job no-such-job" in err, err
+    bad = up.data_dir.parent / "bad.jsonl"
+    bad.write_text('{"q": "only a question"}\n')
+    rc, _, err = await up.lorafleet(
+        "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(bad)
+    )
+    assert rc == 1 and _one_line(err) and "bad_request" in err, err
+    rc, _, err = await up.lorafleet(
+        "jobs", "list", env={"LORAFLEET_NATS_URL": "nats://127.0.0.1:9"}
+    )
+    assert rc == 2 and _one_line(err) and "no NATS server answered" in err, err
+    rc, _, err = await up.lorafleet("recorder", env={"LORAFLEET_LOG_FORMAT": "pretty"})
+    assert rc == 2 and _one_line(err) and "set it to json or console" in err, err
+
+
+def _one_line(err: str) -> bool:
+    return len(err.strip().splitlines()) == 1 and "Traceback" not in err
+
+
+async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
+    job_id = await up.submit(3000)
+    watch = asyncio.create_task(up.lorafleet("watch", job_id, "--plain"))
+    await eventually(
+        lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+        until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
+    )  # fmt: skip
+    rc, _, err = await up.lorafleet("cancel", job_id, "--reason", "enough")
+    assert rc == 0, err
+    rc, _, err = await asyncio.wait_for(watch, 60)
+    assert rc == 2 and "cancelled" in err, err
