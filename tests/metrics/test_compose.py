@@ -60,3 +60,15 @@ def test_the_compose_prometheus_config_is_valid() -> None:
         assert (
             f"names: [{service}], type: A, port: 9460" in (COMPOSE / "prometheus.yml").read_text()
         )
+
+
+def test_every_alert_fires_when_it_should() -> None:
+    """compose/alerts_test.yml: promtool's unit tests of every alert rule."""
+    assert shutil.which("promtool"), "promtool is missing: apt-get install prometheus (./dev does)"
+    out = subprocess.run(
+        ["promtool", "test", "rules", "alerts_test.yml"], cwd=COMPOSE, capture_output=True
+    )
+    assert out.returncode == 0, (out.stdout + out.stderr).decode()
+    rules = set(re.findall(r"- alert: (\w+)", (COMPOSE / "alerts.yml").read_text()))
+    tested = set(re.findall(r"alertname: (\w+)", (COMPOSE / "alerts_test.yml").read_text()))
+    assert rules == tested, f"alerts without a test: {sorted(rules - tested)}"
