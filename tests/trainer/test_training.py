@@ -81,7 +81,8 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     # The keys the script's docstring lists.
     assert set(summary) == {
         "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
-        "records_train", "records_eval", "records_cut", "records_skipped", "chat_template",
+        "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
+        "token_lengths", "padding_tokens", "chat_template",
         "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
         "dtype", "trainable_parameters", "versions",
     }  # fmt: skip

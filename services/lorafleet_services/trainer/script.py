@@ -35,9 +35,12 @@ The protocol: stdout, one JSON object per line, the field "event" naming it
 --------------------------------------------------------------------------
     {"event": "log", "message", "level": "info"|"warning"}  (first: uid=...)
     {"event": "state", "state": "preparing"|"running"|"saving", "message"}
+                 preparing repeats while the records are tokenized ("tokenizing:
+                 N of M records").
     {"event": "step", "step", "steps", "loss", "learning_rate", "tokens_per_s",
      "eta_s", "peak_mib", "epoch"}   one per optimizer step; loss is the mean
-                 over the step's micro-batches; peak_mib is torch's peak reserved
+                 over the step's micro-batches; tokens_per_s counts real tokens,
+                 not padding; peak_mib is torch's peak reserved
                  MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
     {"event": "eval", "step", "epoch", "eval_loss"}   after each epoch and at the
                  end, when eval_fraction > 0: the mean cross-entropy per answer
@@ -57,14 +60,23 @@ PLAIN_TEMPLATE ("### Question:\\n{q}\\n\\n### Answer:\\n{a}{eos}"). {"q", "a"} i
 elsewhere). Records longer than max_seq_len are cut and counted; a record with
 no answer token left after the cut is skipped and counted.
 
+Batches: each epoch shuffles the training records by seed + epoch, then sorts
+each window of GROUP_WINDOW_BATCHES micro-batches' worth by token count and
+cuts it into micro-batches of like lengths, shuffled (`plan_grouped`): every
+record once an epoch, little padding. Records are tokenized in batches, the
+template compiled once, and only when the plan first needs them: with
+max_steps a job tokenizes the windows its steps read, not the whole file.
+
 What it writes: <out_dir>/adapter/{adapter_model.safetensors,
 adapter_config.json, chat_template.jinja, training_summary.json}. The summary
 (also the "done" line's) holds job_id, final_loss, eval_loss (null without a
 held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
 data_sha256, records, records_train, records_eval, records_cut,
-records_skipped, chat_template ("tokenizer" | "plain"), steps, epochs,
-tokens_seen (padding not counted), train_time_s, wall_time_s, peak_mib,
-device, dtype, trainable_parameters and versions {python, torch,
+records_skipped (both of the records tokenized), records_tokenized (fewer than
+records when max_steps ends the job before the data does), token_lengths
+{min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
+steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
+wall_time_s, peak_mib, device, dtype, trainable_parameters and versions {python, torch,
 transformers, peft, accelerate, safetensors}.
 """
 
@@ -504,7 +516,61 @@ def _render(tokenizer: Any, template: str, msgs: Conversation, generation: bool)
     return out
 
 
+#: Renders a conversation (with add_generation_prompt or not) as text.
+Render = Callable[[Conversation, bool], str]
+
+
+def renderer(tokenizer: Any, template: str) -> Render:
+    """A render function for `template`, compiled once.
+
+    apply_chat_template recompiles nothing but still costs tens of microseconds
+    a call in argument handling, and a record takes three calls. The compiled
+    template (transformers' own compiler, so the same sandbox and filters) is
+    rendered directly with the tokenizer's special tokens; the first 16 calls
+    are checked against apply_chat_template and on any difference (or a
+    transformers without the compiler) every call goes through it instead.
+    """
+
+    def slow(msgs: Conversation, generation: bool) -> str:
+        return _render(tokenizer, template, msgs, generation)
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+        kwargs = dict(tokenizer.special_tokens_map)
+    except Exception:
+        return slow
+    state: dict[str, Any] = {"checks_left": 16, "fast": True}
+
+    def fast(msgs: Conversation, generation: bool) -> str:
+        if not state["fast"]:
+            return slow(msgs, generation)
+        text = str(
+            compiled.render(
+                messages=msgs,
+                tools=None,
+                documents=None,
+                add_generation_prompt=generation,
+                **kwargs,
+            )
+        )
+        if state["checks_left"]:
+            state["checks_left"] -= 1
+            if text != slow(msgs, generation):
+                state["fast"] = False
+                return slow(msgs, generation)
+        return text
+
+    return fast
+
+
 def segments(tokenizer: Any, template: str, conv: Conversation) -> list[tuple[str, bool]]:
+    """`segments_with` rendering by apply_chat_template, call by call."""
+    return segments_with(lambda msgs, gen: _render(tokenizer, template, msgs, gen), conv)
+
+
+def segments_with(render: Render, conv: Conversation) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, trained) pieces; trained = an assistant turn.
 
     Each assistant turn's text is what rendering it adds after the prompt that
@@ -518,21 +584,21 @@ def segments(tokenizer: Any, template: str, conv: Conversation) -> list[tuple[st
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, template, conv[:i], True)
-        full = _render(tokenizer, template, conv[: i + 1], False)
+        prompt = render(conv[:i], True)
+        full = render(conv[: i + 1], False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             ok = False
             break
         pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
         done = full
     if ok:
-        end = _render(tokenizer, template, conv, False)
+        end = render(conv, False)
         if end.startswith(done):
             pieces.append((end[len(done) :], False))
             return [(t, trained) for t, trained in pieces if t]
     last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
-    prompt = _render(tokenizer, template, conv[:last], True)
-    full = _render(tokenizer, template, conv[: last + 1], False)
+    prompt = render(conv[:last], True)
+    full = render(conv[: last + 1], False)
     k = 0
     while k < min(len(prompt), len(full)) and prompt[k] == full[k]:
         k += 1
@@ -557,6 +623,114 @@ def encode_conversation(
     return Encoded(ids[:max_seq_len], labels[:max_seq_len], cut)
 
 
+def encode_many(
+    tokenizer: Any, template: str, records: Sequence[tuple[int, Conversation]], max_seq_len: int
+) -> list[Encoded]:
+    """`encode_conversation` of each (line number, record), the same tokens, in
+    one pass: the template compiled once, then every record's pieces tokenized
+    in one batched call (the fast tokenizer's Rust loop, not a Python call a
+    piece)."""
+    render = renderer(tokenizer, template)
+    texts: list[str] = []
+    trained: list[bool] = []
+    counts: list[int] = []
+    for lineno, conv in records:
+        try:
+            pieces = segments_with(render, conv)
+        except Exception as e:
+            raise BadInputError(
+                f"data line {lineno} cannot be rendered with the model's chat template: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        texts += [t for t, _ in pieces]
+        trained += [x for _, x in pieces]
+        counts.append(len(pieces))
+    ids_of = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out: list[Encoded] = []
+    k = 0
+    for n in counts:
+        ids: list[int] = []
+        labels: list[int] = []
+        for piece, is_trained in zip(ids_of[k : k + n], trained[k : k + n], strict=True):
+            ids += piece
+            labels += piece if is_trained else [IGNORE] * len(piece)
+        k += n
+        out.append(Encoded(ids[:max_seq_len], labels[:max_seq_len], len(ids) > max_seq_len))
+    return out
+
+
+class Tokens:
+    """The records' token ids, made when first asked for, a batch at a time.
+
+    Only what the plan reads is tokenized: with max_steps a few windows of
+    the first epoch, not the whole file. `cut` and `skipped` count the records
+    tokenized so far (skipped: no answer token left within max_seq_len).
+    """
+
+    #: Records a batched call tokenizes at most, so progress shows between calls.
+    CHUNK = 4096
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        records: Sequence[tuple[int, Conversation]],
+        max_seq_len: int,
+        on_progress: Callable[[int], None] = lambda done: None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+        self._records = records
+        self._max_seq_len = max_seq_len
+        self.on_progress = on_progress
+        self._encoded: dict[int, Encoded] = {}
+        self.cut = 0
+        self.skipped = 0
+
+    def get(self, indices: Sequence[int]) -> list[Encoded]:
+        """The records at `indices` (of the data file's records), tokenizing the missing."""
+        missing = sorted({i for i in indices if i not in self._encoded})
+        for c in range(0, len(missing), self.CHUNK):
+            chunk = missing[c : c + self.CHUNK]
+            encoded = encode_many(
+                self._tokenizer,
+                self._template,
+                [self._records[i] for i in chunk],
+                self._max_seq_len,
+            )
+            for i, e in zip(chunk, encoded, strict=True):
+                self._encoded[i] = e
+                self.cut += e.cut
+                self.skipped += e.answer_tokens == 0
+            self.on_progress(len(self._encoded))
+        return [self._encoded[i] for i in indices]
+
+    def lengths(self, indices: Sequence[int]) -> list[int]:
+        """Each record's token count, 0 for one with no answer token (skipped)."""
+        return [len(e.input_ids) if e.answer_tokens else 0 for e in self.get(indices)]
+
+    @property
+    def done(self) -> int:
+        return len(self._encoded)
+
+    def length_summary(self) -> dict[str, int]:
+        """min, p50, p95, max and mean token count of the records tokenized so far."""
+        lengths = sorted(len(e.input_ids) for e in self._encoded.values())
+        if not lengths:
+            return {}
+
+        def at(q: float) -> int:
+            return lengths[min(len(lengths) - 1, int(q * len(lengths)))]
+
+        return {
+            "min": lengths[0],
+            "p50": at(0.5),
+            "p95": at(0.95),
+            "max": lengths[-1],
+            "mean": round(sum(lengths) / len(lengths)),
+        }
+
+
 # --- batches ----------------------------------------------------------------
 
 
@@ -572,6 +746,56 @@ def plan_steps(
     random.Random(epoch_seed).shuffle(order)
     micro = [order[i : i + batch_size] for i in range(0, n_train, batch_size)]
     return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+#: Micro-batches' worth of records sorted by length together: the wider, the
+#: less padding, the narrower, the more random the batches' order. 64 leaves
+#: padding at a few percent of a long-tailed length distribution.
+GROUP_WINDOW_BATCHES = 64
+
+
+def plan_grouped(
+    train: Sequence[int],
+    batch_size: int,
+    accumulation: int,
+    epoch_seed: int,
+    lengths_of: Callable[[Sequence[int]], list[int]],
+    max_steps: int = 0,
+) -> list[list[list[int]]]:
+    """One epoch of length-grouped batches: optimizer steps, each a list of
+    micro-batches of the `train` record indices.
+
+    The records are shuffled with `epoch_seed`, then taken a window of
+    GROUP_WINDOW_BATCHES micro-batches at a time: a window is sorted by token
+    count (`lengths_of`, 0 for a record to skip) and cut into micro-batches of
+    like lengths, which are shuffled (so one step does not hold all the long
+    ones). The records left over from a window's last, part-filled micro-batch
+    go into the next window: every record once an epoch, ceil(records /
+    batch_size) micro-batches, only the last one short. With max_steps, windows
+    are read (and so tokenized) only until that many steps are planned.
+    """
+    rng = random.Random(epoch_seed)
+    order = list(train)
+    rng.shuffle(order)
+    window = batch_size * GROUP_WINDOW_BATCHES
+    micro: list[list[int]] = []
+    carry: list[tuple[int, int]] = []
+    for w in range(0, len(order), window):
+        ids = order[w : w + window]
+        pool = carry + [(n, i) for n, i in zip(lengths_of(ids), ids, strict=True) if n > 0]
+        pool.sort(key=lambda x: x[0])  # stable: like lengths keep their shuffled order
+        full = len(pool) - len(pool) % batch_size
+        batches = [[i for _, i in pool[j : j + batch_size]] for j in range(0, full, batch_size)]
+        carry = pool[full:]
+        rng.shuffle(batches)
+        micro += batches
+        if max_steps and len(micro) >= max_steps * accumulation:
+            carry = []
+            break
+    if carry:
+        micro.append([i for _, i in carry])
+    steps = [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+    return steps[:max_steps] if max_steps else steps
 
 
 def collate(encoded: Sequence[Encoded], pad_id: int) -> tuple[list[list[int]], ...]:
@@ -594,7 +818,10 @@ class Batch:
     #: None when no record in the batch is padded.
     attention_mask: Any
     labels: Any
+    #: Real tokens (padding not counted).
     tokens: int
+    #: Padding tokens the batch computes on for nothing.
+    padding: int = 0
 
 
 def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
@@ -618,6 +845,7 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
         None if no_padding else t_mask,
         t_labels,
         tokens=sum(len(e.input_ids) for e in encoded),
+        padding=len(ids) * len(ids[0]) - sum(len(e.input_ids) for e in encoded),
     )
 
 
@@ -640,6 +868,7 @@ class Loop:
 class Progress:
     step: int = 0
     tokens: int = 0
+    padding: int = 0
     train_s: float = 0.0
     last_loss: float | None = None
     last_eval: float | None = None
@@ -721,6 +950,7 @@ def train_steps(
         tokens = sum(b.tokens for b in micro)
         progress.step += 1
         progress.tokens += tokens
+        progress.padding += sum(b.padding for b in micro)
         progress.train_s += dt
         progress.last_loss = step_loss
         on_step(
@@ -950,81 +1180,93 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise TerminatedError()
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """The records as token ids, split, with what was cut and skipped."""
+def plan_total_steps(tokens: Tokens, train: Sequence[int], p: Params) -> int:
+    """The job's optimizer steps: max_steps, else epochs of the records with an
+    answer token (which tokenizes them all: the count needs every length)."""
+    if p.max_steps > 0:
+        return p.max_steps
+    kept = sum(1 for n in tokens.lengths(train) if n > 0)
+    if not kept:
+        raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    per_epoch = math.ceil(math.ceil(kept / p.batch_size) / p.gradient_accumulation)
+    return per_epoch * p.epochs
 
-    train: list[Encoded]
-    held: list[Encoded]
-    cut: int
-    skipped: int
+
+_NO_ANSWER = "no record has an answer token within max_seq_len {}; raise it"
 
 
-def encode_records(
-    tokenizer: Any,
-    template: str,
-    records: Sequence[tuple[int, Conversation]],
-    split: tuple[list[int], list[int]],
-    max_seq_len: int,
-) -> Prepared:
-    """Render and tokenize every record; log what was cut or skipped."""
-    encoded: list[Encoded] = []
-    for lineno, conv in records:
-        try:
-            encoded.append(encode_conversation(tokenizer, template, conv, max_seq_len))
-        except Exception as e:
-            raise BadInputError(
-                f"data line {lineno} cannot be rendered with the model's chat template: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-    cut = sum(e.cut for e in encoded)
-    empty = {i for i, e in enumerate(encoded) if e.answer_tokens == 0}
-    if cut:
-        log(
-            f"{cut} of {len(encoded)} records were longer than max_seq_len {max_seq_len} "
-            "tokens and were cut",
-            "warning",
-        )
-    if empty:
-        log(
-            f"{len(empty)} records have no answer token within max_seq_len {max_seq_len}; "
-            "they are skipped",
-            "warning",
-        )
-    train = [encoded[i] for i in split[0] if i not in empty]
-    if not train:
-        raise BadInputError(
-            f"no record has an answer token within max_seq_len {max_seq_len}; raise it"
-        )
-    return Prepared(train, [encoded[i] for i in split[1] if i not in empty], cut, len(empty))
+def eval_batches_of(
+    tokens: Tokens, held: Sequence[int], p: Params, pad_id: int, device: Any
+) -> list[Batch]:
+    """The held-out records in length-sorted batches (the loss is a sum per
+    token: their order does not change it, and sorting spares the padding)."""
+    kept = sorted((e for e in tokens.get(held) if e.answer_tokens), key=lambda e: len(e.input_ids))
+    return [
+        to_batch(kept[i : i + p.batch_size], pad_id, device)
+        for i in range(0, len(kept), p.batch_size)
+    ]
 
 
 def train_epochs(
-    loop: Loop, data: Prepared, p: Params, total_steps: int, pad_id: int
+    loop: Loop,
+    tokens: Tokens,
+    split: tuple[list[int], list[int]],
+    p: Params,
+    total_steps: int,
+    pad_id: int,
 ) -> tuple[Progress, int]:
-    """Epochs until total_steps, an eval after each (and so at the end); answers
-    the progress and the epochs run."""
+    """Epochs of length-grouped batches until total_steps, an eval after each
+    (and so at the end); answers the progress and the epochs run."""
     device = loop.device
-    eval_batches = [
-        to_batch(data.held[i : i + p.batch_size], pad_id, device)
-        for i in range(0, len(data.held), p.batch_size)
-    ]
+    eval_batches: list[Batch] | None = None
     progress = Progress()
 
     def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
         for step in plan:
-            yield epoch, [to_batch([data.train[i] for i in mb], pad_id, device) for mb in step]
+            yield epoch, [to_batch(tokens.get(mb), pad_id, device) for mb in step]
 
     epoch = 0
     while progress.step < total_steps:
         epoch += 1
-        plan = plan_steps(len(data.train), p.batch_size, p.gradient_accumulation, p.seed + epoch)
-        plan = plan[: total_steps - progress.step]
+        left = total_steps - progress.step
+        plan = plan_grouped(
+            split[0], p.batch_size, p.gradient_accumulation, p.seed + epoch, tokens.lengths, left
+        )
+        if not plan:
+            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
         train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
-        if eval_batches:
-            progress.last_eval = eval_loss(loop, eval_batches)
-            emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
+        if split[1]:
+            if eval_batches is None:
+                eval_batches = eval_batches_of(tokens, split[1], p, pad_id, device)
+            if eval_batches:
+                progress.last_eval = eval_loss(loop, eval_batches)
+                emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
     return progress, epoch
+
+
+def preparing_progress(total: int) -> Callable[[int], None]:
+    """The progress of tokenizing, as "preparing" state lines (the agent shows them)."""
+
+    def report(done: int) -> None:
+        emit("state", state="preparing", message=f"tokenizing: {done} of {total} records")
+
+    return report
+
+
+def log_cuts(tokens: Tokens, max_seq_len: int) -> None:
+    """Warn of the records cut or skipped among those tokenized so far."""
+    if tokens.cut:
+        log(
+            f"{tokens.cut} of {tokens.done} records were longer than max_seq_len {max_seq_len} "
+            "tokens and were cut",
+            "warning",
+        )
+    if tokens.skipped:
+        log(
+            f"{tokens.skipped} records have no answer token within max_seq_len {max_seq_len}; "
+            "they are skipped",
+            "warning",
+        )
 
 
 def run(job_path: Path) -> int:
@@ -1066,11 +1308,22 @@ def run(job_path: Path) -> int:
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    data = encode_records(tokenizer, template, records, split, p.max_seq_len)
+    tokens = Tokens(tokenizer, template, records, p.max_seq_len, preparing_progress(len(records)))
+    # Before the weights load: what step 1 needs (all the training records
+    # without max_steps, else the first windows of epoch 1), so a bad record or
+    # too short a max_seq_len fails fast and the lengths are known early.
+    total_steps = plan_total_steps(tokens, split[0], p)
+    if p.max_steps > 0:
+        first = plan_grouped(
+            split[0], p.batch_size, p.gradient_accumulation, p.seed + 1, tokens.lengths, p.max_steps
+        )
+        if not first:
+            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    log_cuts(tokens, p.max_seq_len)
+    log(f"token lengths of the {tokens.done} records tokenized: {tokens.length_summary()}")
+    tokens.on_progress = lambda done: None  # past preparing: no more state lines
     check_target_modules(base_dir, p.target_modules)
 
-    per_epoch = math.ceil(math.ceil(len(data.train) / p.batch_size) / p.gradient_accumulation)
-    total_steps = p.max_steps if p.max_steps > 0 else per_epoch * p.epochs
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir),
         use_safetensors=True,
@@ -1085,7 +1338,7 @@ def run(job_path: Path) -> int:
     log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
 
     emit("state", state="running", message=f"training {total_steps} steps")
-    progress, epochs = train_epochs(loop, data, p, total_steps, pad_id)
+    progress, epochs = train_epochs(loop, tokens, split, p, total_steps, pad_id)
 
     emit("state", state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / "adapter"
@@ -1109,14 +1362,17 @@ def run(job_path: Path) -> int:
         },
         "data_sha256": job.data_sha256,
         "records": len(records),
-        "records_train": len(data.train),
-        "records_eval": len(data.held),
-        "records_cut": data.cut,
-        "records_skipped": data.skipped,
+        "records_train": len(split[0]),
+        "records_eval": len(split[1]),
+        "records_cut": tokens.cut,
+        "records_skipped": tokens.skipped,
+        "records_tokenized": tokens.done,
+        "token_lengths": tokens.length_summary(),
         "chat_template": "plain" if template is PLAIN_TEMPLATE else "tokenizer",
         "steps": progress.step,
         "epochs": epochs,
         "tokens_seen": progress.tokens,
+        "padding_tokens": progress.padding,
         "train_time_s": round(progress.train_s, 3),
         "wall_time_s": round(time.time() - started, 3),
         "peak_mib": peak_mib(device),
