@@ -35,10 +35,13 @@ import os
 from pathlib import Path
 from typing import Any
 
+import msgspec
+
 from lorafleet_schemas.messages import (
     EstimateLine,
     MemoryEstimate,
     ModelArchitecture,
+    ModelSpec,
     TrainerParams,
 )
 
@@ -323,3 +326,17 @@ def read_architecture(
     if not isinstance(config, dict):
         raise EstimateError(f"{path} does not hold a JSON object")
     return architecture_from_config(config)
+
+
+def with_architecture(spec: ModelSpec) -> tuple[ModelSpec, str]:
+    """`spec` with its architecture read from config.json (local_dir, else the
+    Hugging Face cache), and "" ; or `spec` as it is and why none was read."""
+    if spec.architecture is not None:
+        return spec, ""
+    try:
+        arch = read_architecture(
+            local_dir=spec.local_dir, hf_repo=spec.hf_repo, hf_revision=spec.hf_revision
+        )
+    except EstimateError as e:
+        return spec, f"no architecture, so no memory estimates for its jobs: {e}"
+    return msgspec.structs.replace(spec, architecture=arch), ""

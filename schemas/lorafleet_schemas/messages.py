@@ -599,6 +599,8 @@ PUBLISHED: dict[str, object] = {
     "job-cancel-request": JobCancelRequest,
     "job-curve-request": JobCurveRequest,
     "job-curve": JobCurve,
+    "job-estimate-request": JobEstimateRequest,
+    "job-estimate": JobEstimate,
     "job-event": JobEvent,
     "transition-request": TransitionRequest,
     "transition-reply": TransitionReply,

@@ -4,8 +4,9 @@ Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent 
 Catalog:    lorafleet models add NAME --engine vllm|llamacpp
                 (--hf-repo R [--revision V] | --local-dir D)
             lorafleet models list
-Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
-                [--node N] [--param key=value ...] [--watch]
+Jobs:       lorafleet submit --model M [--gpu-mib N] --data FILE [--dry-run]
+                [--node N] [--param key=value ...] [--watch] [--ignore-estimate]
+            lorafleet estimate --model M [--param key=value ...] [--gpu-mib N]
             lorafleet jobs list|get|curve ...,  lorafleet watch ID,  lorafleet cancel ID
 Nodes:      lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
@@ -33,10 +34,12 @@ from rich.table import Table
 
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
+from lorafleet.estimate import with_architecture
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
     Engine,
+    JobEstimateRequest,
     JobListRequest,
     JobRecord,
     JobSpec,
@@ -46,6 +49,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
+from lorafleet_services.estimate_view import estimate_text
 from lorafleet_services.stack import (
     LOCAL_NODE,
     ConversionPreparer,
@@ -250,15 +254,19 @@ def models_add(
     description: str = typer.Option(""),
 ) -> None:
     """Add a model to the catalog."""
-    spec = ModelSpec(
-        name=name,
-        engine=engine,
-        hf_repo=hf_repo,
-        hf_revision=revision,
-        local_dir=local_dir,
-        description=description,
+    spec, note = with_architecture(
+        ModelSpec(
+            name=name,
+            engine=engine,
+            hf_repo=hf_repo,
+            hf_revision=revision,
+            local_dir=local_dir,
+            description=description,
+        )
     )
-    print_json(run_client(lambda c: c.add_model(spec)))
+    if note:
+        err.print(f"[yellow]note[/yellow] {note}")
+    print_json(run_client(lambda c: c.add_model(spec, read_architecture=False)))
 
 
 @models_app.command("list")
@@ -299,17 +307,28 @@ def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
 @app.command("submit")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
-    gpu_mib: int = typer.Option(..., help="MiB of one card the job needs."),
+    gpu_mib: int | None = typer.Option(
+        None, help="MiB of one card the job needs (default: the memory estimate + its margin)."
+    ),
     data: Path = typer.Option(..., help="NDJSON of {q, a} or {messages} records."),
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
     param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
     params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Show the memory estimate; queue nothing."
+    ),
+    ignore_estimate: bool = typer.Option(
+        False, help="Queue even when --gpu-mib is below the memory estimate."
+    ),
 ) -> None:
     """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
     body = data.read_bytes()
     trainer = parse_params(param, params)
+    if dry_run:
+        show_estimate(model, trainer, gpu_mib)
+        return
 
     async def go(c: Client) -> JobRecord:
         if len(body) > 512 * 1024:
@@ -320,6 +339,7 @@ def submit(
                 name=name,
                 dataset=await c.upload_dataset(body),
                 params=trainer,
+                ignore_estimate=ignore_estimate,
             )
         else:
             spec = JobSpec(
@@ -329,6 +349,7 @@ def submit(
                 name=name,
                 data=body.decode(),
                 params=trainer,
+                ignore_estimate=ignore_estimate,
             )
         job = await c.submit(spec)
         err.print(f"queued job [bold]{job.id}[/bold] ({job.records} records)")
@@ -340,6 +361,32 @@ def submit(
     print_json(job)
     if watch_ and job.state is not JobState.DONE:
         raise typer.Exit(1)
+
+
+def show_estimate(model: str, trainer: TrainerParams, gpu_mib: int | None) -> None:
+    """Print the job's memory estimate; exit 1 when there is none or gpu_mib is below it."""
+    request = JobEstimateRequest(model=model, params=trainer, gpu_memory_mib=gpu_mib)
+    answer = run_client(lambda c: c.estimate(request))
+    print(estimate_text(answer, gpu_mib))
+    if answer.estimate is None or not answer.fits:
+        raise typer.Exit(1)
+
+
+@app.command("estimate")
+def estimate_cmd(
+    model: str = typer.Option(..., help="The catalog model the adapter is for."),
+    gpu_mib: int | None = typer.Option(None, help="Check this many MiB against the estimate."),
+    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The peak card memory of a job, line by line; nothing is queued."""
+    trainer = parse_params(param, params)
+    if not as_json:
+        show_estimate(model, trainer, gpu_mib)
+        return
+    request = JobEstimateRequest(model=model, params=trainer, gpu_memory_mib=gpu_mib)
+    print_json(run_client(lambda c: c.estimate(request)))
 
 
 def _progress_line(job: JobRecord) -> str:
