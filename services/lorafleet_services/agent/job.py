@@ -52,6 +52,7 @@ from nats.js import JetStreamContext
 from lorafleet import log, objects
 from lorafleet._bus import encode
 from lorafleet.artifacts import file_sha256
+from lorafleet.estimate import EstimateError, estimate_memory
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
@@ -156,7 +157,20 @@ def job_file(
         "params": msgspec.to_builtins(req.params),
         "device": choice.device,
         "hf_offline": cfg.hf_offline,
+        # On a card the trainer keeps the whole process within this (CUDA context included).
+        "gpu_memory_mib": req.gpu_memory_mib,
+        "estimate_mib": job_estimate_mib(req),
     }
+
+
+def job_estimate_mib(req: StartRequest) -> int | None:
+    """The job's memory estimate on a card, when its model's architecture is known."""
+    if req.model.architecture is None:
+        return None
+    try:
+        return estimate_memory(req.model.architecture, req.params).total_mib
+    except EstimateError:
+        return None
 
 
 def session_pids(sid: int) -> set[int]:

@@ -29,6 +29,12 @@ The job file (JSON object; every key required unless a default is given)
                  on cards with bf16, fp16 on other cards, fp32 on the CPU.
                  Unknown keys are refused.
     device       "cuda" | "cpu" (default "cuda"); with cuda the first visible card.
+    gpu_memory_mib  int | null (default null): on a card, what the whole process
+                 may use, CUDA context included: torch's allocator is capped at
+                 it less the context (`cap_card_memory`), so going over is an
+                 out-of-memory of this process alone, reported with the budget.
+    estimate_mib int | null (default null): the job's memory estimate, named in
+                 that report.
     hf_offline   bool (default true): read the Hugging Face cache only.
 
 The protocol: stdout, one JSON object per line, the field "event" naming it
@@ -212,6 +218,10 @@ class Job:
     params: Params
     device: str
     hf_offline: bool
+    #: The card memory the whole process may use (CUDA context included); None: no cap.
+    gpu_memory_mib: int | None = None
+    #: The job's memory estimate, for the message when the budget is exceeded.
+    estimate_mib: int | None = None
 
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -349,6 +359,10 @@ def parse_job(raw: Any) -> Job:
     offline = raw.get("hf_offline", True)
     if not isinstance(offline, bool):
         raise BadInputError(f"the job's hf_offline is {offline!r}; it must be true or false")
+    mibs = {k: raw.get(k) for k in ("gpu_memory_mib", "estimate_mib")}
+    for key, v in mibs.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BadInputError(f"the job's {key} is {v!r}; it must be a positive integer or null")
     return Job(
         job_id=str(raw.get("job_id", "")),
         base=Base(hf_repo=hf_repo, hf_revision=revision, local_dir=local_dir),
@@ -358,6 +372,8 @@ def parse_job(raw: Any) -> Job:
         params=parse_params(raw.get("params")),
         device=device,
         hf_offline=offline,
+        gpu_memory_mib=mibs["gpu_memory_mib"],
+        estimate_mib=mibs["estimate_mib"],
     )
 
 
@@ -1068,6 +1084,81 @@ def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_
     return Loop(model, opt, sched, scaler, autocast, device)
 
 
+# --- the card's budget ---------------------------------------------------------
+
+MIB = 1 << 20
+
+#: The least the CUDA context is taken to be (lorafleet.estimate.CUDA_CONTEXT_MIB,
+#: the same figure): measured right after start it is smaller, but kernels
+#: loaded lazily on first use grow it during the first steps.
+CUDA_CONTEXT_MIB = 512
+
+
+def memory_fraction(budget_mib: int, context_mib: int, total_bytes: int) -> float:
+    """The share of the card torch's allocator may take so that the whole
+    process (the CUDA context NVML counts, and torch's tensors) stays within
+    `budget_mib`. BadInputError when the context alone fills the budget."""
+    allowed = (budget_mib - context_mib) * MIB
+    if allowed <= 0:
+        raise BadInputError(
+            f"gpu_memory_mib {budget_mib} leaves nothing for the training: the CUDA context "
+            f"alone takes {context_mib} MiB; give the job more gpu_memory_mib"
+        )
+    return min(1.0, allowed / total_bytes)
+
+
+def process_card_mib(device_index: int, pid: int) -> int | None:
+    """This process's card memory as NVML counts it, or None when NVML cannot
+    tell (no nvidia-ml-py, or a container whose process ids NVML does not see)."""
+    import torch
+
+    try:
+        text = torch.cuda.list_gpu_processes(device_index)
+    except Exception:
+        return None
+    m = re.search(rf"process\s+{pid}\s+uses\s+([\d.]+)\s+MB", text)
+    return round(float(m.group(1))) if m else None
+
+
+def cap_card_memory(device: Any, budget_mib: int) -> str:
+    """Cap torch's allocator on `device` to the job's budget less the CUDA
+    context; answers what was set, for the log. Exceeding it is then an
+    out-of-memory of this process alone: a co-located engine keeps its memory."""
+    import torch
+
+    torch.zeros(1, device=device)  # the context exists from here on
+    index = device.index or 0
+    used = process_card_mib(index, os.getpid())
+    reserved = int(torch.cuda.memory_reserved(device) // MIB)
+    context = max(CUDA_CONTEXT_MIB, used - reserved if used is not None else 0)
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    fraction = memory_fraction(budget_mib, context, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return (
+        f"card budget {budget_mib} MiB: {context} MiB for the CUDA context, torch may "
+        f"allocate {budget_mib - context} MiB ({fraction:.4f} of the card's {total // MIB} MiB)"
+    )
+
+
+def out_of_memory_message(error: str, budget_mib: int | None, estimate_mib: int | None) -> str:
+    """The failure of a job that ran out of card memory: how much it asked for,
+    its budget and estimate, and what to change."""
+    first = error.split(".")[0]
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", error)
+    what = f"asking for {asked.group(1)} more" if asked else first
+    where = (
+        f"the trainer ran out of its budget of {budget_mib} MiB (the job's gpu_memory_mib)"
+        if budget_mib is not None
+        else "the card ran out of memory"
+    )
+    known = f"; the memory estimate was {estimate_mib} MiB" if estimate_mib is not None else ""
+    return (
+        f"{where}, {what}{known}; lower batch_size or max_seq_len (raising "
+        "gradient_accumulation keeps the batch), turn on gradient_checkpointing, or give "
+        "the job more gpu_memory_mib"
+    )
+
+
 # --- the base weights -------------------------------------------------------
 
 HF_PATTERNS = [
@@ -1269,10 +1360,17 @@ def log_cuts(tokens: Tokens, max_seq_len: int) -> None:
         )
 
 
+#: (gpu_memory_mib, estimate_mib) of the job running, for main's message on an
+#: out-of-memory error.
+_BUDGET: tuple[int | None, int | None] = (None, None)
+
+
 def run(job_path: Path) -> int:
     """The whole job; answers the exit status."""
+    global _BUDGET
     started = time.time()
     job = parse_job(_read_job(job_path))
+    _BUDGET = (job.gpu_memory_mib, job.estimate_mib)
     p = job.params
     records = load_numbered_records(job.data_path, job.data_sha256)
     split = split_records(len(records), p.eval_fraction, p.seed)
@@ -1298,6 +1396,8 @@ def run(job_path: Path) -> int:
         raise TrainingError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
     dtype = resolve_dtype(p.dtype, job.device)
     device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    if device.type == "cuda" and job.gpu_memory_mib is not None:
+        log(cap_card_memory(device, job.gpu_memory_mib))
     random.seed(p.seed)
     torch.manual_seed(p.seed)
 
@@ -1423,17 +1523,17 @@ def main(argv: list[str]) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        message = f"{type(e).__name__}: {e}"
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
-            first = str(e).split(".")[0]
-            message = (
-                f"the card ran out of memory ({first}); lower batch_size or max_seq_len "
-                "(raising gradient_accumulation keeps the batch), or turn on "
-                "gradient_checkpointing"
-            )
         with contextlib.suppress(Exception):
-            emit("error", message=message)
+            emit("error", message=failure_message(e))
         return 1
+
+
+def failure_message(e: Exception) -> str:
+    """The "error" line of an unexpected exception: its type and text, or for
+    torch's out-of-memory error the budget, the estimate and what to change."""
+    if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
+        return out_of_memory_message(str(e), *_BUDGET)
+    return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":
