@@ -534,7 +534,29 @@ class TrainerError(msgspec.Struct, kw_only=True, tag="error", tag_field="event")
     message: str
 
 
-TrainerLine = TrainerState | TrainerStep | TrainerEval | TrainerLog | TrainerDone | TrainerError
+class TrainerLengths(msgspec.Struct, kw_only=True, tag="lengths", tag_field="event"):
+    """The token lengths of the records tokenized before the weights load (all
+    of them without max_steps; with it, those its steps read)."""
+
+    records_tokenized: int
+    records_cut: int
+    records_skipped: int
+    min: int
+    p50: int
+    p95: int
+    max: int
+    mean: int
+
+
+TrainerLine = (
+    TrainerState
+    | TrainerStep
+    | TrainerEval
+    | TrainerLog
+    | TrainerDone
+    | TrainerError
+    | TrainerLengths
+)
 
 
 # --- agent -> artifact-store: chunks ---------------------------------------

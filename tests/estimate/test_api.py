@@ -137,3 +137,34 @@ async def test_estimate_and_submit_through_the_recorder(client: Client, tmp_path
     assert none.estimate is None and "added without its architecture" in none.reason
     with pytest.raises(BadRequestError, match="give gpu_memory_mib"):
         await client.submit(JobSpec(model="bare", data=QA))
+
+
+def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
+    from lorafleet_schemas.messages import StartRequest, TrainerLengths
+    from lorafleet_services.agent.job import job_estimate_mib, lengths_note
+
+    req = StartRequest(
+        job_id="j1",
+        attempt=1,
+        model=_model(ARCH),
+        gpu_memory_mib=60000,
+        dataset="d",
+        dataset_sha256="0" * 64,
+        params=PARAMS,
+        artifacts=[],
+    )
+    line = TrainerLengths(
+        records_tokenized=900, records_cut=3, records_skipped=0,
+        min=20, p50=180, p95=700, max=1200, mean=240,
+    )  # fmt: skip
+    refined = estimate_memory(ARCH, PARAMS, seq_len=1200).total_mib
+    was = job_estimate_mib(req)
+    assert was == estimate_memory(ARCH, PARAMS).total_mib and refined < was
+    assert lengths_note(line, req) == (
+        "tokenized 900 records: 180 tokens at the median, 700 at p95, 1200 the longest; "
+        f"3 cut at max_seq_len 2048; memory estimate for rows of 1200 tokens {refined} MiB "
+        f"(was {was} MiB for 2048; the job has 60000 MiB)"
+    )
+    bare = msgspec.structs.replace(req, model=_model(None))
+    assert lengths_note(line, bare).endswith("3 cut at max_seq_len 2048")
+    assert job_estimate_mib(bare) is None

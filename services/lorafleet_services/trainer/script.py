@@ -48,6 +48,9 @@ The protocol: stdout, one JSON object per line, the field "event" naming it
                  over the step's micro-batches; tokens_per_s counts real tokens,
                  not padding; peak_mib is torch's peak reserved
                  MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
+    {"event": "lengths", "records_tokenized", "records_cut", "records_skipped",
+     "min", "p50", "p95", "max", "mean"}   once, before the weights load: the
+                 token counts of the records tokenized by then.
     {"event": "eval", "step", "epoch", "eval_loss"}   after each epoch and at the
                  end, when eval_fraction > 0: the mean cross-entropy per answer
                  token over the held-out records.
@@ -1420,7 +1423,14 @@ def run(job_path: Path) -> int:
         if not first:
             raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
     log_cuts(tokens, p.max_seq_len)
-    log(f"token lengths of the {tokens.done} records tokenized: {tokens.length_summary()}")
+    if tokens.done:  # always, past plan_total_steps and the first plan
+        emit(
+            "lengths",
+            records_tokenized=tokens.done,
+            records_cut=tokens.cut,
+            records_skipped=tokens.skipped,
+            **tokens.length_summary(),
+        )
     tokens.on_progress = lambda done: None  # past preparing: no more state lines
     check_target_modules(base_dir, p.target_modules)
 
