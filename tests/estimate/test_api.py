@@ -3,8 +3,13 @@ a real recorder (nats-server, PostgreSQL) with the project's client."""
 
 from __future__ import annotations
 
+import asyncio
 import datetime as dt
+import json
+import os
+import sys
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import msgspec
@@ -95,8 +100,14 @@ def test_the_estimate_answer_and_its_text() -> None:
     assert estimate_text(none).startswith("no memory estimate for model m8b: model m8b was added")
 
 
+@dataclass
+class Running:
+    client: Client
+    settings: Settings
+
+
 @pytest.fixture
-async def client(settings: Settings, pg_url: str) -> AsyncIterator[Client]:
+async def running(settings: Settings, pg_url: str) -> AsyncIterator[Running]:
     s = settings.with_(database_url=pg_url)
     rnc = await bus.connect(s, "recorder-under-test")
     await bus.ensure_layout(rnc.jetstream(), bus.layout_for(s))
@@ -104,13 +115,14 @@ async def client(settings: Settings, pg_url: str) -> AsyncIterator[Client]:
     await recorder.start()
     try:
         async with await Client.connect(s) as c:
-            yield c
+            yield Running(c, s)
     finally:
         await recorder.stop()
         await bus.drain_quietly(rnc)
 
 
-async def test_estimate_and_submit_through_the_recorder(client: Client, tmp_path: Path) -> None:
+async def test_estimate_and_submit_through_the_recorder(running: Running, tmp_path: Path) -> None:
+    client = running.client
     base = build_tiny_model("llama", tmp_path / "tiny")
     added = await client.add_model(ModelSpec(name="tiny", engine=Engine.VLLM, local_dir=str(base)))
     assert added.architecture is not None and added.architecture.hidden_size == 64
@@ -168,3 +180,45 @@ def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
     bare = msgspec.structs.replace(req, model=_model(None))
     assert lengths_note(line, bare).endswith("3 cut at max_seq_len 2048")
     assert job_estimate_mib(bare) is None
+
+
+async def lorafleet(settings: Settings, *args: str) -> tuple[int, str, str]:
+    """`lorafleet ARGS` run as a user types it, against the test's recorder."""
+    env = {**os.environ, **settings.to_env(), "COLUMNS": "200"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorafleet_services.cli", *args,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    out, err = await asyncio.wait_for(proc.communicate(), 60)
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_the_command_line_estimates_and_dry_runs(running: Running, tmp_path: Path) -> None:
+    base = build_tiny_model("llama", tmp_path / "tiny")
+    rc, out, err = await lorafleet(
+        running.settings, "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(base)
+    )
+    assert rc == 0, err
+    assert json.loads(out)["architecture"]["num_hidden_layers"] == 2
+    rc, out, err = await lorafleet(
+        running.settings, "models", "add", "bare", "--engine", "vllm", "--local-dir", "/nowhere"
+    )
+    assert rc == 0 and "no architecture, so no memory estimates for its jobs" in err
+
+    rc, out, err = await lorafleet(
+        running.settings, "estimate", "--model", "tiny", "--param", "batch_size=2"
+    )
+    assert rc == 0, err
+    assert out.startswith("memory estimate for model tiny (bf16, rows of 1024 tokens):")
+    assert (
+        "  activations" in out and "2 rows of 1024 tokens" in out and "with the 10% margin" in out
+    )
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(QA)
+    dry = ("submit", "--model", "tiny", "--data", str(data), "--dry-run", "--gpu-mib", "10")
+    rc, out, err = await lorafleet(running.settings, *dry)
+    assert rc == 1 and "refused: gpu_memory_mib 10 is below the memory estimate" in out
+    rc, out, err = await lorafleet(running.settings, "estimate", "--model", "bare", "--json")
+    assert rc == 0 and json.loads(out)["estimate"] is None
+    assert await running.client.jobs() == []  # nothing was queued
