@@ -39,7 +39,6 @@ in-process instead.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import signal
 import sys
 from collections.abc import Awaitable, Callable, Mapping
@@ -51,6 +50,7 @@ from nats.aio.client import Client
 import lorafleet
 from lorafleet import _bus as bus
 from lorafleet import log
+from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
 from lorafleet.settings import Settings, SettingsError
@@ -164,9 +164,7 @@ async def ensure_layout_if_allowed(nc: Client, settings: Settings, refused: asyn
     done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
     waiter.cancel()
     if task not in done:
-        task.cancel()
-        with contextlib.suppress(asyncio.CancelledError, Exception):
-            await task
+        await stop_tasks(task)
         logger.info(
             Event.NATS_REFUSED,
             message="this node's credentials may not create the JetStream layout; "

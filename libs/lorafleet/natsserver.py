@@ -17,6 +17,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from lorafleet._tasks import stop_tasks
+
 #: Seconds to wait for "Server is ready".
 READY_TIMEOUT_S = 20.0
 #: Seconds between SIGTERM and SIGKILL on stop.
@@ -161,9 +163,7 @@ class NatsServer:
                     proc.kill()
                 await proc.wait()
         if self._log_task is not None:
-            self._log_task.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._log_task
+            await stop_tasks(self._log_task)
             self._log_task = None
 
     async def restart(self, kill: bool = False) -> NatsServer:

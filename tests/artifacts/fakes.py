@@ -15,38 +15,27 @@ from lorafleet_schemas.messages import (
     Engine,
     JobRecord,
     JobState,
-    TrainerParams,
 )
+from tests.records import job_record
 
 
 def job(**changes: object) -> JobRecord:
     """Job `job1` on `node-a`, attempt 1, uploading, expecting peft and gguf."""
     now = dt.datetime.now(dt.UTC)
-    base = JobRecord(
-        id="job1",
-        name="",
-        model="tiny",
-        engine=Engine.LLAMACPP,
-        node="node-a",
-        gpu_memory_mib=1,
-        dataset="d",
-        dataset_sha256="0" * 64,
-        records=1,
-        params=TrainerParams(),
-        state=JobState.UPLOADING,
-        message="",
-        step=0,
-        steps=0,
-        loss=None,
-        eval_loss=None,
-        peak_mib=0,
-        attempt=1,
-        artifacts_expected=[ArtifactKind.PEFT, ArtifactKind.GGUF],
-        artifacts_stored=[],
-        created_at=now,
-        updated_at=now,
+    return job_record(
+        **{
+            "engine": Engine.LLAMACPP,
+            "node": "node-a",
+            "gpu_memory_mib": 1,
+            "dataset": "d",
+            "records": 1,
+            "state": JobState.UPLOADING,
+            "artifacts_expected": [ArtifactKind.PEFT, ArtifactKind.GGUF],
+            "created_at": now,
+            "updated_at": now,
+            **changes,
+        }
     )
-    return msgspec.structs.replace(base, **changes)
 
 
 class FakeRecorder:

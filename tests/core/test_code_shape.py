@@ -167,3 +167,20 @@ def test_nothing_grows_past_one_readers_hold(kind: str, limit: int) -> None:
         if k == kind and lines > limit and (mod, name) not in LONG_FUNCTIONS_ALLOWED
     )
     assert not over, f"over {limit} lines ({kind}); split them at their seams:\n" + "\n".join(over)
+
+
+def test_package_code_never_asserts() -> None:
+    """`assert` vanishes under `python -O` and an AssertionError reads as a
+    test failure: package code raises an error that says what happened."""
+    found = [
+        f"{mod.name}:{node.lineno}"
+        for mod in modules()
+        for node in ast.walk(mod.tree)
+        if isinstance(node, ast.Assert)
+        or (
+            isinstance(node, ast.Raise)
+            and isinstance(node.exc, ast.Call | ast.Name)
+            and "AssertionError" in ast.unparse(node.exc)
+        )
+    ]
+    assert not found, "asserts in package code:\n" + "\n".join(found)

@@ -15,17 +15,11 @@ from typing import Any
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
-from sqlalchemy import Index, create_engine, pool
+from sqlalchemy import create_engine, pool
 
 from lorafleet_services.recorder.db import migrate, sync_url
 from lorafleet_services.recorder.models import Base
 from tests.pg import throwaway_database
-
-#: Indexes the migrations create that models.py does not declare yet (the
-#: recorder's owner adds `index=True` to Job.model and
-#: `Index("ix_job_events_job_id", "job_id", "id")` to JobEventRow); any other
-#: difference fails. Empty this once models.py has them.
-UNDECLARED_INDEXES = frozenset({"ix_jobs_model", "ix_job_events_job_id"})
 
 
 @pytest.fixture(params=["postgresql", "sqlite"])
@@ -51,24 +45,9 @@ def schema_differences(url: str) -> list[Any]:
         engine.dispose()
 
 
-def known(diff: Any) -> bool:
-    return (
-        isinstance(diff, tuple)
-        and diff[0] == "remove_index"
-        and isinstance(diff[1], Index)
-        and diff[1].name in UNDECLARED_INDEXES
-    )
-
-
 def test_models_and_migrations_describe_the_same_schema(migrated_url: str) -> None:
-    differences = [d for d in schema_differences(migrated_url) if not known(d)]
+    differences = schema_differences(migrated_url)
     assert differences == [], (
         "models.py and the migrations differ; write a migration (or fix the model):\n"
         + "\n".join(map(repr, differences))
     )
-
-
-def test_the_known_differences_are_still_there(migrated_url: str) -> None:
-    # Once models.py declares them, UNDECLARED_INDEXES must be emptied, not kept.
-    found = {d[1].name for d in schema_differences(migrated_url) if known(d)}
-    assert found == UNDECLARED_INDEXES

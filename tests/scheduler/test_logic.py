@@ -5,13 +5,10 @@ from __future__ import annotations
 import datetime as dt
 
 from lorafleet_schemas.messages import (
-    ArtifactKind,
     Card,
-    Engine,
     Heartbeat,
     JobRecord,
     JobState,
-    TrainerParams,
 )
 from lorafleet_services.scheduler import logic
 from lorafleet_services.scheduler.logic import (
@@ -23,6 +20,7 @@ from lorafleet_services.scheduler.logic import (
     plan_dispatch,
     reconcile,
 )
+from tests.records import job_record
 
 T0 = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
 
@@ -59,27 +57,13 @@ def job(
     state: JobState = JobState.QUEUED,
     started_at: dt.datetime | None = None,
 ) -> JobRecord:
-    return JobRecord(
+    return job_record(
         id=job_id,
-        name="",
         model="m",
-        engine=Engine.VLLM,
         node=node,
         gpu_memory_mib=mib,
-        dataset="sha256/x",
-        dataset_sha256="0" * 64,
-        records=10,
-        params=TrainerParams(),
         state=state,
-        message="",
-        step=0,
-        steps=0,
-        loss=None,
-        eval_loss=None,
-        peak_mib=0,
         attempt=0,
-        artifacts_expected=[ArtifactKind.PEFT],
-        artifacts_stored=[],
         created_at=T0,
         updated_at=T0,
         started_at=started_at,

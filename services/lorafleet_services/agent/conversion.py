@@ -299,7 +299,8 @@ def _extract_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, so
         raise ConversionError(f"{source} has {name!r} of {member.size} bytes; refusing it")
     out.parent.mkdir(mode=0o755, parents=True, exist_ok=True)
     src = tf.extractfile(member)
-    assert src is not None  # a regular file always has data
+    if src is None:  # tarfile gives no data for a non-file, and only files get here
+        raise ConversionError(f"{source} has {name!r} without data; refusing it")
     # O_EXCL: a duplicated member is a tarball trying to overwrite what it wrote.
     try:
         fd = os.open(out, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)

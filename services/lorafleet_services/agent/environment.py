@@ -366,7 +366,8 @@ async def _probe(python: str, names: Sequence[str], cwd: Path) -> dict[str, obje
         info = json.loads(out[-1])
     except ValueError:
         raise TrainerSetupError(f"the trainer's Python {python} answered {out[-1]!r}") from None
-    assert isinstance(info, dict)
+    if not isinstance(info, dict):
+        raise TrainerSetupError(f"the trainer's Python {python} answered {out[-1]!r}")
     return info
 
 

@@ -379,9 +379,11 @@ class JobRun:
         #: Set by stop(); steps that stop on an event (the conversion) get it too.
         self.stopping = asyncio.Event()
 
-    def start(self) -> None:
+    def start(self) -> asyncio.Task[None]:
+        """Run the job in a task of its own; that task."""
         self.reporter.report(JobState.PREPARING, f"preparing on {self.node}: fetching the dataset")
         self.task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
+        return self.task
 
     async def stop(self, state: JobState | None, message: str, timeout_s: float) -> None:
         """Stop the job; report `state` with `message` (none when `state` is None)."""

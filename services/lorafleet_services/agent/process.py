@@ -49,10 +49,14 @@ class ManagedProcess:
         self._stopped = False
         self._tasks: list[asyncio.Task[None]] = []
 
+    def _started(self) -> asyncio.subprocess.Process:
+        if self.proc is None:
+            raise RuntimeError("ManagedProcess.start() first")
+        return self.proc
+
     @property
     def pid(self) -> int:
-        assert self.proc is not None, "not started"
-        return self.proc.pid
+        return self._started().pid
 
     async def start(
         self,
@@ -84,10 +88,12 @@ class ManagedProcess:
         return self
 
     async def _relay(self, on_line: LineHandler | None) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
+        stdout = self._started().stdout
+        if stdout is None:
+            raise RuntimeError("the process was started without a stdout pipe")
         while True:
             try:
-                line = await self.proc.stdout.readline()
+                line = await stdout.readline()
             except ValueError:  # a line longer than MAX_LINE_BYTES
                 self._note_stderr(b"[lorafleet] a stdout line over 1 MiB was dropped\n")
                 continue
@@ -103,8 +109,10 @@ class ManagedProcess:
             self._stderr_len -= len(self._stderr.popleft())
 
     async def _keep_stderr(self) -> None:
-        assert self.proc is not None and self.proc.stderr is not None
-        while chunk := await self.proc.stderr.read(4096):
+        stderr = self._started().stderr
+        if stderr is None:
+            raise RuntimeError("the process was started without a stderr pipe")
+        while chunk := await stderr.read(4096):
             self._note_stderr(chunk)
 
     def stderr_tail(self, lines: int = 3) -> str:
@@ -128,8 +136,7 @@ class ManagedProcess:
         self._signal_group(signal.SIGKILL)
 
     async def wait(self) -> ProcessResult:
-        assert self.proc is not None, "not started"
-        rc = await self.proc.wait()
+        rc = await self._started().wait()
         # The leader is gone; whatever it started in its session goes too.
         self._signal_group(signal.SIGKILL)
         for t in self._tasks:

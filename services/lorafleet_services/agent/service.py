@@ -39,6 +39,7 @@ import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log
 from lorafleet._micro import Route, endpoint
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
 from lorafleet.settings import Settings
@@ -117,11 +118,7 @@ class Agent:
             with contextlib.suppress(Exception):
                 await s.unsubscribe()
         self._stop.set()
-        for t in self._tasks:
-            t.cancel()
-        for t in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(*self._tasks)
         await self.shutdown()
 
     # --- requests -------------------------------------------------------------
@@ -151,9 +148,7 @@ class Agent:
             )
         run = JobRun(self.js, self.names, self.cfg, req)
         self.job = run
-        run.start()
-        assert run.task is not None
-        run.task.add_done_callback(lambda _t: self._job_ended(run))
+        run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
         self.heartbeat.poke()
         return StartReply(accepted=True)

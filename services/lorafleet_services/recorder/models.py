@@ -12,7 +12,7 @@ from __future__ import annotations
 import datetime as dt
 from typing import Any
 
-from sqlalchemy import JSON, DateTime, Float, ForeignKey, Integer, String, Text
+from sqlalchemy import JSON, DateTime, Float, ForeignKey, Index, Integer, String, Text
 from sqlalchemy.engine import Dialect
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -76,7 +76,7 @@ class Job(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)
     name: Mapped[str] = mapped_column(Text)
-    model: Mapped[str] = mapped_column(String(64), ForeignKey("models.name"))
+    model: Mapped[str] = mapped_column(String(64), ForeignKey("models.name"), index=True)
     engine: Mapped[str] = mapped_column(String(16))
     node: Mapped[str | None] = mapped_column(String(64), index=True)
     gpu_memory_mib: Mapped[int] = mapped_column(Integer)
@@ -122,6 +122,8 @@ class JobEventRow(Base):
     """One state change of a job and its reason."""
 
     __tablename__ = "job_events"
+    #: A job's events in order, as jobs.get and the event log read them.
+    __table_args__ = (Index("ix_job_events_job_id", "job_id", "id"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True, autoincrement=True)
     job_id: Mapped[str] = mapped_column(String(64), ForeignKey("jobs.id", ondelete="CASCADE"))

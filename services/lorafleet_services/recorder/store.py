@@ -523,13 +523,12 @@ async def apply_status(sm: Sessions, reports: Sequence[StatusReport]) -> StatusR
     by_job: dict[str, list[StatusReport]] = {}
     for r in reports:
         by_job.setdefault(r.job_id, []).append(r)
-    for attempt in range(GUARD_RETRIES + 1):
+    for _ in range(GUARD_RETRIES):
         try:
             return await _apply_status_once(sm, by_job)
         except _GuardMissedError:
-            if attempt == GUARD_RETRIES:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return await _apply_status_once(sm, by_job)  # the last try: a miss now propagates
 
 
 async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]) -> StatusResult:
@@ -588,13 +587,12 @@ async def record_artifact(
     if any. `size` (bytes) and `sha256` are the artifact-store's; the
     artifact-store keeps them, the recorder keeps which kinds are stored.
     """
-    for attempt in range(GUARD_RETRIES + 1):
+    for _ in range(GUARD_RETRIES):
         try:
             return await _record_artifact_once(sm, job_id, kind)
         except _GuardMissedError:
-            if attempt == GUARD_RETRIES:
-                raise
-    raise AssertionError("unreachable")
+            continue
+    return await _record_artifact_once(sm, job_id, kind)  # the last try: a miss now propagates
 
 
 def _stored_message(stored: list[str]) -> str:

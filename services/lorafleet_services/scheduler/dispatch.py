@@ -21,7 +21,6 @@ grace (the heartbeat names the job, or the job fails as lost).
 from __future__ import annotations
 
 import asyncio
-import contextlib
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -30,6 +29,7 @@ from nats.aio.client import Client
 
 from lorafleet import _bus as bus
 from lorafleet._recorder_client import RecorderClient
+from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -115,12 +115,7 @@ class Dispatcher:
     async def stop(self) -> None:
         """Drop pending start and node-cancel requests: what they would have
         done, reconcile does for the next leader."""
-        tasks = list(self._background)
-        for t in tasks:
-            t.cancel()
-        for t in tasks:
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await t
+        await stop_tasks(*self._background)
 
     def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
         task = asyncio.create_task(coro)

@@ -19,6 +19,7 @@ import stamina
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 
 #: Seconds before the first retry of a failed watch; default 0.5.
@@ -60,9 +61,7 @@ class KeyWatch:
     async def stop(self) -> None:
         if self._task is None:
             return
-        self._task.cancel()
-        with contextlib.suppress(asyncio.CancelledError):
-            await self._task
+        await stop_tasks(self._task)
         self._task = None
 
     def _retry(self, error: BaseException) -> bool:

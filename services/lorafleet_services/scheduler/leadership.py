@@ -27,6 +27,7 @@ from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
 from lorafleet._bus import LEADER_TTL_S
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE, Header, Names, kv_stream
 from lorafleet_services.scheduler.kv_watch import KeyWatch
@@ -88,10 +89,7 @@ class Leadership:
     async def stop(self) -> None:
         """Stop campaigning and, when leading, resign: delete the key so
         another replica takes over at once rather than after the TTL."""
-        if self._task is not None:
-            self._task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await self._task
+        await stop_tasks(self._task)
         await self._watch.stop()
         await self.resign()
 

@@ -218,7 +218,8 @@ class DispatchPlan:
 def _named_node_wait(job: JobRecord, node: Node | None, busy_with: str | None) -> str | None:
     """Why `job` cannot go to its named node now; None when it can."""
     name = job.node
-    assert name is not None
+    if name is None:
+        raise ValueError(f"job {job.id} names no node; plan it as a placed job")
     if node is None:
         return (
             f"waiting for node {name}: no agent of that name is heartbeating "

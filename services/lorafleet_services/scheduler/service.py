@@ -41,6 +41,7 @@ from lorafleet import _runtime as runtime
 from lorafleet import log
 from lorafleet._micro import Route, start_service
 from lorafleet._recorder_client import RecorderClient
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
@@ -103,6 +104,7 @@ class Scheduler:
             self.js, self.names.nodes_bucket, ">", self.nodes.on_entry, self.logger
         )
         self._rounds: asyncio.Task[None] | None = None
+        self._stopping = False
         self._service: Any = None
 
     # --- lifecycle ------------------------------------------------------
@@ -125,10 +127,9 @@ class Scheduler:
         )
 
     async def stop(self) -> None:
-        if self._rounds is not None:
-            self._rounds.cancel()
-            with contextlib.suppress(asyncio.CancelledError, Exception):
-                await self._rounds
+        self._stopping = True
+        self._wake.set()
+        await stop_tasks(self._rounds)
         await self._node_watch.stop()
         await self.dispatcher.stop()
         if self._service is not None:
@@ -162,10 +163,12 @@ class Scheduler:
             self._wake.set()
 
     async def _run_rounds(self) -> None:
-        while True:
+        while not self._stopping:
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), SWEEP_S)
             self._wake.clear()
+            if self._stopping:
+                return
             if not self.nc.is_connected:
                 continue
             now = self.clock()

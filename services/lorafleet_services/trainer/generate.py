@@ -81,7 +81,8 @@ def _literal(v: Any) -> str:
 def render() -> str:
     """The block, markers included, as it must stand in script.py."""
     info = mi.type_info(TrainerParams)
-    assert isinstance(info, mi.StructType)
+    if not isinstance(info, mi.StructType):
+        raise TypeError(f"TrainerParams is not a Struct: {info!r}")
     fields: list[str] = []
     rules: list[str] = []
     for f in info.fields:

@@ -352,8 +352,7 @@ def parse_job(raw: Any) -> Job:
     revision = base.get("hf_revision") or "main"
     if not isinstance(revision, str):
         raise BadInputError(f"the job's base.hf_revision is {revision!r}; it must be a string")
-    sha = _str(raw, "data_sha256")
-    assert sha is not None
+    sha = _str(raw, "data_sha256") or ""
     if not re.fullmatch(r"[0-9a-f]{64}", sha):
         raise BadInputError(f"the job's data_sha256 is {sha!r}; it must be 64 lowercase hex digits")
     device = raw.get("device", "cuda")
@@ -920,7 +919,8 @@ def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
             loss.backward()
         d = loss.detach()
         total = d if total is None else total + d
-    assert total is not None
+    if total is None:
+        raise TrainingError("a step with no micro-batch: the data plan is empty")
     return total
 
 
@@ -1185,7 +1185,8 @@ def resolve_base(base: Base, offline: bool) -> Path:
     else:
         from huggingface_hub import snapshot_download
 
-        assert base.hf_repo is not None
+        if base.hf_repo is None:
+            raise BadInputError("the job's base needs exactly one of hf_repo and local_dir")
         try:
             d = Path(
                 snapshot_download(
