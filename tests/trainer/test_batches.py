@@ -109,6 +109,27 @@ def test_batched_encoding_makes_the_same_tokens_as_record_by_record(
     assert any(e.cut for e in one_by_one)
 
 
+def test_a_batched_call_turns_the_tokenizer_pool_on_only_for_itself(
+    trainer_module: ModuleType, tok: Any, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import os
+
+    seen: list[str | None] = []
+
+    class Spy:
+        def __call__(self, texts: list[str], **kw: Any) -> Any:
+            seen.append(os.environ.get("TOKENIZERS_PARALLELISM"))
+            return tok(texts, **kw)
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(tok, name)
+
+    monkeypatch.setenv("TOKENIZERS_PARALLELISM", "false")
+    conv = trainer_module.parse_record('{"q": "Say hello.", "a": "Hello!"}', 1)
+    trainer_module.encode_many(Spy(), tok.chat_template, [(1, conv)], 64)
+    assert seen == ["true"] and os.environ["TOKENIZERS_PARALLELISM"] == "false"
+
+
 def test_a_renderer_that_disagrees_with_the_tokenizer_falls_back(
     trainer_module: ModuleType, tok: Any
 ) -> None:

@@ -641,6 +641,32 @@ def encode_conversation(
     return Encoded(ids[:max_seq_len], labels[:max_seq_len], cut)
 
 
+#: The most threads a batched tokenizer call uses: the node's cores are shared
+#: with the engines beside the trainer, and the burst lasts seconds.
+TOKENIZER_THREADS = 8
+
+
+@contextlib.contextmanager
+def _parallel_tokenizing() -> Iterator[None]:
+    """The fast tokenizer's own thread pool on for one batched call.
+
+    The agent turns TOKENIZERS_PARALLELISM off for the whole trainer (a
+    process that forks after using the pool may deadlock); the trainer never
+    forks, so a batched call may use up to TOKENIZER_THREADS cores (the pool's
+    size is read once, at its first use).
+    """
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ.setdefault("RAYON_NUM_THREADS", str(min(TOKENIZER_THREADS, os.cpu_count() or 1)))
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
 def encode_many(
     tokenizer: Any, template: str, records: Sequence[tuple[int, Conversation]], max_seq_len: int
 ) -> list[Encoded]:
@@ -663,7 +689,8 @@ def encode_many(
         texts += [t for t, _ in pieces]
         trained += [x for _, x in pieces]
         counts.append(len(pieces))
-    ids_of = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    with _parallel_tokenizing():
+        ids_of = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
     out: list[Encoded] = []
     k = 0
     for n in counts:
