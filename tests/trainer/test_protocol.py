@@ -39,6 +39,7 @@ def test_every_line_of_a_training_run_decodes(
         "TrainerStep",
         "TrainerEval",
         "TrainerDone",
+        "TrainerLengths",
     }
 
 
