@@ -58,7 +58,7 @@ def test_grouped_batches_hold_each_record_once_with_little_padding(
     random_order = trainer_module.plan_steps(1000, 4, 2, 1)
     real = sum(lengths)
     assert _padding(random_order, lengths) > 0.3 * real
-    assert _padding(grouped, lengths) < 0.06 * real
+    assert _padding(grouped, lengths) < 0.1 * real  # buckets of about 1/8
 
 
 def test_grouping_skips_records_without_an_answer_and_keeps_a_short_last_batch(
