@@ -26,3 +26,5 @@ python3 -c "from lorafleet.natsserver import binary; print(binary())"
 export LORAFLEET_TEST_WHEEL_DIR=$PWD/.whl/overlay
 timeout 330 python3 -m pytest tests/agent -v -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning --durations=10 2>&1 | tail -80
 timeout 60 python3 bench/agent_heartbeat_pace.py --seconds 5 2>&1 | grep -v '"event"'
+# The memory estimate against NVML peaks (three configurations of Qwen2.5-0.5B shapes) and the budget cap.
+timeout 300 python3 bench/trainer_estimate.py 2>&1 | tail -80

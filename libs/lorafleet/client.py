@@ -37,6 +37,7 @@ import nats.js.errors
 from nats.aio.client import Client as Nats
 
 from lorafleet import _bus as bus
+from lorafleet.estimate import with_architecture
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
@@ -49,6 +50,8 @@ from lorafleet_schemas.messages import (
     JobCancelRequest,
     JobCurve,
     JobCurveRequest,
+    JobEstimate,
+    JobEstimateRequest,
     JobEvent,
     JobGetRequest,
     JobList,
@@ -111,9 +114,16 @@ class Client:
         )
 
     # --- catalog ---
-    async def add_model(self, spec: ModelSpec) -> ModelRecord:
+    async def add_model(self, spec: ModelSpec, *, read_architecture: bool = True) -> ModelRecord:
         """Add a catalog entry. BadRequestError for an incomplete spec,
-        ConflictError when the name is taken by a different entry."""
+        ConflictError when the name is taken by a different entry.
+
+        Without spec.architecture it is read from config.json in local_dir or
+        in this machine's Hugging Face cache when there (nothing is
+        downloaded); else the model is added without one and its jobs get no
+        memory estimate (the record's architecture is None)."""
+        if read_architecture:
+            spec, _ = with_architecture(spec)
         return await self._req(self.names.models_add, spec, ModelRecord)
 
     async def models(self) -> list[ModelRecord]:
@@ -139,6 +149,12 @@ class Client:
         """Queue a job. NotFoundError when its model (or dataset object) is
         unknown, BadRequestError when its data or parameters are wrong."""
         return await self._req(self.names.jobs_submit, spec, JobRecord)
+
+    async def estimate(self, request: JobEstimateRequest) -> JobEstimate:
+        """The memory estimate of a job, nothing queued: its lines, or the reason
+        there is none (`estimate` None), and whether gpu_memory_mib fits it.
+        NotFoundError for an unknown model."""
+        return await self._req(self.names.jobs_estimate, request, JobEstimate)
 
     async def get(self, job_id: str) -> JobRecord:
         """The job as the recorder holds it; NotFoundError for an unknown id."""

@@ -75,6 +75,10 @@ class Names:
         return self.api("jobs", "cancel")
 
     @property
+    def jobs_estimate(self) -> str:
+        return self.api("jobs", "estimate")
+
+    @property
     def models_add(self) -> str:
         return self.api("models", "add")
 

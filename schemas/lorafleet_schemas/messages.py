@@ -84,6 +84,31 @@ class ErrorReply(msgspec.Struct, kw_only=True):
 # --- the catalog -----------------------------------------------------------
 
 
+class ModelArchitecture(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """What a memory estimate needs of a decoder model, from its config.json.
+
+    `lorafleet models add` reads it from a local directory or the Hugging Face
+    cache (`lorafleet.estimate.architecture_from_config`); the API takes it as
+    given. Sizes are counts, not bytes.
+    """
+
+    num_hidden_layers: Annotated[int, Meta(ge=1)]
+    hidden_size: Annotated[int, Meta(ge=1)]
+    intermediate_size: Annotated[int, Meta(ge=1)]
+    num_attention_heads: Annotated[int, Meta(ge=1)]
+    num_key_value_heads: Annotated[int, Meta(ge=1)]
+    vocab_size: Annotated[int, Meta(ge=1)]
+    #: hidden_size / num_attention_heads unless the config says otherwise.
+    head_dim: Annotated[int, Meta(ge=1)] | None = None
+    #: The weights' parameter count; computed from the shapes when not given.
+    parameters: Annotated[int, Meta(ge=1)] | None = None
+    #: The dtype the weights are stored in (config.json's torch_dtype / dtype).
+    weight_dtype: Literal["bf16", "fp16", "fp32"] = "bf16"
+    tie_word_embeddings: bool = False
+    #: q, k and v projections carry a bias (Qwen2 does).
+    attention_bias: bool = False
+
+
 class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A catalog entry: where a model's safetensors weights are, and what serves it.
 
@@ -98,6 +123,8 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: A directory holding the weights on every node that trains this model.
     local_dir: str | None = None
     description: str = ""
+    #: From the model's config.json; without it jobs get no memory estimate.
+    architecture: ModelArchitecture | None = None
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -108,6 +135,7 @@ class ModelRecord(msgspec.Struct, kw_only=True):
     local_dir: str | None
     description: str
     created_at: dt.datetime
+    architecture: ModelArchitecture | None = None
 
 
 class ModelListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -165,13 +193,61 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """
 
     model: SubjectToken
-    gpu_memory_mib: PositiveMiB
+    #: The card memory the job may use. None: the memory estimate plus its
+    #: margin (the model must have its architecture in the catalog).
+    gpu_memory_mib: PositiveMiB | None = None
     name: str = ""
     #: The node to train on; none lets the scheduler place the job.
     node: SubjectToken | None = None
     data: str | None = None
     dataset: str | None = None
     params: TrainerParams = msgspec.field(default_factory=TrainerParams)
+    #: Queue the job even when gpu_memory_mib is below the memory estimate.
+    ignore_estimate: bool = False
+
+
+class EstimateLine(msgspec.Struct, kw_only=True):
+    """One part of a memory estimate: weights, adapter, gradients, ..."""
+
+    name: str
+    bytes: int
+    mib: float
+    #: How the line is counted.
+    note: str = ""
+
+
+class MemoryEstimate(msgspec.Struct, kw_only=True):
+    """The estimated peak card memory of a training job, line by line."""
+
+    lines: list[EstimateLine]
+    total_bytes: int
+    total_mib: int
+    #: The total plus the margin: what a submit without gpu_memory_mib asks for.
+    recommended_mib: int
+    margin_fraction: float
+    #: The token length of a micro-batch's rows the activations assume.
+    seq_len: int
+    #: The dtype the estimate assumes for the weights and activations.
+    dtype: str
+
+
+class JobEstimateRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`lorafleet.api.jobs.estimate`: the estimate for a job, nothing queued."""
+
+    model: SubjectToken
+    params: TrainerParams = msgspec.field(default_factory=TrainerParams)
+    #: Checked against the estimate when given.
+    gpu_memory_mib: PositiveMiB | None = None
+
+
+class JobEstimate(msgspec.Struct, kw_only=True):
+    model: str
+    #: None when the catalog has no architecture for the model (see `reason`).
+    estimate: MemoryEstimate | None = None
+    #: Why there is no estimate, or why gpu_memory_mib is too small; else "".
+    reason: str = ""
+    #: gpu_memory_mib is at least the estimate (True when none was given).
+    fits: bool = True
 
 
 class JobRecord(msgspec.Struct, kw_only=True):
@@ -469,7 +545,29 @@ class TrainerError(msgspec.Struct, kw_only=True, tag="error", tag_field="event")
     message: str
 
 
-TrainerLine = TrainerState | TrainerStep | TrainerEval | TrainerLog | TrainerDone | TrainerError
+class TrainerLengths(msgspec.Struct, kw_only=True, tag="lengths", tag_field="event"):
+    """The token lengths of the records tokenized before the weights load (all
+    of them without max_steps; with it, those its steps read)."""
+
+    records_tokenized: int
+    records_cut: int
+    records_skipped: int
+    min: int
+    p50: int
+    p95: int
+    max: int
+    mean: int
+
+
+TrainerLine = (
+    TrainerState
+    | TrainerStep
+    | TrainerEval
+    | TrainerLog
+    | TrainerDone
+    | TrainerError
+    | TrainerLengths
+)
 
 
 # --- agent -> artifact-store: chunks ---------------------------------------
@@ -534,6 +632,8 @@ PUBLISHED: dict[str, object] = {
     "job-cancel-request": JobCancelRequest,
     "job-curve-request": JobCurveRequest,
     "job-curve": JobCurve,
+    "job-estimate-request": JobEstimateRequest,
+    "job-estimate": JobEstimate,
     "job-event": JobEvent,
     "transition-request": TransitionRequest,
     "transition-reply": TransitionReply,

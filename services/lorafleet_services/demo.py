@@ -88,6 +88,8 @@ def demo_job() -> JobSpec:
         model=DEMO_MODEL,
         node=LOCAL_NODE,
         gpu_memory_mib=1,
+        # The demo trains on the CPU: its MiB are nominal, not a card's.
+        ignore_estimate=True,
         data=demo_records(),
         params=TrainerParams(
             rank=8, alpha=16, epochs=4, batch_size=8, learning_rate=3e-3,

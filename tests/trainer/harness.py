@@ -82,7 +82,12 @@ class TrainerRun:
         return [x for x in self.lines if x["event"] == event]
 
     def states(self) -> list[str]:
-        return [x["state"] for x in self.events("state")]
+        """The states in order, a repeated one once (preparing reports its progress)."""
+        out: list[str] = []
+        for x in self.events("state"):
+            if not out or out[-1] != x["state"]:
+                out.append(x["state"])
+        return out
 
 
 def run_trainer(

@@ -39,6 +39,7 @@ def test_every_line_of_a_training_run_decodes(
         "TrainerStep",
         "TrainerEval",
         "TrainerDone",
+        "TrainerLengths",
     }
 
 
@@ -108,7 +109,7 @@ def test_running_out_of_card_memory_says_what_to_change(
     last = json.loads(out.getvalue().splitlines()[-1])
     assert last == {
         "event": "error",
-        "message": "the card ran out of memory (CUDA out of memory); lower batch_size or "
-        "max_seq_len (raising gradient_accumulation keeps the batch), or turn on "
-        "gradient_checkpointing",
+        "message": "the card ran out of memory, asking for 2.00 GiB more; lower batch_size "
+        "or max_seq_len (raising gradient_accumulation keeps the batch), turn on "
+        "gradient_checkpointing, or give the job more gpu_memory_mib",
     }

@@ -157,7 +157,7 @@ def test_a_record_the_template_refuses_is_named_by_its_line(
     ok = trainer_module.parse_record('{"q": "Say hello.", "a": "Hello!"}', 1)
     bad = [{"role": "system", "content": "x"}, *ok]
     with pytest.raises(trainer_module.BadInputError) as e:
-        trainer_module.encode_records(tok, template, [(1, ok), (4, bad)], ([0, 1], []), 64)
+        trainer_module.encode_many(tok, template, [(1, ok), (4, bad)], 64)
     assert str(e.value).startswith("data line 4 cannot be rendered with the model's chat template")
     assert "System role not supported" in str(e.value)
 

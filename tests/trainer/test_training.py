@@ -59,6 +59,35 @@ def test_training_lowers_the_loss(trained: Trained, arch: str) -> None:
     assert run.lines[-1]["event"] == "done"
 
 
+def test_the_token_lengths_are_reported_before_the_weights_load(trained: Trained) -> None:
+    run, _ = trained("llama")
+    (lengths,) = run.events("lengths")
+    kinds = [x["event"] for x in run.lines]
+    assert kinds.index("lengths") < kinds.index("step")
+    # Without max_steps every training record (14) before the first step.
+    assert lengths["records_tokenized"] == 14 and lengths["records_cut"] == 0
+    assert 0 < lengths["min"] <= lengths["p50"] <= lengths["p95"] <= lengths["max"] <= 64
+    summary = run.events("done")[0]["summary"]
+    assert summary["records_tokenized"] == 16  # the held-out two at the first eval
+    assert summary["token_lengths"]["max"] >= lengths["max"]
+
+
+def test_with_max_steps_only_the_records_the_steps_need_are_tokenized(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    records = qa_records(200)  # 1,600 records; 5 steps of 2 read one window of 128
+    params = {**TRAIN_PARAMS, "max_steps": 5, "batch_size": 2, "eval_fraction": 0.0}
+    run = run_trainer(write_job(tmp_path, tiny_model("llama"), data=ndjson(records), params=params))
+    assert run.rc == 0, run.stderr[-3000:]
+    (lengths,) = run.events("lengths")
+    assert lengths["records_tokenized"] == 2 * 64
+    assert len(run.events("step")) == 5
+    preparing = [x["message"] for x in run.events("state") if x["state"] == "preparing"]
+    assert "tokenizing: 128 of 1600 records" in preparing
+    summary = run.events("done")[0]["summary"]
+    assert summary["records_tokenized"] == 128 and summary["steps"] == 5
+
+
 @pytest.mark.parametrize("arch", ARCHS)
 def test_done_reports_the_base_dir_and_writes_the_summary(
     trained: Trained, tiny_model: Callable[[str], Path], trainer_module: ModuleType, arch: str
@@ -81,7 +110,8 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     # The keys the script's docstring lists.
     assert set(summary) == {
         "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
-        "records_train", "records_eval", "records_cut", "records_skipped", "chat_template",
+        "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
+        "token_lengths", "padding_tokens", "chat_template",
         "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
         "dtype", "trainable_parameters", "versions",
     }  # fmt: skip

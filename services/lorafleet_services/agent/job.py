@@ -52,6 +52,7 @@ from nats.js import JetStreamContext
 from lorafleet import log, metrics, objects
 from lorafleet._bus import encode
 from lorafleet.artifacts import file_sha256
+from lorafleet.estimate import EstimateError, estimate_memory
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import (
@@ -62,6 +63,7 @@ from lorafleet_schemas.messages import (
     TrainerDone,
     TrainerError,
     TrainerEval,
+    TrainerLengths,
     TrainerLine,
     TrainerLog,
     TrainerState,
@@ -156,7 +158,42 @@ def job_file(
         "params": msgspec.to_builtins(req.params),
         "device": choice.device,
         "hf_offline": cfg.hf_offline,
+        # On a card the trainer keeps the whole process within this (CUDA context included).
+        "gpu_memory_mib": req.gpu_memory_mib,
+        "estimate_mib": job_estimate_mib(req),
     }
+
+
+def lengths_note(line: TrainerLengths, req: StartRequest) -> str:
+    """The trainer's token lengths as a progress message, with the memory
+    estimate refined by them: a micro-batch's rows are as wide as its longest
+    record, so the longest one seen replaces max_seq_len."""
+    text = (
+        f"tokenized {line.records_tokenized} records: {line.p50} tokens at the median, "
+        f"{line.p95} at p95, {line.max} the longest; {line.records_cut} cut at max_seq_len "
+        f"{req.params.max_seq_len}"
+    )
+    if req.model.architecture is None:
+        return text
+    try:
+        refined = estimate_memory(req.model.architecture, req.params, seq_len=line.max)
+    except EstimateError:
+        return text
+    return (
+        f"{text}; memory estimate for rows of {refined.seq_len} tokens {refined.total_mib} MiB "
+        f"(was {job_estimate_mib(req)} MiB for {req.params.max_seq_len}; the job has "
+        f"{req.gpu_memory_mib} MiB)"
+    )
+
+
+def job_estimate_mib(req: StartRequest) -> int | None:
+    """The job's memory estimate on a card, when its model's architecture is known."""
+    if req.model.architecture is None:
+        return None
+    try:
+        return estimate_memory(req.model.architecture, req.params).total_mib
+    except EstimateError:
+        return None
 
 
 def session_pids(sid: int) -> set[int]:
@@ -558,6 +595,10 @@ class JobRun:
         elif isinstance(line, TrainerError):
             self.error_line = line.message
             self.logger.warning(Event.TRAINER_LINE, error=line.message)
+        elif isinstance(line, TrainerLengths):
+            note = lengths_note(line, self.req)
+            r.report(message=note)
+            self.logger.info(Event.TRAINER_LINE, message=note)
         elif isinstance(line, TrainerDone):
             self.done_line = line
             self.logger.info(Event.TRAINER_LINE, message="done", adapter_dir=line.adapter_dir)

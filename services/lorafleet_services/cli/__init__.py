@@ -5,8 +5,9 @@ Catalog:    lorafleet models add NAME --engine vllm|llamacpp
                 (--hf-repo R [--revision V] | --local-dir D)
             lorafleet models list
             lorafleet models add-demo
-Jobs:       lorafleet submit --model M --gpu-mib N --data FILE
-                [--node N] [--param key=value ...] [--watch [--plain|--json]]
+Jobs:       lorafleet submit --model M [--gpu-mib N] --data FILE [--dry-run]
+                [--node N] [--param key=value ...] [--watch [--plain|--json]] [--ignore-estimate]
+            lorafleet estimate --model M [--param key=value ...] [--gpu-mib N]
             lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
 Fleet:      lorafleet top,  lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
@@ -30,7 +31,7 @@ from __future__ import annotations
 from lorafleet_services.cli import services
 
 # isort: split
-from lorafleet_services.cli import jobs, top
+from lorafleet_services.cli import estimate, jobs, top
 
 # isort: split
 from lorafleet_services.cli import artifacts, auth, catalog, identities, nodes
@@ -42,6 +43,7 @@ __all__ = [
     "artifacts",
     "auth",
     "catalog",
+    "estimate",
     "identities",
     "jobs",
     "main",

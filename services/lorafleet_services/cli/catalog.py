@@ -7,6 +7,7 @@ from pathlib import Path
 import typer
 from rich.table import Table
 
+from lorafleet.estimate import with_architecture
 from lorafleet_schemas.messages import Engine, ModelSpec
 from lorafleet_services.cli._app import (
     console,
@@ -28,16 +29,22 @@ def models_add(
     local_dir: str | None = typer.Option(None, help="Directory of the weights on the nodes."),
     description: str = typer.Option(""),
 ) -> None:
-    """Add a model to the catalog."""
-    spec = ModelSpec(
-        name=name,
-        engine=engine,
-        hf_repo=hf_repo,
-        hf_revision=revision,
-        local_dir=local_dir,
-        description=description,
+    """Add a model to the catalog, with its architecture (config.json's sizes,
+    for the memory estimate) when --local-dir or the Hugging Face cache here
+    holds it."""
+    spec, note = with_architecture(
+        ModelSpec(
+            name=name,
+            engine=engine,
+            hf_repo=hf_repo,
+            hf_revision=revision,
+            local_dir=local_dir,
+            description=description,
+        )
     )
-    print_json(run_client(lambda c: c.add_model(spec)))
+    if note:
+        err.print(f"[yellow]note[/yellow] {note}")
+    print_json(run_client(lambda c: c.add_model(spec, read_architecture=False)))
 
 
 @models_app.command("list")

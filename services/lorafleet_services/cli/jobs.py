@@ -31,6 +31,7 @@ from lorafleet_services.cli._app import (
     print_json,
     run_client,
 )
+from lorafleet_services.cli.estimate import show_estimate
 from lorafleet_services.cli.follow import (
     PLAIN_EVERY_S,
     choose_mode,
@@ -61,10 +62,16 @@ def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
         raise typer.BadParameter(f"trainer parameters: {e}") from None
 
 
+#: Data up to this size goes inline in the submit; larger goes to the datasets bucket.
+INLINE_DATA_MAX_BYTES = 512 * 1024
+
+
 @app.command("submit", rich_help_panel="Jobs")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
-    gpu_mib: int = typer.Option(..., help="MiB of one card the job needs."),
+    gpu_mib: int | None = typer.Option(
+        None, help="MiB of one card the job needs (default: the memory estimate + its margin)."
+    ),
     data: Path = typer.Option(
         ..., help="NDJSON of {q, a} or {messages} records.", exists=True, dir_okay=False
     ),
@@ -75,31 +82,34 @@ def submit(
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
     plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),
     as_json: bool = typer.Option(False, "--json", help="With --watch: events as JSON lines."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Show the memory estimate; queue nothing."
+    ),
+    ignore_estimate: bool = typer.Option(
+        False, help="Queue even when --gpu-mib is below the memory estimate."
+    ),
 ) -> None:
     """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
     body = data.read_bytes()
     trainer = parse_params(param, params)
+    if dry_run:
+        show_estimate(model, trainer, gpu_mib)
+        return
+    spec = JobSpec(
+        model=model,
+        gpu_memory_mib=gpu_mib,
+        node=node,
+        name=name,
+        params=trainer,
+        ignore_estimate=ignore_estimate,
+    )
 
     async def go(c: Client) -> JobRecord:
-        if len(body) > 512 * 1024:
-            spec = JobSpec(
-                model=model,
-                gpu_memory_mib=gpu_mib,
-                node=node,
-                name=name,
-                dataset=await c.upload_dataset(body),
-                params=trainer,
-            )
+        if len(body) > INLINE_DATA_MAX_BYTES:
+            sent = msgspec.structs.replace(spec, dataset=await c.upload_dataset(body))
         else:
-            spec = JobSpec(
-                model=model,
-                gpu_memory_mib=gpu_mib,
-                node=node,
-                name=name,
-                data=body.decode(),
-                params=trainer,
-            )
-        job = await c.submit(spec)
+            sent = msgspec.structs.replace(spec, data=body.decode())
+        job = await c.submit(sent)
         err.print(f"queued job [bold]{job.id}[/bold] ({job.records} records)")
         if watch_:
             return await follow(c, job.id, choose_mode(plain, as_json, err), err)

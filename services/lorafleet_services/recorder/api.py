@@ -12,7 +12,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
-from lorafleet import log, metrics
+import msgspec
+
+from lorafleet import estimate, log, metrics
 from lorafleet._bus import encode
 from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
@@ -23,6 +25,8 @@ from lorafleet_schemas.messages import (
     ArtifactStoredRequest,
     JobCurve,
     JobCurveRequest,
+    JobEstimate,
+    JobEstimateRequest,
     JobEvent,
     JobGetRequest,
     JobList,
@@ -74,6 +78,7 @@ class RecorderApi:
             Route(n.jobs_get, JobGetRequest, self.jobs_get),
             Route(n.jobs_list, JobListRequest, self.jobs_list),
             Route(n.jobs_curve, JobCurveRequest, self.jobs_curve),
+            Route(n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
             Route(n.store_transition, TransitionRequest, self.transition),
             Route(n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
@@ -107,14 +112,22 @@ class RecorderApi:
 
     # --- jobs ---
 
-    async def jobs_submit(self, spec: JobSpec) -> JobRecord:
-        model = await store.get_model(self.sm, spec.model)
+    async def _model(self, name: str) -> ModelRecord:
+        model = await store.get_model(self.sm, name)
         if model is None:
             known = [m.name for m in await store.list_models(self.sm)]
             listing = ", ".join(known) if known else "none yet (add one with models.add)"
             raise NotFoundError(
-                f"no model {spec.model} in the catalog; known models: {listing}", "$.model"
+                f"no model {name} in the catalog; known models: {listing}", "$.model"
             )
+        return model
+
+    async def jobs_estimate(self, req: JobEstimateRequest) -> JobEstimate:
+        return job_estimate(await self._model(req.model), req)
+
+    async def jobs_submit(self, spec: JobSpec) -> JobRecord:
+        model = await self._model(spec.model)
+        spec = memory_checked(model, spec)
         if (spec.data is None) == (spec.dataset is None):
             raise BadRequestError(
                 'give the training data either inline ("data": NDJSON text) or by name '
@@ -312,3 +325,45 @@ def _check_named_by_content(dataset: str, sha: str) -> None:
             "<datasets bucket> <name>`) and submit again",
             "$.dataset",
         )
+
+
+# --- the memory estimate ---
+
+
+def job_estimate(model: ModelRecord, req: JobEstimateRequest) -> JobEstimate:
+    """The estimate for a job of `model`, and whether req.gpu_memory_mib fits it."""
+    if model.architecture is None:
+        return JobEstimate(
+            model=model.name,
+            reason=(
+                f"model {model.name} was added without its architecture (config.json's "
+                "sizes), so there is no estimate: add it again from a directory or the "
+                "Hugging Face cache that holds config.json, or give gpu_memory_mib yourself"
+            ),
+        )
+    try:
+        est = estimate.estimate_memory(model.architecture, req.params)
+    except estimate.EstimateError as e:
+        return JobEstimate(model=model.name, reason=str(e))
+    fits = req.gpu_memory_mib is None or req.gpu_memory_mib >= est.total_mib
+    reason = "" if fits else estimate.shortfall_message(est, req.gpu_memory_mib or 0)
+    return JobEstimate(model=model.name, estimate=est, reason=reason, fits=fits)
+
+
+def memory_checked(model: ModelRecord, spec: JobSpec) -> JobSpec:
+    """`spec` with its gpu_memory_mib: the estimate plus its margin when none is
+    given; BadRequestError when the given one is below the estimate (unless
+    spec.ignore_estimate) or none is given and there is no estimate."""
+    answer = job_estimate(
+        model,
+        JobEstimateRequest(
+            model=spec.model, params=spec.params, gpu_memory_mib=spec.gpu_memory_mib
+        ),
+    )
+    if spec.gpu_memory_mib is None:
+        if answer.estimate is None:
+            raise BadRequestError(f"give gpu_memory_mib: {answer.reason}", "$.gpu_memory_mib")
+        return msgspec.structs.replace(spec, gpu_memory_mib=answer.estimate.recommended_mib)
+    if not answer.fits and not spec.ignore_estimate:
+        raise BadRequestError(answer.reason, "$.gpu_memory_mib")
+    return spec

@@ -58,6 +58,8 @@ class Model(Base):
     local_dir: Mapped[str | None] = mapped_column(Text)
     description: Mapped[str] = mapped_column(Text)
     created_at: Mapped[dt.datetime] = mapped_column(UtcDateTime)
+    #: ModelArchitecture as JSON (migration 0002); null without one.
+    architecture: Mapped[dict[str, Any] | None] = mapped_column(JSON)
 
 
 class Job(Base):

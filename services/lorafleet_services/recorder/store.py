@@ -47,6 +47,7 @@ from lorafleet_schemas.messages import (
     JobSpec,
     JobState,
     LossPoint,
+    ModelArchitecture,
     ModelRecord,
     ModelSpec,
     StatusReport,
@@ -111,6 +112,11 @@ def model_record(row: Mapping[Any, Any]) -> ModelRecord:
         local_dir=row["local_dir"],
         description=row["description"],
         created_at=row["created_at"],
+        architecture=(
+            None
+            if row.get("architecture") is None
+            else msgspec.convert(row["architecture"], ModelArchitecture)
+        ),
     )
 
 
@@ -184,6 +190,9 @@ async def add_model(sm: Sessions, spec: ModelSpec) -> ModelRecord:
         "local_dir": spec.local_dir,
         "description": spec.description,
         "created_at": now(),
+        "architecture": None
+        if spec.architecture is None
+        else msgspec.to_builtins(spec.architecture),
     }
     try:
         async with sm() as s, s.begin():

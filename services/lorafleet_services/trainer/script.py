@@ -29,16 +29,28 @@ The job file (JSON object; every key required unless a default is given)
                  on cards with bf16, fp16 on other cards, fp32 on the CPU.
                  Unknown keys are refused.
     device       "cuda" | "cpu" (default "cuda"); with cuda the first visible card.
+    gpu_memory_mib  int | null (default null): on a card, what the whole process
+                 may use, CUDA context included: torch's allocator is capped at
+                 it less the context (`cap_card_memory`), so going over is an
+                 out-of-memory of this process alone, reported with the budget.
+    estimate_mib int | null (default null): the job's memory estimate, named in
+                 that report.
     hf_offline   bool (default true): read the Hugging Face cache only.
 
 The protocol: stdout, one JSON object per line, the field "event" naming it
 --------------------------------------------------------------------------
     {"event": "log", "message", "level": "info"|"warning"}  (first: uid=...)
     {"event": "state", "state": "preparing"|"running"|"saving", "message"}
+                 preparing repeats while the records are tokenized ("tokenizing:
+                 N of M records").
     {"event": "step", "step", "steps", "loss", "learning_rate", "tokens_per_s",
      "eta_s", "peak_mib", "epoch"}   one per optimizer step; loss is the mean
-                 over the step's micro-batches; peak_mib is torch's peak reserved
+                 over the step's micro-batches; tokens_per_s counts real tokens,
+                 not padding; peak_mib is torch's peak reserved
                  MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
+    {"event": "lengths", "records_tokenized", "records_cut", "records_skipped",
+     "min", "p50", "p95", "max", "mean"}   once, before the weights load: the
+                 token counts of the records tokenized by then.
     {"event": "eval", "step", "epoch", "eval_loss"}   after each epoch and at the
                  end, when eval_fraction > 0: the mean cross-entropy per answer
                  token over the held-out records.
@@ -57,14 +69,24 @@ PLAIN_TEMPLATE ("### Question:\\n{q}\\n\\n### Answer:\\n{a}{eos}"). {"q", "a"} i
 elsewhere). Records longer than max_seq_len are cut and counted; a record with
 no answer token left after the cut is skipped and counted.
 
+Batches: each epoch shuffles the training records by seed + epoch, then sorts
+each window of GROUP_WINDOW_BATCHES micro-batches' worth by token count (in
+buckets of about 1/8) and cuts it into micro-batches of like lengths, shuffled
+(`plan_grouped`): every record once an epoch, little padding. Records are
+tokenized in batches, the template compiled once, and only when the plan first
+needs them: with max_steps a job tokenizes the windows its steps read, not the
+whole file.
+
 What it writes: <out_dir>/adapter/{adapter_model.safetensors,
 adapter_config.json, chat_template.jinja, training_summary.json}. The summary
 (also the "done" line's) holds job_id, final_loss, eval_loss (null without a
 held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
 data_sha256, records, records_train, records_eval, records_cut,
-records_skipped, chat_template ("tokenizer" | "plain"), steps, epochs,
-tokens_seen (padding not counted), train_time_s, wall_time_s, peak_mib,
-device, dtype, trainable_parameters and versions {python, torch,
+records_skipped (both of the records tokenized), records_tokenized (fewer than
+records when max_steps ends the job before the data does), token_lengths
+{min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
+steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
+wall_time_s, peak_mib, device, dtype, trainable_parameters and versions {python, torch,
 transformers, peft, accelerate, safetensors}.
 """
 
@@ -200,6 +222,10 @@ class Job:
     params: Params
     device: str
     hf_offline: bool
+    #: The card memory the whole process may use (CUDA context included); None: no cap.
+    gpu_memory_mib: int | None = None
+    #: The job's memory estimate, for the message when the budget is exceeded.
+    estimate_mib: int | None = None
 
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -336,6 +362,10 @@ def parse_job(raw: Any) -> Job:
     offline = raw.get("hf_offline", True)
     if not isinstance(offline, bool):
         raise BadInputError(f"the job's hf_offline is {offline!r}; it must be true or false")
+    mibs = {k: raw.get(k) for k in ("gpu_memory_mib", "estimate_mib")}
+    for key, v in mibs.items():
+        if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < 1):
+            raise BadInputError(f"the job's {key} is {v!r}; it must be a positive integer or null")
     return Job(
         job_id=str(raw.get("job_id", "")),
         base=Base(hf_repo=hf_repo, hf_revision=revision, local_dir=local_dir),
@@ -345,6 +375,8 @@ def parse_job(raw: Any) -> Job:
         params=parse_params(raw.get("params")),
         device=device,
         hf_offline=offline,
+        gpu_memory_mib=mibs["gpu_memory_mib"],
+        estimate_mib=mibs["estimate_mib"],
     )
 
 
@@ -503,7 +535,61 @@ def _render(tokenizer: Any, template: str, msgs: Conversation, generation: bool)
     return out
 
 
+#: Renders a conversation (with add_generation_prompt or not) as text.
+Render = Callable[[Conversation, bool], str]
+
+
+def renderer(tokenizer: Any, template: str) -> Render:
+    """A render function for `template`, compiled once.
+
+    apply_chat_template recompiles nothing but still costs tens of microseconds
+    a call in argument handling, and a record takes three calls. The compiled
+    template (transformers' own compiler, so the same sandbox and filters) is
+    rendered directly with the tokenizer's special tokens; the first 16 calls
+    are checked against apply_chat_template and on any difference (or a
+    transformers without the compiler) every call goes through it instead.
+    """
+
+    def slow(msgs: Conversation, generation: bool) -> str:
+        return _render(tokenizer, template, msgs, generation)
+
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+
+        compiled = _compile_jinja_template(template)
+        kwargs = dict(tokenizer.special_tokens_map)
+    except Exception:
+        return slow
+    state: dict[str, Any] = {"checks_left": 16, "fast": True}
+
+    def fast(msgs: Conversation, generation: bool) -> str:
+        if not state["fast"]:
+            return slow(msgs, generation)
+        text = str(
+            compiled.render(
+                messages=msgs,
+                tools=None,
+                documents=None,
+                add_generation_prompt=generation,
+                **kwargs,
+            )
+        )
+        if state["checks_left"]:
+            state["checks_left"] -= 1
+            if text != slow(msgs, generation):
+                state["fast"] = False
+                return slow(msgs, generation)
+        return text
+
+    return fast
+
+
 def segments(tokenizer: Any, template: str, conv: Conversation) -> list[tuple[str, bool]]:
+    """`segments_with` rendering by apply_chat_template, call by call."""
+    return segments_with(lambda msgs, gen: _render(tokenizer, template, msgs, gen), conv)
+
+
+def segments_with(render: Render, conv: Conversation) -> list[tuple[str, bool]]:
     """The rendered conversation as (text, trained) pieces; trained = an assistant turn.
 
     Each assistant turn's text is what rendering it adds after the prompt that
@@ -517,21 +603,21 @@ def segments(tokenizer: Any, template: str, conv: Conversation) -> list[tuple[st
     for i, m in enumerate(conv):
         if m["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, template, conv[:i], True)
-        full = _render(tokenizer, template, conv[: i + 1], False)
+        prompt = render(conv[:i], True)
+        full = render(conv[: i + 1], False)
         if not (prompt.startswith(done) and full.startswith(prompt)):
             ok = False
             break
         pieces += [(prompt[len(done) :], False), (full[len(prompt) :], True)]
         done = full
     if ok:
-        end = _render(tokenizer, template, conv, False)
+        end = render(conv, False)
         if end.startswith(done):
             pieces.append((end[len(done) :], False))
             return [(t, trained) for t, trained in pieces if t]
     last = max(i for i, m in enumerate(conv) if m["role"] == "assistant")
-    prompt = _render(tokenizer, template, conv[:last], True)
-    full = _render(tokenizer, template, conv[: last + 1], False)
+    prompt = render(conv[:last], True)
+    full = render(conv[: last + 1], False)
     k = 0
     while k < min(len(prompt), len(full)) and prompt[k] == full[k]:
         k += 1
@@ -556,6 +642,141 @@ def encode_conversation(
     return Encoded(ids[:max_seq_len], labels[:max_seq_len], cut)
 
 
+#: The most threads a batched tokenizer call uses: the node's cores are shared
+#: with the engines beside the trainer, and the burst lasts seconds.
+TOKENIZER_THREADS = 8
+
+
+@contextlib.contextmanager
+def _parallel_tokenizing() -> Iterator[None]:
+    """The fast tokenizer's own thread pool on for one batched call.
+
+    The agent turns TOKENIZERS_PARALLELISM off for the whole trainer (a
+    process that forks after using the pool may deadlock); the trainer never
+    forks, so a batched call may use up to TOKENIZER_THREADS cores (the pool's
+    size is read once, at its first use).
+    """
+    saved = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ.setdefault("RAYON_NUM_THREADS", str(min(TOKENIZER_THREADS, os.cpu_count() or 1)))
+    os.environ["TOKENIZERS_PARALLELISM"] = "true"
+    try:
+        yield
+    finally:
+        if saved is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = saved
+
+
+def encode_many(
+    tokenizer: Any, template: str, records: Sequence[tuple[int, Conversation]], max_seq_len: int
+) -> list[Encoded]:
+    """`encode_conversation` of each (line number, record), the same tokens, in
+    one pass: the template compiled once, then every record's pieces tokenized
+    in one batched call (the fast tokenizer's Rust loop, not a Python call a
+    piece)."""
+    render = renderer(tokenizer, template)
+    texts: list[str] = []
+    trained: list[bool] = []
+    counts: list[int] = []
+    for lineno, conv in records:
+        try:
+            pieces = segments_with(render, conv)
+        except Exception as e:
+            raise BadInputError(
+                f"data line {lineno} cannot be rendered with the model's chat template: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        texts += [t for t, _ in pieces]
+        trained += [x for _, x in pieces]
+        counts.append(len(pieces))
+    with _parallel_tokenizing():
+        ids_of = tokenizer(texts, add_special_tokens=False)["input_ids"] if texts else []
+    out: list[Encoded] = []
+    k = 0
+    for n in counts:
+        ids: list[int] = []
+        labels: list[int] = []
+        for piece, is_trained in zip(ids_of[k : k + n], trained[k : k + n], strict=True):
+            ids += piece
+            labels += piece if is_trained else [IGNORE] * len(piece)
+        k += n
+        out.append(Encoded(ids[:max_seq_len], labels[:max_seq_len], len(ids) > max_seq_len))
+    return out
+
+
+class Tokens:
+    """The records' token ids, made when first asked for, a batch at a time.
+
+    Only what the plan reads is tokenized: with max_steps a few windows of
+    the first epoch, not the whole file. `cut` and `skipped` count the records
+    tokenized so far (skipped: no answer token left within max_seq_len).
+    """
+
+    #: Records a batched call tokenizes at most, so progress shows between calls.
+    CHUNK = 4096
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        template: str,
+        records: Sequence[tuple[int, Conversation]],
+        max_seq_len: int,
+        on_progress: Callable[[int], None] = lambda done: None,
+    ) -> None:
+        self._tokenizer = tokenizer
+        self._template = template
+        self._records = records
+        self._max_seq_len = max_seq_len
+        self.on_progress = on_progress
+        self._encoded: dict[int, Encoded] = {}
+        self.cut = 0
+        self.skipped = 0
+
+    def get(self, indices: Sequence[int]) -> list[Encoded]:
+        """The records at `indices` (of the data file's records), tokenizing the missing."""
+        missing = sorted({i for i in indices if i not in self._encoded})
+        for c in range(0, len(missing), self.CHUNK):
+            chunk = missing[c : c + self.CHUNK]
+            encoded = encode_many(
+                self._tokenizer,
+                self._template,
+                [self._records[i] for i in chunk],
+                self._max_seq_len,
+            )
+            for i, e in zip(chunk, encoded, strict=True):
+                self._encoded[i] = e
+                self.cut += e.cut
+                self.skipped += e.answer_tokens == 0
+            self.on_progress(len(self._encoded))
+        return [self._encoded[i] for i in indices]
+
+    def lengths(self, indices: Sequence[int]) -> list[int]:
+        """Each record's token count, 0 for one with no answer token (skipped)."""
+        return [len(e.input_ids) if e.answer_tokens else 0 for e in self.get(indices)]
+
+    @property
+    def done(self) -> int:
+        return len(self._encoded)
+
+    def length_summary(self) -> dict[str, int]:
+        """min, p50, p95, max and mean token count of the records tokenized so far."""
+        lengths = sorted(len(e.input_ids) for e in self._encoded.values())
+        if not lengths:
+            return {}
+
+        def at(q: float) -> int:
+            return lengths[min(len(lengths) - 1, int(q * len(lengths)))]
+
+        return {
+            "min": lengths[0],
+            "p50": at(0.5),
+            "p95": at(0.95),
+            "max": lengths[-1],
+            "mean": round(sum(lengths) / len(lengths)),
+        }
+
+
 # --- batches ----------------------------------------------------------------
 
 
@@ -571,6 +792,68 @@ def plan_steps(
     random.Random(epoch_seed).shuffle(order)
     micro = [order[i : i + batch_size] for i in range(0, n_train, batch_size)]
     return [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+
+
+#: Micro-batches' worth of records sorted by length together: the wider, the
+#: less padding, the narrower, the more random the batches' order. 64 leaves
+#: padding at a few percent of a long-tailed length distribution.
+GROUP_WINDOW_BATCHES = 64
+
+
+def _bucket(length: int) -> int:
+    """Lengths within about 1/8 of each other share a bucket (tens of tokens
+    apart share one of 8): batches mix records a little more than a strict
+    sort would, for at most about 12% padding."""
+    step = max(8, 1 << max(0, length.bit_length() - 4))
+    return (length + step - 1) // step * step
+
+
+def plan_grouped(
+    train: Sequence[int],
+    batch_size: int,
+    accumulation: int,
+    epoch_seed: int,
+    lengths_of: Callable[[Sequence[int]], list[int]],
+    max_steps: int = 0,
+) -> list[list[list[int]]]:
+    """One epoch of length-grouped batches: optimizer steps, each a list of
+    micro-batches of the `train` record indices.
+
+    The records are shuffled with `epoch_seed`, then taken a window of
+    GROUP_WINDOW_BATCHES micro-batches at a time: a window is sorted by token
+    count (`lengths_of`, 0 for a record to skip) in buckets of about 1/8
+    (`_bucket`) and cut into micro-batches of like lengths, which are shuffled
+    (so one step does not hold all the long ones). A strict sort would put the
+    same records together every epoch when lengths are alike: on the demo's
+    data it ended 3% above random batches' held-out loss in 5 of 5 seeds, the
+    buckets 0.7% below (4 of 5). The records left over from a window's last,
+    part-filled micro-batch go into the next window: every record once an
+    epoch, ceil(records / batch_size) micro-batches, only the last one short.
+    With max_steps, windows are read (and so tokenized) only until that many
+    steps are planned.
+    """
+    rng = random.Random(epoch_seed)
+    order = list(train)
+    rng.shuffle(order)
+    window = batch_size * GROUP_WINDOW_BATCHES
+    micro: list[list[int]] = []
+    carry: list[tuple[int, int]] = []
+    for w in range(0, len(order), window):
+        ids = order[w : w + window]
+        pool = carry + [(n, i) for n, i in zip(lengths_of(ids), ids, strict=True) if n > 0]
+        pool.sort(key=lambda x: _bucket(x[0]))  # stable: a bucket keeps its shuffled order
+        full = len(pool) - len(pool) % batch_size
+        batches = [[i for _, i in pool[j : j + batch_size]] for j in range(0, full, batch_size)]
+        carry = pool[full:]
+        rng.shuffle(batches)
+        micro += batches
+        if max_steps and len(micro) >= max_steps * accumulation:
+            carry = []
+            break
+    if carry:
+        micro.append([i for _, i in carry])
+    steps = [micro[i : i + accumulation] for i in range(0, len(micro), accumulation)]
+    return steps[:max_steps] if max_steps else steps
 
 
 def collate(encoded: Sequence[Encoded], pad_id: int) -> tuple[list[list[int]], ...]:
@@ -593,7 +876,10 @@ class Batch:
     #: None when no record in the batch is padded.
     attention_mask: Any
     labels: Any
+    #: Real tokens (padding not counted).
     tokens: int
+    #: Padding tokens the batch computes on for nothing.
+    padding: int = 0
 
 
 def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
@@ -617,6 +903,7 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
         None if no_padding else t_mask,
         t_labels,
         tokens=sum(len(e.input_ids) for e in encoded),
+        padding=len(ids) * len(ids[0]) - sum(len(e.input_ids) for e in encoded),
     )
 
 
@@ -639,6 +926,7 @@ class Loop:
 class Progress:
     step: int = 0
     tokens: int = 0
+    padding: int = 0
     train_s: float = 0.0
     last_loss: float | None = None
     last_eval: float | None = None
@@ -721,6 +1009,7 @@ def train_steps(
         tokens = sum(b.tokens for b in micro)
         progress.step += 1
         progress.tokens += tokens
+        progress.padding += sum(b.padding for b in micro)
         progress.train_s += dt
         progress.last_loss = step_loss
         on_step(
@@ -838,6 +1127,81 @@ def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_
     return Loop(model, opt, sched, scaler, autocast, device)
 
 
+# --- the card's budget ---------------------------------------------------------
+
+MIB = 1 << 20
+
+#: The least the CUDA context is taken to be (lorafleet.estimate.CUDA_CONTEXT_MIB,
+#: the same figure): measured right after start it is smaller, but kernels
+#: loaded lazily on first use grow it during the first steps.
+CUDA_CONTEXT_MIB = 512
+
+
+def memory_fraction(budget_mib: int, context_mib: int, total_bytes: int) -> float:
+    """The share of the card torch's allocator may take so that the whole
+    process (the CUDA context NVML counts, and torch's tensors) stays within
+    `budget_mib`. BadInputError when the context alone fills the budget."""
+    allowed = (budget_mib - context_mib) * MIB
+    if allowed <= 0:
+        raise BadInputError(
+            f"gpu_memory_mib {budget_mib} leaves nothing for the training: the CUDA context "
+            f"alone takes {context_mib} MiB; give the job more gpu_memory_mib"
+        )
+    return min(1.0, allowed / total_bytes)
+
+
+def process_card_mib(device_index: int, pid: int) -> int | None:
+    """This process's card memory as NVML counts it, or None when NVML cannot
+    tell (no nvidia-ml-py, or a container whose process ids NVML does not see)."""
+    import torch
+
+    try:
+        text = torch.cuda.list_gpu_processes(device_index)
+    except Exception:
+        return None
+    m = re.search(rf"process\s+{pid}\s+uses\s+([\d.]+)\s+MB", text)
+    return round(float(m.group(1))) if m else None
+
+
+def cap_card_memory(device: Any, budget_mib: int) -> str:
+    """Cap torch's allocator on `device` to the job's budget less the CUDA
+    context; answers what was set, for the log. Exceeding it is then an
+    out-of-memory of this process alone: a co-located engine keeps its memory."""
+    import torch
+
+    torch.zeros(1, device=device)  # the context exists from here on
+    index = device.index or 0
+    used = process_card_mib(index, os.getpid())
+    reserved = int(torch.cuda.memory_reserved(device) // MIB)
+    context = max(CUDA_CONTEXT_MIB, used - reserved if used is not None else 0)
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    fraction = memory_fraction(budget_mib, context, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return (
+        f"card budget {budget_mib} MiB: {context} MiB for the CUDA context, torch may "
+        f"allocate {budget_mib - context} MiB ({fraction:.4f} of the card's {total // MIB} MiB)"
+    )
+
+
+def out_of_memory_message(error: str, budget_mib: int | None, estimate_mib: int | None) -> str:
+    """The failure of a job that ran out of card memory: how much it asked for,
+    its budget and estimate, and what to change."""
+    first = error.split(".")[0]
+    asked = re.search(r"Tried to allocate ([\d.]+ [KMG]iB)", error)
+    what = f"asking for {asked.group(1)} more" if asked else first
+    where = (
+        f"the trainer ran out of its budget of {budget_mib} MiB (the job's gpu_memory_mib)"
+        if budget_mib is not None
+        else "the card ran out of memory"
+    )
+    known = f"; the memory estimate was {estimate_mib} MiB" if estimate_mib is not None else ""
+    return (
+        f"{where}, {what}{known}; lower batch_size or max_seq_len (raising "
+        "gradient_accumulation keeps the batch), turn on gradient_checkpointing, or give "
+        "the job more gpu_memory_mib"
+    )
+
+
 # --- the base weights -------------------------------------------------------
 
 HF_PATTERNS = [
@@ -951,87 +1315,106 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise TerminatedError()
 
 
-@dataclasses.dataclass(frozen=True)
-class Prepared:
-    """The records as token ids, split, with what was cut and skipped."""
+def plan_total_steps(tokens: Tokens, train: Sequence[int], p: Params) -> int:
+    """The job's optimizer steps: max_steps, else epochs of the records with an
+    answer token (which tokenizes them all: the count needs every length)."""
+    if p.max_steps > 0:
+        return p.max_steps
+    kept = sum(1 for n in tokens.lengths(train) if n > 0)
+    if not kept:
+        raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    per_epoch = math.ceil(math.ceil(kept / p.batch_size) / p.gradient_accumulation)
+    return per_epoch * p.epochs
 
-    train: list[Encoded]
-    held: list[Encoded]
-    cut: int
-    skipped: int
+
+_NO_ANSWER = "no record has an answer token within max_seq_len {}; raise it"
 
 
-def encode_records(
-    tokenizer: Any,
-    template: str,
-    records: Sequence[tuple[int, Conversation]],
-    split: tuple[list[int], list[int]],
-    max_seq_len: int,
-) -> Prepared:
-    """Render and tokenize every record; log what was cut or skipped."""
-    encoded: list[Encoded] = []
-    for lineno, conv in records:
-        try:
-            encoded.append(encode_conversation(tokenizer, template, conv, max_seq_len))
-        except Exception as e:
-            raise BadInputError(
-                f"data line {lineno} cannot be rendered with the model's chat template: "
-                f"{type(e).__name__}: {e}"
-            ) from e
-    cut = sum(e.cut for e in encoded)
-    empty = {i for i, e in enumerate(encoded) if e.answer_tokens == 0}
-    if cut:
-        log(
-            f"{cut} of {len(encoded)} records were longer than max_seq_len {max_seq_len} "
-            "tokens and were cut",
-            "warning",
-        )
-    if empty:
-        log(
-            f"{len(empty)} records have no answer token within max_seq_len {max_seq_len}; "
-            "they are skipped",
-            "warning",
-        )
-    train = [encoded[i] for i in split[0] if i not in empty]
-    if not train:
-        raise BadInputError(
-            f"no record has an answer token within max_seq_len {max_seq_len}; raise it"
-        )
-    return Prepared(train, [encoded[i] for i in split[1] if i not in empty], cut, len(empty))
+def eval_batches_of(
+    tokens: Tokens, held: Sequence[int], p: Params, pad_id: int, device: Any
+) -> list[Batch]:
+    """The held-out records in length-sorted batches (the loss is a sum per
+    token: their order does not change it, and sorting spares the padding)."""
+    kept = sorted((e for e in tokens.get(held) if e.answer_tokens), key=lambda e: len(e.input_ids))
+    return [
+        to_batch(kept[i : i + p.batch_size], pad_id, device)
+        for i in range(0, len(kept), p.batch_size)
+    ]
 
 
 def train_epochs(
-    loop: Loop, data: Prepared, p: Params, total_steps: int, pad_id: int
+    loop: Loop,
+    tokens: Tokens,
+    split: tuple[list[int], list[int]],
+    p: Params,
+    total_steps: int,
+    pad_id: int,
 ) -> tuple[Progress, int]:
-    """Epochs until total_steps, an eval after each (and so at the end); answers
-    the progress and the epochs run."""
+    """Epochs of length-grouped batches until total_steps, an eval after each
+    (and so at the end); answers the progress and the epochs run."""
     device = loop.device
-    eval_batches = [
-        to_batch(data.held[i : i + p.batch_size], pad_id, device)
-        for i in range(0, len(data.held), p.batch_size)
-    ]
+    eval_batches: list[Batch] | None = None
     progress = Progress()
 
     def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
         for step in plan:
-            yield epoch, [to_batch([data.train[i] for i in mb], pad_id, device) for mb in step]
+            yield epoch, [to_batch(tokens.get(mb), pad_id, device) for mb in step]
 
     epoch = 0
     while progress.step < total_steps:
         epoch += 1
-        plan = plan_steps(len(data.train), p.batch_size, p.gradient_accumulation, p.seed + epoch)
-        plan = plan[: total_steps - progress.step]
+        left = total_steps - progress.step
+        plan = plan_grouped(
+            split[0], p.batch_size, p.gradient_accumulation, p.seed + epoch, tokens.lengths, left
+        )
+        if not plan:
+            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
         train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
-        if eval_batches:
-            progress.last_eval = eval_loss(loop, eval_batches)
-            emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
+        if split[1]:
+            if eval_batches is None:
+                eval_batches = eval_batches_of(tokens, split[1], p, pad_id, device)
+            if eval_batches:
+                progress.last_eval = eval_loss(loop, eval_batches)
+                emit("eval", step=progress.step, epoch=epoch, eval_loss=progress.last_eval)
     return progress, epoch
+
+
+def preparing_progress(total: int) -> Callable[[int], None]:
+    """The progress of tokenizing, as "preparing" state lines (the agent shows them)."""
+
+    def report(done: int) -> None:
+        emit("state", state="preparing", message=f"tokenizing: {done} of {total} records")
+
+    return report
+
+
+def log_cuts(tokens: Tokens, max_seq_len: int) -> None:
+    """Warn of the records cut or skipped among those tokenized so far."""
+    if tokens.cut:
+        log(
+            f"{tokens.cut} of {tokens.done} records were longer than max_seq_len {max_seq_len} "
+            "tokens and were cut",
+            "warning",
+        )
+    if tokens.skipped:
+        log(
+            f"{tokens.skipped} records have no answer token within max_seq_len {max_seq_len}; "
+            "they are skipped",
+            "warning",
+        )
+
+
+#: (gpu_memory_mib, estimate_mib) of the job running, for main's message on an
+#: out-of-memory error.
+_BUDGET: tuple[int | None, int | None] = (None, None)
 
 
 def run(job_path: Path) -> int:
     """The whole job; answers the exit status."""
+    global _BUDGET
     started = time.time()
     job = parse_job(_read_job(job_path))
+    _BUDGET = (job.gpu_memory_mib, job.estimate_mib)
     p = job.params
     records = load_numbered_records(job.data_path, job.data_sha256)
     split = split_records(len(records), p.eval_fraction, p.seed)
@@ -1057,6 +1440,8 @@ def run(job_path: Path) -> int:
         raise TrainingError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
     dtype = resolve_dtype(p.dtype, job.device)
     device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    if device.type == "cuda" and job.gpu_memory_mib is not None:
+        log(cap_card_memory(device, job.gpu_memory_mib))
     random.seed(p.seed)
     torch.manual_seed(p.seed)
 
@@ -1067,11 +1452,29 @@ def run(job_path: Path) -> int:
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    data = encode_records(tokenizer, template, records, split, p.max_seq_len)
+    tokens = Tokens(tokenizer, template, records, p.max_seq_len, preparing_progress(len(records)))
+    # Before the weights load: what step 1 needs (all the training records
+    # without max_steps, else the first windows of epoch 1), so a bad record or
+    # too short a max_seq_len fails fast and the lengths are known early.
+    total_steps = plan_total_steps(tokens, split[0], p)
+    if p.max_steps > 0:
+        first = plan_grouped(
+            split[0], p.batch_size, p.gradient_accumulation, p.seed + 1, tokens.lengths, p.max_steps
+        )
+        if not first:
+            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    log_cuts(tokens, p.max_seq_len)
+    if tokens.done:  # always, past plan_total_steps and the first plan
+        emit(
+            "lengths",
+            records_tokenized=tokens.done,
+            records_cut=tokens.cut,
+            records_skipped=tokens.skipped,
+            **tokens.length_summary(),
+        )
+    tokens.on_progress = lambda done: None  # past preparing: no more state lines
     check_target_modules(base_dir, p.target_modules)
 
-    per_epoch = math.ceil(math.ceil(len(data.train) / p.batch_size) / p.gradient_accumulation)
-    total_steps = p.max_steps if p.max_steps > 0 else per_epoch * p.epochs
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir),
         use_safetensors=True,
@@ -1086,7 +1489,7 @@ def run(job_path: Path) -> int:
     log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
 
     emit("state", state="running", message=f"training {total_steps} steps")
-    progress, epochs = train_epochs(loop, data, p, total_steps, pad_id)
+    progress, epochs = train_epochs(loop, tokens, split, p, total_steps, pad_id)
 
     emit("state", state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / "adapter"
@@ -1110,14 +1513,17 @@ def run(job_path: Path) -> int:
         },
         "data_sha256": job.data_sha256,
         "records": len(records),
-        "records_train": len(data.train),
-        "records_eval": len(data.held),
-        "records_cut": data.cut,
-        "records_skipped": data.skipped,
+        "records_train": len(split[0]),
+        "records_eval": len(split[1]),
+        "records_cut": tokens.cut,
+        "records_skipped": tokens.skipped,
+        "records_tokenized": tokens.done,
+        "token_lengths": tokens.length_summary(),
         "chat_template": "plain" if template is PLAIN_TEMPLATE else "tokenizer",
         "steps": progress.step,
         "epochs": epochs,
         "tokens_seen": progress.tokens,
+        "padding_tokens": progress.padding,
         "train_time_s": round(progress.train_s, 3),
         "wall_time_s": round(time.time() - started, 3),
         "peak_mib": peak_mib(device),
@@ -1168,17 +1574,17 @@ def main(argv: list[str]) -> int:
         import traceback
 
         traceback.print_exc(file=sys.stderr)
-        message = f"{type(e).__name__}: {e}"
-        if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
-            first = str(e).split(".")[0]
-            message = (
-                f"the card ran out of memory ({first}); lower batch_size or max_seq_len "
-                "(raising gradient_accumulation keeps the batch), or turn on "
-                "gradient_checkpointing"
-            )
         with contextlib.suppress(Exception):
-            emit("error", message=message)
+            emit("error", message=failure_message(e))
         return 1
+
+
+def failure_message(e: Exception) -> str:
+    """The "error" line of an unexpected exception: its type and text, or for
+    torch's out-of-memory error the budget, the estimate and what to change."""
+    if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
+        return out_of_memory_message(str(e), *_BUDGET)
+    return f"{type(e).__name__}: {e}"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,265 @@
+"""lorafleet's trainer against TRL's SFTTrainer with PEFT on the CPU: real tokens/s, loss, peak RSS.
+
+    python -m venv /tmp/trlenv && echo $PWD/.venv/lib/python3.11/site-packages \\
+        > /tmp/trlenv/lib/python3.11/site-packages/shared.pth
+    /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
+    /tmp/trlenv/bin/python bench/trainer_trl.py [--records 512] [--epochs 1]
+
+Both train, each in a fresh process (peak memory is its own), one torch
+thread each:
+
+- the same model: a Llama-shaped model of about 29M parameters built on the
+  spot with random weights (hidden 512, 10 layers, 8 heads, 4 key/value heads,
+  intermediate 1376) and the tests' byte-level tokenizer and chat template;
+- the same data: Q/A records with a long-tailed length distribution from 16
+  to 512 tokens (most short, a few long), the same 10% held out;
+- the same epochs, the same LoRA (rank 16, alpha 32, dropout 0.05,
+  all-linear), learning rate 2e-4, batch size 8, records cut at 512 tokens,
+  loss on the answers only, fp32.
+
+Everything else is each one's default: lorafleet's length-grouped batches,
+cosine schedule, no gradient checkpointing; SFTTrainer's (TRL 1.16) padded
+batches in data order, linear schedule, gradient checkpointing on, gradient
+clipping at 1.0, fused AdamW. Measured: real (non-padding) tokens per second
+of training (lorafleet: tokens_seen / train_time_s of its summary; TRL: the
+tokens of its tokenized training set times the epochs / train_runtime), the
+held-out loss of each (mean cross-entropy per answer token; TRL's is the mean
+of its eval batches' means), the final training loss, and the peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import random
+import resource
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+SIZES = {
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 10,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+}
+LORA = {"rank": 16, "alpha": 32, "dropout": 0.05}
+BATCH, LR, MAX_LEN, SEED = 8, 2e-4, 512, 42
+
+
+def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
+    """The model directory and the records; answers them and the parameter count."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer
+
+    tok = build_tokenizer()
+    config = LlamaConfig(
+        **SIZES,
+        vocab_size=len(tok),
+        max_position_embeddings=1024,
+        bos_token_id=tok.bos_token_id,
+        eos_token_id=tok.eos_token_id,
+        pad_token_id=tok.pad_token_id,
+        initializer_range=0.1,
+    )
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(work / "base", safe_serialization=True)
+    tok.save_pretrained(work / "base")
+    words = " ".join(TOKENIZER_TEXT).replace("?", "").replace(".", "").split()
+    rng = random.Random(0)
+    records = []
+    for i in range(n):
+        # About 1.6 tokens a word with this tokenizer: 8 to 320 words, most short.
+        answer_words = min(300, 4 + int(rng.paretovariate(1.1) * 6))
+        q = f"Question {i}: " + " ".join(rng.choices(words, k=rng.randint(3, 12))) + "?"
+        records.append({"q": q, "a": " ".join(rng.choices(words, k=answer_words))})
+    return records, int(sum(p.numel() for p in model.parameters()))
+
+
+def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dict[str, Any]:
+    from tests.trainer.harness import TRAINER_PATH
+
+    data = "".join(json.dumps(r) + "\n" for r in records)
+    (work / "data.jsonl").write_text(data)
+    job = {
+        "job_id": "bench",
+        "base": {"hf_repo": None, "local_dir": str(work / "base")},
+        "data_path": str(work / "data.jsonl"),
+        "data_sha256": hashlib.sha256(data.encode()).hexdigest(),
+        "out_dir": str(work / "lorafleet"),
+        "params": {
+            **LORA,
+            "learning_rate": LR,
+            "batch_size": BATCH,
+            "epochs": epochs,
+            "max_seq_len": MAX_LEN,
+            "eval_fraction": 0.1,
+            "seed": SEED,
+            "dtype": "fp32",
+        },
+        "device": "cpu",
+    }
+    (work / "job.json").write_text(json.dumps(job))
+    p = subprocess.run(
+        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+    )
+    lines = [json.loads(x) for x in p.stdout.splitlines()]
+    if p.returncode != 0:
+        raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{p.stderr[-2000:]}")
+    s = next(x for x in lines if x["event"] == "done")["summary"]
+    steps = [x["loss"] for x in lines if x["event"] == "step"]
+    return {
+        "real_tokens_per_s": round(s["tokens_seen"] / s["train_time_s"], 1),
+        "tokens_seen": s["tokens_seen"],
+        "padding_tokens": s["padding_tokens"],
+        "train_time_s": s["train_time_s"],
+        "eval_loss": round(s["eval_loss"], 4),
+        "final_train_loss_last10": round(sum(steps[-10:]) / len(steps[-10:]), 4),
+        "peak_rss_mib": s["peak_mib"],
+    }
+
+
+def run_trl(work: Path, epochs: int) -> None:
+    """In its own process: TRL's SFTTrainer on the same records and split; prints JSON."""
+    import warnings
+
+    warnings.simplefilter("ignore")
+    import torch
+    from datasets import Dataset
+    from peft import LoraConfig
+    from tests.trainer.harness import load_trainer_module
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import SFTConfig, SFTTrainer
+
+    torch.set_num_threads(1)
+    tr = load_trainer_module()
+    records = [json.loads(x) for x in (work / "data.jsonl").read_text().splitlines()]
+    train_idx, held_idx = tr.split_records(len(records), 0.1, SEED)
+
+    def rows(idx: list[int]) -> Dataset:
+        return Dataset.from_list(
+            [
+                {
+                    "prompt": [{"role": "user", "content": records[i]["q"]}],
+                    "completion": [{"role": "assistant", "content": records[i]["a"]}],
+                }
+                for i in idx
+            ]
+        )
+
+    tok = AutoTokenizer.from_pretrained(work / "base")
+    model = AutoModelForCausalLM.from_pretrained(work / "base", dtype=torch.float32)
+    args = SFTConfig(
+        output_dir=str(work / "trl"),
+        use_cpu=True,
+        bf16=False,
+        num_train_epochs=epochs,
+        per_device_train_batch_size=BATCH,
+        per_device_eval_batch_size=BATCH,
+        learning_rate=LR,
+        max_length=MAX_LEN,
+        seed=SEED,
+        report_to=[],
+        save_strategy="no",
+        logging_steps=10,
+        disable_tqdm=True,
+    )
+    peft = LoraConfig(
+        r=LORA["rank"],
+        lora_alpha=LORA["alpha"],
+        lora_dropout=LORA["dropout"],
+        target_modules="all-linear",
+        task_type="CAUSAL_LM",
+    )
+    trainer = SFTTrainer(
+        model=model,
+        args=args,
+        train_dataset=rows(train_idx),
+        eval_dataset=rows(held_idx),
+        processing_class=tok,
+        peft_config=peft,
+    )
+    tokens = sum(len(x) for x in trainer.train_dataset["input_ids"]) * epochs
+    out = trainer.train()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    result = {
+        "real_tokens_per_s": round(tokens / out.metrics["train_runtime"], 1),
+        "tokens_seen": tokens,
+        "train_time_s": round(out.metrics["train_runtime"], 2),
+        "eval_loss": round(trainer.evaluate()["eval_loss"], 4),
+        "final_train_loss_last_log": round(losses[-1], 4) if losses else None,
+        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "gradient_checkpointing": args.gradient_checkpointing,
+    }
+    print(json.dumps(result))
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(
+        HF_HUB_OFFLINE="1",
+        TOKENIZERS_PARALLELISM="false",
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+    )
+    return env
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--records", type=int, default=512, help="records; default 512")
+    ap.add_argument("--epochs", type=int, default=1, help="epochs of each; default 1")
+    ap.add_argument("--trl-only-in", type=Path, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.trl_only_in is not None:
+        run_trl(args.trl_only_in, args.epochs)
+        return
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        records, n_params = build(work, args.records)
+        ours = run_lorafleet(work, records, args.epochs)
+        print(json.dumps({"lorafleet": ours}), file=sys.stderr, flush=True)
+        p = subprocess.run(
+            [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(args.epochs)],
+            capture_output=True,
+            text=True,
+            env=_env(),
+            check=False,
+        )
+        if p.returncode != 0:
+            raise SystemExit(f"TRL failed:\n{p.stderr[-3000:]}")
+        theirs = json.loads(p.stdout.strip().splitlines()[-1])
+    print(
+        json.dumps(
+            {
+                "model_parameters": n_params,
+                "records": args.records,
+                "epochs": args.epochs,
+                "lorafleet": ours,
+                "trl_sft": theirs,
+                "ratio_real_tokens_per_s": round(
+                    ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
+                ),
+            },
+            indent=2,
+        )
+    )
+
+
+if __name__ == "__main__":
+    main()

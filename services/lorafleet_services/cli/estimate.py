@@ -1,0 +1,65 @@
+"""`lorafleet estimate`, and the memory estimate as the command shows it
+(estimate, submit --dry-run): `estimate_text` is plain text in, plain text
+out, so that it is tested without a bus or a terminal."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from lorafleet_schemas.messages import JobEstimate, JobEstimateRequest, TrainerParams
+from lorafleet_services.cli._app import app, print_json, run_client
+
+
+def estimate_text(answer: JobEstimate, gpu_memory_mib: int | None = None) -> str:
+    """The estimate line by line with its total and margin; or why there is none.
+    With `gpu_memory_mib`, whether it fits and, when not, what to change."""
+    est = answer.estimate
+    if est is None:
+        return f"no memory estimate for model {answer.model}: {answer.reason}"
+    width = max(len(x.name) for x in est.lines)
+    rows = [
+        f"memory estimate for model {answer.model} ({est.dtype}, rows of {est.seq_len} tokens):"
+    ]
+    rows += [f"  {x.name:<{width}}  {x.mib:>10.1f} MiB  {x.note}" for x in est.lines]
+    rows.append(f"  {'total':<{width}}  {est.total_mib:>10} MiB")
+    rows.append(
+        f"  with the {est.margin_fraction:.0%} margin: {est.recommended_mib} MiB "
+        "(what a submit without --gpu-mib asks for)"
+    )
+    if gpu_memory_mib is not None:
+        rows.append(
+            f"--gpu-mib {gpu_memory_mib} fits the estimate"
+            if answer.fits
+            else f"refused: {answer.reason}"
+        )
+    return "\n".join(rows)
+
+
+def show_estimate(model: str, trainer: TrainerParams, gpu_mib: int | None) -> None:
+    """Print the job's memory estimate; exit 1 when there is none or gpu_mib is below it."""
+    request = JobEstimateRequest(model=model, params=trainer, gpu_memory_mib=gpu_mib)
+    answer = run_client(lambda c: c.estimate(request))
+    print(estimate_text(answer, gpu_mib))
+    if answer.estimate is None or not answer.fits:
+        raise typer.Exit(1)
+
+
+@app.command("estimate", rich_help_panel="Jobs")
+def estimate_cmd(
+    model: str = typer.Option(..., help="The catalog model the adapter is for."),
+    gpu_mib: int | None = typer.Option(None, help="Check this many MiB against the estimate."),
+    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
+    as_json: bool = typer.Option(False, "--json"),
+) -> None:
+    """The peak card memory of a job, line by line; nothing is queued."""
+    from lorafleet_services.cli.jobs import parse_params
+
+    trainer = parse_params(param, params)
+    if not as_json:
+        show_estimate(model, trainer, gpu_mib)
+        return
+    request = JobEstimateRequest(model=model, params=trainer, gpu_memory_mib=gpu_mib)
+    print_json(run_client(lambda c: c.estimate(request)))

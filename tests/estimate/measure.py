@@ -1,0 +1,70 @@
+"""The real bytes of one LoRA training step on the CPU, as the estimate's lines.
+
+`measure_step(model, params, batch_rows)` wraps `model` with the trainer's own
+`prepare_training` (peft LoRA, AdamW) and runs one optimizer step on a
+micro-batch of `batch_rows` (equal-length token lists), answering the bytes of
+the base weights, the adapter, its gradients, the optimizer's states (each
+summed over the real tensors) and the activations: the peak of torch's CPU
+allocations during the forward and backward pass (the profiler's memory
+events, every allocation and free in order), less the gradients made then.
+"""
+
+from __future__ import annotations
+
+import warnings
+from typing import Any
+
+from tests.trainer.harness import load_trainer_module
+
+
+def _bytes(tensors: Any) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def peak_allocated(fn: Any) -> int:
+    """The peak of CPU bytes allocated (net of frees) while `fn()` runs."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        fn()
+    events = [e for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"]
+    events.sort(key=lambda e: e.start_ns())
+    current = peak = 0
+    for e in events:
+        current += e.nbytes()
+        peak = max(peak, current)
+    return peak
+
+
+def measure_step(model: Any, params: Any, rows: list[list[int]]) -> dict[str, int]:
+    import torch
+
+    tr = load_trainer_module()
+    cpu = torch.device("cpu")
+    base = _bytes(model.parameters())
+    with warnings.catch_warnings():
+        # peft 0.21 still calls transformers' deprecated is_gradient_checkpointing.
+        warnings.simplefilter("ignore", FutureWarning)
+        loop = tr.prepare_training(model, params, "fp32", cpu, 10)
+    trainable = [p for p in loop.model.parameters() if p.requires_grad]
+    ids = torch.tensor(rows)
+    labels = ids.clone()
+    labels[:, : ids.shape[1] // 4] = -100
+
+    def forward_backward() -> None:
+        out = loop.model(input_ids=ids, labels=labels)
+        out.loss.backward()
+
+    peak = peak_allocated(forward_backward)
+    grads = _bytes(p.grad for p in trainable)
+    loop.optimizer.step()
+    states = _bytes(
+        t for s in loop.optimizer.state.values() for t in s.values() if torch.is_tensor(t)
+    )
+    return {
+        "weights": base,
+        "adapter": _bytes(trainable),
+        "gradients": grads,
+        "optimizer states": states,
+        "activations": peak - grads,
+    }
