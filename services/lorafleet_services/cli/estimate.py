@@ -1,11 +1,15 @@
-"""`lorafleet estimate`, and the memory estimate as the command shows it
+"""`lorafleet estimate`, the trainer parameters every job command reads
+(`parse_params`), and the memory estimate as the command shows it
 (estimate, submit --dry-run): `estimate_text` is plain text in, plain text
 out, so that it is tested without a bus or a terminal."""
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+from typing import Any
 
+import msgspec
 import typer
 
 from lorafleet_schemas.messages import JobEstimate, JobEstimateRequest, TrainerParams
@@ -37,6 +41,25 @@ def estimate_text(answer: JobEstimate, gpu_memory_mib: int | None = None) -> str
     return "\n".join(rows)
 
 
+def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
+    """--params FILE (JSON) and --param key=value (value as JSON, else text)."""
+    raw: dict[str, Any] = {}
+    if params_file is not None:
+        raw.update(json.loads(params_file.read_text()))
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep:
+            raise typer.BadParameter(f"--param {pair!r}: write it as key=value")
+        try:
+            raw[key.strip()] = json.loads(value)
+        except json.JSONDecodeError:
+            raw[key.strip()] = value
+    try:
+        return msgspec.convert(raw, TrainerParams)
+    except msgspec.ValidationError as e:
+        raise typer.BadParameter(f"trainer parameters: {e}") from None
+
+
 def show_estimate(model: str, trainer: TrainerParams, gpu_mib: int | None) -> None:
     """Print the job's memory estimate; exit 1 when there is none or gpu_mib is below it."""
     request = JobEstimateRequest(model=model, params=trainer, gpu_memory_mib=gpu_mib)
@@ -55,8 +78,6 @@ def estimate_cmd(
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:
     """The peak card memory of a job, line by line; nothing is queued."""
-    from lorafleet_services.cli.jobs import parse_params
-
     trainer = parse_params(param, params)
     if not as_json:
         show_estimate(model, trainer, gpu_mib)

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Any
 
 import msgspec
 import typer
@@ -19,7 +17,6 @@ from lorafleet_schemas.messages import (
     JobRecord,
     JobSpec,
     JobState,
-    TrainerParams,
 )
 from lorafleet_services.cli._app import (
     EXIT_USAGE,
@@ -31,7 +28,7 @@ from lorafleet_services.cli._app import (
     print_json,
     run_client,
 )
-from lorafleet_services.cli.estimate import show_estimate
+from lorafleet_services.cli.estimate import parse_params, show_estimate
 from lorafleet_services.cli.follow import (
     PLAIN_EVERY_S,
     choose_mode,
@@ -41,26 +38,6 @@ from lorafleet_services.cli.follow import (
     human_bytes,
 )
 from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write_png
-
-
-def parse_params(pairs: list[str], params_file: Path | None) -> TrainerParams:
-    """--params FILE (JSON) and --param key=value (value as JSON, else text)."""
-    raw: dict[str, Any] = {}
-    if params_file is not None:
-        raw.update(json.loads(params_file.read_text()))
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep:
-            raise typer.BadParameter(f"--param {pair!r}: write it as key=value")
-        try:
-            raw[key.strip()] = json.loads(value)
-        except json.JSONDecodeError:
-            raw[key.strip()] = value
-    try:
-        return msgspec.convert(raw, TrainerParams)
-    except msgspec.ValidationError as e:
-        raise typer.BadParameter(f"trainer parameters: {e}") from None
-
 
 #: Data up to this size goes inline in the submit; larger goes to the datasets bucket.
 INLINE_DATA_MAX_BYTES = 512 * 1024
