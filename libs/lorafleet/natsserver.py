@@ -54,6 +54,7 @@ class NatsServer:
 
     store_dir: where JetStream keeps its files (kept across restart()).
     port: 0 for a free port, chosen once and kept across restart().
+    monitor_port: the HTTP monitoring port; 0 (the default) turns it off.
     config_file: a nats-server config (users and permissions, e.g. from
         lorafleet.permissions.server_config); host, port, JetStream and
         store_dir given here win over it. Default: none (no auth).
@@ -65,11 +66,14 @@ class NatsServer:
         port: int = 0,
         host: str = "127.0.0.1",
         config_file: str | Path | None = None,
+        monitor_port: int = 0,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
         self.config_file = Path(config_file) if config_file is not None else None
+        #: The monitoring port (/varz, /jsz, /healthz); 0: monitoring off.
+        self.monitor_port = monitor_port
         self.proc: asyncio.subprocess.Process | None = None
         self._log_task: asyncio.Task[None] | None = None
         self.output: list[str] = []
@@ -89,7 +93,7 @@ class NatsServer:
             "-p", str(self.port or -1),
             "-js",
             "-sd", str(self.store_dir),
-            "-m", "0",
+            "-m", str(self.monitor_port),
         ]  # fmt: skip
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
