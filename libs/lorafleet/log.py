@@ -72,6 +72,11 @@ class Event:
     ARTIFACT_DELIVERED: Final = "artifact.delivered"
     #: A generic back-off (stamina) is about to try again.
     RETRY_SCHEDULED: Final = "retry.scheduled"
+    #: The scheduler cannot see the nodes bucket (its stream or its watcher
+    #: does not answer): no node is judged lost while it lasts.
+    WATCH_BLIND: Final = "watch.blind"
+    #: The scheduler sees the nodes bucket again (`blind_s`: for how long it did not).
+    WATCH_RESTORED: Final = "watch.restored"
 
 
 def configure(service: str, level: str = "info", stream: Any = None) -> None:
