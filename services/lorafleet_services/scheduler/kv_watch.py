@@ -176,22 +176,18 @@ class KeyWatch:
     def judge(self, blind_because: str | None) -> None:
         """One probe's verdict: report a change of view; rebuild a watch blind too long."""
         now = self.clock()
-        if blind_because is None:
-            if self.seeing is False:
+        seeing, was = blind_because is None, self.seeing
+        if seeing != was:
+            self.seeing = seeing
+            if seeing and was is False:
                 blind_s = round(now - self._blind_since, 3)
                 self.logger.info(Event.WATCH_RESTORED, message=self.bucket, blind_s=blind_s)
-            if not self.seeing and self.on_view is not None and self.seeing is not None:
-                self.on_view(True)
-            self.seeing = True
-            return
-        if self.seeing:
-            self._blind_since = now
-            self.logger.warning(Event.WATCH_BLIND, message=f"{self.bucket}: {blind_because}")
+            elif not seeing:
+                self._blind_since = now
+                self.logger.warning(Event.WATCH_BLIND, message=f"{self.bucket}: {blind_because}")
             if self.on_view is not None:
-                self.on_view(False)
-        if self.seeing is not None:
-            self.seeing = False
-        if now - self._built_at >= REBUILD_AFTER_S:
+                self.on_view(seeing)
+        if not seeing and now - self._built_at >= REBUILD_AFTER_S:
             # The consumer may live on a dead server: ask for a fresh one.
             self.rebuilds += 1
             self.restart()

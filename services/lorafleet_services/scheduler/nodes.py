@@ -151,9 +151,9 @@ class NodeWatcher:
     def view_changed(self, seeing: bool) -> None:
         """The KeyWatch's verdict on our view of the bucket. Blind: judge
         nobody. Seeing again: the silence was the bucket's, not the nodes'."""
-        self.blind = not seeing
-        if seeing:
+        if seeing and self.blind:
             self.reconnected()
+        self.blind = not seeing
 
     def sweep(self, now: float) -> None:
         """Lose every live node silent for longer than the timeout (the safety

@@ -1,0 +1,59 @@
+"""A job trains while a NATS server dies: the bucket's leader, the meta
+leader, the agent's own server. Each job ends done, each loss step is
+recorded once, and nobody is judged lost: an outage of the heartbeat
+bucket (an election, about 5 s, longer than the 3 s node timeout) is not
+a node loss."""
+
+from __future__ import annotations
+
+import asyncio
+
+from lorafleet.names import kv_stream
+from lorafleet.natscluster import NatsCluster
+from lorafleet_schemas.messages import JobState
+from tests.cluster.helpers import (
+    END_TIMEOUT_S,
+    FINISHED,
+    TRAINING,
+    assert_each_step_once,
+    connected_member,
+    leader_of,
+    no_false_loss,
+    story,
+)
+from tests.system.conftest import Stack
+
+#: Seconds a killed server stays down before it is restarted.
+DOWN_S = 3.0
+
+
+async def _train_through(stack: Stack, cluster: NatsCluster, pick: str) -> None:
+    await stack.add_model()
+    agent = await stack.agent("node-1", env=TRAINING)
+    job = await stack.submit("node-1")
+    await stack.wait_state(job.id, JobState.RUNNING)
+    if pick == "bucket":
+        victim = await leader_of(stack, kv_stream(stack.settings.names.nodes_bucket))
+    elif pick == "meta":
+        victim = await cluster.meta_leader() or cluster.names[0]
+    else:
+        victim = await connected_member(cluster, "lorafleet-agent-node-1")
+    await cluster.kill(victim)
+    await asyncio.sleep(DOWN_S)
+    await cluster.restart(victim)
+    done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
+    assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
+    no_false_loss(stack, agent)
+    await assert_each_step_once(stack, job.id, 100)
+
+
+async def test_kill_the_heartbeat_buckets_leader(stack: Stack, nats_cluster: NatsCluster) -> None:
+    await _train_through(stack, nats_cluster, "bucket")
+
+
+async def test_kill_the_meta_leader(stack: Stack, nats_cluster: NatsCluster) -> None:
+    await _train_through(stack, nats_cluster, "meta")
+
+
+async def test_kill_the_agents_server(stack: Stack, nats_cluster: NatsCluster) -> None:
+    await _train_through(stack, nats_cluster, "agent")
