@@ -3,6 +3,9 @@ checks every server-loss test makes."""
 
 from __future__ import annotations
 
+import hashlib
+
+from lorafleet import Client
 from lorafleet.natscluster import NatsCluster, stream_leader
 from lorafleet_schemas.messages import JobState
 from tests.eventually import eventually
@@ -60,3 +63,15 @@ def story(*procs: ServiceProcess) -> str:
             if str(line.get("event", "")).startswith(keep):
                 lines.append(f"{proc.module}: {line}")
     return "\n".join(lines[-60:])
+
+
+async def assert_artifacts_intact(stack: Stack, job_id: str) -> None:
+    """Every artifact of the job downloads and matches its recorded sha256."""
+    client = Client(stack.nc, stack.settings)
+    records = await client.artifacts(job_id)
+    assert records, f"job {job_id} has no artifacts"
+    for record in records:
+        out = stack.tmp_path / "downloads" / f"{job_id}-{record.kind}"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        await client.download(job_id, record.kind, out)
+        assert hashlib.sha256(out.read_bytes()).hexdigest() == record.sha256

@@ -15,36 +15,44 @@ from tests.cluster.helpers import (
     END_TIMEOUT_S,
     FINISHED,
     TRAINING,
+    assert_artifacts_intact,
     assert_each_step_once,
     connected_member,
     leader_of,
     no_false_loss,
     story,
 )
-from tests.system.conftest import Stack
+from tests.system.conftest import Stack, has_artifact_store
 
 #: Seconds a killed server stays down before it is restarted.
 DOWN_S = 3.0
 
 
-async def _train_through(stack: Stack, cluster: NatsCluster, pick: str) -> None:
+async def _train_through(
+    stack: Stack, cluster: NatsCluster, pick: str, restart: bool = True
+) -> None:
     await stack.add_model()
     agent = await stack.agent("node-1", env=TRAINING)
     job = await stack.submit("node-1")
     await stack.wait_state(job.id, JobState.RUNNING)
     if pick == "bucket":
         victim = await leader_of(stack, kv_stream(stack.settings.names.nodes_bucket))
+    elif pick == "status":
+        victim = await leader_of(stack, stack.settings.names.status_stream)
     elif pick == "meta":
         victim = await cluster.meta_leader() or cluster.names[0]
     else:
         victim = await connected_member(cluster, "lorafleet-agent-node-1")
     await cluster.kill(victim)
-    await asyncio.sleep(DOWN_S)
-    await cluster.restart(victim)
+    if restart:
+        await asyncio.sleep(DOWN_S)
+        await cluster.restart(victim)
     done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
     assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
     no_false_loss(stack, agent)
     await assert_each_step_once(stack, job.id, 100)
+    if has_artifact_store():
+        await assert_artifacts_intact(stack, job.id)
 
 
 async def test_kill_the_heartbeat_buckets_leader(stack: Stack, nats_cluster: NatsCluster) -> None:
@@ -57,3 +65,31 @@ async def test_kill_the_meta_leader(stack: Stack, nats_cluster: NatsCluster) -> 
 
 async def test_kill_the_agents_server(stack: Stack, nats_cluster: NatsCluster) -> None:
     await _train_through(stack, nats_cluster, "agent")
+
+
+async def test_kill_the_status_streams_leader(stack: Stack, nats_cluster: NatsCluster) -> None:
+    await _train_through(stack, nats_cluster, "status")
+
+
+async def test_two_of_three_left_and_the_system_goes_on(
+    stack: Stack, nats_cluster: NatsCluster
+) -> None:
+    await _train_through(stack, nats_cluster, "bucket", restart=False)
+    nxt = await stack.submit("node-1", params={"max_steps": 5})
+    done = await stack.wait_state(nxt.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
+    assert done.state in FINISHED, done.message
+
+
+async def test_a_rolling_restart_while_a_job_trains(
+    stack: Stack, nats_cluster: NatsCluster
+) -> None:
+    await stack.add_model()
+    agent = await stack.agent("node-1", env={"LORAFLEET_STANDIN_STEP_S": "0.1"})
+    job = await stack.submit("node-1", params={"max_steps": 200})
+    await stack.wait_state(job.id, JobState.RUNNING)
+    for member in nats_cluster.names:  # an upgrade: one at a time, each back before the next
+        await nats_cluster.restart(member, kill=False)
+    done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
+    assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
+    no_false_loss(stack, agent)
+    await assert_each_step_once(stack, job.id, 200)
