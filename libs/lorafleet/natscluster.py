@@ -1,11 +1,13 @@
 """A NATS cluster of embedded nats-servers on one host (tests, benches, trials).
 
 Each member is a `NatsServer` with its own client, cluster (route) and
-monitoring port and its own store directory, run from a config file that
-`member_config` writes: JetStream on with `sync_interval: always` (with the
-default lazy fsync an acknowledged write can be lost on power failure, as
-Jepsen's 2025 analysis of NATS showed), and routes to every other member.
-The ports are chosen once and kept, so a member restarts where it was.
+monitoring port and its own store directory, all run from one config file
+that reads what differs between members from the environment (the contract
+of compose/nats-cluster/nats.conf, which the compose test boots here):
+JetStream on with `sync_interval: always` (with the default lazy fsync an
+acknowledged write can be lost on power failure, as Jepsen's 2025 analysis
+of NATS showed), and routes to the other two. The ports are chosen once
+and kept, so a member restarts where it was.
 
 Ready means more than "Server is ready" on each: JetStream's meta group has
 a leader and every peer is current (`/jsz` on each member's monitoring
@@ -30,7 +32,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-from lorafleet.natsserver import NatsServer, NatsServerError
+from lorafleet.natsserver import NatsServer, NatsServerError, binary
 
 #: Seconds to wait for the meta leader and every peer to be current.
 CLUSTER_READY_TIMEOUT_S = 30.0
@@ -38,8 +40,8 @@ CLUSTER_READY_TIMEOUT_S = 30.0
 POLL_S = 0.1
 #: Seconds one monitoring request may take.
 MONITOR_TIMEOUT_S = 1.0
-#: The cluster's name in every member's config.
-CLUSTER_NAME = "lorafleet"
+#: Members of the cluster (the config routes each to the other two).
+CLUSTER_SIZE = 3
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,32 +51,51 @@ class MemberPorts:
     monitor: int
 
 
-def member_config(
-    name: str,
-    host: str,
-    ports: MemberPorts,
-    routes: list[str],
-    cluster_name: str = CLUSTER_NAME,
-) -> str:
-    """A nats-server config for one member of a cluster: JetStream with fsync
-    after every write, routes to the others (`nats-route://host:port`). The
-    store directory comes from NatsServer's command line (`-sd`)."""
-    route_lines = "\n".join(f"    {r}" for r in routes)
-    return f"""server_name: {name}
-listen: {host}:{ports.client}
-http: {host}:{ports.monitor}
-jetstream {{
-  # fsync every write before it is acknowledged (the default syncs every 2 min)
+#: The members' config when none is given: the contract of
+#: compose/nats-cluster/nats.conf (what differs between members comes from
+#: the environment), without its comments.
+DEFAULT_CONFIG = """
+server_name: $NATS_SERVER_NAME
+listen: $NATS_CLIENT_LISTEN
+http: $NATS_HTTP_LISTEN
+jetstream {
+  store_dir: $NATS_STORE_DIR
   sync_interval: always
-}}
-cluster {{
-  name: {cluster_name}
-  listen: {host}:{ports.cluster}
+}
+cluster {
+  name: lorafleet
+  listen: $NATS_CLUSTER_LISTEN
   routes: [
-{route_lines}
+    $NATS_ROUTE_A
+    $NATS_ROUTE_B
   ]
-}}
+}
 """
+
+
+def member_env(
+    name: str, host: str, ports: MemberPorts, store_dir: Path | str, routes: list[str]
+) -> dict[str, str]:
+    """The environment one member's config reads (see DEFAULT_CONFIG): its
+    name, listen addresses, store and the routes to the other two."""
+    if len(routes) != 2:
+        raise ValueError("the cluster config routes to exactly two other members")
+    return {
+        "NATS_SERVER_NAME": name,
+        "NATS_CLIENT_LISTEN": f"{host}:{ports.client}",
+        "NATS_CLUSTER_LISTEN": f"{host}:{ports.cluster}",
+        "NATS_HTTP_LISTEN": f"{host}:{ports.monitor}",
+        "NATS_STORE_DIR": str(store_dir),
+        "NATS_ROUTE_A": routes[0],
+        "NATS_ROUTE_B": routes[1],
+    }
+
+
+class _Member(NatsServer):
+    """A member runs from its config alone (listen, JetStream, store, routes)."""
+
+    def _args(self) -> list[str]:
+        return [binary(), "-c", str(self.config_file)]
 
 
 def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
@@ -92,18 +113,27 @@ def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
 
 
 class NatsCluster:
-    """`size` nats-servers on `host`, routed to each other, JetStream on.
+    """Three nats-servers on `host`, routed to each other, JetStream on.
 
-    root: a directory for the members' configs and stores (`<root>/<name>/`).
-    size: members; default 3. Members are named n1, n2, ...
+    root: a directory for the config and the members' stores (`<root>/<name>/`).
+    config_file: the members' config, reading what differs between them from
+        the environment (`member_env`); default: DEFAULT_CONFIG, written to
+        `<root>/nats.conf`. compose/nats-cluster/nats.conf is one.
+    Members are named nats-1, nats-2, nats-3 (as in compose).
     """
 
-    def __init__(self, root: str | Path, size: int = 3, host: str = "127.0.0.1") -> None:
-        if size < 1:
-            raise ValueError("a cluster has at least one member")
+    def __init__(
+        self, root: str | Path, host: str = "127.0.0.1", config_file: str | Path | None = None
+    ) -> None:
+        size = CLUSTER_SIZE
         self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
         self.host = host
-        self.names = [f"n{i + 1}" for i in range(size)]
+        if config_file is None:
+            config_file = self.root / "nats.conf"
+            config_file.write_text(DEFAULT_CONFIG)
+        self.config_file = Path(config_file)
+        self.names = [f"nats-{i + 1}" for i in range(size)]
         flat = free_ports(3 * size, host)
         self.ports = {
             n: MemberPorts(flat[3 * i], flat[3 * i + 1], flat[3 * i + 2])
@@ -120,16 +150,14 @@ class NatsCluster:
             for other in self.names
             if other != name
         ]
-        home = self.root / name
-        home.mkdir(parents=True, exist_ok=True)
-        conf = home / "nats.conf"
-        conf.write_text(member_config(name, self.host, ports, routes))
-        return NatsServer(
-            home / "store",
+        store = self.root / name / "store"
+        return _Member(
+            store,
             port=ports.client,
             host=self.host,
-            config_file=conf,
+            config_file=self.config_file,
             monitor_port=ports.monitor,
+            env=member_env(name, self.host, ports, store, routes),
         )
 
     # --- addresses --------------------------------------------------------
