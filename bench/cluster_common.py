@@ -17,9 +17,26 @@ from contextlib import asynccontextmanager
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests.eventually import eventually
+from tests.partition.helpers import agent_in
+from tests.partition.netns import NetnsLink, available
 from tests.pg import throwaway_database
 from tests.procs import ServiceProcess
-from tests.system.conftest import Stack
+from tests.system.conftest import Stack, kill_pid, pid_alive, trainer_pids
+
+# What the cluster benches take from the tests (imported here, after the path).
+__all__ = [
+    "NetnsLink",
+    "Stack",
+    "agent_in",
+    "available",
+    "eventually",
+    "kill_pid",
+    "pid_alive",
+    "summary",
+    "system",
+    "trainer_pids",
+]
 
 from lorafleet import _bus as bus
 from lorafleet.natsserver import NatsServer

@@ -21,9 +21,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.system.conftest import Stack
-
-from cluster_common import summary, system
+from cluster_common import Stack, summary, system
 from lorafleet.natscluster import NatsCluster
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import JobState

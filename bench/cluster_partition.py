@@ -23,12 +23,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from tests.eventually import eventually
-from tests.partition.helpers import agent_in
-from tests.partition.netns import NetnsLink, available
-from tests.system.conftest import Stack, kill_pid, pid_alive, trainer_pids
-
-from cluster_common import summary, system
+from cluster_common import (
+    NetnsLink,
+    Stack,
+    agent_in,
+    available,
+    eventually,
+    kill_pid,
+    pid_alive,
+    summary,
+    system,
+    trainer_pids,
+)
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import JobState
 
