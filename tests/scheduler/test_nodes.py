@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
+from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
@@ -160,3 +161,33 @@ def test_a_node_silent_while_the_view_sees_is_lost_on_time() -> None:
     clock.now += TIMEOUT_S + SWEEP_MARGIN_S
     w.sweep(clock.now)
     assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_blind_watch_is_rebuilt_only_when_it_delivers_nothing() -> None:
+    clock = Clock()
+    views: list[bool] = []
+    watch = KeyWatch(
+        None,  # type: ignore[arg-type]  # judge() alone never touches JetStream
+        "lorafleet_nodes",
+        ">",
+        lambda _e: None,
+        structlog.get_logger(),
+        on_view=views.append,
+        clock=clock,
+    )
+    restarts: list[float] = []
+    watch.restart = lambda: restarts.append(clock.now)  # type: ignore[method-assign]
+    watch._built_at = clock.now  # as start() does
+    watch.judge(None)
+    assert views == [True]  # first sight
+    watch.judge("its consumer does not answer")
+    assert views == [True, False] and restarts == []  # not blind long enough yet
+    clock.now += REBUILD_AFTER_S
+    watch._entry_at = clock.now - 0.1  # entries still arrive: the watch lives
+    watch.judge("the watch has not delivered the bucket's content yet")
+    assert restarts == []
+    clock.now += REBUILD_AFTER_S
+    watch.judge("its consumer does not answer")
+    assert restarts == [clock.now] and watch.rebuilds == 1
+    watch.judge(None)
+    assert views == [True, False, True]

@@ -17,7 +17,8 @@ leader died) nothing arrives at all, though nothing is wrong with the
 nodes. So: a probe that fails, or a watch that has not delivered its
 initial values yet, is blindness, reported once to `on_view(False)`; the
 first good probe after it reports `on_view(True)`. A watch blind for
-`REBUILD_AFTER_S` (its consumer gone, or not answering) is rebuilt.
+`REBUILD_AFTER_S` (its consumer gone, or not answering) and delivering
+nothing for as long is rebuilt.
 """
 
 from __future__ import annotations
@@ -87,6 +88,8 @@ class KeyWatch:
         self.seeing: bool | None = None
         self._blind_since = 0.0
         self._built_at = 0.0
+        #: clock() of the last entry delivered (a watch still delivering lives).
+        self._entry_at = 0.0
         #: How many times a blind watch was rebuilt (tests and benches read it).
         self.rebuilds = 0
 
@@ -142,6 +145,7 @@ class KeyWatch:
         self._watcher = watcher
         try:
             async for entry in watcher:
+                self._entry_at = self.clock()
                 if entry is None:
                     self._initial_done = True
                 self.on_entry(entry)
@@ -187,7 +191,9 @@ class KeyWatch:
                 self.logger.warning(Event.WATCH_BLIND, message=f"{self.bucket}: {blind_because}")
             if self.on_view is not None:
                 self.on_view(seeing)
-        if not seeing and now - self._built_at >= REBUILD_AFTER_S:
-            # The consumer may live on a dead server: ask for a fresh one.
+        quiet_s = now - max(self._built_at, self._entry_at)
+        if not seeing and quiet_s >= REBUILD_AFTER_S:
+            # The consumer may live on a dead server: ask for a fresh one (not
+            # while entries still arrive: a big bucket's content takes a while).
             self.rebuilds += 1
             self.restart()
