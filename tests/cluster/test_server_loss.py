@@ -22,6 +22,7 @@ from tests.cluster.helpers import (
     no_false_loss,
     story,
 )
+from tests.eventually import eventually
 from tests.system.conftest import Stack, has_artifact_store
 
 #: Seconds a killed server stays down before it is restarted.
@@ -93,3 +94,27 @@ async def test_a_rolling_restart_while_a_job_trains(
     assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
     no_false_loss(stack, agent)
     await assert_each_step_once(stack, job.id, 200)
+
+
+async def test_kill_the_artifacts_streams_leader_as_delivery_begins(
+    stack: Stack, nats_cluster: NatsCluster
+) -> None:
+    await stack.add_model()
+    # 1 KiB chunks: the stand-in's adapter goes out in about 70 of them.
+    agent = await stack.agent("node-1", env=TRAINING, chunk_bytes=1024)
+    job = await stack.submit("node-1")
+
+    async def nearly_trained() -> bool:
+        return (await stack.get(job.id)).step >= 97
+
+    await eventually(nearly_trained, "the last steps", timeout_s=END_TIMEOUT_S)
+    # The election (about 5 s) overlaps the whole delivery.
+    victim = await leader_of(stack, stack.settings.names.artifacts_stream)
+    await nats_cluster.kill(victim)
+    await asyncio.sleep(DOWN_S)
+    await nats_cluster.restart(victim)
+    done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
+    assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
+    no_false_loss(stack, agent)
+    if has_artifact_store():
+        await assert_artifacts_intact(stack, job.id)
