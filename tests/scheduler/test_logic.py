@@ -267,6 +267,21 @@ def test_reconcile_needs_a_beat_newer_than_the_dispatch() -> None:
     assert reconcile([starting], t.nodes, 105.0, {"j": 100.2}).fail == []
 
 
+def test_reconcile_after_our_view_came_back_waits_for_a_fresh_beat() -> None:
+    # A beat from before the dispatch, then blindness (a cluster's election);
+    # when the view comes back every node counts as just seen: that is no
+    # beat, and the table's stale content must not fail the job.
+    t = table(hb("a", cpu=True), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    t.touch_all(110.0)
+    assert reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at).fail == []
+    t.beat(hb("a", cpu=True), 110.5)  # a fresh beat, but not a period after the view
+    assert reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at).fail == []
+    t.beat(hb("a", cpu=True), 112.0)
+    result = reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at)
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
 def test_reconcile_keeps_a_job_the_node_runs() -> None:
     t = table(hb("a", cpu=True, job="j"), now=100.0)
     running = job("j", node="a", state=JobState.RUNNING)

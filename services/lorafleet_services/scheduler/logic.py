@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -120,6 +121,9 @@ class NodeTable:
     """Every node heard from, alive or lost. Rebuilt from KV at each start."""
 
     nodes: dict[str, Node] = field(default_factory=dict)
+    #: Monotonic seconds of the last touch_all (our view came back): reconcile's
+    #: grace runs from there. -inf: never.
+    touched_at: float = -math.inf
 
     def beat(self, hb: Heartbeat, now: float) -> BeatChange:
         old = self.nodes.get(hb.node)
@@ -153,6 +157,7 @@ class NodeTable:
     def touch_all(self, now: float) -> None:
         """Count every live node as just seen: after the scheduler's own
         connection was down, silence says nothing about the nodes."""
+        self.touched_at = now
         for node in self.nodes.values():
             if node.alive:
                 node.last_seen = now
@@ -374,6 +379,7 @@ def reconcile(
     now: float,
     first_seen: Mapping[str, float],
     grace_s: float = RECONCILE_GRACE_S,
+    view_since: float = -math.inf,
 ) -> Reconciliation:
     """Compare what the recorder holds on nodes with what the nodes say they run.
 
@@ -408,7 +414,7 @@ def reconcile(
                 out.fail.append(FailJob(job, agent_lost_message(job.node)))
             continue
         grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
-        since = first_seen.get(job.id, now)
+        since = max(first_seen.get(job.id, now), view_since)
         # The beat must also be newer than the grace: a beat that left the agent
         # before it took the job says nothing about it.
         if now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s:
