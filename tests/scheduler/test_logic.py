@@ -15,6 +15,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.scheduler import logic
 from lorafleet_services.scheduler.logic import (
+    LET_GO_GRACE_S,
     BeatChange,
     Node,
     NodeTable,
@@ -279,6 +280,19 @@ def test_reconcile_after_our_view_came_back_waits_for_a_fresh_beat() -> None:
     assert reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at).fail == []
     t.beat(hb("a", cpu=True), 112.0)
     result = reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at)
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_reconcile_waits_for_the_final_report_of_a_job_the_agent_let_go() -> None:
+    # The agent ended the job and beats with none; the recorder has not applied
+    # the final report yet (a status stream electing its leader delays it).
+    t = table(hb("a", cpu=True, job="j"), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    t.beat(hb("a", cpu=True), 101.0)
+    t.beat(hb("a", cpu=True), 105.0)
+    assert reconcile([running], t.nodes, 105.0, {"j": 99.0}).fail == []
+    t.beat(hb("a", cpu=True), 101.0 + LET_GO_GRACE_S)
+    result = reconcile([running], t.nodes, 101.0 + LET_GO_GRACE_S, {"j": 99.0})
     assert [f.job.id for f in result.fail] == ["j"]
 
 
