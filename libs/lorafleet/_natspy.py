@@ -316,3 +316,20 @@ def is_authorization_violation(e: BaseException) -> bool:
     nats-py raises a plain error with the server's text, no class of its own.
     """
     return "authorization violation" in str(e).lower()
+
+
+# --- the consumer behind a KV watch ------------------------------------------------------
+
+
+async def watch_consumer_info(watcher: Any, timeout_s: float) -> Any:
+    """The info of the consumer a `KeyValue.watch()` reads from (raises when
+    it is gone: nats.js.errors.NotFoundError, or a timeout when its server is).
+
+    Upstream: the KeyWatcher keeps its push subscription as the private
+    `_sub`, and that subscription's `consumer_info()` takes no timeout (it
+    waits the JetStream context's 5 s, too long for a health probe).
+    """
+    sub = watcher._sub
+    if sub is None:
+        raise LookupError("the watch has no subscription yet")
+    return await asyncio.wait_for(sub.consumer_info(), timeout_s)

@@ -84,6 +84,11 @@ class Event:
     RETRY_SCHEDULED: Final = "retry.scheduled"
     #: Collecting metrics for a scrape failed in part (lorafleet.metrics).
     METRICS_FAILED: Final = "metrics.failed"
+    #: The scheduler cannot see the nodes bucket (its stream or its watcher
+    #: does not answer): no node is judged lost while it lasts.
+    WATCH_BLIND: Final = "watch.blind"
+    #: The scheduler sees the nodes bucket again (`blind_s`: for how long it did not).
+    WATCH_RESTORED: Final = "watch.restored"
 
 
 #: The environment variable that picks the log format: "json" or "console".

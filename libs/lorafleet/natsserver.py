@@ -11,10 +11,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.metadata
+import os
 import re
 import shutil
 import subprocess
 import sys
+from collections.abc import Mapping
 from pathlib import Path
 
 from lorafleet._tasks import stop_tasks
@@ -56,6 +58,8 @@ class NatsServer:
 
     store_dir: where JetStream keeps its files (kept across restart()).
     port: 0 for a free port, chosen once and kept across restart().
+    monitor_port: the HTTP monitoring port; 0 (the default) turns it off.
+    env: variables added to the server's environment (for `$NAME` in a config).
     config_file: a nats-server config (users and permissions, e.g. from
         lorafleet.permissions.server_config); host, port, JetStream and
         store_dir given here win over it. Default: none (no auth).
@@ -67,11 +71,17 @@ class NatsServer:
         port: int = 0,
         host: str = "127.0.0.1",
         config_file: str | Path | None = None,
+        monitor_port: int = 0,
+        env: Mapping[str, str] | None = None,
     ) -> None:
         self.store_dir = Path(store_dir)
         self.host = host
         self.port = port
         self.config_file = Path(config_file) if config_file is not None else None
+        #: The monitoring port (/varz, /jsz, /healthz); 0: monitoring off.
+        self.monitor_port = monitor_port
+        #: Variables added to the server's environment (a config's `$NAME`s).
+        self.env = dict(env or {})
         self.proc: asyncio.subprocess.Process | None = None
         self._log_task: asyncio.Task[None] | None = None
         self.output: list[str] = []
@@ -91,7 +101,7 @@ class NatsServer:
             "-p", str(self.port or -1),
             "-js",
             "-sd", str(self.store_dir),
-            "-m", "0",
+            "-m", str(self.monitor_port),
         ]  # fmt: skip
         if self.config_file is not None:
             args += ["-c", str(self.config_file)]
@@ -101,6 +111,7 @@ class NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
         self.proc = proc = await asyncio.create_subprocess_exec(
             *self._args(),
+            env={**os.environ, **self.env},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             start_new_session=True,

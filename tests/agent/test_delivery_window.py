@@ -19,6 +19,7 @@ from lorafleet.artifacts import NoStreamError, PublishRefusedError
 from lorafleet_services.agent import delivery
 from lorafleet_services.agent.delivery import (
     MAX_TRIES,
+    NO_STREAM_MAX_TRIES,
     Chunk,
     ChunkReader,
     ChunkWindow,
@@ -130,13 +131,14 @@ async def test_no_stream_is_published_again_after_a_pause_then_refused(
     await asyncio.sleep(0.01)
     # Both again: chunk 1 was answered "no responders" too.
     assert pub.seqs() == [0, 1, 0, 1]
-    for _ in range(MAX_TRIES - 1):
+    # Patient: on a cluster a stream electing a leader answers so for seconds.
+    for _ in range(NO_STREAM_MAX_TRIES - 1):
         latest = [fut for seq, fut in pub.published if seq == 0][-1]
         latest.set_exception(NoStreamError("no responders", 503))
-        await asyncio.sleep(0.01)
+        await asyncio.sleep(0.002)
     with pytest.raises(DeliveryError, match="no JetStream stream took chunk 0 of the gguf"):
         await settling
-    assert pub.seqs().count(0) == MAX_TRIES
+    assert pub.seqs().count(0) == NO_STREAM_MAX_TRIES
     w.abandon()
     for _, fut in pub.published:  # read, so that asyncio does not report them
         if fut.done() and not fut.cancelled():

@@ -12,6 +12,7 @@ import pytest
 
 from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
+from lorafleet_services.agent.heartbeat import BUCKET_OUTAGE_PATIENCE_S, fence_reason
 from lorafleet_services.agent.job import MemorySampler, remove_job_dirs, session_pids
 from lorafleet_services.trainer.standin import adapter_files
 
@@ -101,3 +102,13 @@ def test_memory_sampler_reads_the_sessions_card_memory_from_nvml() -> None:
         p.wait()
         assert p.stdout is not None
         p.stdout.close()
+
+
+def test_fencing_tells_an_unreachable_nats_from_a_bucket_electing() -> None:
+    assert fence_reason(2.9, 2.9, 3) is None  # within the node timeout
+    cut = fence_reason(3.1, 3.1, 3)
+    assert cut is not None and "NATS unreachable for 3.1 s" in cut
+    # The server answers (no responders: the bucket's stream has no leader).
+    assert fence_reason(10.0, 0.2, 3) is None
+    long = fence_reason(3 + BUCKET_OUTAGE_PATIENCE_S + 1, 0.2, 3)
+    assert long is not None and "NATS answers" in long

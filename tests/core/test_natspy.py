@@ -322,3 +322,20 @@ def test_names_agree_with_nats_py_own_names() -> None:
     )
     assert Names().node_heartbeat("gpu-1") == "$KV.lorafleet_nodes.gpu-1"
     assert msg_get_subject("d") == "$JS.API.STREAM.MSG.GET.OBJ_d"
+
+
+async def test_upstream_kv_watcher_keeps_its_subscription_private_and_untimed(
+    nats_server: NatsServer,
+) -> None:
+    # `watch_consumer_info` reads KeyWatcher._sub (no public accessor) and
+    # bounds consumer_info itself (it takes no timeout).
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    kv = await js.create_key_value(bucket="pin_watch")
+    watcher = await kv.watch(">")
+    assert not any(name in dir(watcher) for name in ("sub", "subscription", "consumer_info"))
+    assert "timeout" not in inspect.signature(watcher._sub.consumer_info).parameters
+    info = await _natspy.watch_consumer_info(watcher, 1.0)
+    assert info.stream_name == "KV_pin_watch"
+    await watcher.stop()
+    await nc.close()

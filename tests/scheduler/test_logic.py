@@ -12,6 +12,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.scheduler import logic
 from lorafleet_services.scheduler.logic import (
+    LET_GO_GRACE_S,
     BeatChange,
     Node,
     NodeTable,
@@ -249,6 +250,34 @@ def test_reconcile_needs_a_beat_newer_than_the_dispatch() -> None:
     starting = job("j", node="a", state=JobState.STARTING)
     # Dispatched at 100.2, after the last beat: wait for a later beat even past the grace.
     assert reconcile([starting], t.nodes, 105.0, {"j": 100.2}).fail == []
+
+
+def test_reconcile_after_our_view_came_back_waits_for_a_fresh_beat() -> None:
+    # A beat from before the dispatch, then blindness (a cluster's election);
+    # when the view comes back every node counts as just seen: that is no
+    # beat, and the table's stale content must not fail the job.
+    t = table(hb("a", cpu=True), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    t.touch_all(110.0)
+    assert reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at).fail == []
+    t.beat(hb("a", cpu=True), 110.5)  # a fresh beat, but not a period after the view
+    assert reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at).fail == []
+    t.beat(hb("a", cpu=True), 112.0)
+    result = reconcile([running], t.nodes, 112.0, {"j": 100.2}, view_since=t.touched_at)
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_reconcile_waits_for_the_final_report_of_a_job_the_agent_let_go() -> None:
+    # The agent ended the job and beats with none; the recorder has not applied
+    # the final report yet (a status stream electing its leader delays it).
+    t = table(hb("a", cpu=True, job="j"), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    t.beat(hb("a", cpu=True), 101.0)
+    t.beat(hb("a", cpu=True), 105.0)
+    assert reconcile([running], t.nodes, 105.0, {"j": 99.0}).fail == []
+    t.beat(hb("a", cpu=True), 101.0 + LET_GO_GRACE_S)
+    result = reconcile([running], t.nodes, 101.0 + LET_GO_GRACE_S, {"j": 99.0})
+    assert [f.job.id for f in result.fail] == ["j"]
 
 
 def test_reconcile_keeps_a_job_the_node_runs() -> None:

@@ -11,6 +11,7 @@ from structlog.testing import capture_logs
 
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
+from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
@@ -126,3 +127,67 @@ def test_a_bad_heartbeat_is_logged_and_skipped() -> None:
         w.on_entry(entry("a", b"not json"))
     assert "a" not in w.table.nodes
     assert logs[0]["event"] == Event.NATS_ERROR and "bad heartbeat" in logs[0]["error"]
+
+
+def test_a_blind_view_judges_nobody_and_forgives_the_silence_when_it_sees_again() -> None:
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(None)
+    w.view_changed(True)  # first sight: nothing to forgive
+    clock.now += 1.0
+    w.view_changed(False)  # the bucket's stream elects a leader
+    clock.now += 10.0  # far past the timeout: beats could not be stored, nor seen
+    w.sweep(clock.now)
+    w.on_entry(entry("a", operation=KV_PURGE))  # the new leader expires the old beat
+    assert w.take_lost() == [] and w.table.nodes["a"].alive
+    w.view_changed(True)
+    # Counted from the moment the view came back, not from the last beat.
+    clock.now += TIMEOUT_S
+    w.sweep(clock.now)
+    assert w.take_lost() == []
+    clock.now += SWEEP_MARGIN_S
+    w.sweep(clock.now)
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_node_silent_while_the_view_sees_is_lost_on_time() -> None:
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(None)
+    w.view_changed(True)
+    w.view_changed(True)  # the same verdict again forgives nothing
+    clock.now += TIMEOUT_S + SWEEP_MARGIN_S
+    w.sweep(clock.now)
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_blind_watch_is_rebuilt_only_when_it_delivers_nothing() -> None:
+    clock = Clock()
+    views: list[bool] = []
+    watch = KeyWatch(
+        None,  # type: ignore[arg-type]  # judge() alone never touches JetStream
+        "lorafleet_nodes",
+        ">",
+        lambda _e: None,
+        structlog.get_logger(),
+        on_view=views.append,
+        clock=clock,
+    )
+    restarts: list[float] = []
+    watch.restart = lambda: restarts.append(clock.now)  # type: ignore[method-assign]
+    watch._built_at = clock.now  # as start() does
+    watch.judge(None)
+    assert views == [True]  # first sight
+    watch.judge("its consumer does not answer")
+    assert views == [True, False] and restarts == []  # not blind long enough yet
+    clock.now += REBUILD_AFTER_S
+    watch._entry_at = clock.now - 0.1  # entries still arrive: the watch lives
+    watch.judge("the watch has not delivered the bucket's content yet")
+    assert restarts == []
+    clock.now += REBUILD_AFTER_S
+    watch.judge("its consumer does not answer")
+    assert restarts == [clock.now] and watch.rebuilds == 1
+    watch.judge(None)
+    assert views == [True, False, True]

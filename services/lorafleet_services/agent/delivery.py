@@ -54,6 +54,12 @@ RECONNECT_POLL_S = 0.05
 MAX_TRIES = 4
 #: Seconds to wait before publishing again after "no stream answered".
 NO_STREAM_PAUSE_S = 0.5
+#: Times one chunk answered "no stream" is published before the delivery
+#: fails: a restarted server answers so until its streams are loaded, and on
+#: a cluster a stream whose leader died does while it elects another (about
+#: 5 s); 60 x 0.5 s = 30 s. The cost: a stream that is really missing is
+#: reported 30 s late.
+NO_STREAM_MAX_TRIES = 60
 #: Smallest room left between a chunk body and the server's max payload; bytes.
 #: A body of exactly max payload plus headers makes the server close the connection.
 MIN_HEADROOM_BYTES = 16 * 1024
@@ -274,8 +280,9 @@ class ChunkWindow:
                     message=f"no ack; publishing {len(again)} chunks again",
                 )
             except NoStreamError as e:
-                # A restarted server answers "no responders" until its streams are loaded.
-                if chunk.tries >= MAX_TRIES:
+                # A restarted server answers "no responders" until its streams
+                # are loaded, a cluster's stream while it elects a leader.
+                if chunk.tries >= NO_STREAM_MAX_TRIES:
                     raise _refused(self.stream, self.what, chunk.seq, e) from None
                 await asyncio.sleep(NO_STREAM_PAUSE_S)
                 again = [chunk, *(c for c in self.in_flight if _no_stream(c.future))]

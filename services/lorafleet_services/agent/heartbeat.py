@@ -13,7 +13,13 @@ so a slow publish does not push every later beat back).
 
 The time of the last acknowledged beat is what fencing measures: an agent
 whose beats have not been acknowledged for `node_timeout_s` is presumed
-dead by the scheduler, which has failed its job.
+dead by the scheduler, which has failed its job. But a beat can fail while
+NATS is fine: on a cluster, the bucket's stream has no leader for seconds
+after its leader's server died (the put is answered at once: no
+responders), and the scheduler, as blind as the agent, judges nobody then.
+So a failed beat is followed by a round trip to the server (PING/PONG,
+`REACH_TIMEOUT_S`): `last_reached` is the last time the server answered at
+all, and fencing tells "I cannot reach NATS" from "the bucket is electing".
 """
 
 from __future__ import annotations
@@ -28,6 +34,7 @@ from nats.js import JetStreamContext
 
 from lorafleet import log
 from lorafleet._bus import encode
+from lorafleet._natspy import client_of
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Card, EnginesInstalled, Heartbeat
@@ -39,6 +46,9 @@ from lorafleet_services.agent.engines import find_engines
 CARD_READ_TIMEOUT_S = 0.5
 #: Seconds between re-reads of the installed engines.
 ENGINES_RESCAN_S = 30.0
+#: Whole seconds a round trip to the server may take after a failed beat
+#: (nats-py's flush takes whole seconds) before NATS counts as unreachable.
+REACH_TIMEOUT_S = 1
 
 
 class CardReader:
@@ -94,6 +104,11 @@ class Heartbeater:
         loop = asyncio.get_running_loop()
         #: loop.time() of the last acknowledged beat (fencing reads it).
         self.last_ack = loop.time()
+        #: loop.time() the server last answered (an ack, a JetStream error,
+        #: or a PONG after a failed beat): NATS was reachable then.
+        self.last_reached = self.last_ack
+        #: Why the last beat failed ("" after an acknowledged one).
+        self.last_error = ""
         self.beats = 0
         self.subject = settings.names.node_heartbeat(cfg.node)
         self.logger = log.get(node=cfg.node)
@@ -151,10 +166,25 @@ class Heartbeater:
                 msg_ttl=self.settings.node_timeout_s,
             )
         except Exception as e:
-            self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e))
+            reached = await self._reach()
+            self.last_error = repr(e)
+            self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e), nats_reachable=reached)
             return False
-        self.last_ack = asyncio.get_running_loop().time()
+        self.last_ack = self.last_reached = asyncio.get_running_loop().time()
+        self.last_error = ""
         self.beats += 1
+        return True
+
+    async def _reach(self) -> bool:
+        """After a failed beat: does the server answer at all (PING/PONG)?"""
+        nc = client_of(self.js)
+        if not nc.is_connected:
+            return False
+        try:
+            await nc.flush(timeout=REACH_TIMEOUT_S)
+        except Exception:
+            return False
+        self.last_reached = asyncio.get_running_loop().time()
         return True
 
     async def run(self, stop: asyncio.Event) -> None:
@@ -177,3 +207,29 @@ class Heartbeater:
                     pass
         finally:
             self.cards.close()
+
+
+#: Seconds past the node timeout an agent keeps its trainer while its server
+#: answers but the heartbeat bucket takes no beat. A JetStream election
+#: takes seconds (about 5-7 s after a leader's server dies); past this,
+#: something else is wrong (this server cut off from the others, say) and
+#: the agent fences as if NATS were unreachable.
+BUCKET_OUTAGE_PATIENCE_S = 30.0
+
+
+def fence_reason(silent_s: float, unreachable_s: float, timeout_s: float) -> str | None:
+    """Why the agent must fence now, or None.
+
+    silent_s: seconds since the last acknowledged beat; unreachable_s:
+    seconds since the server last answered at all; timeout_s: the node
+    timeout. An agent that cannot reach NATS for the node timeout is
+    presumed lost (its job failed); one whose server answers while the
+    bucket elects a leader is not (the scheduler is blind to it too).
+    """
+    if silent_s <= timeout_s:
+        return None
+    if unreachable_s > timeout_s:
+        return f"no heartbeat acknowledged and NATS unreachable for {unreachable_s:.1f} s"
+    if silent_s > timeout_s + BUCKET_OUTAGE_PATIENCE_S:
+        return f"NATS answers, but no heartbeat has been stored for {silent_s:.1f} s"
+    return None

@@ -10,10 +10,14 @@ job at a time:
   already finished is refused, saying how it ended;
 - any other start while busy is answered busy, naming the running job.
 
-Fencing: when no heartbeat has been acknowledged for `node_timeout_s`, the
-scheduler has declared this node lost and failed its job, so the agent
-stops its trainer (`agent.fenced`) and drops the job's unsent reports. Once
-a beat is acknowledged again it heartbeats with no job.
+Fencing: when no heartbeat has been acknowledged for `node_timeout_s` and
+NATS does not answer either, the scheduler has declared this node lost and
+failed its job, so the agent stops its trainer (`agent.fenced`) and drops
+the job's unsent reports. A server that answers while the heartbeat bucket
+elects a leader is no reason to fence (heartbeat.fence_reason). Once a beat
+is acknowledged again it heartbeats with no job, and reports the fenced job
+failed, saying it fenced itself (the scheduler usually failed it first; a
+final job keeps its first failure).
 
 At start no job survives from a previous run: processes an earlier agent
 left (found by LORAFLEET_JOB_DIR in their environment) are killed and
@@ -27,6 +31,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 from collections.abc import Awaitable, Callable
 
 from nats.aio.client import Client
@@ -38,6 +43,7 @@ from nats.micro.request import Request
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
+from lorafleet._bus import encode
 from lorafleet._micro import Route, endpoint
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
@@ -49,9 +55,10 @@ from lorafleet_schemas.messages import (
     NodeCancelRequest,
     StartReply,
     StartRequest,
+    StatusReport,
 )
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.heartbeat import Heartbeater
+from lorafleet_services.agent.heartbeat import Heartbeater, fence_reason
 from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_job_dirs
 
 #: Seconds the heartbeat's delete may take on a clean stop.
@@ -63,6 +70,8 @@ FENCE_CHECK_S = 0.25
 CANCEL_SLACK_S = 5.0
 #: Jobs whose end is remembered, so that a late retried start is not run twice.
 ENDED_KEPT = 256
+#: Seconds the fenced job's failure report is tried for once unfenced.
+FENCED_REPORT_TIMEOUT_S = 10.0
 
 
 class Agent:
@@ -80,6 +89,8 @@ class Agent:
         self.ended: dict[tuple[str, int], str] = {}
         self.fenced = False
         self._fence_task: asyncio.Task[None] | None = None
+        #: The fenced job's failure, published once a beat is acknowledged again.
+        self._fenced_report: StatusReport | None = None
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
@@ -185,24 +196,55 @@ class Agent:
         timeout_s = self.settings.node_timeout_s
         while not stop.is_set():
             await asyncio.sleep(FENCE_CHECK_S)
-            silent_s = loop.time() - self.heartbeat.last_ack
-            if silent_s > timeout_s and not self.fenced:
-                self.fenced = True
-                run = self.job
-                self.logger.warning(
-                    Event.AGENT_FENCED,
-                    job_id=run.job_id if run else None,
-                    message=f"no heartbeat acknowledged for {silent_s:.1f} s: this node is "
-                    "presumed lost and its job failed; stopping the trainer",
-                )
-                if run is not None:
-                    # Not awaited here: the fence keeps watching while the group stops.
-                    self._fence_task = asyncio.create_task(
-                        run.stop(None, "fenced", self.cfg.cancel_grace_s + CANCEL_SLACK_S)
-                    )
+            now = loop.time()
+            silent_s = now - self.heartbeat.last_ack
+            reason = fence_reason(silent_s, now - self.heartbeat.last_reached, timeout_s)
+            if reason is not None and not self.fenced:
+                self.fence(reason)
             elif silent_s <= timeout_s and self.fenced:
                 self.fenced = False
                 self.logger.info(Event.AGENT_UNFENCED)
+                self._report_fenced()
+
+    def fence(self, reason: str) -> None:
+        """Presumed lost: stop the trainer now; say so once NATS takes reports again."""
+        self.fenced = True
+        run = self.job
+        message = (
+            f"the agent on {self.node} fenced itself ({reason}): the control plane "
+            "presumed the node lost, so it stopped the trainer; submit the job again"
+        )
+        self.logger.warning(Event.AGENT_FENCED, job_id=run.job_id if run else None, message=message)
+        if run is None:
+            return
+        self._fenced_report = StatusReport(
+            job_id=run.job_id,
+            node=self.node,
+            attempt=run.req.attempt,
+            seq=run.reporter.seq + 1,
+            time=dt.datetime.now(dt.UTC),
+            state=JobState.FAILED,
+            message=message,
+        )
+        # Not awaited here: the fence keeps watching while the group stops.
+        self._fence_task = asyncio.create_task(
+            run.stop(None, "fenced", self.cfg.cancel_grace_s + CANCEL_SLACK_S)
+        )
+
+    def _report_fenced(self) -> None:
+        report, self._fenced_report = self._fenced_report, None
+        if report is not None:
+            self._tasks.append(asyncio.create_task(self._publish_fenced(report)))
+
+    async def _publish_fenced(self, report: StatusReport) -> None:
+        headers = {Header.MSG_ID: f"{report.job_id}.{report.attempt}.{report.seq}"}
+        subject = self.names.status(self.node, report.job_id)
+        try:
+            await self.js.publish(
+                subject, encode(report), timeout=FENCED_REPORT_TIMEOUT_S, headers=headers
+            )
+        except Exception as e:
+            self.logger.warning(Event.STATUS_DROPPED, job_id=report.job_id, error=repr(e))
 
     # --- shutdown -------------------------------------------------------------
 

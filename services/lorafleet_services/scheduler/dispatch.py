@@ -279,7 +279,9 @@ class Dispatcher:
                 del self.first_seen[job_id]
         for job in on_node:
             self.first_seen.setdefault(job.id, now)
-        result = logic.reconcile(on_node, self.table.nodes, now, self.first_seen)
+        result = logic.reconcile(
+            on_node, self.table.nodes, now, self.first_seen, view_since=self.table.touched_at
+        )
         for action in result.fail:
             await self.fail_on_node(action.job, action.message)
         for check in result.check:

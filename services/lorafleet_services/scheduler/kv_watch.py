@@ -6,12 +6,26 @@ view of the nodes and the leader key may have missed changes), and after a
 failure (JetStream not ready yet after a server restart, a timeout) it
 tries again with stamina's back-off. Every fresh watch delivers each key's
 last value first, then `None`, then every change.
+
+With `probe_s` it also knows whether it can see at all (the nodes bucket's
+watch): every `probe_s` it asks for its consumer's info and the bucket
+stream's info, each within `PROBE_TIMEOUT_S`. The watch's consumer is an
+ordered, single-copy, in-memory consumer on one server; when that server
+dies, nats-py notices only after two missed idle heartbeats (10 s), and
+when the bucket's stream is electing a leader (about 5-7 s after its
+leader died) nothing arrives at all, though nothing is wrong with the
+nodes. So: a probe that fails, or a watch that has not delivered its
+initial values yet, is blindness, reported once to `on_view(False)`; the
+first good probe after it reports `on_view(True)`. A watch blind for
+`REBUILD_AFTER_S` (its consumer gone, or not answering) and delivering
+nothing for as long is rebuilt.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -19,19 +33,32 @@ import stamina
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorafleet._natspy import watch_consumer_info
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
+from lorafleet.names import kv_stream
 
 #: Seconds before the first retry of a failed watch; default 0.5.
 WATCH_RETRY_S = 0.5
 #: Seconds the back-off between failed watches grows to at most: well under
 #: any node timeout, so the node table catches up soon after the server does.
 WATCH_RETRY_MAX_S = 1.0
+#: Seconds one health probe (consumer info, stream info) may take.
+PROBE_TIMEOUT_S = 0.5
+#: Seconds of blindness after which the watch is rebuilt (a fresh consumer):
+#: well inside a 3 s node timeout, and not so often that a server still
+#: electing is asked for a new consumer every probe.
+REBUILD_AFTER_S = 1.5
 
 
 class KeyWatch:
     """Watch `keys` of KV `bucket` until stopped, handing each entry (and the
-    `None` that ends the initial values) to `on_entry`."""
+    `None` that ends the initial values) to `on_entry`.
+
+    probe_s: seconds between health probes; None (the default): no probes.
+    on_view: told False when the watch goes blind, True when it sees again.
+    clock: monotonic seconds.
+    """
 
     def __init__(
         self,
@@ -40,16 +67,38 @@ class KeyWatch:
         keys: str,
         on_entry: Callable[[KeyValue.Entry | None], None],
         logger: Any,
+        *,
+        probe_s: float | None = None,
+        on_view: Callable[[bool], None] | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.js = js
         self.bucket = bucket
         self.keys = keys
         self.on_entry = on_entry
         self.logger = logger
+        self.probe_s = probe_s
+        self.on_view = on_view
+        self.clock = clock
         self._task: asyncio.Task[None] | None = None
+        self._probe_task: asyncio.Task[None] | None = None
+        self._watcher: Any = None
+        #: The current watch has delivered every key's last value.
+        self._initial_done = False
+        #: None: never seen yet; else whether the last probe could see.
+        self.seeing: bool | None = None
+        self._blind_since = 0.0
+        self._built_at = 0.0
+        #: clock() of the last entry delivered (a watch still delivering lives).
+        self._entry_at = 0.0
+        #: How many times a blind watch was rebuilt (tests and benches read it).
+        self.rebuilds = 0
 
     def start(self) -> None:
+        self._built_at = self.clock()
         self._task = asyncio.create_task(self._run())
+        if self.probe_s is not None and self._probe_task is None:
+            self._probe_task = asyncio.create_task(self._probe_loop(self.probe_s))
 
     def restart(self) -> None:
         """Start over now with a fresh watch (after a reconnect), cutting
@@ -59,10 +108,8 @@ class KeyWatch:
         self.start()
 
     async def stop(self) -> None:
-        if self._task is None:
-            return
-        await stop_tasks(self._task)
-        self._task = None
+        await stop_tasks(self._probe_task, self._task)
+        self._task = self._probe_task = None
 
     def _retry(self, error: BaseException) -> bool:
         # stamina asks about every exception, cancellation included: a
@@ -89,11 +136,61 @@ class KeyWatch:
                     await self._watch_once()
 
     async def _watch_once(self) -> None:
+        self._initial_done = False
         kv = await self.js.key_value(self.bucket)
         watcher = await kv.watch(self.keys)
+        self._watcher = watcher
         try:
             async for entry in watcher:
+                self._entry_at = self.clock()
+                if entry is None:
+                    self._initial_done = True
                 self.on_entry(entry)
         finally:
+            self._watcher = None
+            self._initial_done = False
             with contextlib.suppress(Exception):
                 await watcher.stop()  # type: ignore[no-untyped-call]
+
+    # --- health -----------------------------------------------------------
+
+    async def probe(self) -> str | None:
+        """Why the watch cannot see now (None: it can)."""
+        watcher = self._watcher
+        if watcher is None or not self._initial_done:
+            return "the watch has not delivered the bucket's content yet"
+        try:
+            await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
+        except Exception as e:
+            return f"its consumer does not answer: {e!r}"
+        try:
+            await asyncio.wait_for(self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S)
+        except Exception as e:
+            return f"the bucket's stream does not answer: {e!r}"
+        return None
+
+    async def _probe_loop(self, period_s: float) -> None:
+        while True:
+            await asyncio.sleep(period_s)
+            self.judge(await self.probe())
+
+    def judge(self, blind_because: str | None) -> None:
+        """One probe's verdict: report a change of view; rebuild a watch blind too long."""
+        now = self.clock()
+        seeing, was = blind_because is None, self.seeing
+        if seeing != was:
+            self.seeing = seeing
+            if seeing and was is False:
+                blind_s = round(now - self._blind_since, 3)
+                self.logger.info(Event.WATCH_RESTORED, message=self.bucket, blind_s=blind_s)
+            elif not seeing:
+                self._blind_since = now
+                self.logger.warning(Event.WATCH_BLIND, message=f"{self.bucket}: {blind_because}")
+            if self.on_view is not None:
+                self.on_view(seeing)
+        quiet_s = now - max(self._built_at, self._entry_at)
+        if not seeing and quiet_s >= REBUILD_AFTER_S:
+            # The consumer may live on a dead server: ask for a fresh one (not
+            # while entries still arrive: a big bucket's content takes a while).
+            self.rebuilds += 1
+            self.restart()

@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import datetime as dt
 import enum
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -52,6 +53,12 @@ from lorafleet_schemas.messages import Card, Heartbeat, JobRecord, JobState, Nod
 #: the start request and beat again. The effective grace is at least two of
 #: the node's own heartbeat periods.
 RECONCILE_GRACE_S = 2.0
+#: Seconds a job the same agent stopped naming (it ended there) may stay
+#: active in the recorder before reconcile fails it: the agent lets go only
+#: once its final report is stored in the status stream, but the recorder
+#: applies it later, by seconds when that stream or its consumer has just
+#: changed leader on a cluster.
+LET_GO_GRACE_S = 30.0
 #: Seconds the safety-net sweep waits beyond the node timeout before it calls a
 #: node lost: the KV expiry marker (which comes at the timeout) is the primary
 #: signal, and one late beat should not lose a node.
@@ -94,6 +101,10 @@ class Node:
     alive: bool = True
     #: Monotonic seconds when this agent process (its `started_at`) was first heard.
     agent_since: float = 0.0
+    #: The job this agent named last before a beat that named another or none
+    #: (it ended there), and when that beat arrived.
+    let_go: str | None = None
+    let_go_at: float = 0.0
 
     @property
     def name(self) -> str:
@@ -120,12 +131,20 @@ class NodeTable:
     """Every node heard from, alive or lost. Rebuilt from KV at each start."""
 
     nodes: dict[str, Node] = field(default_factory=dict)
+    #: Monotonic seconds of the last touch_all (our view came back): reconcile's
+    #: grace runs from there. -inf: never.
+    touched_at: float = -math.inf
 
     def beat(self, hb: Heartbeat, now: float) -> BeatChange:
         old = self.nodes.get(hb.node)
         same_agent = old is not None and old.heartbeat.started_at == hb.started_at
         since = old.agent_since if old is not None and same_agent else now
-        self.nodes[hb.node] = Node(heartbeat=hb, last_seen=now, alive=True, agent_since=since)
+        node = Node(heartbeat=hb, last_seen=now, alive=True, agent_since=since)
+        if old is not None and same_agent:
+            node.let_go, node.let_go_at = old.let_go, old.let_go_at
+            if old.heartbeat.job is not None and hb.job != old.heartbeat.job:
+                node.let_go, node.let_go_at = old.heartbeat.job, now
+        self.nodes[hb.node] = node
         if old is None or not old.alive:
             return BeatChange.UP
         if old.heartbeat.job is not None and hb.job is None:
@@ -153,6 +172,7 @@ class NodeTable:
     def touch_all(self, now: float) -> None:
         """Count every live node as just seen: after the scheduler's own
         connection was down, silence says nothing about the nodes."""
+        self.touched_at = now
         for node in self.nodes.values():
             if node.alive:
                 node.last_seen = now
@@ -375,6 +395,7 @@ def reconcile(
     now: float,
     first_seen: Mapping[str, float],
     grace_s: float = RECONCILE_GRACE_S,
+    view_since: float = -math.inf,
 ) -> Reconciliation:
     """Compare what the recorder holds on nodes with what the nodes say they run.
 
@@ -408,8 +429,10 @@ def reconcile(
             if not is_delivered(job, node, first_seen.get(job.id)):
                 out.fail.append(FailJob(job, agent_lost_message(job.node)))
             continue
+        if node.let_go == job.id and now - node.let_go_at < LET_GO_GRACE_S:
+            continue  # it ended there: its final report is on its way to the recorder
         grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
-        since = first_seen.get(job.id, now)
+        since = max(first_seen.get(job.id, now), view_since)
         # The beat must also be newer than the grace: a beat that left the agent
         # before it took the job says nothing about it.
         if now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s:

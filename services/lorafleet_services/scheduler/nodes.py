@@ -16,6 +16,15 @@ How a node goes away, and how each reads in the log:
 
 Either way the node is marked lost and queued for the leader, which fails
 the jobs the recorder holds on it (`take_lost`).
+
+A node is lost only when its beats could have been seen and were not.
+While the scheduler's own view of the bucket is blind (the KeyWatch's
+probe fails: the bucket's stream is electing a leader, or the watch's
+consumer died with its server) the sweep loses nobody and departures are
+left to the sweep; when the view comes back, every node counts as just
+seen, as after our own reconnect. An outage of the bucket is not a node
+loss: the agents' beats could not be stored either. A node that really
+died during the outage is lost `node_timeout_s` after the view came back.
 """
 
 from __future__ import annotations
@@ -76,6 +85,8 @@ class NodeWatcher:
         self.synced = False
         self._lost: list[Node] = []
         self._reconnected_at: float | None = None
+        #: True while our view of the bucket is blind (KeyWatch's probe).
+        self.blind = False
 
     def on_entry(self, entry: KeyValue.Entry | None) -> None:
         if entry is None:
@@ -104,12 +115,14 @@ class NodeWatcher:
 
     def _on_departure(self, name: str, why: Departure) -> None:
         event = Event.NODE_LEFT if why is Departure.LEFT else Event.NODE_LOST
-        if self._in_reconnect_grace():
+        if self.blind or self._in_reconnect_grace():
             # The server may have expired beats that could not reach it while
             # it was down (and a fresh watch redelivers old deletes): the
             # sweep judges these nodes from now on.
             self.logger.info(
-                event, node=name, message=f"{why.value} right after a reconnect: left to the sweep"
+                event,
+                node=name,
+                message=f"{why.value} while our view was blind or just back: left to the sweep",
             )
             return
         node = self.table.expire(name)
@@ -137,8 +150,18 @@ class NodeWatcher:
         self._reconnected_at = self.clock()
         self.table.touch_all(self._reconnected_at)
 
+    def view_changed(self, seeing: bool) -> None:
+        """The KeyWatch's verdict on our view of the bucket. Blind: judge
+        nobody. Seeing again: the silence was the bucket's, not the nodes'."""
+        if seeing and self.blind:
+            self.reconnected()
+        self.blind = not seeing
+
     def sweep(self, now: float) -> None:
-        """Lose every live node silent for longer than the timeout (the safety net)."""
+        """Lose every live node silent for longer than the timeout (the safety
+        net); nobody while the view is blind."""
+        if self.blind:
+            return
         for node in self.table.sweep(now, self.node_timeout_s):
             self._gone(node, Departure.SILENT)
 

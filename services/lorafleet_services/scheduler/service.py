@@ -61,6 +61,10 @@ from lorafleet_services.scheduler.nodes import NodeWatcher
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
 #: behind the event triggers); default 1.
 SWEEP_S = 1.0
+#: Seconds between probes of the node watch (is it alive, can it see?):
+#: blindness is noticed within about this plus the probe's 0.5 s timeout,
+#: well before a 3 s node timeout could lose anybody.
+WATCH_PROBE_S = 0.5
 
 
 def instance_id() -> str:
@@ -101,7 +105,14 @@ class Scheduler:
             self.logger,
         )
         self._node_watch = KeyWatch(
-            self.js, self.names.nodes_bucket, ">", self.nodes.on_entry, self.logger
+            self.js,
+            self.names.nodes_bucket,
+            ">",
+            self.nodes.on_entry,
+            self.logger,
+            probe_s=WATCH_PROBE_S,
+            on_view=self.nodes.view_changed,
+            clock=clock,
         )
         self._rounds: asyncio.Task[None] | None = None
         self._stopping = False

@@ -1,0 +1,40 @@
+"""Cluster tests: the system's real processes on a real three-server NATS
+cluster (lorafleet.natscluster), with every stream, KV and object store at
+R3 and every process given all three URLs.
+
+`nats_cluster` starts the cluster; the system tests' `stack` fixture runs
+on it (this conftest points `nats_server` at the first member, so no other
+server starts, and `stack_settings` at every member with replicas 3).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from lorafleet.natscluster import NatsCluster
+from lorafleet.natsserver import NatsServer
+from tests.system.conftest import stack  # noqa: F401 (the fixture, run on the cluster)
+
+
+@pytest.fixture
+async def nats_cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
+    cluster = NatsCluster(tmp_path / "cluster")
+    await cluster.start()
+    try:
+        yield cluster
+    finally:
+        await cluster.stop()
+
+
+@pytest.fixture
+def nats_server(nats_cluster: NatsCluster) -> NatsServer:
+    return nats_cluster.servers[nats_cluster.names[0]]
+
+
+@pytest.fixture
+def stack_settings(nats_cluster: NatsCluster) -> dict[str, Any]:
+    return {"nats_url": nats_cluster.url, "replicas": 3}

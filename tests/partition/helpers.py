@@ -1,0 +1,30 @@
+"""Starting an agent inside the link's namespace."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from pathlib import Path
+
+from tests.partition.netns import NetnsLink
+from tests.procs import ServiceProcess, agent_process
+from tests.system.conftest import Stack
+
+
+async def agent_in(
+    stack: Stack, link: NetnsLink, node: str, env: Mapping[str, str]
+) -> ServiceProcess:
+    """An agent of `node` inside the namespace (its trainer too), on the stack's settings."""
+    # `python -m tests.partition.in_netns` from any directory (the benches run it too).
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    proc = agent_process(
+        stack.settings,
+        stack.tmp_path,
+        node,
+        {**env, "LORAFLEET_TEST_NETNS": link.ns, "PYTHONPATH": path},
+    )
+    proc.module = "tests.partition.in_netns"
+    stack.agents[node] = proc
+    stack.procs.append(proc)
+    return await proc.start()

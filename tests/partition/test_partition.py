@@ -1,0 +1,76 @@
+"""The node is alive, its network is not: a cut link fails the job within
+node timeout + 1 s and the agent fences its trainer within the same; after
+the link is back the job stays failed and the node runs a new job. A
+degraded link (150 ms, 2% loss) is no node loss."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+
+from lorafleet_schemas.messages import JobState
+from tests.eventually import eventually
+from tests.partition.helpers import agent_in
+from tests.partition.netns import NetnsLink, netem_available
+from tests.system.conftest import Stack, has_artifact_store, kill_pid, pid_alive, trainer_pids
+
+FINISHED = (JobState.DONE,) if has_artifact_store() else (JobState.DONE, JobState.UPLOADING)
+#: Steps of 0.1 s; each job says how many (max_steps), so one agent runs a
+#: long job to cut and then a short one.
+STEP = {"LORAFLEET_STANDIN_STEP_S": "0.1"}
+#: What the issue allows beyond the node timeout, for the failure and the fence.
+SLACK_S = 1.0
+
+
+async def test_a_cut_link_fails_the_job_and_fences_the_trainer(
+    stack: Stack, link: NetnsLink
+) -> None:
+    await stack.add_model()
+    agent = await agent_in(stack, link, "node-1", STEP)
+    job = await stack.submit("node-1", params={"max_steps": 300})
+    await stack.wait_state(job.id, JobState.RUNNING)
+    pids = await eventually(lambda: trainer_pids(agent), "the trainer's pid")
+    bound_s = stack.settings.node_timeout_s + SLACK_S
+    try:
+        link.cut()
+        cut_at = time.monotonic()
+        failed = await stack.wait_state(job.id, JobState.FAILED, timeout_s=bound_s + 2)
+        failed_s = time.monotonic() - cut_at
+        await eventually(
+            lambda: not any(pid_alive(p) for p in pids), "the trainer gone", timeout_s=bound_s + 2
+        )
+        stopped_s = time.monotonic() - cut_at
+    finally:
+        link.restore()
+        for pid in pids:
+            kill_pid(pid)
+    assert "node-1" in failed.message, failed.message
+    assert failed_s <= bound_s, failed_s
+    assert stopped_s <= bound_s, stopped_s
+    assert agent.events("agent.fenced"), agent.tail()
+    print(f"cut link: job failed after {failed_s:.2f} s, trainer gone after {stopped_s:.2f} s")
+    # The link is back: the node lives again, the job stays failed, a new one runs.
+    restored_at = time.monotonic()
+    await eventually(lambda: agent.events("agent.unfenced"), "the agent unfenced", timeout_s=20)
+    print(f"restored: unfenced after {time.monotonic() - restored_at:.2f} s")
+    nxt = await stack.submit("node-1", params={"max_steps": 5})
+    done = await stack.wait_state(nxt.id, *FINISHED, JobState.FAILED, timeout_s=60)
+    assert done.state in FINISHED, done.message
+    assert (await stack.get(job.id)).state is JobState.FAILED
+
+
+async def test_a_degraded_link_is_no_node_loss(stack: Stack, link: NetnsLink) -> None:
+    why = netem_available(link)
+    if why is not None:
+        pytest.skip(why)
+    link.degrade(delay_ms=150, loss_pct=2.0)
+    await stack.add_model()
+    agent = await agent_in(
+        stack, link, "node-1", {"LORAFLEET_STANDIN_STEPS": "80", "LORAFLEET_STANDIN_STEP_S": "0.1"}
+    )
+    job = await stack.submit("node-1")
+    done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=90)
+    assert done.state in FINISHED, done.message
+    assert stack.schedulers[0].events("node.lost") == []
+    assert agent.events("agent.fenced") == []
