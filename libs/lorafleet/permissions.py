@@ -241,7 +241,7 @@ def recorder_permissions(names: Names) -> Permissions:
             object_subjects(names.datasets_bucket),
         ],
         [
-            *(names.api("jobs", verb) for verb in ("submit", "get", "list", "curve")),
+            *(names.api("jobs", verb) for verb in ("submit", "get", "list", "curve", "estimate")),
             names.api("models", "*"),
             f"{p}.store.jobs.*",
             SERVICE_DISCOVERY_SUBJECTS,

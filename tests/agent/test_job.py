@@ -391,7 +391,7 @@ async def test_nats_restart_mid_job_loses_and_doubles_no_report(
         lambda r: r.message.startswith("delivered") or r.state == JobState.FAILED,
         what="the end",
     )
-    assert last.state != JobState.FAILED, reports.summary()
+    assert last.state != JobState.FAILED, f"{last.message} — {reports.summary()}"
     assert [r.seq for r in reports.items] == list(range(1, last.seq + 1))
     assert [r.step for r in reports.items if r.loss is not None] == list(range(1, 61))
     assert not agent.events("agent.fenced")
