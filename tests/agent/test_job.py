@@ -370,15 +370,22 @@ async def test_an_agent_killed_outright_leaves_no_trainer_after_its_restart(flee
 async def test_nats_restart_mid_job_loses_and_doubles_no_report(
     fleet: Bus, nats_server: NatsServer
 ) -> None:
+    # A 6 s node timeout for this agent: the server is down 1.5 s, but its
+    # stop, its start and the reconnect come on top, and under a loaded
+    # suite the silence reached the default 3 s (the agent fenced, rightly).
     agent = await fleet.agent(
-        env={"LORAFLEET_STANDIN_STEPS": "60", "LORAFLEET_STANDIN_STEP_S": "0.05"}
+        env={
+            "LORAFLEET_STANDIN_STEPS": "60",
+            "LORAFLEET_STANDIN_STEP_S": "0.05",
+            "LORAFLEET_NODE_TIMEOUT_S": "6",
+        }
     )
     name, sha = await fleet.upload()
     reports = await fleet.reports("node-1", "job-restart")
     assert (await fleet.start(start_request("job-restart", name, sha))).accepted
     await reports.until(lambda r: (r.step or 0) >= 5, what="step 5")
-    # Down for half the node timeout: publishes time out and are retried,
-    # and the agent does not fence.
+    # Down for a quarter of the node timeout: publishes time out and are
+    # retried, and the agent does not fence.
     await nats_server.stop()
     await asyncio.sleep(1.5)
     await nats_server.start()

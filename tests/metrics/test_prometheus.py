@@ -104,6 +104,10 @@ async def running(stack: Stack, tmp_path: Path) -> AsyncIterator[tuple[Stack, Pr
         await fake
 
 
+#: Rounds of two more scrapes a panel's query gets before it counts as empty.
+EMPTY_RETRIES = 3
+
+
 async def db_counts(stack: Stack) -> dict[str, int]:
     reply = await stack.call(stack.settings.names.jobs_list, {"limit": 1000})
     counts: dict[str, int] = {}
@@ -143,8 +147,15 @@ async def every_panel_returns_data_with_its_labels(
     empty: list[str] = []
     for title, target in targets:
         expr = grafana_expr(target["expr"], job.id)
-        result = await prom.query_range(expr, start, time.time(), 1.0)
-        finite = [r for r in result if any(math.isfinite(float(v)) for _, v in r["values"])]
+        finite: list[dict[str, Any]] = []
+        # A loaded machine scrapes late: up to EMPTY_RETRIES more rounds of
+        # scrapes before a panel counts as empty.
+        for _ in range(EMPTY_RETRIES + 1):
+            result = await prom.query_range(expr, start, time.time(), 1.0)
+            finite = [r for r in result if any(math.isfinite(float(v)) for _, v in r["values"])]
+            if finite:
+                break
+            await prom.wait_scrapes_after(await prom.scrapes(), more=2)
         if not finite:
             empty.append(f"{title}: {expr}")
             continue
