@@ -204,7 +204,7 @@ async def test_an_unknown_nkey_is_a_connect_error_naming_its_seed(
 ) -> None:
     stranger, _ = IdentityStore(tmp_path / "elsewhere").ensure("node", "node-1")
     settings = id_fleet.settings_for("node", "node-1").with_(
-        nats_nkey_seed=str(stranger.seed_file), connect_timeout_s=1.0
+        nats_nkey_seed=str(stranger.seed_file), connect_timeout_s=5.0
     )
     with pytest.raises(ConnectError, match=r"refused the nkey in .*elsewhere/node/node-1.nk"):
         await bus.connect(settings, "stranger")
@@ -267,7 +267,7 @@ async def test_a_node_added_later_joins_after_a_reload_and_no_one_else_notices(
             await bus.drain_quietly(node3)
         # node-2's old key stopped working at the reload; its new one works.
         old_node2 = id_fleet.settings_for("node", "node-2").with_(
-            nats_nkey_seed=str(old_seed), connect_timeout_s=1.0
+            nats_nkey_seed=str(old_seed), connect_timeout_s=5.0
         )
         with pytest.raises(ConnectError, match="refused the nkey"):
             await bus.connect(old_node2, "node-2-old")
