@@ -20,6 +20,8 @@ from tests.cli.terminal import Terminal
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds per stand-in step: 300 steps take ~10 s, long enough to look at twice.
 STEP_S = "0.03"
+#: Seconds one `lorafleet` command may take in these tests.
+COMMAND_TIMEOUT_S = 120.0
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
 
 
@@ -50,7 +52,17 @@ class Up:
             *self.argv(*args), cwd=ROOT, env={**self.env, **(env or {})},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
-        out, err = await asyncio.wait_for(proc.communicate(), 120)
+        try:
+            out, err = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT_S)
+        except TimeoutError:
+            # Kill and reap it, so that its pipes do not outlive the test (they
+            # would fail the next test's setup as unclosed transports).
+            proc.kill()
+            out, err = await proc.communicate()
+            raise AssertionError(
+                f"lorafleet {' '.join(args)} did not end in {COMMAND_TIMEOUT_S:g} s; "
+                f"stderr: {err.decode()[-2000:]}"
+            ) from None
         assert proc.returncode is not None
         return proc.returncode, out.decode(), err.decode()
 
