@@ -32,7 +32,7 @@ from nats.js.api import (
     StreamConfig,
 )
 
-from lorafleet import log
+import lorafleet.log as log
 from lorafleet._natspy import create_object_store, is_authorization_violation, refusal
 from lorafleet.errors import ConnectError, raise_for_error
 from lorafleet.log import Event

@@ -69,7 +69,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
-from lorafleet import log
+import lorafleet.log as log
 from lorafleet.log import Event
 
 BatchHandler = Callable[[list[Msg]], Awaitable[None]]

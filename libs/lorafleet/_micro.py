@@ -23,7 +23,8 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
-from lorafleet import log, metrics
+import lorafleet.log as log
+import lorafleet.metrics as metrics
 from lorafleet._bus import encode
 from lorafleet._natspy import count_endpoint_error, last_endpoint
 from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError

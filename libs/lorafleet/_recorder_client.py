@@ -15,7 +15,7 @@ from typing import Any, TypeVar
 
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
+import lorafleet._bus as bus
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
 from lorafleet.states import FINAL

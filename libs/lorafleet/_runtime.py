@@ -51,8 +51,9 @@ from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 from nats.aio.client import Client
 
 import lorafleet
-from lorafleet import _bus as bus
-from lorafleet import log, metrics
+import lorafleet._bus as bus
+import lorafleet.log as log
+import lorafleet.metrics as metrics
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event

@@ -23,7 +23,7 @@ import msgspec
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
-from lorafleet import names as _names
+import lorafleet.names as _names
 from lorafleet._natspy import (
     AsyncPublisher,
     NoStreamError,

@@ -36,7 +36,7 @@ from typing import TypeVar
 import nats.js.errors
 from nats.aio.client import Client as Nats
 
-from lorafleet import _bus as bus
+import lorafleet._bus as bus
 from lorafleet.estimate import with_architecture
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.settings import Settings

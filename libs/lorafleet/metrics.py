@@ -41,7 +41,7 @@ from prometheus_client.core import GaugeMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
-from lorafleet import log
+import lorafleet.log as log
 from lorafleet.log import Event
 from lorafleet.settings import SettingsError, parse_host_port
 from lorafleet_schemas.messages import ArtifactKind, ErrorCode, Heartbeat, JobState, StatusReport
