@@ -75,6 +75,10 @@ class Names:
         return self.api("jobs", "cancel")
 
     @property
+    def jobs_resume(self) -> str:
+        return self.api("jobs", "resume")
+
+    @property
     def jobs_estimate(self) -> str:
         return self.api("jobs", "estimate")
 

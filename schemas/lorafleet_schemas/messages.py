@@ -54,10 +54,14 @@ class Engine(enum.StrEnum):
 
 
 class ArtifactKind(enum.StrEnum):
-    """What a job makes: the PEFT adapter directory as tar.gz, and a GGUF file."""
+    """What a job makes: the PEFT adapter directory as tar.gz, and a GGUF file;
+    and, while it trains, its newest checkpoint (a tar of the checkpoint
+    directory: adapter, optimizer, scheduler and RNG states, data position),
+    each superseding the one before."""
 
     PEFT = "peft"
     GGUF = "gguf"
+    CHECKPOINT = "checkpoint"
 
 
 class ErrorCode(enum.StrEnum):
@@ -204,6 +208,14 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     params: TrainerParams = msgspec.field(default_factory=TrainerParams)
     #: Queue the job even when gpu_memory_mib is below the memory estimate.
     ignore_estimate: bool = False
+    #: How many times the job may be sent to a node. With attempts left, a
+    #: job whose node is lost, whose agent restarts without it, or whose
+    #: trainer dies for a cause not its own goes back to the queue and
+    #: resumes from its newest checkpoint. 1: such a job fails.
+    max_attempts: Annotated[int, Meta(ge=1, le=100)] = 1
+    #: Start from another job's newest checkpoint (else its adapter): continue
+    #: training, on this job's data.
+    resume_from: str | None = None
 
 
 class EstimateLine(msgspec.Struct, kw_only=True):
@@ -250,6 +262,22 @@ class JobEstimate(msgspec.Struct, kw_only=True):
     fits: bool = True
 
 
+class CheckpointRef(msgspec.Struct, kw_only=True):
+    """A stored artifact a job starts from: a checkpoint, or an adapter."""
+
+    #: The job that stored it.
+    job_id: str
+    kind: ArtifactKind
+    #: The optimizer step it holds (0 for an adapter: training starts afresh).
+    step: int = 0
+    #: The attempt of `job_id` that wrote it.
+    attempt: int = 1
+    #: The object in `lorafleet_artifacts`.
+    object: str
+    size: int
+    sha256: Sha256Hex
+
+
 class JobRecord(msgspec.Struct, kw_only=True):
     """A job as the recorder holds it."""
 
@@ -280,6 +308,14 @@ class JobRecord(msgspec.Struct, kw_only=True):
     updated_at: dt.datetime
     started_at: dt.datetime | None = None
     finished_at: dt.datetime | None = None
+    #: See JobSpec.max_attempts.
+    max_attempts: int = 1
+    #: The node the submitter named (`node` is where the job is placed now).
+    requested_node: str | None = None
+    #: The job whose checkpoint or adapter this one started from (JobSpec.resume_from).
+    resume_from: str | None = None
+    #: The newest checkpoint stored for this job, if any.
+    checkpoint: CheckpointRef | None = None
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -307,17 +343,31 @@ class JobCancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     reason: str = ""
 
 
+class JobResumeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`lorafleet.api.jobs.resume`: queue a failed or cancelled job again, from
+    its newest checkpoint, as a new attempt."""
+
+    id: str
+    reason: str = ""
+    #: More attempts for it (its max_attempts grows so that this many are left).
+    attempts: Annotated[int, Meta(ge=1, le=100)] = 1
+
+
 class LossPoint(msgspec.Struct, kw_only=True):
     step: int
     loss: float
     learning_rate: float | None = None
     tokens_per_s: float | None = None
     peak_mib: int | None = None
+    #: The attempt that wrote it.
+    attempt: int = 1
 
 
 class EvalPoint(msgspec.Struct, kw_only=True):
     step: int
     eval_loss: float
+    #: The attempt that wrote it.
+    attempt: int = 1
 
 
 class JobCurveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -387,6 +437,10 @@ class ArtifactStoredRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     kind: ArtifactKind
     size: int
     sha256: Sha256Hex
+    #: For a checkpoint: the step it holds, the attempt that wrote it, its object.
+    step: int | None = None
+    attempt: int | None = None
+    object: str | None = None
 
 
 # --- scheduler <-> agent ---------------------------------------------------
@@ -404,6 +458,9 @@ class StartRequest(msgspec.Struct, kw_only=True):
     dataset_sha256: Sha256Hex
     params: TrainerParams
     artifacts: list[ArtifactKind]
+    #: Start from this checkpoint (the job's own newest, or another job's
+    #: checkpoint or adapter); None: from the base weights.
+    resume: CheckpointRef | None = None
 
 
 class StartReply(msgspec.Struct, kw_only=True):
@@ -495,6 +552,9 @@ class StatusReport(msgspec.Struct, kw_only=True):
     eta_s: float | None = None
     eval_loss: float | None = None
     peak_mib: int | None = None
+    #: With state `failed`: the cause is not the job's own (the trainer was
+    #: killed, the card failed), so a job with attempts left is queued again.
+    retryable: bool = False
 
 
 # --- the trainer's JSON-lines protocol (trainer stdout -> agent) -----------
@@ -545,6 +605,16 @@ class TrainerError(msgspec.Struct, kw_only=True, tag="error", tag_field="event")
     message: str
 
 
+class TrainerCheckpoint(msgspec.Struct, kw_only=True, tag="checkpoint", tag_field="event"):
+    """A complete checkpoint is on disk (written to a temporary name, then
+    renamed): the state after optimizer step `step`."""
+
+    step: int
+    #: The checkpoint directory.
+    path: str
+    epoch: int = 0
+
+
 class TrainerLengths(msgspec.Struct, kw_only=True, tag="lengths", tag_field="event"):
     """The token lengths of the records tokenized before the weights load (all
     of them without max_steps; with it, those its steps read)."""
@@ -567,6 +637,7 @@ TrainerLine = (
     | TrainerDone
     | TrainerError
     | TrainerLengths
+    | TrainerCheckpoint
 )
 
 
@@ -589,6 +660,8 @@ class ArtifactChunkHeader(msgspec.Struct, kw_only=True):
     count: int | None = None
     size: int | None = None
     sha256: Sha256Hex | None = None
+    #: For a checkpoint: the optimizer step it holds.
+    step: int | None = None
 
 
 class ArtifactRecord(msgspec.Struct, kw_only=True):
@@ -630,6 +703,8 @@ PUBLISHED: dict[str, object] = {
     "job-list-request": JobListRequest,
     "job-list": JobList,
     "job-cancel-request": JobCancelRequest,
+    "job-resume-request": JobResumeRequest,
+    "checkpoint-ref": CheckpointRef,
     "job-curve-request": JobCurveRequest,
     "job-curve": JobCurve,
     "job-estimate-request": JobEstimateRequest,
