@@ -24,8 +24,10 @@ import nkeys
 from lorafleet.names import Names, check_token
 from lorafleet.permissions import (
     SERVICES,
+    Permissions,
     PermissionsError,
     ServerTls,
+    authorization_block,
     identity_block,
     identity_inbox_prefix,
     nkey_server_config,
@@ -169,10 +171,23 @@ def server_config(
     tls: ServerTls | None = None,
 ) -> str:
     """A nats-server config with one nkey user per identity, each with its block."""
-    entries = {i.label: (i.public_key, identity_block(names, i.kind, i.name)) for i in identities}
     return nkey_server_config(
-        entries, listen=listen, store_dir=store_dir, max_payload=max_payload, tls=tls
+        _entries(names, identities),
+        listen=listen,
+        store_dir=store_dir,
+        max_payload=max_payload,
+        tls=tls,
     )
+
+
+def authorization_config(names: Names, identities: Iterable[Identity]) -> str:
+    """The `authorization` block alone, for a server config of one's own to
+    `include` (compose/nats-cluster/nats.conf does)."""
+    return authorization_block(_entries(names, identities))
+
+
+def _entries(names: Names, identities: Iterable[Identity]) -> dict[str, tuple[str, Permissions]]:
+    return {i.label: (i.public_key, identity_block(names, i.kind, i.name)) for i in identities}
 
 
 @dataclass(frozen=True, slots=True)

@@ -461,10 +461,17 @@ def nkey_server_config(
     preceded by a comment naming its identity. See `server_config` for
     listen, store_dir and max_payload; `tls` turns TLS on.
     """
+    lines = _header("lorafleet auth", listen, store_dir, max_payload, tls)
+    return "\n".join([*lines, "", authorization_block(identities)])
+
+
+def authorization_block(identities: Mapping[str, tuple[str, Permissions]]) -> str:
+    """The `authorization { users = [...] }` part of a config alone: one nkey
+    user per identity, for a config of one's own to `include` (compose's
+    cluster config does)."""
     if not identities:
         raise PermissionsError("a config needs at least one identity")
-    lines = _header("lorafleet auth", listen, store_dir, max_payload, tls)
-    lines += ["", "authorization {", "  users = ["]
+    lines = ["authorization {", "  users = ["]
     for name, (public_key, perms) in identities.items():
         if not (public_key.startswith("U") and public_key.isalnum() and len(public_key) == 56):
             raise PermissionsError(

@@ -76,9 +76,13 @@ class IdentityFleet:
     store: IdentityStore
     base: Settings
     certs: Certs | None = None
+    #: Every URL the processes get (a cluster's members); default: `server`'s.
+    urls: str | None = None
 
     @property
     def url(self) -> str:
+        if self.urls is not None:
+            return self.urls
         scheme = "tls" if self.certs else "nats"
         return f"{scheme}://{self.server.host}:{self.server.port}"
 

@@ -16,16 +16,21 @@ from lorafleet.identities import (
     ClientTls,
     Identity,
     IdentityStore,
+    authorization_config,
     ensure_fleet,
     process_env,
     server_config,
 )
+from lorafleet.names import Names
 from lorafleet.permissions import PermissionsError, ServerTls
 from lorafleet.settings import Settings
 from lorafleet_services.cli._app import app
 
 #: The server config's file name in the identity directory.
 CONFIG_NAME = "nats-server.conf"
+#: Its `authorization` block alone, for a config of one's own to `include`
+#: (compose/nats-cluster/nats.conf includes it).
+AUTHORIZATION_NAME = "authorization.conf"
 #: Where each identity's LORAFLEET_* settings go (a systemd EnvironmentFile, `--env-file`).
 ENV_DIR = "env"
 
@@ -37,6 +42,7 @@ def env_file_text(identity: Identity, url: str, tls: ClientTls | None) -> str:
 
 
 def write_outputs(
+    names: Names,
     store: IdentityStore,
     identities: list[Identity],
     config_text: str,
@@ -46,6 +52,7 @@ def write_outputs(
     """The server config and one env file per identity, under the store's root."""
     config = store.root / CONFIG_NAME
     config.write_text(config_text)
+    (store.root / AUTHORIZATION_NAME).write_text(authorization_config(names, identities))
     env_dir = store.root / ENV_DIR
     env_dir.mkdir(mode=0o700, exist_ok=True)
     for ident in identities:
@@ -81,7 +88,9 @@ def auth_cmd(
     """Make the nkey identities that are missing — one per service (recorder,
     scheduler, artifact-store), per client and per node, each seed a 0600
     file — and write DIR/nats-server.conf (public keys and permissions only)
-    and DIR/env/<kind>-<name>.env (the LORAFLEET_* settings of each process)."""
+    (and its authorization block alone, DIR/authorization.conf, for a config of
+    one's own to include) and DIR/env/<kind>-<name>.env (the LORAFLEET_*
+    settings of each process)."""
     err = typer.echo
     try:
         if (tls_cert is None) != (tls_key is None):
@@ -96,7 +105,7 @@ def auth_cmd(
         names = Settings.from_env().names
         text = server_config(names, identities, listen=listen, store_dir=store_dir, tls=server_tls)
         client_tls = ClientTls(str(Path(tls_ca).resolve())) if tls_ca else None
-        config = write_outputs(store, identities, text, url, client_tls)
+        config = write_outputs(names, store, identities, text, url, client_tls)
     except (PermissionsError, ValueError) as e:
         err(f"error: {e}", err=True)
         raise typer.Exit(1) from None
