@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import hashlib
 
+import msgspec
+
 from lorafleet import Client
 from lorafleet.natscluster import NatsCluster, stream_leader
-from lorafleet_schemas.messages import JobState
+from lorafleet_schemas.messages import JobState, StatusReport
 from tests.eventually import eventually
 from tests.procs import ServiceProcess
 from tests.system.conftest import Stack, has_artifact_store
@@ -51,7 +53,42 @@ def no_false_loss(stack: Stack, agent: ServiceProcess) -> None:
 async def assert_each_step_once(stack: Stack, job_id: str, steps: int) -> None:
     curve = await stack.curve(job_id)
     recorded = [p.step for p in curve.points]
-    assert sorted(recorded) == list(range(1, steps + 1)), recorded
+    if sorted(recorded) != list(range(1, steps + 1)):
+        raise AssertionError(await missing_steps_story(stack, job_id, recorded, steps))
+
+
+async def missing_steps_story(stack: Stack, job_id: str, recorded: list[int], steps: int) -> str:
+    """Where the missing steps went: stored in the status stream (the recorder
+    lost or refused them) or never stored (the publish side lost them)."""
+    missing = sorted(set(range(1, steps + 1)) - set(recorded))
+    dupes = sorted({s for s in recorded if recorded.count(s) > 1})
+    stored: dict[int, int] = {}  # step -> stream sequence
+    job = await stack.get(job_id)
+    sub = await stack.js.subscribe(
+        stack.settings.names.status(job.node or "*", job_id), ordered_consumer=True
+    )
+    try:
+        while True:
+            try:
+                msg = await sub.next_msg(timeout=1.0)
+            except TimeoutError:
+                break
+            report = msgspec.json.decode(msg.data, type=StatusReport)
+            if report.step is not None and report.loss is not None:
+                stored[report.step] = msg.metadata.sequence.stream
+    finally:
+        await sub.unsubscribe()
+    said = [
+        f"{proc.module}: {line}"
+        for proc in dict.fromkeys([*stack.procs, *stack.agents.values()])
+        for line in proc.lines
+        if line.get("event") in ("status.refused", "status.retry", "status.dropped")
+    ]
+    return (
+        f"steps missing from the curve: {missing}; recorded twice: {dupes}; of the missing, "
+        f"stored in the status stream: {[(s, stored[s]) for s in missing if s in stored]}, "
+        f"never stored: {[s for s in missing if s not in stored]}\n" + "\n".join(said[-40:])
+    )
 
 
 def story(*procs: ServiceProcess) -> str:
