@@ -12,14 +12,16 @@ from tests.system.conftest import Stack
 
 
 async def agent_in(
-    stack: Stack, link: NetnsLink, node: str, env: Mapping[str, str]
+    stack: Stack, link: NetnsLink, node: str, env: Mapping[str, str], nats_url: str | None = None
 ) -> ServiceProcess:
-    """An agent of `node` inside the namespace (its trainer too), on the stack's settings."""
+    """An agent of `node` inside the namespace (its trainer too), on the stack's
+    settings (`nats_url`: another way to the server, such as a relay)."""
     # `python -m tests.partition.in_netns` from any directory (the benches run it too).
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    settings = stack.settings if nats_url is None else stack.settings.with_(nats_url=nats_url)
     proc = agent_process(
-        stack.settings,
+        settings,
         stack.tmp_path,
         node,
         {**env, "LORAFLEET_TEST_NETNS": link.ns, "PYTHONPATH": path},

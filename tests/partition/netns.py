@@ -6,8 +6,11 @@ nothing else: no route, no bridge, no address outside that /30, so the only
 traffic a test can cause is between the two veth ends. `cut()` takes the
 inside end down (the test's side keeps its address, so servers listening on
 it stay reachable for everyone else), `restore()` brings it back,
-`degrade()` adds `tc netem` delay and loss on both ends. `delete()` removes
-the namespace, which removes the pair with it.
+`degrade()` adds `tc netem` delay and loss on both ends; where the kernel
+has no sch_netem, `drop()` loses packets with nftables inside the
+namespace instead (both directions) and tests/partition/relay.py delays
+them. `delete()` removes the namespace, which removes the pair (and the
+namespace's nftables rules) with it.
 
 Linux only, and root (or CAP_NET_ADMIN) only: `available()` says why not.
 """
@@ -15,6 +18,7 @@ Linux only, and root (or CAP_NET_ADMIN) only: `available()` says why not.
 from __future__ import annotations
 
 import os
+import re
 import secrets
 import subprocess
 
@@ -84,6 +88,26 @@ class NetnsLink:
         _run("tc", "qdisc", "add", "dev", self.host_dev, "root", *spec)
         self.inside("tc", "qdisc", "add", "dev", self.ns_dev, "root", *spec)
 
+    def drop(self, loss_pct: float) -> None:
+        """Lose `loss_pct` of the packets each way, at random (nftables in the
+        namespace: `numgen random`, one rule on input and one on output)."""
+        table, per_10k = "lorafleet_loss", round(loss_pct * 100)
+        self.inside("nft", "add", "table", "inet", table)
+        for hook in ("input", "output"):
+            self.inside(
+                "nft", "add", "chain", "inet", table, hook,
+                f"{{ type filter hook {hook} priority 0; }}",
+            )  # fmt: skip
+            self.inside(
+                "nft", "add", "rule", "inet", table, hook,
+                "numgen", "random", "mod", "10000", "<", str(per_10k), "counter", "drop",
+            )  # fmt: skip
+
+    def dropped(self) -> int:
+        """Packets `drop()`'s rules have dropped so far, both ways."""
+        out = self.inside("nft", "list", "table", "inet", "lorafleet_loss")
+        return sum(int(m) for m in re.findall(r"counter packets (\d+)", out))
+
     def delete(self) -> None:
         """Remove the namespace (and with it both veth ends); safe to repeat."""
         if self.created:
@@ -104,6 +128,15 @@ def available() -> str | None:
         return f"cannot create a network namespace and veth pair (root or CAP_NET_ADMIN): {e}"
     finally:
         link.delete()
+    return None
+
+
+def nft_available(link: NetnsLink) -> str | None:
+    """Why nftables cannot drop packets in `link`'s namespace (None: it can)."""
+    try:
+        link.inside("nft", "list", "tables")
+    except NetnsError as e:
+        return f"nftables is not available (apt-get install nftables): {e}"
     return None
 
 

@@ -12,7 +12,8 @@ import pytest
 from lorafleet_schemas.messages import JobState
 from tests.eventually import eventually
 from tests.partition.helpers import agent_in
-from tests.partition.netns import NetnsLink, netem_available
+from tests.partition.netns import NetnsLink, netem_available, nft_available
+from tests.partition.relay import DelayRelay
 from tests.system.conftest import Stack, has_artifact_store, kill_pid, pid_alive, trainer_pids
 
 FINISHED = (JobState.DONE,) if has_artifact_store() else (JobState.DONE, JobState.UPLOADING)
@@ -21,6 +22,9 @@ FINISHED = (JobState.DONE,) if has_artifact_store() else (JobState.DONE, JobStat
 STEP = {"LORAFLEET_STANDIN_STEP_S": "0.1"}
 #: What the issue allows beyond the node timeout, for the failure and the fence.
 SLACK_S = 1.0
+#: The degraded link: each direction this late, and this share of packets lost.
+DELAY_MS = 150
+LOSS_PCT = 2.0
 
 
 async def test_a_cut_link_fails_the_job_and_fences_the_trainer(
@@ -61,16 +65,44 @@ async def test_a_cut_link_fails_the_job_and_fences_the_trainer(
 
 
 async def test_a_degraded_link_is_no_node_loss(stack: Stack, link: NetnsLink) -> None:
-    why = netem_available(link)
-    if why is not None:
-        pytest.skip(why)
-    link.degrade(delay_ms=150, loss_pct=2.0)
+    """150 ms each way and 2% of the packets lost each way: by `tc netem` where
+    the kernel has it, else by nftables (the loss) and a delaying relay."""
     await stack.add_model()
-    agent = await agent_in(
-        stack, link, "node-1", {"LORAFLEET_STANDIN_STEPS": "80", "LORAFLEET_STANDIN_STEP_S": "0.1"}
-    )
-    job = await stack.submit("node-1")
-    done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=90)
+    relay: DelayRelay | None = None
+    if netem_available(link) is None:
+        link.degrade(delay_ms=DELAY_MS, loss_pct=LOSS_PCT)
+        url, how = None, "tc netem"
+    else:
+        why = nft_available(link)
+        if why is not None:
+            pytest.skip(f"no tc netem here and {why}")
+        link.drop(LOSS_PCT)
+        server = stack.nats_server
+        relay = await DelayRelay(link.host_ip, server.host, server.port, DELAY_MS / 1000).start()
+        url, how = relay.url, "nftables loss and a delaying relay (no sch_netem here)"
+    try:
+        agent = await agent_in(
+            stack,
+            link,
+            "node-1",
+            {"LORAFLEET_STANDIN_STEPS": "40", "LORAFLEET_STANDIN_STEP_S": "0.1"},
+            nats_url=url,
+        )
+        started = time.monotonic()
+        job = await stack.submit("node-1")
+        done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=90)
+    finally:
+        if relay is not None:
+            await relay.stop()
     assert done.state in FINISHED, done.message
     assert stack.schedulers[0].events("node.lost") == []
     assert agent.events("agent.fenced") == []
+    curve = await stack.curve(job.id)
+    assert [p.step for p in curve.points] == list(range(1, 41))
+    dropped = link.dropped() if relay is not None else None
+    if relay is not None:
+        assert dropped, "the loss rules dropped nothing: the link was not degraded"
+    print(
+        f"degraded link ({how}): done in {time.monotonic() - started:.1f} s, no node loss"
+        + (f", {dropped} packets dropped" if dropped is not None else "")
+    )
