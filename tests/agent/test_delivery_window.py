@@ -193,3 +193,42 @@ async def test_the_reader_reads_a_block_ahead_and_splits_it_into_chunks() -> Non
     assert await reader.next_body() is None
     assert await reader.at_end()
     await reader.close()
+
+
+async def test_the_window_grows_while_acknowledgements_do_not_queue() -> None:
+    w = window(FakePublisher(), size=32)
+    assert w.window == delivery.WINDOW_START_CHUNKS
+    for seq in range(100):
+        w.adapt(chunk(seq), 0.01)
+    assert w.window == 32, "a fast link's window is its size"
+
+
+async def test_the_window_halves_once_per_window_when_chunks_queue() -> None:
+    w = window(FakePublisher(), size=32)
+    w.window, w.fastest_s = 32, 0.01
+    w._last_seq = 40  # chunks 9..40 in flight
+    queued = 0.01 + delivery.QUEUE_TARGET_S + 0.1
+    w.adapt(chunk(9), queued)
+    assert w.window == 16
+    for seq in range(10, 41):  # published before the halving: no second halving for them
+        w.adapt(chunk(seq), queued)
+    assert w.window == 16
+    w._last_seq = 60
+    w.adapt(chunk(41), queued)  # published after it: the queue is still there
+    assert w.window == 8
+    for seq in range(61, 200):
+        w._last_seq = seq
+        w.adapt(chunk(seq), queued)
+    assert w.window == 1, "a link that keeps queueing ends at one chunk in flight"
+
+
+async def test_acknowledgement_times_are_measured_from_publish_to_ack() -> None:
+    pub = FakePublisher()
+    w = window(pub, size=8, timeout_s=5)
+    c = chunk(0)
+    await w.push(c)
+    await asyncio.sleep(0.05)
+    pub.ack_all()
+    await asyncio.sleep(0.3)  # settled late: what counts is when the ack came
+    await w.settle(w.in_flight.popleft())
+    assert 0.04 <= w.fastest_s < 0.25, w.fastest_s

@@ -88,6 +88,17 @@ class NetnsLink:
         _run("tc", "qdisc", "add", "dev", self.host_dev, "root", *spec)
         self.inside("tc", "qdisc", "add", "dev", self.ns_dev, "root", *spec)
 
+    def limit(self, kbit_s: int) -> None:
+        """What leaves the namespace goes at most `kbit_s` kbit/s (`tc tbf`).
+
+        Segments are kept to one MTU first: tbf drops every packet larger
+        than its burst, and a veth hands it segments of up to 64 KiB."""
+        self.inside("ip", "link", "set", "dev", self.ns_dev, "gso_max_size", "1500")
+        self.inside(
+            "tc", "qdisc", "add", "dev", self.ns_dev, "root",
+            "tbf", "rate", f"{kbit_s}kbit", "burst", "8kb", "latency", "1s",
+        )  # fmt: skip
+
     def drop(self, loss_pct: float) -> None:
         """Lose `loss_pct` of the packets each way, at random (nftables in the
         namespace: `numgen random`, one rule on input and one on output)."""

@@ -5,12 +5,15 @@ degraded link (150 ms, 2% loss) is no node loss."""
 
 from __future__ import annotations
 
+import asyncio
 import time
 
+import nats.js.errors
 import pytest
 
+from lorafleet.client import Client
 from lorafleet_schemas.messages import JobState
-from tests.eventually import eventually
+from tests.eventually import NeverHappenedError, eventually
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsLink, netem_available, nft_available
 from tests.partition.relay import DelayRelay
@@ -62,6 +65,40 @@ async def test_a_cut_link_fails_the_job_and_fences_the_trainer(
     done = await stack.wait_state(nxt.id, *FINISHED, JobState.FAILED, timeout_s=60)
     assert done.state in FINISHED, done.message
     assert (await stack.get(job.id)).state is JobState.FAILED
+
+
+async def test_a_link_cut_during_delivery_leaves_nothing_partial_visible(
+    stack: Stack, link: NetnsLink
+) -> None:
+    """The adapter goes out in 1 KiB chunks over a 64 kbit/s link (about ten
+    seconds); the cut comes once the job is uploading. The job fails, and no
+    artifact of it is listed or stored — not even after the link is back and
+    the agent, unfenced, could send the rest."""
+    await stack.add_model()
+    link.limit(kbit_s=64)
+    env = {**STEP, "LORAFLEET_AGENT_CHUNK_BYTES": "1024"}
+    agent = await agent_in(stack, link, "node-1", env)
+    job = await stack.submit("node-1", params={"max_steps": 5})
+    await stack.wait_state(job.id, JobState.UPLOADING, timeout_s=60)
+    link.cut()
+    try:
+        failed = await stack.wait_state(job.id, JobState.FAILED, JobState.DONE, timeout_s=15)
+    finally:
+        link.restore()
+    assert failed.state is JobState.FAILED, "the delivery ended before the cut: slow it down"
+    try:
+        await eventually(lambda: agent.events("agent.unfenced"), "the agent back", timeout_s=30)
+    except NeverHappenedError as e:
+        raise AssertionError(f"{e}\n{agent.tail()}") from None
+    client = Client(stack.nc, stack.settings)
+    objects = await stack.js.object_store(stack.settings.names.artifacts_bucket)
+    for _ in range(3):  # the agent is back: whatever it still sends must stay invisible
+        assert await client.artifacts(job.id) == []
+        with pytest.raises(nats.js.errors.ObjectNotFoundError):
+            await objects.get_info(f"{job.id}/peft")
+        await asyncio.sleep(1.0)
+    after = await stack.get(job.id)
+    assert after.state is JobState.FAILED and after.artifacts_stored == []
 
 
 async def test_a_degraded_link_is_no_node_loss(stack: Stack, link: NetnsLink) -> None:

@@ -5,7 +5,11 @@ Each chunk carries `Nats-Msg-Id: <job>.<kind>.<attempt>.<seq>` (a retried
 publish is stored once) and `Lorafleet-Chunk` (an ArtifactChunkHeader; the
 last one also carries count, size and sha256). Up to `WINDOW_CHUNKS`
 publishes are in flight at once (asynchronous publish: about twice the
-throughput of waiting for each acknowledgement); a chunk without an
+throughput of waiting for each acknowledgement), fewer on a slow link:
+the window grows while acknowledgements come back as fast as the fastest
+seen and halves once chunks queue for over `QUEUE_TARGET_S`, since the
+node's heartbeat, on the same connection, waits behind every chunk in
+flight (see ChunkWindow); a chunk without an
 acknowledgement within `timeout_s` is published again under the same id.
 The last chunk goes out only after every other chunk is acknowledged, so
 when the artifact-store sees it, the whole delivery is in the stream.
@@ -41,8 +45,18 @@ from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 
 #: Bytes of one chunk body; default 512 KiB (well below the default 1 MiB max payload).
 DEFAULT_CHUNK_BYTES = 512 * 1024
-#: Publishes awaiting an acknowledgement at once.
+#: Publishes awaiting an acknowledgement at once, at most (a fast link's window).
 WINDOW_CHUNKS = 32
+#: ... at first (it grows by one per acknowledgement that did not queue).
+WINDOW_START_CHUNKS = 4
+#: Seconds a chunk's acknowledgement may take beyond the fastest one seen
+#: (time it queued behind the others, on the way or in the server) before
+#: the window halves. Whatever else goes on the connection, the heartbeat
+#: first, waits that long behind the chunks at most, far below the 3 s node
+#: timeout: with a fixed 32 chunks (16 MiB) a 40 Mbit/s uplink queued a
+#: beat for over 3 s, and a 64 kbit/s one with 1 KiB chunks lost its node
+#: (tests/partition).
+QUEUE_TARGET_S = 0.5
 #: Chunks read from the file at once (in a thread), ahead of their publishes
 #: (see ChunkReader for what it was measured to save).
 READ_CHUNKS = 16
@@ -171,6 +185,12 @@ class Chunk:
     headers: dict[str, str]
     future: asyncio.Future[int] = field(default_factory=_placeholder)
     tries: int = 0
+    #: Loop times of its last publish and of that publish's acknowledgement.
+    sent_at: float = 0.0
+    acked_at: float = 0.0
+
+    def stamp_ack(self, future: asyncio.Future[int]) -> None:
+        self.acked_at = asyncio.get_running_loop().time()
 
 
 def _no_stream(fut: asyncio.Future[int]) -> bool:
@@ -195,10 +215,16 @@ def _refused(stream: str, what: str, seq: int, e: Exception) -> DeliveryError:
 
 
 class ChunkWindow:
-    """Chunk publishes awaiting their acknowledgement, at most `size` at once.
+    """Chunk publishes awaiting their acknowledgement, at most `window` at once.
 
-    `push()` publishes a chunk and, once `size` are in flight, waits for the
-    oldest; `finish()` waits for every one, then publishes the last chunk and
+    `push()` publishes a chunk and, once `window` are in flight, waits for the
+    oldest. The window starts at WINDOW_START_CHUNKS and adapts to the link
+    (`adapt`), between 1 and `size`: it grows by one with each
+    acknowledgement that came as fast as the fastest seen (doubling each
+    round trip, as TCP's slow start), and halves, once per window, when one
+    queued for over QUEUE_TARGET_S; so a slow link holds about that much in
+    flight, a fast one `size` chunks. `finish()` waits for every one, then
+    publishes the last chunk and
     waits for it, so the last is in the stream only after all the others.
     A chunk without an acknowledgement within `timeout_s` is published again
     under its id, at most MAX_TRIES times.
@@ -228,6 +254,12 @@ class ChunkWindow:
         self.what = what
         self.timeout_s = timeout_s
         self.size = size
+        self.window = min(size, WINDOW_START_CHUNKS)
+        #: The fastest acknowledgement seen (s): the link's round trip, no queue.
+        self.fastest_s = float("inf")
+        #: No halving again until a chunk published after the last halving is acknowledged.
+        self._halved_at_seq = -1
+        self._last_seq = -1
         self.in_flight: deque[Chunk] = deque()
         self.logger = logger or log.get(subject=subject)
 
@@ -241,8 +273,11 @@ class ChunkWindow:
         while not conn.is_connected and not conn.is_closed and loop.time() < deadline:  # noqa: ASYNC110
             await asyncio.sleep(RECONNECT_POLL_S)
         chunk.tries += 1
+        chunk.sent_at = loop.time()
+        self._last_seq = max(self._last_seq, chunk.seq)
         try:
             chunk.future = await self.publisher.publish(self.subject, chunk.body, chunk.headers)
+            chunk.future.add_done_callback(chunk.stamp_ack)
         except nats.errors.Error as e:
             raise DeliveryError(f"publishing chunk {chunk.seq} of {self.what}: {e!r}") from e
 
@@ -250,8 +285,19 @@ class ChunkWindow:
         """Publish `chunk`; with the window full, wait for the oldest chunks."""
         await self.publish(chunk)
         self.in_flight.append(chunk)
-        while len(self.in_flight) >= self.size:
+        while len(self.in_flight) >= self.window:
             await self.settle(self.in_flight.popleft())
+
+    def adapt(self, chunk: Chunk, ack_s: float) -> None:
+        """Grow or halve the window after `chunk` was acknowledged in `ack_s`."""
+        self.fastest_s = min(self.fastest_s, ack_s)
+        queued_s = ack_s - self.fastest_s
+        if queued_s > QUEUE_TARGET_S:
+            if chunk.seq > self._halved_at_seq:
+                self.window = max(1, self.window // 2)
+                self._halved_at_seq = self._last_seq
+        elif queued_s < QUEUE_TARGET_S / 2:
+            self.window = min(self.size, self.window + 1)
 
     async def finish(self, last: Chunk) -> None:
         """Wait for every chunk in flight, then publish `last` and wait for it."""
@@ -265,6 +311,7 @@ class ChunkWindow:
         while True:
             try:
                 await asyncio.wait_for(chunk.future, self.timeout_s)
+                self.adapt(chunk, chunk.acked_at - chunk.sent_at)
                 return
             except TimeoutError:
                 if chunk.tries >= MAX_TRIES:
