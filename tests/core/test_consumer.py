@@ -121,8 +121,8 @@ async def test_a_deleted_stream_comes_back_through_ensure_stream(nc: Client) -> 
     ensured: list[int] = []
 
     async def recreate_stream() -> None:
-        ensured.append(1)
         await ensure_stream(js)
+        ensured.append(1)  # only once it is there: the test publishes into it next
 
     consumer = PullConsumer(js, CONFIG, applied, ensure_stream=recreate_stream, check_every_s=0.3)
     await consumer.start()
