@@ -368,11 +368,12 @@ class Dispatcher:
             await self._resend(resend.job, resend.node)
         for check in result.check:
             found = await self.recorder.get_job(check.job_id)
-            if logic.should_cancel_on_node(found):
+            if logic.should_cancel_on_node(found, check.node):
                 why = (
                     "unknown to the recorder"
                     if found is None
                     else f"the job is {found.state.value}"
+                    + (f" on {found.node}" if found.node and found.node != check.node else "")
                 )
                 self._spawn(self._cancel_on_node(check.node, check.job_id, why))
 

@@ -496,9 +496,15 @@ def agent_lost_message(node: str) -> str:
     )
 
 
-def should_cancel_on_node(job: JobRecord | None) -> bool:
-    """A node runs a job the recorder holds final (or does not know): stop it."""
-    return job is None or job.state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+def should_cancel_on_node(job: JobRecord | None, node: str | None = None) -> bool:
+    """A node runs a job the recorder holds final (or does not know), or holds
+    queued again (that run's attempt was given up), or, given `node`, holds on
+    another node: stop it there."""
+    if job is None or job.state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED):
+        return True
+    if job.state is JobState.QUEUED and job.attempt > 0:
+        return True
+    return node is not None and job.node is not None and job.node != node
 
 
 def resume_ref(job: JobRecord, other: JobRecord | None) -> CheckpointRef | None:
