@@ -43,6 +43,20 @@ from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write
 INLINE_DATA_MAX_BYTES = 512 * 1024
 
 
+_MAX_ATTEMPTS = typer.Option(
+    1,
+    min=1,
+    max=100,
+    help="Times the job may be sent to a node: with attempts left, a job whose node "
+    "is lost goes back to the queue and resumes from its newest checkpoint.",
+)
+_RESUME_FROM = typer.Option(
+    None,
+    metavar="JOB",
+    help="Start from that job's newest checkpoint (else its adapter) and train on this data.",
+)
+
+
 @app.command("submit", rich_help_panel="Jobs")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
@@ -65,18 +79,8 @@ def submit(
     ignore_estimate: bool = typer.Option(
         False, help="Queue even when --gpu-mib is below the memory estimate."
     ),
-    max_attempts: int = typer.Option(
-        1,
-        min=1,
-        max=100,
-        help="Times the job may be sent to a node: with attempts left, a job whose node "
-        "is lost goes back to the queue and resumes from its newest checkpoint.",
-    ),
-    resume_from: str | None = typer.Option(
-        None,
-        metavar="JOB",
-        help="Start from that job's newest checkpoint (else its adapter) and train on this data.",
-    ),
+    max_attempts: int = _MAX_ATTEMPTS,
+    resume_from: str | None = _RESUME_FROM,
 ) -> None:
     """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
     body = data.read_bytes()
