@@ -460,8 +460,11 @@ def _move_statement(
 
 
 def _check_attempts_left(row: Mapping[str, Any] | None, from_state: JobState) -> None:
-    """A requeue of a job with no attempts left is a move the machine forbids."""
-    if row is not None and not can_requeue(from_state, row["attempt"], row["max_attempts"]):
+    """A requeue of a job with no attempts left is a move the machine forbids
+    (a job no longer in `from_state` is left to the compare-and-set: not applied)."""
+    if row is None or row["state"] != from_state.value:
+        return
+    if not can_requeue(from_state, row["attempt"], row["max_attempts"]):
         raise IllegalTransitionError(
             f"a job cannot go from {from_state.value} back to queued without attempts "
             f"left: it is on attempt {row['attempt']} of {row['max_attempts']}"

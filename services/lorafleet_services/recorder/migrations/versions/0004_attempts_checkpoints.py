@@ -21,7 +21,7 @@ depends_on = None
 
 def upgrade() -> None:
     with op.batch_alter_table("jobs") as batch:
-        # Jobs from before had one attempt, and `node` was the named node.
+        # Jobs from before had one attempt.
         batch.add_column(
             sa.Column("max_attempts", sa.Integer(), nullable=False, server_default="1")
         )
@@ -30,7 +30,9 @@ def upgrade() -> None:
         batch.add_column(sa.Column("checkpoint", sa.JSON(), nullable=True))
         batch.add_column(sa.Column("artifact_refs", sa.JSON(), nullable=True))
         batch.add_column(sa.Column("attempt_starts", sa.JSON(), nullable=True))
-    op.execute("UPDATE jobs SET requested_node = node")
+    # A queued job's node is the one its submitter named; where an older job
+    # ran says nothing of that (and with one attempt it never goes back).
+    op.execute("UPDATE jobs SET requested_node = node WHERE state = 'queued'")
     for table in ("loss_points", "eval_points"):
         with op.batch_alter_table(table) as batch:
             batch.add_column(sa.Column("attempt", sa.Integer(), nullable=False, server_default="1"))
