@@ -326,3 +326,18 @@ async def test_a_job_resumed_from_another_starts_from_its_checkpoint_or_adapter(
     assert node == "a" and start.resume == peft
     assert rec.jobs["j2"].state is JobState.FAILED
     assert "job x (resume_from) has no checkpoint or adapter" in rec.jobs["j2"].message
+
+
+async def test_a_start_to_send_again_whose_model_left_the_catalog_fails() -> None:
+    stuck = msgspec.structs.replace(job("j1", node="a", state=JobState.STARTING), attempt=1)
+    rec = MemoryRecorder(stuck)
+    rec.catalog = []
+    table = nodes(hb("a", cards=[(24000, 24000)]))
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [])
+    table.beat(hb("a", cards=[(24000, 24000)]), 103.0)
+    await d.round(103.0, [])
+    await settle(d)
+    assert agents.starts == [] and rec.jobs["j1"].state is JobState.FAILED
+    assert "no longer in the catalog" in rec.jobs["j1"].message

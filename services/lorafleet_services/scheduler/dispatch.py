@@ -294,11 +294,13 @@ class Dispatcher:
     async def _resend(self, job: JobRecord, node: str) -> None:
         """Send a `starting` job's start again: the leader that moved it may
         have died before it sent it."""
-        models = await self._models({job.model})
-        model = models.get(job.model)
+        model = (await self._models({job.model})).get(job.model)
         resume = await self._resume_ref(job)
         if model is None or isinstance(resume, str):
-            return  # left to the next pass: a later dispatch fails it as today
+            # Nothing can train it, as a first dispatch would have found.
+            gone = f"model {job.model} is no longer in the catalog; add it and submit the job again"
+            await self.fail_on_node(job, gone if model is None else str(resume))
+            return
         self.sent.add(job.id)
         self.first_seen[job.id] = self.clock()
         self.logger.info(
