@@ -262,6 +262,7 @@ async def test_a_lost_nodes_job_with_attempts_left_is_requeued_and_resumes_elsew
     await settle(d)
     ((node, start),) = agents.starts
     assert node == "b" and start.attempt == 2 and start.resume == cp
+    assert rec.jobs["j1"].message == "sent to b, attempt 2 of 2"
     # The second loss is the last: it fails as it always did.
     table.expire("b")
     await d.round(102.0, [table.nodes["b"]])

@@ -258,7 +258,7 @@ class Dispatcher:
                 from_state=JobState.QUEUED,
                 to_state=JobState.STARTING,
                 node=node,
-                message=f"sent to {node}",
+                message=f"sent to {node}" + _attempt_of(job),
             )
         )
         if not reply.applied:
@@ -416,6 +416,13 @@ class Dispatcher:
         if ended.job is not None and ended.job.state in FINAL:
             return ended.job
         raise ConflictError(f"job {req.id} kept changing state; send the cancel again")
+
+
+def _attempt_of(job: JobRecord) -> str:
+    """ ", attempt 2 of 3" for the history of a job that may be sent more than once."""
+    if job.max_attempts <= 1 and job.attempt == 0:
+        return ""
+    return f", attempt {job.attempt + 1} of {max(job.max_attempts, job.attempt + 1)}"
 
 
 def start_request(
