@@ -4,7 +4,9 @@ The scheduler and the artifact-store never touch the database; they ask the
 recorder, which owns it (`api.jobs.get/list`, `api.models.list`, the
 internal `store.jobs.transition` and `store.jobs.artifact`). Every state
 change is a compare-and-set (`from_state` -> `to_state`); `end_job` is the
-one loop that retries one when the job moved on under it.
+one loop that retries one when the job moved on under it, and `lose_job`
+(a loss not the job's own: requeue with attempts left, else fail, as
+`lorafleet.states.loss_outcome` decides) goes through it too.
 """
 
 from __future__ import annotations
@@ -18,7 +20,7 @@ from nats.aio.client import Client
 import lorafleet._bus as bus
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
-from lorafleet.states import FINAL
+from lorafleet.states import FINAL, ON_NODE, loss_outcome
 from lorafleet_schemas.messages import (
     ArtifactStoredRequest,
     JobGetRequest,
@@ -102,12 +104,23 @@ class RecorderClient:
         the job left the node it was failing for), or after CAS_ATTEMPTS
         lost races.
         """
+        return await self._move(job, lambda _: (to_state, message), still)
+
+    async def _move(
+        self,
+        job: JobRecord | str,
+        target: Callable[[JobRecord], tuple[JobState, str]],
+        still: Callable[[JobRecord], bool] | None,
+    ) -> Ended:
+        """The CAS loop of end_job and lose_job: `target(job)` is where the
+        job as last read goes, and with which message."""
         current = await self.get_job(job) if isinstance(job, str) else job
         for _ in range(CAS_ATTEMPTS):
             if current is None or current.state in FINAL:
                 break
             if still is not None and not still(current):
                 break
+            to_state, message = target(current)
             reply = await self.transition(
                 TransitionRequest(
                     id=current.id, from_state=current.state, to_state=to_state, message=message
@@ -127,3 +140,22 @@ class RecorderClient:
     ) -> Ended:
         """`end_job(job, failed, message)`: `message` is what the user reads."""
         return await self.end_job(job, JobState.FAILED, message, still=still)
+
+    async def lose_job(
+        self,
+        job: JobRecord | str,
+        cause: str,
+        failed_message: str,
+        *,
+        still: Callable[[JobRecord], bool] | None = None,
+    ) -> Ended:
+        """The job was lost by no fault of its own (`cause`, e.g. "node n1 was
+        lost"): back to the queue when it has attempts left, else failed with
+        `failed_message`. A cancel that came first wins (the CAS is refused).
+        `Ended.job.state` says which it was."""
+
+        def on_node(j: JobRecord) -> bool:
+            # A job already back on the queue (or never sent) was not lost.
+            return j.state in ON_NODE and (still is None or still(j))
+
+        return await self._move(job, lambda j: loss_outcome(j, cause, failed_message), on_node)

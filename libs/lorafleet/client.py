@@ -57,6 +57,7 @@ from lorafleet_schemas.messages import (
     JobList,
     JobListRequest,
     JobRecord,
+    JobResumeRequest,
     JobSpec,
     JobState,
     ModelList,
@@ -173,6 +174,18 @@ class Client:
         the cancel again)."""
         return await self._req(
             self.names.jobs_cancel, JobCancelRequest(id=job_id, reason=reason), JobRecord
+        )
+
+    async def resume(self, job_id: str, attempts: int = 1, reason: str = "") -> JobRecord:
+        """Queue a failed or cancelled job again from its newest checkpoint, as
+        a new attempt, with `attempts` attempts left. NotFoundError for an
+        unknown id; ConflictError for a job that is not failed or cancelled,
+        or has no checkpoint (the message says what to do instead: a new job
+        with resume_from starts from its adapter)."""
+        return await self._req(
+            self.names.jobs_resume,
+            JobResumeRequest(id=job_id, attempts=attempts, reason=reason),
+            JobRecord,
         )
 
     async def watch(self, job_id: str, poll_s: float = 2.0) -> AsyncIterator[JobEvent]:

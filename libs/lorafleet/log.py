@@ -48,6 +48,14 @@ class Event:
     JOB_FINISHED: Final = "job.finished"
     JOB_CANCELLED: Final = "job.cancelled"
     JOB_LOST: Final = "job.lost"
+    #: A job went back to the queue: lost not by its own fault with attempts
+    #: left (the control plane's requeue), or resumed by hand (api.jobs.resume).
+    JOB_REQUEUED: Final = "job.requeued"
+    #: A `starting` job its live node does not run was sent its start again
+    #: (same attempt): the start may never have reached the node.
+    JOB_RESENT: Final = "job.resent"
+    #: The recorder took a job's newer checkpoint (JobRecord.checkpoint).
+    JOB_CHECKPOINT: Final = "job.checkpoint"
     TRANSITION_REFUSED: Final = "transition.refused"
     STATUS_REFUSED: Final = "status.refused"
     STATUS_STALE: Final = "status.stale"

@@ -2,14 +2,32 @@
 
     queued -> starting -> preparing -> running -> converting -> uploading -> done
     any non-final state -> failed | cancelled
+    starting..uploading -> queued          (requeue: the control plane, a loss not the job's own)
+    failed | cancelled -> queued           (resume: api.jobs.resume, by hand)
 
 A job may skip forward along the happy path (an agent that has no GGUF to make
-goes from running straight to uploading), never back.
+goes from running straight to uploading), never back — except by the two
+edges to `queued`, which are not in `ALLOWED` because no status report may
+take them; only the recorder's own operations do:
+
+- requeue (`can_requeue`, `loss_outcome`): a job on a node (starting ..
+  uploading) whose node was lost, whose agent restarted without it, or
+  whose trainer failed for a cause not its own (a retryable failure)
+  goes back to the queue when it has attempts left (attempt <
+  max_attempts); else it fails, with the message it always had. The move
+  is a compare-and-set on the state like any other, so a cancel that came
+  first wins, and a queued job can be cancelled. Event `job.requeued`.
+- resume (`can_resume`): a failed or cancelled job is queued again, from
+  its newest checkpoint, as a new attempt (its max_attempts grows).
+
+On either edge `node` goes back to the node the submitter named (None: any
+node with room), step and loss stay as the progress shown, and the next
+dispatch (queued -> starting) counts the next attempt.
 """
 
 from __future__ import annotations
 
-from lorafleet_schemas.messages import JobState
+from lorafleet_schemas.messages import JobRecord, JobState
 
 #: The happy path, in order.
 PATH: tuple[JobState, ...] = (
@@ -85,3 +103,42 @@ def check_move(from_state: JobState, to_state: JobState) -> None:
 
 def is_final(state: JobState) -> bool:
     return state in FINAL
+
+
+#: States a requeue leaves (the job was on a node), and those a resume leaves.
+REQUEUE_FROM: frozenset[JobState] = ON_NODE
+RESUME_FROM: frozenset[JobState] = frozenset({JobState.FAILED, JobState.CANCELLED})
+
+
+def can_requeue(from_state: JobState, attempt: int, max_attempts: int) -> bool:
+    """The control plane may put a job in `from_state` back on the queue: it
+    is on a node (so on its first attempt at least) with attempts left."""
+    return from_state in REQUEUE_FROM and max(attempt, 1) < max_attempts
+
+
+def can_resume(from_state: JobState) -> bool:
+    return from_state in RESUME_FROM
+
+
+def resumes_from(job: JobRecord) -> str:
+    """How the job's next attempt starts, for a message."""
+    if job.checkpoint is not None:
+        return f"resumes from the checkpoint at step {job.checkpoint.step}"
+    if job.resume_from is not None:
+        return f"starts again from job {job.resume_from}'s weights"
+    return "starts again from step 0 (no checkpoint was stored)"
+
+
+def loss_outcome(job: JobRecord, cause: str, failed_message: str) -> tuple[JobState, str]:
+    """What a loss that is not the job's own does to `job`: queued again with
+    a message saying why (when it has attempts left), else failed with
+    `failed_message` (the seed's message: max_attempts 1 behaves as before).
+
+    cause: what happened, e.g. "node n1 stopped heartbeating".
+    """
+    if not can_requeue(job.state, job.attempt, job.max_attempts):
+        return JobState.FAILED, failed_message
+    return JobState.QUEUED, (
+        f"{cause} at step {job.step}; attempt {job.attempt + 1} of {job.max_attempts} "
+        f"{resumes_from(job)}"
+    )

@@ -316,6 +316,9 @@ class JobRecord(msgspec.Struct, kw_only=True):
     resume_from: str | None = None
     #: The newest checkpoint stored for this job, if any.
     checkpoint: CheckpointRef | None = None
+    #: Its stored PEFT adapter, once stored (a job with resume_from this one
+    #: starts from it when it has no checkpoint).
+    adapter: CheckpointRef | None = None
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -68,12 +68,15 @@ class Up:
 
     async def submit(self, steps: int, *more: str) -> str:
         """Queue a stand-in job of `steps` steps; its id."""
-        rc, out, err = await self.lorafleet(
-            "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs),
-            "--param", f"max_steps={steps}", *more,
-        )  # fmt: skip
+        rc, out, err = await self.submit_raw("--param", f"max_steps={steps}", *more)
         assert rc == 0, err
         return str(json.loads(out)["id"])
+
+    async def submit_raw(self, *more: str) -> tuple[int, str, str]:
+        """`lorafleet submit` of model tiny with the pairs and `more`: (rc, stdout, stderr)."""
+        return await self.lorafleet(
+            "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs), *more
+        )
 
 
 @pytest.fixture(scope="module")

@@ -134,3 +134,45 @@ async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
     assert rc == 0, err
     rc, _, err = await asyncio.wait_for(watch, 60)
     assert rc == 2 and "cancelled" in err, err
+
+
+async def test_resume_refuses_clearly_then_queues_from_the_checkpoint(up: Up) -> None:
+    import nats
+
+    rc, _, err = await up.lorafleet("resume", "no-such-job")
+    assert rc == 1 and _one_line(err) and "no job no-such-job" in err, err
+    job_id = await up.submit(3000)
+    await eventually(
+        lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+        until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
+    )  # fmt: skip
+    rc, _, err = await up.lorafleet("resume", job_id)
+    assert rc == 1 and _one_line(err) and "is running" in err, err
+    rc, _, err = await up.lorafleet("cancel", job_id)
+    assert rc == 0, err
+    rc, _, err = await up.lorafleet("resume", job_id)
+    assert rc == 1 and _one_line(err) and "no checkpoint stored" in err, err
+    # The artifact-store's report of a checkpoint, as it sends it.
+    nc = await nats.connect((up.data_dir / "nats-url").read_text().strip())
+    try:
+        body = {
+            "id": job_id, "kind": "checkpoint", "size": 2048, "sha256": "c" * 64,
+            "step": 7, "attempt": 1, "object": f"{job_id}/checkpoint",
+        }  # fmt: skip
+        await nc.request("lorafleet.store.jobs.artifact", json.dumps(body).encode(), timeout=10)
+    finally:
+        await nc.close()
+    rc, out, err = await up.lorafleet("resume", job_id, "--attempts", "2")
+    assert rc == 0, err
+    resumed = json.loads(out)
+    assert resumed["state"] == "queued" and resumed["max_attempts"] == 3, resumed
+    assert "attempt 2 of 3 resumes from the checkpoint at step 7" in resumed["message"]
+    rc, out, err = await up.lorafleet("jobs", "show", job_id)
+    assert rc == 0 and "of 3" in out and "step 7 (attempt 1, 2.0 KiB)" in out, out
+    rc, out, err = await up.submit_raw("--max-attempts", "2", "--resume-from", job_id)
+    assert rc == 0, err
+    second = json.loads(out)
+    assert second["resume_from"] == job_id and second["max_attempts"] == 2, second
+    for stop in (job_id, second["id"]):
+        rc, _, err = await up.lorafleet("cancel", stop)
+        assert rc == 0, err

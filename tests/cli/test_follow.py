@@ -108,3 +108,15 @@ def test_the_summary_has_final_and_best_eval_loss_duration_and_artifacts() -> No
     assert "took 1:02:05" in text and "peft: 3.0 MiB" in text
     assert "lorafleet download j1" in text
     assert human_bytes(512) == "512 B"
+
+
+def test_a_requeue_is_a_state_change_line_and_the_watch_goes_on() -> None:
+    view = JobView(record(step=47, updated_at=at(1)))
+    said = "node gpu-1 was lost at step 47; attempt 2 of 3 resumes from the checkpoint at step 40"
+    back = record(state=JobState.QUEUED, node=None, step=47, message=said, updated_at=at(2))
+    [line] = view.update(JobEvent(kind="state", job=back))
+    assert "j1 queued at step 47/300" in line and said in line
+    assert exit_code(view.job) == 1  # not final: a watch cut here is not a success
+    again = record(state=JobState.STARTING, node="gpu-2", attempt=2, step=47, updated_at=at(3))
+    [line] = view.update(JobEvent(kind="state", job=again))
+    assert "j1 starting on gpu-2" in line

@@ -15,8 +15,10 @@ import structlog
 from lorafleet._recorder_client import RecorderClient
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
-from lorafleet.states import can_move
+from lorafleet.states import can_move, can_requeue
 from lorafleet_schemas.messages import (
+    ArtifactKind,
+    CheckpointRef,
     Engine,
     Heartbeat,
     JobCancelRequest,
@@ -67,15 +69,18 @@ class MemoryRecorder(RecorderClient):
         if current is None:
             raise NotFoundError(f"no job {req.id}")
         message_only = req.from_state is req.to_state is JobState.QUEUED
+        requeue = req.to_state is JobState.QUEUED and can_requeue(
+            current.state, current.attempt, current.max_attempts
+        )
         if current.state is not req.from_state or not (
-            message_only or can_move(req.from_state, req.to_state)
+            message_only or requeue or can_move(req.from_state, req.to_state)
         ):
             return TransitionReply(applied=False, job=current)
         moved = msgspec.structs.replace(
             current,
             state=req.to_state,
             message=req.message,
-            node=req.node or current.node,
+            node=current.requested_node if requeue else req.node or current.node,
             attempt=current.attempt + (req.to_state is JobState.STARTING),
         )
         self.jobs[req.id] = moved
@@ -223,3 +228,117 @@ async def test_cancel_a_queued_a_running_a_final_and_an_unknown_job() -> None:
     await settle(d)
     # Only the job that was on its node is stopped there.
     assert [(n, r.job_id) for n, r in agents.cancels] == [("a", "r")]
+
+
+# --- attempts ----------------------------------------------------------------
+
+
+def ref(job_id: str, kind: ArtifactKind, step: int) -> CheckpointRef:
+    return CheckpointRef(
+        job_id=job_id, kind=kind, step=step, object=f"{job_id}/{kind}", size=1, sha256="0" * 64
+    )
+
+
+async def test_a_lost_nodes_job_with_attempts_left_is_requeued_and_resumes_elsewhere() -> None:
+    cp = ref("j1", ArtifactKind.CHECKPOINT, 40)
+    lost_job = msgspec.structs.replace(
+        job("j1", node="a", state=JobState.RUNNING),
+        attempt=1, max_attempts=2, step=47, checkpoint=cp,
+    )  # fmt: skip
+    rec = MemoryRecorder(lost_job)
+    table = nodes(hb("a", cards=[(24000, 24000)], job="j1"), hb("b", cards=[(24000, 24000)]))
+    lost = table.expire("a")
+    assert lost is not None
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [lost])
+    back = rec.jobs["j1"]
+    assert back.state is JobState.QUEUED and back.node is None
+    assert back.message == (
+        "node a was lost (last beat 12:00:00 UTC) at step 47; attempt 2 of 2 resumes from "
+        "the checkpoint at step 40"
+    )
+    await d.round(101.0, [])
+    await settle(d)
+    ((node, start),) = agents.starts
+    assert node == "b" and start.attempt == 2 and start.resume == cp
+    assert rec.jobs["j1"].message == "sent to b, attempt 2 of 2"
+    # The second loss is the last: it fails as it always did.
+    table.expire("b")
+    await d.round(102.0, [table.nodes["b"]])
+    assert rec.jobs["j1"].state is JobState.FAILED
+    assert rec.jobs["j1"].message.startswith("node b stopped heartbeating")
+
+
+async def test_a_start_the_last_leader_never_sent_is_sent_again_with_the_same_attempt() -> None:
+    stuck = msgspec.structs.replace(job("j1", node="a", state=JobState.STARTING), attempt=1)
+    rec = MemoryRecorder(stuck)
+    clock = [100.0]
+    table = nodes(hb("a", cards=[(24000, 24000)]))
+    agents = FakeAgents()
+    d = Dispatcher(rec, agents, table, lambda: clock[0], structlog.get_logger())
+    await d.round(100.0, [])
+    table.beat(hb("a", cards=[(24000, 24000)]), 103.0)
+    clock[0] = 103.0
+    await d.round(103.0, [])
+    await settle(d)
+    ((node, start),) = agents.starts
+    assert node == "a" and start.job_id == "j1" and start.attempt == 1
+    assert rec.jobs["j1"].state is JobState.STARTING and rec.jobs["j1"].attempt == 1
+    # Sent again and still not run: lost now (max_attempts 1: failed).
+    table.beat(hb("a", cards=[(24000, 24000)]), 106.0)
+    await d.round(106.0, [])
+    assert rec.jobs["j1"].state is JobState.FAILED and "never received it" in rec.jobs["j1"].message
+
+
+async def test_a_refused_start_sent_again_is_a_loss_requeued_with_attempts_left() -> None:
+    stuck = msgspec.structs.replace(
+        job("j1", node="a", state=JobState.STARTING), attempt=1, max_attempts=2, requested_node="a"
+    )
+    rec = MemoryRecorder(stuck)
+    table = nodes(hb("a", cards=[(24000, 24000)]))
+    agents = FakeAgents(StartReply(accepted=False, reason="attempt 1 of j1 already ran here"))
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [])
+    table.beat(hb("a", cards=[(24000, 24000)]), 103.0)
+    await d.round(103.0, [])
+    await settle(d)
+    back = rec.jobs["j1"]
+    assert back.state is JobState.QUEUED and back.node == "a"
+    assert back.message.startswith(
+        "the agent on a refused the start sent again at step 0; attempt 2 of 2"
+    )
+
+
+async def test_a_job_resumed_from_another_starts_from_its_checkpoint_or_adapter() -> None:
+    peft = ref("o", ArtifactKind.PEFT, 0)
+    other = msgspec.structs.replace(job("o", state=JobState.DONE), adapter=peft)
+    mine = msgspec.structs.replace(job("j1", node="a"), resume_from="o")
+    gone = msgspec.structs.replace(job("j2", node="b"), resume_from="x")
+    orphan = job("x", state=JobState.FAILED)
+    rec = MemoryRecorder(other, mine, gone, orphan)
+    agents = FakeAgents()
+    d = dispatcher(
+        rec, agents, nodes(hb("a", cards=[(24000, 24000)]), hb("b", cards=[(24000, 24000)]))
+    )
+    await d.round(100.0, [])
+    await settle(d)
+    ((node, start),) = agents.starts
+    assert node == "a" and start.resume == peft
+    assert rec.jobs["j2"].state is JobState.FAILED
+    assert "job x (resume_from) has no checkpoint or adapter" in rec.jobs["j2"].message
+
+
+async def test_a_start_to_send_again_whose_model_left_the_catalog_fails() -> None:
+    stuck = msgspec.structs.replace(job("j1", node="a", state=JobState.STARTING), attempt=1)
+    rec = MemoryRecorder(stuck)
+    rec.catalog = []
+    table = nodes(hb("a", cards=[(24000, 24000)]))
+    agents = FakeAgents()
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [])
+    table.beat(hb("a", cards=[(24000, 24000)]), 103.0)
+    await d.round(103.0, [])
+    await settle(d)
+    assert agents.starts == [] and rec.jobs["j1"].state is JobState.FAILED
+    assert "no longer in the catalog" in rec.jobs["j1"].message

@@ -364,3 +364,66 @@ def test_lost_nodes_are_forgotten_after_a_day() -> None:
     assert "a" in t.nodes and [i.alive for i in t.infos()] == [False]
     t.sweep(10.0 + logic.FORGET_AFTER_S + 1, 3)
     assert t.nodes == {}
+
+
+# --- attempts ----------------------------------------------------------------
+
+
+def test_a_starting_job_this_scheduler_did_not_send_is_sent_again() -> None:
+    t = table(hb("a", cpu=True), now=100.0)
+    starting = job("j", node="a", state=JobState.STARTING)
+    t.beat(hb("a", cpu=True), 103.0)
+    # The leader before this one moved it to starting and died before sending.
+    result = reconcile([starting], t.nodes, 103.0, {"j": 100.0}, sent_here=set())
+    assert result.fail == [] and [(r.job.id, r.node) for r in result.resend] == [("j", "a")]
+    # Sent here (or sent again here) and still not run: the agent lost it.
+    result = reconcile([starting], t.nodes, 103.0, {"j": 100.0}, sent_here={"j"})
+    assert result.resend == [] and [f.job.id for f in result.fail] == ["j"]
+    assert (
+        result.fail[0].cause
+        == "the agent on a no longer runs the job (it restarted, or the job ended there)"
+    )
+    # Past starting the agent had it: a loss, whoever sent it.
+    preparing = job("j", node="a", state=JobState.PREPARING)
+    result = reconcile([preparing], t.nodes, 103.0, {"j": 100.0}, sent_here=set())
+    assert result.resend == [] and [f.job.id for f in result.fail] == ["j"]
+    # Within the grace nothing happens either way.
+    assert reconcile([starting], t.nodes, 100.5, {"j": 100.0}, sent_here=set()).resend == []
+
+
+def test_a_lost_node_gives_its_jobs_a_cause_for_the_requeue() -> None:
+    t = table(hb("a", cpu=True), now=100.0)
+    node = t.expire("a")
+    assert node is not None
+    running = job("j", node="a", state=JobState.RUNNING)
+    (lost,) = reconcile([running], t.nodes, 101.0, {}).fail
+    assert lost.cause == "node a was lost (last beat 12:00:00 UTC)"
+    assert lost.message == logic.node_lost_message(node)
+
+
+def test_resume_ref_prefers_the_own_checkpoint_then_the_others() -> None:
+    from lorafleet_schemas.messages import ArtifactKind, CheckpointRef
+
+    def ref(job_id: str, kind: ArtifactKind, step: int) -> CheckpointRef:
+        return CheckpointRef(
+            job_id=job_id, kind=kind, step=step, object=f"{job_id}/{kind}", size=1, sha256="0" * 64
+        )
+
+    own = ref("j", ArtifactKind.CHECKPOINT, 5)
+    their_cp, their_peft = ref("o", ArtifactKind.CHECKPOINT, 9), ref("o", ArtifactKind.PEFT, 0)
+    other = job_record(id="o", checkpoint=their_cp, adapter=their_peft)
+    mine = job_record(id="j", resume_from="o")
+    assert logic.resume_ref(job_record(id="j", checkpoint=own, resume_from="o"), other) == own
+    assert logic.resume_ref(mine, other) == their_cp
+    assert logic.resume_ref(mine, job_record(id="o", adapter=their_peft)) == their_peft
+    assert logic.resume_ref(mine, job_record(id="o")) is None
+    assert logic.resume_ref(job_record(id="j"), None) is None
+
+
+def test_a_node_running_a_requeued_or_moved_job_is_told_to_stop() -> None:
+    requeued = job_record(id="j", state=JobState.QUEUED, attempt=1)
+    assert logic.should_cancel_on_node(requeued)
+    assert not logic.should_cancel_on_node(job_record(id="j", state=JobState.QUEUED, attempt=0))
+    moved = job_record(id="j", state=JobState.RUNNING, node="b", attempt=2)
+    assert logic.should_cancel_on_node(moved, "a")
+    assert not logic.should_cancel_on_node(moved, "b")

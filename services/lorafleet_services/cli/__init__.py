@@ -7,8 +7,10 @@ Catalog:    lorafleet models add NAME --engine vllm|llamacpp
             lorafleet models add-demo
 Jobs:       lorafleet submit --model M [--gpu-mib N] --data FILE [--dry-run]
                 [--node N] [--param key=value ...] [--watch [--plain|--json]] [--ignore-estimate]
+                [--max-attempts N] [--resume-from JOB]
             lorafleet estimate --model M [--param key=value ...] [--gpu-mib N]
             lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
+            lorafleet resume ID [--attempts N]
 Fleet:      lorafleet top,  lorafleet nodes
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
 NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]

@@ -1,4 +1,4 @@
-"""Jobs: `submit`, `jobs list|get|curve`, `watch`, `cancel`."""
+"""Jobs: `submit`, `jobs list|get|show|curve`, `watch`, `cancel`, `resume`."""
 
 from __future__ import annotations
 
@@ -43,6 +43,20 @@ from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write
 INLINE_DATA_MAX_BYTES = 512 * 1024
 
 
+_MAX_ATTEMPTS = typer.Option(
+    1,
+    min=1,
+    max=100,
+    help="Times the job may be sent to a node: with attempts left, a job whose node "
+    "is lost goes back to the queue and resumes from its newest checkpoint.",
+)
+_RESUME_FROM = typer.Option(
+    None,
+    metavar="JOB",
+    help="Start from that job's newest checkpoint (else its adapter) and train on this data.",
+)
+
+
 @app.command("submit", rich_help_panel="Jobs")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
@@ -65,6 +79,8 @@ def submit(
     ignore_estimate: bool = typer.Option(
         False, help="Queue even when --gpu-mib is below the memory estimate."
     ),
+    max_attempts: int = _MAX_ATTEMPTS,
+    resume_from: str | None = _RESUME_FROM,
 ) -> None:
     """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
     body = data.read_bytes()
@@ -79,6 +95,8 @@ def submit(
         name=name,
         params=trainer,
         ignore_estimate=ignore_estimate,
+        max_attempts=max_attempts,
+        resume_from=resume_from,
     )
 
     async def go(c: Client) -> JobRecord:
@@ -177,8 +195,10 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
         ("model", f"{job.model} ({job.engine.value})"),
         (
             "node",
-            f"{job.node or 'not placed'}, {job.gpu_memory_mib} MiB asked, attempt {job.attempt}",
+            f"{job.node or 'not placed'}, {job.gpu_memory_mib} MiB asked, "
+            f"attempt {job.attempt} of {job.max_attempts}",
         ),
+        ("checkpoint", checkpoint_line(job)),
         ("data", f"{job.records} records, {job.dataset}"),
         ("params", ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(job.params).items())),
         ("progress", f"step {job.step}/{job.steps}" if job.steps else "-"),
@@ -194,6 +214,17 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
     for key, value in rows:
         table.add_row(key, Text(value))
     return table
+
+
+def checkpoint_line(job: JobRecord) -> str:
+    """The job's newest checkpoint, and what it started from."""
+    cp = job.checkpoint
+    said = (
+        f"step {cp.step} (attempt {cp.attempt}, {human_bytes(cp.size)})" if cp is not None else "-"
+    )
+    if job.resume_from is not None:
+        said += f"; started from job {job.resume_from}"
+    return said
 
 
 def job_history(curve: JobCurve) -> Table:
@@ -238,3 +269,17 @@ def watch(
 def cancel(job_id: str, reason: str = typer.Option("")) -> None:
     """Cancel a job: a queued one is never sent, a running one is stopped on its node."""
     print_json(run_client(lambda c: c.cancel(job_id, reason)))
+
+
+@app.command("resume", rich_help_panel="Jobs")
+def resume(
+    job_id: str,
+    attempts: int = typer.Option(
+        1, "--attempts", min=1, max=100, help="Attempts it gets from now on."
+    ),
+    reason: str = typer.Option("", help="Why, for the job's history."),
+) -> None:
+    """Queue a failed or cancelled job again from its newest checkpoint, as a
+    new attempt. A job with no checkpoint cannot resume: submit a new job
+    with --resume-from JOB to start from its adapter."""
+    print_json(run_client(lambda c: c.resume(job_id, attempts, reason)))

@@ -22,6 +22,7 @@ from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.states import FINAL, IllegalTransitionError
 from lorafleet_schemas.messages import (
+    ArtifactKind,
     ArtifactStoredRequest,
     JobCurve,
     JobCurveRequest,
@@ -32,7 +33,9 @@ from lorafleet_schemas.messages import (
     JobList,
     JobListRequest,
     JobRecord,
+    JobResumeRequest,
     JobSpec,
+    JobState,
     ModelList,
     ModelListRequest,
     ModelRecord,
@@ -79,6 +82,7 @@ class RecorderApi:
             Route(n.jobs_list, JobListRequest, self.jobs_list),
             Route(n.jobs_curve, JobCurveRequest, self.jobs_curve),
             Route(n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
+            Route(n.jobs_resume, JobResumeRequest, self.jobs_resume),
             Route(n.store_transition, TransitionRequest, self.transition),
             Route(n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
@@ -128,6 +132,8 @@ class RecorderApi:
     async def jobs_submit(self, spec: JobSpec) -> JobRecord:
         model = await self._model(spec.model)
         spec = memory_checked(model, spec)
+        if spec.resume_from is not None:
+            await self._check_resume_from(spec)
         if (spec.data is None) == (spec.dataset is None):
             raise BadRequestError(
                 'give the training data either inline ("data": NDJSON text) or by name '
@@ -164,6 +170,44 @@ class RecorderApi:
             sha256=job.dataset_sha256,
         )
         await self._publish(JobChange(job, "state", []))
+        return job
+
+    async def _check_resume_from(self, spec: JobSpec) -> None:
+        """A job that starts from another's work names a job of the same model
+        that stored a checkpoint or an adapter."""
+        other = spec.resume_from
+        found = await store.resume_source(self.sm, other or "")
+        if found is None:
+            raise BadRequestError(
+                f"resume_from names job {other}, which does not exist: give the id of a job "
+                "that stored a checkpoint or an adapter (lorafleet jobs list)",
+                "$.resume_from",
+            )
+        job, ref = found
+        if ref is None:
+            raise BadRequestError(
+                f"job {other} (resume_from) stored neither a checkpoint nor an adapter, so "
+                "there is nothing to start from: name a job that trained for a while, or "
+                "drop resume_from",
+                "$.resume_from",
+            )
+        if job.model != spec.model:
+            raise BadRequestError(
+                f"job {other} (resume_from) trained model {job.model}, not {spec.model}: "
+                "an adapter only fits the model it was trained on",
+                "$.resume_from",
+            )
+
+    async def jobs_resume(self, req: JobResumeRequest) -> JobRecord:
+        try:
+            job, move = await store.resume_job(self.sm, req.id, req.attempts, req.reason)
+        except store.NotFoundError:
+            raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
+        except store.ResumeError as e:
+            raise ConflictError(str(e), "$.id") from None
+        change = JobChange(job, "state", [move])
+        self._log_moves(change)
+        await self._publish(change)
         return job
 
     @staticmethod
@@ -231,12 +275,21 @@ class RecorderApi:
     async def artifact(self, req: ArtifactStoredRequest) -> JobRecord:
         try:
             job, change = await store.record_artifact(
-                self.sm, req.id, req.kind, req.size, req.sha256
+                self.sm,
+                req.id,
+                req.kind,
+                req.size,
+                req.sha256,
+                step=req.step,
+                attempt=req.attempt,
+                object_name=req.object,
             )
         except store.NotFoundError:
             raise NotFoundError(f"no job {req.id}", "$.id") from None
-        except store.ArtifactKindError as e:
+        except (store.ArtifactKindError, store.CheckpointFieldsError) as e:
             raise BadRequestError(str(e), "$.kind") from None
+        if change is not None and req.kind is ArtifactKind.CHECKPOINT:
+            self.logger.info(Event.JOB_CHECKPOINT, job_id=job.id, node=job.node, step=req.step)
         if change is not None:
             self._log_moves(change)
             await self._publish(change)
@@ -285,6 +338,15 @@ class RecorderApi:
                 state=move.to_state.value,
                 message=move.message,
             )
+            if move.to_state is JobState.QUEUED:
+                self.logger.info(
+                    Event.JOB_REQUEUED,
+                    job_id=job.id,
+                    node=job.node,
+                    state=move.from_state.value,
+                    attempt=job.attempt,
+                    message=move.message,
+                )
             if move.to_state in FINAL:
                 metrics.JOBS_FINISHED.labels(move.to_state.value).inc()
                 fields: dict[str, Any] = {

@@ -101,10 +101,22 @@ class Job(Base):
     updated_at: Mapped[dt.datetime] = mapped_column(UtcDateTime)
     started_at: Mapped[dt.datetime | None] = mapped_column(UtcDateTime)
     finished_at: Mapped[dt.datetime | None] = mapped_column(UtcDateTime)
+    # Migration 0004:
+    max_attempts: Mapped[int] = mapped_column(Integer, server_default="1")
+    #: The node the submitter named; `node` is where the job is placed now.
+    requested_node: Mapped[str | None] = mapped_column(String(64))
+    resume_from: Mapped[str | None] = mapped_column(String(64))
+    #: CheckpointRef as JSON: the newest checkpoint stored.
+    checkpoint: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: kind -> {"object", "size", "sha256"} of each stored artifact (a later
+    #: job resumes from the adapter); null: none stored yet.
+    artifact_refs: Mapped[dict[str, Any] | None] = mapped_column(JSON)
+    #: str(attempt) -> the step it started from (its checkpoint's; 0 afresh).
+    attempt_starts: Mapped[dict[str, int] | None] = mapped_column(JSON)
 
 
 class LossPoint(Base):
-    """One reported optimizer step; (job_id, step) is stored once."""
+    """One reported optimizer step; (job_id, step, attempt) is stored once."""
 
     __tablename__ = "loss_points"
 
@@ -116,10 +128,11 @@ class LossPoint(Base):
     learning_rate: Mapped[float | None] = mapped_column(Float)
     tokens_per_s: Mapped[float | None] = mapped_column(Float)
     peak_mib: Mapped[int | None] = mapped_column(Integer)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, server_default="1")
 
 
 class EvalPoint(Base):
-    """One evaluation of the held-out records; (job_id, step) is stored once."""
+    """One evaluation of the held-out records; (job_id, step, attempt) is stored once."""
 
     __tablename__ = "eval_points"
 
@@ -128,6 +141,7 @@ class EvalPoint(Base):
     )
     step: Mapped[int] = mapped_column(Integer, primary_key=True)
     eval_loss: Mapped[float] = mapped_column(Float)
+    attempt: Mapped[int] = mapped_column(Integer, primary_key=True, server_default="1")
 
 
 class JobEventRow(Base):

@@ -10,8 +10,10 @@ wins on PostgreSQL and on SQLite, and the loser re-reads or reports
 Status reports (`apply_status`) are applied per job so that the outcome
 does not depend on delivery order or repetition:
 
-- a report from another node or attempt than the job's is refused;
-- each loss point is inserted once (ON CONFLICT DO NOTHING on job, step);
+- a report from another node or attempt than the job's is refused, and so
+  is any report for a queued job (a requeued job's lost attempt);
+- each loss point is inserted once (ON CONFLICT DO NOTHING on job, step,
+  attempt);
 - peak_mib only grows;
 - each scalar field (step, steps, loss, eval_loss, message, state) takes
   the value of the highest-sequence report that carried it (`field_seqs`),
@@ -19,7 +21,15 @@ does not depend on delivery order or repetition:
 - a state change must be allowed by `lorafleet.states` (a report never
   makes `done` and never changes a final state); a move to `uploading`
   when every expected artifact is already stored goes on to `done`;
-- a final job takes no report newer than the last one it applied.
+- a final job takes no report newer than the last one it applied;
+- a `failed` report with `retryable` (the cause is not the job's own)
+  requeues a job that has attempts left (`states.loss_outcome`), else fails
+  it with the report's message.
+
+Attempts: each move to `starting` counts one and records the step it starts
+from (`attempt_starts`: its own checkpoint's, else 0); `curve` returns the
+effective curve, in which a later attempt's points supersede an earlier
+one's from the step the later one started at.
 """
 
 from __future__ import annotations
@@ -28,7 +38,7 @@ import datetime as dt
 import uuid
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import msgspec
 from sqlalchemy import Table, func, insert, or_, select, update
@@ -36,9 +46,20 @@ from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from lorafleet.states import FINAL, IllegalTransitionError, can_move, check_move
+from lorafleet.names import artifact_object_name
+from lorafleet.states import (
+    FINAL,
+    REQUEUE_FROM,
+    IllegalTransitionError,
+    can_move,
+    can_requeue,
+    can_resume,
+    check_move,
+    loss_outcome,
+)
 from lorafleet_schemas.messages import (
     ArtifactKind,
+    CheckpointRef,
     Engine,
     EvalPoint,
     JobCurve,
@@ -85,6 +106,10 @@ class ModelExistsError(StoreError):
 
 class ArtifactKindError(StoreError):
     """An artifact kind the job does not make."""
+
+
+class ResumeError(StoreError):
+    """A resume the job's state or stored checkpoints do not allow."""
 
 
 class _GuardMissedError(Exception):
@@ -147,7 +172,30 @@ def job_record(row: Mapping[Any, Any]) -> JobRecord:
         updated_at=row["updated_at"],
         started_at=row["started_at"],
         finished_at=row["finished_at"],
+        max_attempts=row["max_attempts"],
+        requested_node=row["requested_node"],
+        resume_from=row["resume_from"],
+        checkpoint=(
+            None if row["checkpoint"] is None else msgspec.convert(row["checkpoint"], CheckpointRef)
+        ),
+        adapter=artifact_ref(row, ArtifactKind.PEFT),
     )
+
+
+def artifact_ref(row: Mapping[Any, Any], kind: ArtifactKind) -> CheckpointRef | None:
+    """The stored `kind` artifact of a job row as a ref to start from, if stored."""
+    stored = (row["artifact_refs"] or {}).get(kind.value)
+    if stored is None:
+        return None
+    return CheckpointRef(job_id=row["id"], kind=kind, **stored)
+
+
+def start_ref(row: Mapping[Any, Any]) -> CheckpointRef | None:
+    """What a job started from another job's work (`row`) starts from: its
+    newest checkpoint, else its adapter."""
+    if row["checkpoint"] is not None:
+        return msgspec.convert(row["checkpoint"], CheckpointRef)
+    return artifact_ref(row, ArtifactKind.PEFT)
 
 
 async def _load_job(s: AsyncSession, job_id: str) -> dict[str, Any] | None:
@@ -259,6 +307,12 @@ async def create_job(
         "updated_at": t,
         "started_at": None,
         "finished_at": None,
+        "max_attempts": spec.max_attempts,
+        "requested_node": spec.node,
+        "resume_from": spec.resume_from,
+        "checkpoint": None,
+        "artifact_refs": None,
+        "attempt_starts": None,
     }
     async with sm() as s, s.begin():
         await s.execute(insert(_jobs).values(**row))
@@ -328,41 +382,41 @@ async def transition(
 
     Applied only when the job is in `from_state` and, when `node` is given
     and the job has a node, on that node. Moving to `starting` stamps
-    `started_at`, counts an attempt (whose status sequence starts afresh)
-    and sets the node when given; a final state stamps `finished_at`.
-    Raises IllegalTransitionError for a move the state machine forbids (and
-    for `done`, which only storing every artifact reaches), NotFoundError
-    for an unknown job.
+    `started_at`, counts an attempt (whose status sequence starts afresh),
+    records the step it starts from and sets the node when given; a final
+    state stamps `finished_at`. Raises IllegalTransitionError for a move the
+    state machine forbids (and for `done`, which only storing every artifact
+    reaches), NotFoundError for an unknown job.
 
     queued -> queued is not a move: it sets the message of a job that is
     still queued (the scheduler says what the job waits for), records no
     event, and is applied only when the message changes.
+
+    on a node -> queued is the requeue (`lorafleet.states`): applied only
+    while the job has attempts left; the job's node goes back to the one
+    its submitter named.
     """
     if from_state is JobState.QUEUED and to_state is JobState.QUEUED:
         return await _set_queued_message(sm, job_id, message)
-    check_move(from_state, to_state)
+    requeue = to_state is JobState.QUEUED and from_state in REQUEUE_FROM
+    if not requeue:
+        check_move(from_state, to_state)
     if to_state is JobState.DONE:
         raise IllegalTransitionError(
             "a job becomes done when every artifact is stored (store.jobs.artifact), "
             "not by a transition"
         )
     t = now()
-    values: dict[str, Any] = {
-        "state": to_state.value,
-        "message": message,
-        "updated_at": t,
-        "version": _jobs.c.version + 1,
-    }
-    if to_state is JobState.STARTING:
-        values.update(started_at=t, attempt=_jobs.c.attempt + 1, last_seq=0, field_seqs={})
-    if node is not None:
-        values["node"] = node
-    if to_state in FINAL:
-        values["finished_at"] = t
-    guard = update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == from_state.value)
-    if node is not None:
-        guard = guard.where(or_(_jobs.c.node.is_(None), _jobs.c.node == node))
+    guard, values = _move_statement(job_id, from_state, to_state, message, node, t)
     async with sm() as s, s.begin():
+        if requeue:
+            _check_attempts_left(await _load_job(s, job_id), from_state)
+        if to_state is JobState.STARTING:
+            before = await _load_job(s, job_id)
+            if before is not None:
+                values.update(_starting_values(before, t))
+                # The attempt counted is the one read: the same row, or no move.
+                guard = guard.where(_jobs.c.attempt == before["attempt"])
         result = await s.execute(guard.values(**values))
         applied = result.rowcount == 1  # type: ignore[attr-defined]
         if applied:
@@ -373,6 +427,63 @@ async def transition(
     if row is None:
         raise NotFoundError(job_id)
     return applied, job_record(row)
+
+
+def _move_statement(
+    job_id: str,
+    from_state: JobState,
+    to_state: JobState,
+    message: str,
+    node: str | None,
+    t: dt.datetime,
+) -> tuple[Any, dict[str, Any]]:
+    """The guarded UPDATE of a transition (see `transition`) and its values."""
+    requeue = to_state is JobState.QUEUED and from_state in REQUEUE_FROM
+    values: dict[str, Any] = {
+        "state": to_state.value,
+        "message": message,
+        "updated_at": t,
+        "version": _jobs.c.version + 1,
+    }
+    if node is not None:
+        values["node"] = node
+    if requeue:
+        values["node"] = _jobs.c.requested_node
+    if to_state in FINAL:
+        values["finished_at"] = t
+    guard = update(_jobs).where(_jobs.c.id == job_id, _jobs.c.state == from_state.value)
+    if node is not None:
+        guard = guard.where(or_(_jobs.c.node.is_(None), _jobs.c.node == node))
+    if requeue:
+        guard = guard.where(_jobs.c.attempt < _jobs.c.max_attempts)
+    return guard, values
+
+
+def _check_attempts_left(row: Mapping[str, Any] | None, from_state: JobState) -> None:
+    """A requeue of a job with no attempts left is a move the machine forbids
+    (a job no longer in `from_state` is left to the compare-and-set: not applied)."""
+    if row is None or row["state"] != from_state.value:
+        return
+    if not can_requeue(from_state, row["attempt"], row["max_attempts"]):
+        raise IllegalTransitionError(
+            f"a job cannot go from {from_state.value} back to queued without attempts "
+            f"left: it is on attempt {row['attempt']} of {row['max_attempts']}"
+        )
+
+
+def _starting_values(row: Mapping[str, Any], t: dt.datetime) -> dict[str, Any]:
+    """The columns a move to `starting` sets: the next attempt and the step it
+    starts from (its own checkpoint's: the scheduler resumes from it)."""
+    attempt = row["attempt"] + 1
+    start = row["checkpoint"]["step"] if row["checkpoint"] is not None else 0
+    starts = {**(row["attempt_starts"] or {}), str(attempt): start}
+    return {
+        "started_at": t,
+        "attempt": attempt,
+        "last_seq": 0,
+        "field_seqs": {},
+        "attempt_starts": starts,
+    }
 
 
 async def _set_queued_message(sm: Sessions, job_id: str, message: str) -> tuple[bool, JobRecord]:
@@ -427,6 +538,11 @@ def refusal(job: Mapping[str, Any], report: StatusReport) -> str | None:
         return f"job {job['id']} is not placed on any node; node {report.node} cannot report it"
     if report.node != job["node"]:
         return f"job {job['id']} runs on node {job['node']}, not {report.node}"
+    if job["state"] == JobState.QUEUED.value:
+        return (
+            f"job {job['id']} is queued again (attempt {job['attempt']} ended); "
+            f"node {report.node} cannot report it"
+        )
     if report.attempt != job["attempt"]:
         return f"job {job['id']} is on attempt {job['attempt']}, the report is of {report.attempt}"
     if JobState(job["state"]) in FINAL and report.seq > job["last_seq"]:
@@ -452,10 +568,26 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
         if r.step is not None and r.loss is not None:
             out.points.append(_loss_point(job["id"], r))
         if r.step is not None and r.eval_loss is not None:
-            out.evals.append({"job_id": job["id"], "step": r.step, "eval_loss": r.eval_loss})
+            out.evals.append(
+                {
+                    "job_id": job["id"],
+                    "step": r.step,
+                    "eval_loss": r.eval_loss,
+                    "attempt": r.attempt,
+                }
+            )
         _take_scalars(r, scalars, seqs)
         if r.state is not None and r.seq > seqs.get("state", 0):
-            if r.state is not state and can_move(state, r.state) and r.state is not JobState.DONE:
+            if r.state is JobState.FAILED and r.retryable and state in REQUEUE_FROM:
+                move = _retryable_failure(job, scalars, state, r)
+                out.moves.append(move)
+                state = move.to_state
+                seqs["state"] = r.seq
+                scalars["message"] = move.message
+                if state is JobState.QUEUED:
+                    # The attempt is over: its later reports are refused (queued).
+                    out.values["node"] = job["requested_node"]
+            elif r.state is not state and can_move(state, r.state) and r.state is not JobState.DONE:
                 out.moves.append(Move(state, r.state, r.message))
                 state = r.state
                 seqs["state"] = r.seq
@@ -472,8 +604,18 @@ def fold(job: Mapping[str, Any], reports: Iterable[StatusReport], t: dt.datetime
                 out.stale.append(r)
         last_seq = max(last_seq, r.seq)
     new = {**scalars, "state": state.value, "last_seq": last_seq, "field_seqs": seqs}
-    out.values = _changed(job, {**new, "peak_mib": peak}, t)
+    out.values = {**out.values, **_changed(job, {**new, "peak_mib": peak}, t)}
     return out
+
+
+def _retryable_failure(
+    job: Mapping[str, Any], scalars: Mapping[str, Any], state: JobState, r: StatusReport
+) -> Move:
+    """A failure not the job's own: requeued with attempts left, else failed."""
+    now_job = job_record({**job, **scalars, "state": state.value})
+    cause = f"the job failed on node {r.node} for a cause not its own ({r.message})"
+    to, said = loss_outcome(now_job, cause, r.message)
+    return Move(state, to, said)
 
 
 def _loss_point(job_id: str, r: StatusReport) -> dict[str, Any]:
@@ -485,6 +627,7 @@ def _loss_point(job_id: str, r: StatusReport) -> dict[str, Any]:
         "learning_rate": r.learning_rate,
         "tokens_per_s": r.tokens_per_s,
         "peak_mib": r.peak_mib,
+        "attempt": r.attempt,
     }
 
 
@@ -537,9 +680,10 @@ def _latest_rates(reports: Sequence[StatusReport]) -> StatusReport | None:
 
 
 def _insert_ignore(s: AsyncSession, table: Table) -> Any:
+    key = ["job_id", "step", "attempt"]
     if s.get_bind().dialect.name == "postgresql":
-        return postgresql.insert(table).on_conflict_do_nothing(index_elements=["job_id", "step"])
-    return sqlite.insert(table).on_conflict_do_nothing(index_elements=["job_id", "step"])
+        return postgresql.insert(table).on_conflict_do_nothing(index_elements=key)
+    return sqlite.insert(table).on_conflict_do_nothing(index_elements=key)
 
 
 async def apply_status(sm: Sessions, reports: Sequence[StatusReport]) -> StatusResult:
@@ -612,29 +756,102 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
 
 
 async def record_artifact(
-    sm: Sessions, job_id: str, kind: ArtifactKind, size: int, sha256: str
+    sm: Sessions,
+    job_id: str,
+    kind: ArtifactKind,
+    size: int,
+    sha256: str,
+    *,
+    step: int | None = None,
+    attempt: int | None = None,
+    object_name: str | None = None,
 ) -> tuple[JobRecord, JobChange | None]:
     """Note that `kind` of the job is stored and verified (idempotent).
 
     When every expected artifact is stored and the job is uploading, it is
     done. A final job does not change. Returns the job and the change made,
-    if any. `size` (bytes) and `sha256` are the artifact-store's; the
-    artifact-store keeps them, the recorder keeps which kinds are stored.
+    if any. `size` (bytes), `sha256` and the object are kept so that a later
+    job can start from the artifact.
+
+    A checkpoint (`step`, `attempt` and `object_name` required) only
+    becomes the job's `checkpoint` when it is of the job's current attempt
+    or a later one and newer than the one held (by attempt, then step); it
+    never gates `done`, and a final job keeps taking it (a resume uses it).
     """
+    if kind is ArtifactKind.CHECKPOINT:
+        cp = _checkpoint_ref(job_id, size, sha256, step, attempt, object_name)
+
+        def once() -> Any:
+            return _record_checkpoint_once(sm, job_id, cp)
+    else:
+        ref: dict[str, Any] = {
+            "object": object_name or artifact_object_name(job_id, kind.value),
+            "size": size,
+            "sha256": sha256,
+        }
+
+        def once() -> Any:
+            return _record_artifact_once(sm, job_id, kind, ref)
+
     for _ in range(GUARD_RETRIES):
         try:
-            return await _record_artifact_once(sm, job_id, kind)
+            return await once()  # type: ignore[no-any-return]
         except _GuardMissedError:
             continue
-    return await _record_artifact_once(sm, job_id, kind)  # the last try: a miss now propagates
+    return await once()  # type: ignore[no-any-return]  # the last try: a miss now propagates
+
+
+def _checkpoint_ref(
+    job_id: str,
+    size: int,
+    sha256: str,
+    step: int | None,
+    attempt: int | None,
+    object_name: str | None,
+) -> CheckpointRef:
+    if step is None or attempt is None or object_name is None:
+        raise CheckpointFieldsError(
+            "a checkpoint names its step, attempt and object; give all three"
+        )
+    return CheckpointRef(
+        job_id=job_id,
+        kind=ArtifactKind.CHECKPOINT,
+        step=step,
+        attempt=attempt,
+        object=object_name,
+        size=size,
+        sha256=sha256,
+    )
+
+
+class CheckpointFieldsError(StoreError):
+    """A checkpoint reported without its step, attempt or object."""
 
 
 def _stored_message(stored: list[str]) -> str:
     return f"every artifact is stored and verified: {', '.join(stored)}"
 
 
+async def _record_checkpoint_once(
+    sm: Sessions, job_id: str, ref: CheckpointRef
+) -> tuple[JobRecord, JobChange | None]:
+    async with sm() as s, s.begin():
+        row = await _load_job(s, job_id)
+        if row is None:
+            raise NotFoundError(job_id)
+        held = row["checkpoint"]
+        newer = held is None or (ref.attempt, ref.step) > (held["attempt"], held["step"])
+        if ref.attempt < row["attempt"] or not newer:
+            return job_record(row), None
+        values = {"checkpoint": msgspec.to_builtins(ref), "updated_at": now()}
+        await _guarded_update(s, row, values)
+        row.update(values)
+    job = job_record(row)
+    return job, JobChange(job, "progress", [])
+
+
 async def _record_artifact_once(
-    sm: Sessions, job_id: str, kind: ArtifactKind
+    sm: Sessions, job_id: str, kind: ArtifactKind, ref: dict[str, Any]
 ) -> tuple[JobRecord, JobChange | None]:
     t = now()
     async with sm() as s, s.begin():
@@ -649,7 +866,12 @@ async def _record_artifact_once(
         if state in FINAL or kind.value in row["artifacts_stored"]:
             return job_record(row), None
         stored = [*row["artifacts_stored"], kind.value]
-        values: dict[str, Any] = {"artifacts_stored": stored, "updated_at": t}
+        refs = {**(row["artifact_refs"] or {}), kind.value: ref}
+        values: dict[str, Any] = {
+            "artifacts_stored": stored,
+            "artifact_refs": refs,
+            "updated_at": t,
+        }
         moves: list[Move] = []
         if state is JobState.UPLOADING and _all_stored(row["artifacts_expected"], stored):
             said = _stored_message(stored)
@@ -670,13 +892,18 @@ async def _record_artifact_once(
 
 
 async def curve(sm: Sessions, job_id: str) -> JobCurve:
-    """The job's loss points (by step) and state changes (in order)."""
+    """The job's effective loss and eval curves (by step; see `effective`) and
+    its state changes (in order)."""
     async with sm() as s, s.begin():
-        if await _load_job(s, job_id) is None:
+        job = await _load_job(s, job_id)
+        if job is None:
             raise NotFoundError(job_id)
+        starts = {int(a): step for a, step in (job["attempt_starts"] or {}).items()}
         points = (
             await s.execute(
-                select(_points).where(_points.c.job_id == job_id).order_by(_points.c.step)
+                select(_points)
+                .where(_points.c.job_id == job_id)
+                .order_by(_points.c.step, _points.c.attempt)
             )
         ).mappings()
         point_list = [
@@ -686,6 +913,7 @@ async def curve(sm: Sessions, job_id: str) -> JobCurve:
                 learning_rate=p["learning_rate"],
                 tokens_per_s=p["tokens_per_s"],
                 peak_mib=p["peak_mib"],
+                attempt=p["attempt"],
             )
             for p in points
         ]
@@ -704,13 +932,106 @@ async def curve(sm: Sessions, job_id: str) -> JobCurve:
             for e in events
         ]
         evals = await _eval_points(s, job_id)
-    return JobCurve(id=job_id, points=point_list, events=event_list, evals=evals)
+    return JobCurve(
+        id=job_id,
+        points=effective(point_list, starts),
+        events=event_list,
+        evals=effective(evals, starts),
+    )
+
+
+P = TypeVar("P", LossPoint, EvalPoint)
+
+
+def effective(points: Sequence[P], starts: Mapping[int, int]) -> list[P]:
+    """The points a curve shows, by step: a point of attempt a is superseded
+    when a later attempt b started at or before it (its step > b's start
+    step, the checkpoint b resumed from). starts: attempt -> start step; an
+    attempt missing from it (none recorded) starts before its first point."""
+    first: dict[int, int] = {}
+    for p in points:
+        first[p.attempt] = min(first.get(p.attempt, p.step), p.step)
+    begun = {a: starts.get(a, first.get(a, 1) - 1) for a in {*starts, *first}}
+    kept = [
+        p for p in points if not any(b > p.attempt and p.step > start for b, start in begun.items())
+    ]
+    return sorted(kept, key=lambda p: (p.step, p.attempt))
 
 
 async def _eval_points(s: AsyncSession, job_id: str) -> list[EvalPoint]:
     rows = await s.execute(
-        select(_evals.c.step, _evals.c.eval_loss)
+        select(_evals.c.step, _evals.c.eval_loss, _evals.c.attempt)
         .where(_evals.c.job_id == job_id)
-        .order_by(_evals.c.step)
+        .order_by(_evals.c.step, _evals.c.attempt)
     )
-    return [EvalPoint(step=step, eval_loss=loss) for step, loss in rows]
+    return [EvalPoint(step=step, eval_loss=loss, attempt=attempt) for step, loss, attempt in rows]
+
+
+# --- resume ---------------------------------------------------------------------
+
+
+async def resume_source(sm: Sessions, job_id: str) -> tuple[JobRecord, CheckpointRef | None] | None:
+    """The job a new job resumes from (JobSpec.resume_from) and what it would
+    start from (its newest checkpoint, else its adapter); None: no such job."""
+    async with sm() as s, s.begin():
+        row = await _load_job(s, job_id)
+    if row is None:
+        return None
+    return job_record(row), start_ref(row)
+
+
+async def resume_job(
+    sm: Sessions, job_id: str, attempts: int, reason: str = ""
+) -> tuple[JobRecord, Move]:
+    """Queue a failed or cancelled job again from its newest checkpoint, with
+    `attempts` more attempts (api.jobs.resume). NotFoundError for an unknown
+    job, ResumeError (saying why, nothing changed) for one not failed or
+    cancelled or with no checkpoint."""
+    for _ in range(GUARD_RETRIES):
+        try:
+            return await _resume_once(sm, job_id, attempts, reason)
+        except _GuardMissedError:
+            continue
+    return await _resume_once(sm, job_id, attempts, reason)  # a miss now propagates
+
+
+async def _resume_once(
+    sm: Sessions, job_id: str, attempts: int, reason: str
+) -> tuple[JobRecord, Move]:
+    t = now()
+    async with sm() as s, s.begin():
+        row = await _load_job(s, job_id)
+        if row is None:
+            raise NotFoundError(job_id)
+        state = JobState(row["state"])
+        if not can_resume(state):
+            raise ResumeError(
+                f"job {job_id} is {state.value}: only a failed or cancelled job can be "
+                "resumed" + ("" if state in FINAL else " (cancel it first to stop it)")
+            )
+        if row["checkpoint"] is None:
+            raise ResumeError(
+                f"job {job_id} has no checkpoint stored, so there is nothing to resume from; "
+                + (
+                    f"to train on from its adapter, submit a new job with resume_from {job_id}"
+                    if artifact_ref(row, ArtifactKind.PEFT) is not None
+                    else "submit it again"
+                )
+            )
+        step = row["checkpoint"]["step"]
+        said = (
+            f"resumed by hand{': ' + reason if reason else ''}; attempt {row['attempt'] + 1} "
+            f"of {row['attempt'] + attempts} resumes from the checkpoint at step {step}"
+        )
+        values = {
+            "state": JobState.QUEUED.value,
+            "message": said,
+            "node": row["requested_node"],
+            "max_attempts": row["attempt"] + attempts,
+            "finished_at": None,
+            "updated_at": t,
+        }
+        await _guarded_update(s, row, values)
+        await s.execute(insert(_events).values(_event_row(job_id, t, state, JobState.QUEUED, said)))
+        row.update(values)
+    return job_record(row), Move(state, JobState.QUEUED, said)

@@ -11,11 +11,18 @@ holds up nobody else. `cancel` is any replica's (`jobs.cancel`).
 
 Dispatch, and why a refused start fails the job: the job moves queued ->
 starting by compare-and-set *before* the start request goes out (so two
-schedulers cannot both send it). The state machine never lets a job back
-to `queued`, so a start the agent explicitly refuses fails the job with the
-agent's reason. A start request that gets no answer leaves the job
+schedulers cannot both send it). A start the agent explicitly refuses
+fails the job with the agent's reason (only a loss not the job's own goes
+back to the queue). A start request that gets no answer leaves the job
 `starting`: the agent may have taken it, and reconcile decides within its
-grace (the heartbeat names the job, or the job fails as lost).
+grace (the heartbeat names the job, or the job is lost: requeued with
+attempts left, else failed). A `starting` job whose start this scheduler
+did not send (the leader before it died between the move and the send) is
+sent its start again, same attempt; a refusal of that one is a loss.
+
+The start carries what the job resumes from (`StartRequest.resume`): its
+own newest checkpoint, else, for a job started from another's work
+(`resume_from`), that job's newest checkpoint or else its adapter.
 """
 
 from __future__ import annotations
@@ -36,6 +43,7 @@ from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
+    CheckpointRef,
     JobCancelRequest,
     JobListRequest,
     JobRecord,
@@ -107,6 +115,8 @@ class Dispatcher:
         self.logger = logger
         #: job id -> monotonic seconds when this scheduler sent it or first saw it on its node.
         self.first_seen: dict[str, float] = {}
+        #: The jobs whose start this scheduler sent (or sent again).
+        self.sent: set[str] = set()
         self._last_reconcile = 0.0
         self._waiting_said: dict[str, str] = {}
         self._model_cache: dict[str, ModelRecord] = {}
@@ -136,6 +146,25 @@ class Dispatcher:
             )
         return ended.applied
 
+    async def lose_on_node(self, job: JobRecord, cause: str, message: str) -> bool:
+        """`job` was lost on its node by no fault of its own: requeue it with
+        attempts left (saying `cause`), else fail it with `message`."""
+        ended = await self.recorder.lose_job(
+            job, cause, message, still=lambda j: j.node == job.node
+        )
+        if ended.applied and ended.job is not None:
+            requeued = ended.job.state is JobState.QUEUED
+            self.logger.warning(
+                Event.JOB_REQUEUED if requeued else Event.JOB_LOST,
+                job_id=job.id,
+                node=job.node,
+                state=ended.from_state.value if ended.from_state else "",
+                attempt=job.attempt,
+                message=ended.job.message,
+            )
+            self.sent.discard(job.id)
+        return ended.applied
+
     # --- the round ------------------------------------------------------
 
     async def round(self, now: float, lost: list[Node]) -> None:
@@ -151,7 +180,8 @@ class Dispatcher:
         failed: set[str] = set()
         for node in lost:
             for job in logic.jobs_lost_with(node, on_node, self.first_seen):
-                if await self.fail_on_node(job, logic.node_lost_message(node)):
+                cause = logic.node_lost_cause(node)
+                if await self.lose_on_node(job, cause, logic.node_lost_message(node)):
                     failed.add(job.id)
         if queued:
             await self._dispatch_queued(queued, on_node, now)
@@ -228,7 +258,7 @@ class Dispatcher:
                 from_state=JobState.QUEUED,
                 to_state=JobState.STARTING,
                 node=node,
-                message=f"sent to {node}",
+                message=f"sent to {node}" + _attempt_of(job),
             )
         )
         if not reply.applied:
@@ -241,9 +271,51 @@ class Dispatcher:
             )
             return
         self.first_seen[job.id] = self.clock()
-        self._spawn(self._send_start(reply.job, node, start_request(reply.job, model)))
+        self.sent.add(job.id)
+        resume = await self._resume_ref(reply.job)
+        if isinstance(resume, str):
+            await self.fail_on_node(reply.job, resume)
+            return
+        self._spawn(self._send_start(reply.job, node, start_request(reply.job, model, resume)))
 
-    async def _send_start(self, job: JobRecord, node: str, start: StartRequest) -> None:
+    async def _resume_ref(self, job: JobRecord) -> CheckpointRef | str | None:
+        """What `job` starts from (see the module doc); a str: why it cannot start."""
+        if job.checkpoint is not None or job.resume_from is None:
+            return job.checkpoint
+        other = await self.recorder.get_job(job.resume_from)
+        ref = logic.resume_ref(job, other)
+        if ref is None:
+            return (
+                f"job {job.resume_from} (resume_from) has no checkpoint or adapter stored "
+                "any more; submit the job again without resume_from, or from another job"
+            )
+        return ref
+
+    async def _resend(self, job: JobRecord, node: str) -> None:
+        """Send a `starting` job's start again: the leader that moved it may
+        have died before it sent it."""
+        model = (await self._models({job.model})).get(job.model)
+        resume = await self._resume_ref(job)
+        if model is None or isinstance(resume, str):
+            # Nothing can train it, as a first dispatch would have found.
+            gone = f"model {job.model} is no longer in the catalog; add it and submit the job again"
+            await self.fail_on_node(job, gone if model is None else str(resume))
+            return
+        self.sent.add(job.id)
+        self.first_seen[job.id] = self.clock()
+        self.logger.info(
+            Event.JOB_RESENT,
+            job_id=job.id,
+            node=node,
+            attempt=job.attempt,
+            message="the start may never have reached the node; sent again, same attempt",
+        )
+        start = start_request(job, model, resume)
+        self._spawn(self._send_start(job, node, start, resent=True))
+
+    async def _send_start(
+        self, job: JobRecord, node: str, start: StartRequest, resent: bool = False
+    ) -> None:
         try:
             reply = await self.agents.start(node, start)
         except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
@@ -268,29 +340,42 @@ class Dispatcher:
             )
             return
         self.logger.warning(Event.NODE_BUSY, job_id=job.id, node=node, message=reply.reason)
-        await self.fail_on_node(
-            job, f"the agent on {node} did not accept the job: {reply.reason or 'no reason given'}"
-        )
+        said = f"the agent on {node} did not accept the job: {reply.reason or 'no reason given'}"
+        if resent:
+            # It had this attempt already (and ended it), or cannot take it now:
+            # a loss, not the job's fault.
+            await self.lose_on_node(job, f"the agent on {node} refused the start sent again", said)
+            return
+        await self.fail_on_node(job, said)
 
     async def _reconcile(self, on_node: list[JobRecord], now: float) -> None:
         ids = {j.id for j in on_node}
         for job_id in list(self.first_seen):
             if job_id not in ids:
                 del self.first_seen[job_id]
+        self.sent &= ids
         for job in on_node:
             self.first_seen.setdefault(job.id, now)
         result = logic.reconcile(
-            on_node, self.table.nodes, now, self.first_seen, view_since=self.table.touched_at
+            on_node,
+            self.table.nodes,
+            now,
+            self.first_seen,
+            view_since=self.table.touched_at,
+            sent_here=self.sent,
         )
         for action in result.fail:
-            await self.fail_on_node(action.job, action.message)
+            await self.lose_on_node(action.job, action.cause, action.message)
+        for resend in result.resend:
+            await self._resend(resend.job, resend.node)
         for check in result.check:
             found = await self.recorder.get_job(check.job_id)
-            if logic.should_cancel_on_node(found):
+            if logic.should_cancel_on_node(found, check.node):
                 why = (
                     "unknown to the recorder"
                     if found is None
                     else f"the job is {found.state.value}"
+                    + (f" on {found.node}" if found.node and found.node != check.node else "")
                 )
                 self._spawn(self._cancel_on_node(check.node, check.job_id, why))
 
@@ -333,10 +418,20 @@ class Dispatcher:
         raise ConflictError(f"job {req.id} kept changing state; send the cancel again")
 
 
-def start_request(job: JobRecord, model: ModelRecord) -> StartRequest:
+def _attempt_of(job: JobRecord) -> str:
+    """ ", attempt 2 of 3" for the history of a job that may be sent more than once."""
+    if job.max_attempts <= 1 and job.attempt == 0:
+        return ""
+    return f", attempt {job.attempt + 1} of {max(job.max_attempts, job.attempt + 1)}"
+
+
+def start_request(
+    job: JobRecord, model: ModelRecord, resume: CheckpointRef | None = None
+) -> StartRequest:
     """What an agent is sent to start `job` (as the recorder holds it after
-    the move to `starting`)."""
+    the move to `starting`), from `resume` (`logic.resume_ref`) if any."""
     return StartRequest(
+        resume=resume,
         job_id=job.id,
         attempt=job.attempt,
         model=model,
