@@ -25,7 +25,7 @@ another node's start or cancel, call the recorder's internal
 With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
 has its own block, allowed only what it uses, and creates only the
 JetStream pieces it owns (`LAYOUT_OWNERS`):
-- recorder: answers `api.jobs.{submit,get,list,curve}`, `api.models.*` and
+- recorder: answers `api.jobs.{submit,get,list,curve,estimate,resume}`, `api.models.*` and
   `store.jobs.*`; publishes `events.jobs.*`; owns the STATUS stream and
   reads it through its durable consumer alone; owns the datasets bucket;
 - scheduler: answers `api.jobs.cancel` and `api.nodes.list`; asks the
@@ -241,7 +241,10 @@ def recorder_permissions(names: Names) -> Permissions:
             object_subjects(names.datasets_bucket),
         ],
         [
-            *(names.api("jobs", verb) for verb in ("submit", "get", "list", "curve", "estimate")),
+            *(
+                names.api("jobs", verb)
+                for verb in ("submit", "get", "list", "curve", "estimate", "resume")
+            ),
             names.api("models", "*"),
             f"{p}.store.jobs.*",
             SERVICE_DISCOVERY_SUBJECTS,

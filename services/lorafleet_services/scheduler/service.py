@@ -132,12 +132,16 @@ class Scheduler:
             self.names.scheduler_service,
             lorafleet.__version__,
             "lorafleet scheduler: nodes, dispatch, cancel",
-            [
-                Route(self.names.nodes_list, NodeListRequest, self.nodes_list),
-                Route(self.names.jobs_cancel, JobCancelRequest, self.cancel),
-            ],
+            self.routes(),
             self.names.queue_group,
         )
+
+    def routes(self) -> list[Route]:
+        """What every replica answers (the leader or not)."""
+        return [
+            Route(self.names.nodes_list, NodeListRequest, self.nodes_list),
+            Route(self.names.jobs_cancel, JobCancelRequest, self.cancel),
+        ]
 
     async def stop(self) -> None:
         self._stopping = True
