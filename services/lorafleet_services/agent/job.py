@@ -145,12 +145,14 @@ def trainer_failure(result: ProcessResult, error_line: str | None) -> tuple[str,
         return f"{what} (exit {rc}: a failure of the node's environment; {RETRYABLE_NOTE})", True
     killed_by = -rc if rc < 0 else signal.SIGTERM if rc == EXIT_SIGTERM else None
     if killed_by is not None and not result.stopped:
-        cause = "the out-of-memory killer, or an operator?" if killed_by == signal.SIGKILL else (
-            "an operator, or the host stopping?"
-        )  # fmt: skip
+        cause = (
+            "the out-of-memory killer, or an operator?"
+            if killed_by == signal.SIGKILL
+            else "an operator, or the host stopping?"
+        )
         return (
             f"the trainer was killed by {signal_name(killed_by)}, which the agent did not send "
-            f"({cause}); {RETRYABLE_NOTE}; its last words: {tail}",
+            f"({cause}); {RETRYABLE_NOTE}; its last words: {error_line or tail}",
             True,
         )
     if said:
