@@ -51,6 +51,11 @@ def inside(root: Path, path: str) -> Path | None:
     return p
 
 
+def remove_all(paths: list[Path]) -> None:
+    for p in paths:
+        shutil.rmtree(p, ignore_errors=True)
+
+
 class CheckpointSender:
     """The job's checkpoints, the newest delivered from a task of its own.
 
@@ -80,11 +85,10 @@ class CheckpointSender:
         #: The newest checkpoint not yet started; None when there is none.
         self.pending: tuple[TrainerCheckpoint, Path] | None = None
         self.in_flight: tuple[TrainerCheckpoint, Path] | None = None
-        #: Steps delivered, in order (what the tests and the log read).
-        self.delivered: list[int] = []
         #: Checkpoint directories still on disk, by step.
         self._dirs: dict[int, Path] = {}
         self._wake = asyncio.Event()
+        self._removals: set[asyncio.Future[None]] = set()
         self._task = asyncio.create_task(self._run(), name=f"checkpoints-{job_id}")
 
     def offer(self, line: TrainerCheckpoint) -> None:
@@ -105,15 +109,18 @@ class CheckpointSender:
             )
         self.pending = (line, path)
         self._dirs[line.step] = path
-        self._remove_superseded()
+        # Removed in a thread: a checkpoint is many files, and the lines wait.
+        removing = asyncio.ensure_future(asyncio.to_thread(remove_all, self._superseded()))
+        self._removals.add(removing)
+        removing.add_done_callback(self._removals.discard)
         self._wake.set()
 
-    def _remove_superseded(self) -> None:
-        """Remove every checkpoint directory older than the newest, except the one in flight."""
-        newest = max(self._dirs)
+    def _superseded(self) -> list[Path]:
+        """The checkpoint directories older than the newest, except the one in
+        flight, taken off the books (for the caller to remove)."""
+        newest = max(self._dirs, default=0)
         busy = self.in_flight[0].step if self.in_flight is not None else None
-        for step in [s for s in self._dirs if s < newest and s != busy]:
-            shutil.rmtree(self._dirs.pop(step), ignore_errors=True)
+        return [self._dirs.pop(s) for s in list(self._dirs) if s < newest and s != busy]
 
     async def _run(self) -> None:
         while True:
@@ -129,7 +136,7 @@ class CheckpointSender:
                                       error=repr(e))  # fmt: skip
             finally:
                 self.in_flight = None
-                await asyncio.to_thread(self._remove_superseded)
+                await asyncio.to_thread(remove_all, self._superseded())
 
     async def _send(self, line: TrainerCheckpoint, path: Path) -> None:
         tar = self.root.parent / f"checkpoint-{line.step}.tar"
@@ -146,7 +153,6 @@ class CheckpointSender:
                 chunk_bytes=self.chunk_bytes,
                 step=line.step,
             )
-            self.delivered.append(line.step)
         except (delivery.DeliveryError, OSError) as e:
             # Training goes on; the store keeps the checkpoint before this one.
             self.logger.warning(
@@ -160,5 +166,7 @@ class CheckpointSender:
                 tar.unlink()
 
     async def stop(self) -> None:
-        """Stop delivering; what is in flight is dropped."""
+        """Stop delivering; what is in flight is dropped (removals finish)."""
         await stop_tasks(self._task)
+        if self._removals:
+            await asyncio.wait(set(self._removals))
