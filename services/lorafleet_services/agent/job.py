@@ -1,17 +1,21 @@
 """One job on this node, from a StartRequest to delivered artifacts.
 
     preparing  fetch the dataset into work_dir/jobs/<job>/, check its sha256,
-               prepare the trainer's environment, choose the card, write
-               job.json and the trainer script
+               fetch what it resumes from (agent/resume.py), prepare the
+               trainer's environment, choose the card, write job.json and
+               the trainer script
     running    the trainer in its own session (as the engines' user when
-               there is one); each stdout JSON line becomes a StatusReport
+               there is one); each stdout JSON line becomes a StatusReport,
+               each checkpoint line goes to the CheckpointSender, which
+               delivers the newest meanwhile (agent/checkpoints.py)
     converting GGUF, when the start request asks for it
     uploading  the PEFT adapter (tar.gz) and the GGUF, in chunks
 
 `done` is not the agent's to say: the artifact-store tells the recorder
 when every artifact is stored and verified. Any failure is one `failed`
 report whose message says what to do (the trainer's "error" line, else the
-last lines of its stderr).
+last lines of its stderr), `retryable` when the cause is not the job's own
+(`trainer_failure`).
 
 Reports go through a `Reporter`: a queue and one publisher task per job
 and attempt, so a slow or absent NATS never blocks reading the trainer's
