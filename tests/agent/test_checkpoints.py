@@ -126,9 +126,11 @@ async def test_checkpoints_are_delivered_while_the_trainer_keeps_stepping(fleet:
     assert len(during) >= 3, f"steps reported while step {longest.step} was delivered: {during}"
     gaps_s = [(b - a).total_seconds() for (_, a), (_, b) in itertools.pairwise(steps)]
     assert max(gaps_s) < 1.0, f"a {max(gaps_s):.2f} s gap between step reports"
-    # Superseded checkpoint directories were removed as the trainer went on.
+    # Superseded checkpoint directories were removed as the trainer went on
+    # (in flight, waiting, just written; the trainer may be a line or two
+    # ahead of the agent): never all 30.
     dirs = [int(r.message[5:]) for r in reports.items if r.message.startswith("dirs=")]
-    assert len(dirs) == 30 and max(dirs) <= 4, dirs
+    assert len(dirs) == 30 and max(dirs) <= 6, dirs
 
 
 def resume_seen(reports: Reports) -> tuple[dict[str, str] | None, list[str]]:
