@@ -4,7 +4,8 @@ Delivery (agent -> artifact-store) puts chunks on
 `<prefix>.artifacts.<node>.<job>.<kind>` with two headers: `Nats-Msg-Id`
 (`msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
 (an ArtifactChunkHeader as JSON). The artifact-store commits each whole
-artifact into the object store `<prefix>_artifacts` as `<job>/<kind>`, in
+artifact into the object store `<prefix>_artifacts` as `<job>/<kind>` (a job's checkpoints all as
+`<job>/checkpoint`, each newer one replacing the one before), in
 the NATS object store's own format, with lorafleet's fields in the object's
 metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
 <job>/<kind>`).
@@ -63,9 +64,16 @@ class ArtifactDigestError(ValueError):
     """What was downloaded is not what was stored (sha256 differs)."""
 
 
-def msg_id(job_id: str, kind: str, attempt: int, seq: int) -> str:
-    """The Nats-Msg-Id of one chunk: a retried publish of it is stored once."""
-    return f"{job_id}.{kind}.{attempt}.{seq}"
+def msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
+    """The Nats-Msg-Id of one chunk: a retried publish of it is stored once.
+
+    `step`: a checkpoint's optimizer step. One attempt delivers many
+    checkpoints, and without it chunk 0 of the second would be taken for a
+    repeat of the first's (the stream's duplicate window) and dropped.
+    """
+    if step is None:
+        return f"{job_id}.{kind}.{attempt}.{seq}"
+    return f"{job_id}.{kind}.{attempt}.{step}.{seq}"
 
 
 # --- the NATS object store's own format ---------------------------------------

@@ -13,6 +13,10 @@ An agent of node N may only:
 - read datasets: `$JS.API.STREAM.MSG.GET.OBJ_<datasets bucket>`, the one
   JetStream API call `lorafleet.objects.read_object` makes
   (`names.msg_get_subject`);
+- read artifacts the same way, `$JS.API.STREAM.MSG.GET.OBJ_<artifacts
+  bucket>`: a job that resumes fetches the checkpoint (or adapter) it
+  starts from (agent/resume.py). A message get reads; it cannot write,
+  purge or delete, so the artifact-store stays the bucket's only writer;
 - receive its own start and cancel requests, `<prefix>.node.N.{start,cancel}`,
   and answer them (`allow_responses`: one reply to each request received);
 - receive replies on its own inboxes, `_INBOX_N.>` (the agent runs with
@@ -20,7 +24,7 @@ An agent of node N may only:
 
 So it cannot put another node's heartbeat, status or artifacts, receive
 another node's start or cancel, call the recorder's internal
-`<prefix>.store.jobs.*`, create or change streams, or read the artifacts.
+`<prefix>.store.jobs.*`, create or change streams, or change the artifacts.
 
 With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
 has its own block, allowed only what it uses, and creates only the
@@ -94,6 +98,9 @@ def agent_permissions(names: Names, node: str) -> Permissions:
                 names.node_status_subjects(node),
                 names.node_artifact_subjects(node),
                 msg_get_subject(names.datasets_bucket),
+                # A resumed job's checkpoint or adapter, read as datasets are
+                # (message gets only: nothing that writes, purges or deletes).
+                msg_get_subject(names.artifacts_bucket),
             ]
         },
         "subscribe": {

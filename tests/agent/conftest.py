@@ -21,6 +21,7 @@ from lorafleet import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
+    CheckpointRef,
     Engine,
     JobState,
     ModelRecord,
@@ -130,6 +131,7 @@ def start_request(
     gpu_memory_mib: int = 1000,
     artifacts: list[ArtifactKind] | None = None,
     params: TrainerParams | None = None,
+    resume: CheckpointRef | None = None,
 ) -> StartRequest:
     return StartRequest(
         job_id=job_id,
@@ -148,6 +150,7 @@ def start_request(
         dataset_sha256=sha,
         params=params or TrainerParams(),
         artifacts=artifacts if artifacts is not None else [ArtifactKind.PEFT],
+        resume=resume,
     )
 
 

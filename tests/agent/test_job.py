@@ -331,6 +331,8 @@ async def test_fenced_agent_stops_its_trainer_and_comes_back_idle(
     final = msgspec.json.decode(last.data, type=StatusReport)
     assert "the agent on node-1 fenced itself" in final.message, final.message
     assert "NATS unreachable" in final.message, final.message
+    # The node's trouble, not the job's: with attempts left it runs again.
+    assert final.retryable
     assert final.seq > max(x.seq for x in reports.items if isinstance(x, StatusReport))
 
 

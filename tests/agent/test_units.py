@@ -11,9 +11,16 @@ from pathlib import Path
 import pytest
 
 from lorafleet_services.agent.cards import read_cards
+from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
 from lorafleet_services.agent.heartbeat import BUCKET_OUTAGE_PATIENCE_S, fence_reason
-from lorafleet_services.agent.job import MemorySampler, remove_job_dirs, session_pids
+from lorafleet_services.agent.job import (
+    MemorySampler,
+    remove_job_dirs,
+    session_pids,
+    trainer_failure,
+)
+from lorafleet_services.agent.process import ProcessResult
 from lorafleet_services.trainer.standin import adapter_files
 
 
@@ -112,3 +119,39 @@ def test_fencing_tells_an_unreachable_nats_from_a_bucket_electing() -> None:
     assert fence_reason(10.0, 0.2, 3) is None
     long = fence_reason(3 + BUCKET_OUTAGE_PATIENCE_S + 1, 0.2, 3)
     assert long is not None and "NATS answers" in long
+
+
+@pytest.mark.parametrize(
+    ("returncode", "stopped", "retryable", "said"),
+    [
+        (3, False, True, "exit 3: a failure of the node's environment"),
+        (-9, False, True, "killed by SIGKILL, which the agent did not send"),
+        (143, False, True, "killed by SIGTERM, which the agent did not send"),
+        (-15, False, True, "killed by SIGTERM"),
+        (1, False, False, "the trainer exited with code 1"),
+        (2, False, False, "the trainer exited with code 2"),
+        (0, False, False, "without saving an adapter"),
+        # Signals the agent sent itself (a cancel, a stop): not the job's cause, but no retry.
+        (-9, True, False, "the trainer exited with code -9"),
+        (143, True, False, "the trainer exited with code 143"),
+    ],
+)
+def test_which_trainer_failures_are_retryable(
+    returncode: int, stopped: bool, retryable: bool, said: str
+) -> None:
+    result = ProcessResult(returncode=returncode, stderr_tail="last words", stopped=stopped)
+    message, got = trainer_failure(result, None)
+    assert got is retryable and said in message, message
+    assert ("not the job's own failure" in message) is retryable
+    # The trainer's own error line is the message, and the exit code still decides.
+    message, got = trainer_failure(result, "CUDA error: unspecified launch failure")
+    assert got is retryable and "CUDA error: unspecified launch failure" in message
+
+
+def test_the_trainer_may_be_a_script_of_ones_own(tmp_path: Path) -> None:
+    script = tmp_path / "mine.py"
+    assert AgentConfig(node="n", trainer=str(script)).runs_standin
+    assert not AgentConfig(node="n").runs_standin
+    for bad in ("mine.py", "/usr/bin/true", "fast"):
+        with pytest.raises(AgentConfigError, match="absolute path of a trainer script"):
+            AgentConfig(node="n", trainer=bad)

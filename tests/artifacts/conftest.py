@@ -88,13 +88,18 @@ def chunks_of(
     *,
     node: str | None = None,
     sha256: str | None = None,
+    checkpoint_step: int | None = None,
 ) -> list[tuple[dict[str, str], bytes]]:
-    """The messages an agent would publish for `data`, as (headers, body)."""
+    """The messages an agent would publish for `data`, as (headers, body);
+    `checkpoint_step`: a checkpoint's step (header and message id)."""
     node = node or job.node or ""
     bodies = [data[i : i + step] for i in range(0, len(data), step)] or [b""]
     out = []
     for seq, body in enumerate(bodies):
-        h = ArtifactChunkHeader(job_id=job.id, node=node, kind=kind, attempt=job.attempt, seq=seq)
+        h = ArtifactChunkHeader(
+            job_id=job.id, node=node, kind=kind, attempt=job.attempt, seq=seq,
+            step=checkpoint_step,
+        )  # fmt: skip
         if seq == len(bodies) - 1:
             h = msgspec.structs.replace(
                 h,
@@ -104,7 +109,7 @@ def chunks_of(
                 sha256=sha256 or hashlib.sha256(data).hexdigest(),
             )
         headers = {
-            Header.MSG_ID: msg_id(job.id, kind.value, job.attempt, seq),
+            Header.MSG_ID: msg_id(job.id, kind.value, job.attempt, seq, checkpoint_step),
             Header.CHUNK: msgspec.json.encode(h).decode(),
         }
         out.append((headers, body))
@@ -155,6 +160,7 @@ async def deliver_file(
     node: str | None = None,
     attempt: int | None = None,
     chunk_bytes: int | None = None,
+    step: int | None = None,
 ) -> tuple[int, str]:
     """`path` delivered as the agent delivers it (`agent.delivery.deliver`): from
     the job's node and attempt unless told otherwise; returns (size, sha256)."""
@@ -166,6 +172,7 @@ async def deliver_file(
         attempt=job.attempt if attempt is None else attempt,
         kind=kind,
         path=path,
+        step=step,
         **({} if chunk_bytes is None else {"chunk_bytes": chunk_bytes}),
     )
 

@@ -8,10 +8,12 @@ import datetime as dt
 import msgspec
 
 from lorafleet._recorder_client import Ended
+from lorafleet.errors import BadRequestError
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactStoredRequest,
+    CheckpointRef,
     Engine,
     JobRecord,
     JobState,
@@ -40,12 +42,15 @@ def job(**changes: object) -> JobRecord:
 
 class FakeRecorder:
     """The recorder's answers from a dict of jobs; `fail_next_report` makes the
-    next `artifact_stored` raise (a recorder that is down)."""
+    next `artifact_stored` raise (a recorder that is down). A checkpoint is
+    kept as the job's `checkpoint`, as the recorder keeps it; with
+    `refuse_checkpoints`, refused as a recorder that does not know them."""
 
     def __init__(self, *jobs: JobRecord) -> None:
         self.jobs = {j.id: j for j in jobs}
         self.reports: list[ArtifactStoredRequest] = []
         self.fail_next_report = False
+        self.refuse_checkpoints = False
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         return self.jobs.get(job_id)
@@ -54,8 +59,18 @@ class FakeRecorder:
         if self.fail_next_report:
             self.fail_next_report = False
             raise TimeoutError("the recorder did not answer")
-        self.reports.append(req)
         j = self.jobs[req.id]
+        if req.kind is ArtifactKind.CHECKPOINT:
+            if self.refuse_checkpoints:
+                raise BadRequestError(f"job {req.id} makes peft, not checkpoint", "$.kind")
+            self.reports.append(req)
+            ref = CheckpointRef(
+                job_id=req.id, kind=req.kind, step=req.step or 0, attempt=req.attempt or 1,
+                object=req.object or "", size=req.size, sha256=req.sha256,
+            )  # fmt: skip
+            self.jobs[req.id] = msgspec.structs.replace(j, checkpoint=ref)
+            return self.jobs[req.id]
+        self.reports.append(req)
         j = msgspec.structs.replace(j, artifacts_stored=[*j.artifacts_stored, req.kind])
         self.jobs[req.id] = j
         return j

@@ -362,3 +362,69 @@ async def test_a_zero_byte_artifact_is_stored_and_downloads(
     got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
     assert (got["size"], got["sha256"]) == (0, hashlib.sha256(b"").hexdigest())
     assert await download(nc, job.id, ArtifactKind.PEFT, tmp_path) == b""
+
+
+# --- checkpoints ------------------------------------------------------------------
+
+CKPT = ArtifactKind.CHECKPOINT
+
+
+async def running_job(nc: Client) -> JobRecord:
+    """A vLLM job (it makes peft only) on n1, running, as the scheduler and the
+    agent would leave it."""
+    listed = await api(nc, N.models_list, {})
+    if "tiny-vllm" not in {m["name"] for m in listed["models"]}:
+        await api(nc, N.models_add, {"name": "tiny-vllm", "engine": "vllm", "hf_repo": "org/t"})
+    data = '{"q": "2+2?", "a": "4"}\n'
+    job = await api(nc, N.jobs_submit, {"model": "tiny-vllm", "gpu_memory_mib": 1, "data": data})
+    for frm, to, extra in (("queued", "starting", {"node": "n1"}), ("starting", "running", {})):
+        body = {"id": job["id"], "from_state": frm, "to_state": to, **extra}
+        assert (await api(nc, N.store_transition, body))["applied"]
+    return await get_job(nc, N, job["id"])
+
+
+async def checkpoint_sha(nc: Client, job_id: str) -> str | None:
+    """The stored checkpoint's sha256 (api.artifacts.get); None while there is none."""
+    body = json.dumps({"job_id": job_id, "kind": "checkpoint"}).encode()
+    got = json.loads((await nc.request(N.artifacts_get, body, timeout=5)).data)
+    return None if "error" in got else str(got["sha256"])
+
+
+async def test_checkpoints_while_running_keep_the_newest_and_never_finish_the_job(
+    nc: Client, store: ArtifactStore, tmp_path: Path
+) -> None:
+    job = await running_job(nc)
+    assert job.artifacts_expected == [ArtifactKind.PEFT]
+    rng = random.Random(21)
+    shas = {}
+    for step in (5, 10):
+        path = tmp_path / f"ck-{step}.tar"
+        path.write_bytes(rng.randbytes(300_000 + step))
+        shas[step] = hashlib.sha256(path.read_bytes()).hexdigest()
+        await deliver_file(nc, job, CKPT, path, chunk_bytes=64 * 1024, step=step)
+        await eventually(
+            lambda: checkpoint_sha(nc, job.id),
+            f"the checkpoint at step {step} to be stored",
+            until=lambda sha, want=shas[step]: sha == want,
+            timeout_s=WAIT_S,
+        )
+    assert await download(nc, job.id, CKPT, tmp_path) == (tmp_path / "ck-10.tar").read_bytes()
+    # Only the newest is kept: its 5 chunks and its info.
+    assert await object_chunks(nc) == 5 + 1
+    now = await get_job(nc, N, job.id)
+    assert now.state is JobState.RUNNING and now.artifacts_stored == []
+    if now.checkpoint is not None:  # a recorder that keeps it (JobRecord.checkpoint)
+        assert (now.checkpoint.step, now.checkpoint.sha256) == (10, shas[10])
+
+    # The adapter alone finishes the job; the checkpoint is listed beside it.
+    moved = await api(
+        nc, N.store_transition, {"id": job.id, "from_state": "running", "to_state": "uploading"}
+    )
+    assert moved["applied"]
+    peft = tmp_path / "adapter.tar.gz"
+    peft.write_bytes(rng.randbytes(10_000))
+    await deliver_file(nc, job, ArtifactKind.PEFT, peft)
+    done = await until_state(nc, job.id, JobState.DONE, "the job to be done")
+    assert done.artifacts_stored == [ArtifactKind.PEFT]
+    listed = await api(nc, N.artifacts_list, {"job_id": job.id})
+    assert [a["kind"] for a in listed["artifacts"]] == ["peft", "checkpoint"]

@@ -19,6 +19,7 @@ from nats.aio.client import Client
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from lorafleet import _bus as bus
+from lorafleet import objects
 from lorafleet.errors import ConnectError
 from lorafleet.identities import IdentityStore, ensure_fleet
 from lorafleet.identities import server_config as identities_config
@@ -177,6 +178,23 @@ async def test_nodes_and_clients_cannot_delete_or_overwrite_artifacts(conns: Con
     got = await client_obs.get(name)
     assert got.data == ARTIFACT
     assert got.info.deleted in (None, False)
+
+
+async def test_a_node_reads_an_artifact_by_message_gets_only(conns: Conns) -> None:
+    """A resumed job's agent fetches its checkpoint as it fetches datasets
+    (objects.read_object): allowed, and nothing else on the bucket is."""
+    names = conns.fleet.base.names
+    name = await stored_artifact(conns)
+    node = conns["node/node-1"]
+    out = io.BytesIO()
+    assert await objects.read_object(node.nc.jetstream(), names.artifacts_bucket, name, out)
+    assert out.getvalue() == ARTIFACT
+    assert node.refusals == []
+    # nats-py's own get needs the stream's info (and a consumer): refused.
+    with pytest.raises(nats.errors.TimeoutError):
+        await node.nc.jetstream(timeout=REFUSED_WAIT_S).object_store(names.artifacts_bucket)
+    info = js_api_subject("STREAM", "INFO", object_stream(names.artifacts_bucket))
+    await conns.refused(node, "Publish to", info)
 
 
 async def test_no_one_but_the_recorder_reads_its_consumer(conns: Conns) -> None:

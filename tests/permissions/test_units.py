@@ -51,6 +51,8 @@ def test_an_agent_may_do_its_own_nodes_work() -> None:
         N.status("node-1", "job-a"),
         N.artifact_chunks("node-1", "job-a", "peft"),
         "$JS.API.STREAM.MSG.GET.OBJ_lorafleet_datasets",
+        # A resumed job reads its checkpoint as it reads its dataset.
+        msg_get_subject(N.artifacts_bucket),
     ):
         assert allows(p, "publish", subject), subject
     for subject in (N.node_start("node-1"), N.node_cancel("node-1"), "_INBOX_node-1.abc.1"):
@@ -81,7 +83,13 @@ def test_an_agent_may_not_touch_the_rest() -> None:
         "$JS.API.STREAM.CREATE.LORAFLEET_STATUS",
         "$JS.API.STREAM.INFO.OBJ_lorafleet_datasets",
         "$JS.API.CONSUMER.CREATE.OBJ_lorafleet_datasets",
-        msg_get_subject(N.artifacts_bucket),
+        # The artifacts: read by message gets only, never changed.
+        "$JS.API.STREAM.PURGE.OBJ_lorafleet_artifacts",
+        "$JS.API.STREAM.MSG.DELETE.OBJ_lorafleet_artifacts",
+        "$JS.API.STREAM.INFO.OBJ_lorafleet_artifacts",
+        "$JS.API.CONSUMER.CREATE.OBJ_lorafleet_artifacts",
+        "$O.lorafleet_artifacts.C.x",
+        "$O.lorafleet_artifacts.M.x",
         "$KV.lorafleet_leader.leader",
         "$O.lorafleet_datasets.C.x",
         "_INBOX.x",

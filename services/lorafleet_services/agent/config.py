@@ -54,7 +54,10 @@ class AgentConfig:
     conversion_source: URL template ({tag}) or local file path template of
         llama.cpp's source tarball.
     trainer: "real" (the LoRA trainer) or "standin" (the protocol stand-in,
-        for tests and dry runs); default "real".
+        for tests and dry runs); default "real". Or the absolute path of a
+        script of one's own speaking the trainer protocol, run as the
+        stand-in is (the agent's Python and user, a stand-in GGUF): a
+        trainer a test needs that the stand-in does not offer.
     cancel_grace_s: seconds between SIGTERM and SIGKILL of the trainer's
         process group; default 5.
     chunk_bytes: artifact chunk body size; default 512 KiB.
@@ -78,8 +81,13 @@ class AgentConfig:
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")
-        if self.trainer not in ("real", "standin"):
-            raise AgentConfigError("LORAFLEET_AGENT_TRAINER must be 'real' or 'standin'")
+        if self.trainer not in ("real", "standin") and not (
+            Path(self.trainer).is_absolute() and self.trainer.endswith(".py")
+        ):
+            raise AgentConfigError(
+                "LORAFLEET_AGENT_TRAINER must be 'real', 'standin' or the absolute path "
+                f"of a trainer script (*.py), not {self.trainer!r}"
+            )
         if self.cancel_grace_s < 0:
             raise AgentConfigError("LORAFLEET_AGENT_CANCEL_GRACE_S must be >= 0 seconds")
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
@@ -96,6 +104,11 @@ class AgentConfig:
                 "the agent needs a node name: --node NAME or LORAFLEET_AGENT_NODE"
             )
         return cls(**values)
+
+    @property
+    def runs_standin(self) -> bool:
+        """The trainer is the stand-in, or a script run as the stand-in is."""
+        return self.trainer != "real"
 
     def to_env(self) -> dict[str, str]:
         return write_env(self, "LORAFLEET_AGENT_")

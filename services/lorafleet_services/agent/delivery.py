@@ -15,7 +15,9 @@ The last chunk goes out only after every other chunk is acknowledged, so
 when the artifact-store sees it, the whole delivery is in the stream.
 
 `pack_adapter()` makes the `peft` artifact: a tar.gz of the adapter
-directory that is the same bytes for the same files.
+directory that is the same bytes for the same files; `pack_checkpoint()`
+the `checkpoint` artifact, the same as a plain tar. A checkpoint's chunks
+also carry its step (header and message id).
 """
 
 from __future__ import annotations
@@ -114,30 +116,57 @@ def pack_adapter(adapter_dir: Path, out_file: Path) -> Path:
     carries no name or time. Links and other special files are refused.
     `out_file` appears only once complete.
     """
-    adapter_dir = Path(adapter_dir)
-    out_file = Path(out_file)
-    if not adapter_dir.is_dir():
-        raise DeliveryError(f"the adapter directory {adapter_dir} does not exist")
+    return pack_dir(adapter_dir, out_file, compress=True, what="an adapter")
+
+
+def pack_checkpoint(checkpoint_dir: Path, out_file: Path) -> Path:
+    """Pack a checkpoint directory into `out_file` as a plain tar (see pack_dir).
+
+    Not compressed: weights and optimizer states hardly shrink, and gzip's
+    CPU would be taken from the training that goes on meanwhile.
+    """
+    return pack_dir(checkpoint_dir, out_file, compress=False, what="a checkpoint")
+
+
+def _entries(src: Path, what: str) -> list[tuple[str, Path]]:
+    """Every file and directory under `src`, as (relative name, path), sorted."""
     entries: list[tuple[str, Path]] = []
-    for root, dirs, files in os.walk(adapter_dir):
+    for root, dirs, files in os.walk(src):
         dirs.sort()
-        rel_root = Path(root).relative_to(adapter_dir)
+        rel_root = Path(root).relative_to(src)
         for name in sorted(dirs) + sorted(files):
             p = Path(root) / name
             if p.is_symlink() or not (p.is_dir() or p.is_file()):
                 raise DeliveryError(
-                    f"{p} is a link or a special file; an adapter holds only regular files"
+                    f"{p} is a link or a special file; {what} holds only regular files"
                 )
             entries.append(((rel_root / name).as_posix(), p))
     entries.sort(key=lambda e: e[0])
+    return entries
+
+
+def pack_dir(src: Path, out_file: Path, *, compress: bool, what: str = "an artifact") -> Path:
+    """Pack the directory `src` into `out_file`, a tar (gzip'ed with `compress`)
+    that is the same bytes for the same files: names sorted and relative,
+    times, owners and modes fixed, gzip with no name or time. Links and
+    special files are refused (`what` names the directory in the message).
+    `out_file` appears only once complete."""
+    src, out_file = Path(src), Path(out_file)
+    if not src.is_dir():
+        raise DeliveryError(f"the directory {src} ({what}) does not exist")
+    entries = _entries(src, what)
     tmp = out_file.with_name(f".{out_file.name}.part")
     out_file.parent.mkdir(parents=True, exist_ok=True)
     try:
-        with (
-            tmp.open("wb") as raw,
-            gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6) as gz,
-            tarfile.open(fileobj=gz, mode="w", format=tarfile.GNU_FORMAT) as tar,
-        ):
+        with tmp.open("wb") as raw, contextlib.ExitStack() as stack:
+            fileobj: BinaryIO | gzip.GzipFile = raw
+            if compress:
+                fileobj = stack.enter_context(
+                    gzip.GzipFile(filename="", mode="wb", fileobj=raw, mtime=0, compresslevel=6)
+                )
+            tar = stack.enter_context(
+                tarfile.open(fileobj=fileobj, mode="w", format=tarfile.GNU_FORMAT)
+            )
             for name, p in entries:
                 if p.is_dir():
                     tar.addfile(_tarinfo(name, is_dir=True))
@@ -399,15 +428,17 @@ class ChunkHeaders:
     node: str
     kind: ArtifactKind
     attempt: int
+    #: A checkpoint's optimizer step (None for the other kinds).
+    step: int | None = None
 
     def __call__(self, *, seq: int, **last: Any) -> dict[str, str]:
         """Chunk `seq`'s headers; `last` (last, count, size, sha256) on the last one."""
         h = ArtifactChunkHeader(
             job_id=self.job_id, node=self.node, kind=self.kind, attempt=self.attempt, seq=seq,
-            **last,
+            step=self.step, **last,
         )  # fmt: skip
         return {
-            Header.MSG_ID: msg_id(self.job_id, self.kind.value, self.attempt, seq),
+            Header.MSG_ID: msg_id(self.job_id, self.kind.value, self.attempt, seq, self.step),
             Header.CHUNK: _encoder.encode(h).decode(),
         }
 
@@ -453,9 +484,11 @@ async def deliver(
     path: Path,
     chunk_bytes: int = DEFAULT_CHUNK_BYTES,
     timeout_s: float = ACK_TIMEOUT_S,
+    step: int | None = None,
 ) -> tuple[int, str]:
     """Deliver the file at `path` as the `kind` artifact of a job; return (size, sha256).
 
+    step: a checkpoint's optimizer step (in each chunk's header and message id).
     chunk_bytes: bytes per chunk, default 512 KiB, clamped well below the
     server's max payload. timeout_s: seconds to wait for one chunk's
     acknowledgement before publishing it again (at most MAX_TRIES times);
@@ -465,15 +498,15 @@ async def deliver(
     kind = ArtifactKind(kind)
     path = Path(path)
     nc = client_of(js)
-    step = chunk_size_for(chunk_bytes, nc.max_payload)
+    body_bytes = chunk_size_for(chunk_bytes, nc.max_payload)
     try:
         size = path.stat().st_size
     except OSError as e:
         raise DeliveryError(f"cannot read the {kind.value} artifact {path}: {e}") from None
-    count = max(1, -(-size // step))
+    count = max(1, -(-size // body_bytes))
     started = time.perf_counter()
-    logger = log.get(job_id=job_id, node=node, kind=kind.value)
-    header = ChunkHeaders(job_id=job_id, node=node, kind=kind, attempt=attempt)
+    logger = log.get(job_id=job_id, node=node, kind=kind.value, step=step)
+    header = ChunkHeaders(job_id=job_id, node=node, kind=kind, attempt=attempt, step=step)
     pub = await AsyncPublisher(nc).start()
     window = ChunkWindow(
         pub,
@@ -485,7 +518,7 @@ async def deliver(
         logger=logger,
     )
     f = await asyncio.to_thread(path.open, "rb")
-    reader = ChunkReader(f, step, count, READ_CHUNKS)
+    reader = ChunkReader(f, body_bytes, count, READ_CHUNKS)
     try:
         digest = await _send(window, reader, header, path, size)
     finally:

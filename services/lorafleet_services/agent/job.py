@@ -1,17 +1,21 @@
 """One job on this node, from a StartRequest to delivered artifacts.
 
     preparing  fetch the dataset into work_dir/jobs/<job>/, check its sha256,
-               prepare the trainer's environment, choose the card, write
-               job.json and the trainer script
+               fetch what it resumes from (agent/resume.py), prepare the
+               trainer's environment, choose the card, write job.json and
+               the trainer script
     running    the trainer in its own session (as the engines' user when
-               there is one); each stdout JSON line becomes a StatusReport
+               there is one); each stdout JSON line becomes a StatusReport,
+               each checkpoint line goes to the CheckpointSender, which
+               delivers the newest meanwhile (agent/checkpoints.py)
     converting GGUF, when the start request asks for it
     uploading  the PEFT adapter (tar.gz) and the GGUF, in chunks
 
 `done` is not the agent's to say: the artifact-store tells the recorder
 when every artifact is stored and verified. Any failure is one `failed`
 report whose message says what to do (the trainer's "error" line, else the
-last lines of its stderr).
+last lines of its stderr), `retryable` when the cause is not the job's own
+(`trainer_failure`).
 
 Reports go through a `Reporter`: a queue and one publisher task per job
 and attempt, so a slow or absent NATS never blocks reading the trainer's
@@ -41,6 +45,7 @@ import os
 import shutil
 import signal
 import threading
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -51,7 +56,6 @@ from nats.js import JetStreamContext
 
 from lorafleet import log, metrics, objects
 from lorafleet._bus import encode
-from lorafleet.artifacts import file_sha256
 from lorafleet.estimate import EstimateError, estimate_memory
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
@@ -60,6 +64,7 @@ from lorafleet_schemas.messages import (
     JobState,
     StartRequest,
     StatusReport,
+    TrainerCheckpoint,
     TrainerDone,
     TrainerError,
     TrainerEval,
@@ -71,10 +76,12 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services import trainer
 from lorafleet_services.agent import cards as cards_mod
-from lorafleet_services.agent import conversion, delivery, environment
+from lorafleet_services.agent import conversion, delivery, environment, resume
 from lorafleet_services.agent.cards import CardChoice, NoCardError
+from lorafleet_services.agent.checkpoints import CheckpointSender
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment import StandinEnvironment, TrainerEnvironment
+from lorafleet_services.agent.fetch import fetch_object
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
 from lorafleet_services.trainer.standin import gguf_bytes
 
@@ -95,12 +102,68 @@ NVML_SAMPLE_S = 1.0
 CARD_READ_TIMEOUT_S = 10.0
 #: Failed job directories kept for reading (the newest ones).
 KEEP_FAILED_DIRS = 5
+#: In the job directory: where the trainer writes its checkpoints.
+CHECKPOINTS_DIR = "checkpoints"
 
 _line_decoder: msgspec.json.Decoder[TrainerLine] = msgspec.json.Decoder(TrainerLine)
 
 
 class JobFailedError(Exception):
-    """A step of the job failed; the message is what the job's `failed` report says."""
+    """A step of the job failed; the message is what the job's `failed` report says.
+
+    retryable: the cause is not the job's own (StatusReport.retryable).
+    """
+
+    def __init__(self, message: str, *, retryable: bool = False) -> None:
+        super().__init__(message)
+        self.retryable = retryable
+
+
+#: The trainer's exit code for a failure of the node's environment, not of the
+#: job (a CUDA or driver error that is not an out of memory, an OSError
+#: writing a checkpoint): another node, or another try, may well succeed.
+EXIT_ENVIRONMENT = 3
+#: The trainer's exit code after its SIGTERM handler ran (128 + 15).
+EXIT_SIGTERM = 128 + signal.SIGTERM
+#: Said of a retryable failure.
+RETRYABLE_NOTE = "not the job's own failure, so a job with attempts left runs again"
+
+
+def signal_name(signum: int) -> str:
+    try:
+        return signal.Signals(signum).name
+    except ValueError:
+        return f"signal {signum}"
+
+
+def trainer_failure(result: ProcessResult, error_line: str | None) -> tuple[str, bool]:
+    """The message of a trainer that ended without an adapter, and whether it
+    is retryable: exit 3 (the environment's failure), or a death by a signal
+    the agent did not send (the kernel's out-of-memory killer, an operator).
+    Exit 1 (the job's own failure) and 2 (bad input) are not."""
+    tail = result.stderr_tail or "(no stderr)"
+    rc = result.returncode
+    said = f"the trainer failed: {error_line}" if error_line else ""
+    if rc == EXIT_ENVIRONMENT:
+        what = said or f"the trainer exited with code {rc}: {tail}"
+        return f"{what} (exit {rc}: a failure of the node's environment; {RETRYABLE_NOTE})", True
+    killed_by = -rc if rc < 0 else signal.SIGTERM if rc == EXIT_SIGTERM else None
+    if killed_by is not None and not result.stopped:
+        cause = (
+            "the out-of-memory killer, or an operator?"
+            if killed_by == signal.SIGKILL
+            else "an operator, or the host stopping?"
+        )
+        return (
+            f"the trainer was killed by {signal_name(killed_by)}, which the agent did not send "
+            f"({cause}); {RETRYABLE_NOTE}; its last words: {error_line or tail}",
+            True,
+        )
+    if said:
+        return said, False
+    if rc == 0:
+        return f"the trainer exited without saving an adapter; its last words: {tail}", False
+    return f"the trainer exited with code {rc}: {tail}", False
 
 
 #: In the trainer's environment (and so its children's): its job directory.
@@ -142,9 +205,19 @@ def trainer_env(
 
 
 def job_file(
-    req: StartRequest, cfg: AgentConfig, job_dir: Path, data_path: Path, choice: CardChoice
+    req: StartRequest,
+    cfg: AgentConfig,
+    job_dir: Path,
+    data_path: Path,
+    choice: CardChoice,
+    resume: dict[str, Any] | None = None,
 ) -> dict[str, Any]:
-    """job.json for the trainer (its format: the docstring of trainer/script.py)."""
+    """job.json for the trainer (its format: the docstring of trainer/script.py).
+
+    checkpoint_dir: where the trainer writes its checkpoints (the agent
+    delivers and removes them: agent/checkpoints.py); resume: where it
+    starts from (agent/resume.py), or None.
+    """
     return {
         "job_id": req.job_id,
         "base": {
@@ -161,6 +234,8 @@ def job_file(
         # On a card the trainer keeps the whole process within this (CUDA context included).
         "gpu_memory_mib": req.gpu_memory_mib,
         "estimate_mib": job_estimate_mib(req),
+        "checkpoint_dir": str(job_dir / CHECKPOINTS_DIR),
+        "resume": resume,
     }
 
 
@@ -348,6 +423,88 @@ class Reporter:
             self.logger.warning(Event.STATUS_DROPPED, dropped=self.seq - self.published)
 
 
+class TrainerLines:
+    """The trainer's stdout, line by line: status reports, log lines, and what
+    the job keeps of it (the done and error lines, the peak MiB it reported).
+    A checkpoint line goes to the job's CheckpointSender, which never waits."""
+
+    def __init__(
+        self, reporter: Reporter, req: StartRequest, logger: Any, sampled: Callable[[], int]
+    ) -> None:
+        self.reporter = reporter
+        self.req = req
+        self.logger = logger
+        #: The NVML sampler's peak MiB so far.
+        self.sampled = sampled
+        self.done_line: TrainerDone | None = None
+        self.error_line: str | None = None
+        self.peak_trainer_mib = 0
+        self.checkpoints: CheckpointSender | None = None
+
+    def peak(self) -> int:
+        return max(self.peak_trainer_mib, self.sampled())
+
+    async def __call__(self, raw: bytes) -> None:
+        if not raw.strip():
+            return
+        try:
+            line = _line_decoder.decode(raw)
+        except msgspec.DecodeError as e:
+            self.logger.warning(
+                Event.TRAINER_LINE_BAD, error=str(e), line=raw[:200].decode(errors="replace")
+            )
+            return
+        if isinstance(line, TrainerStep):
+            self._step(line)
+        elif isinstance(line, TrainerCheckpoint):
+            self.logger.info(Event.TRAINER_LINE, message="checkpoint", step=line.step)
+            if self.checkpoints is not None:
+                self.checkpoints.offer(line)
+        else:
+            self._other(line)
+
+    def _step(self, line: TrainerStep) -> None:
+        self.peak_trainer_mib = max(self.peak_trainer_mib, line.peak_mib)
+        peak = self.peak()
+        self.reporter.report(
+            step=line.step,
+            steps=line.steps,
+            loss=line.loss,
+            learning_rate=line.learning_rate,
+            tokens_per_s=line.tokens_per_s,
+            eta_s=line.eta_s,
+            peak_mib=peak,
+        )
+        self.logger.info(
+            Event.JOB_PROGRESS, step=line.step, steps=line.steps, loss=line.loss, peak_mib=peak
+        )
+
+    def _other(self, line: TrainerLine) -> None:
+        r = self.reporter
+        if isinstance(line, TrainerState):
+            if line.state == "running":
+                r.report(JobState.RUNNING, line.message or "training")
+            else:
+                r.report(message=line.message or line.state)
+            self.logger.info(Event.TRAINER_LINE, state=line.state, message=line.message)
+        elif isinstance(line, TrainerEval):
+            r.report(step=line.step, eval_loss=line.eval_loss)
+            self.logger.info(Event.JOB_EVAL, step=line.step, eval_loss=line.eval_loss)
+        elif isinstance(line, TrainerLog):
+            r.report(message=line.message)
+            self.logger.info(Event.TRAINER_LINE, message=line.message, trainer_level=line.level)
+        elif isinstance(line, TrainerError):
+            self.error_line = line.message
+            self.logger.warning(Event.TRAINER_LINE, error=line.message)
+        elif isinstance(line, TrainerLengths):
+            note = lengths_note(line, self.req)
+            r.report(message=note)
+            self.logger.info(Event.TRAINER_LINE, message=note)
+        elif isinstance(line, TrainerDone):
+            self.done_line = line
+            self.logger.info(Event.TRAINER_LINE, message="done", adapter_dir=line.adapter_dir)
+
+
 class JobRun:
     """One StartRequest's pipeline, as a task. `stop()` ends it from anywhere."""
 
@@ -369,12 +526,11 @@ class JobRun:
         self.reporter = Reporter(js, names, cfg.node, req)
         self.trainer_pid: int | None = None
         self.final_state: JobState | None = None
-        self.done_line: TrainerDone | None = None
-        self.error_line: str | None = None
-        self.peak_trainer_mib = 0
         self.sampler: MemorySampler | None = None
+        self.lines = TrainerLines(self.reporter, req, self.logger, self._sampled)
         self._stop_state: JobState | None = None
         self._stop_message = ""
+        self._stop_retryable = False
         self._stopping = False
         self.task: asyncio.Task[None] | None = None
         #: Set by stop(); steps that stop on an event (the conversion) get it too.
@@ -386,13 +542,17 @@ class JobRun:
         self.task = asyncio.create_task(self._run(), name=f"job-{self.job_id}")
         return self.task
 
-    async def stop(self, state: JobState | None, message: str, timeout_s: float) -> None:
-        """Stop the job; report `state` with `message` (none when `state` is None)."""
+    async def stop(
+        self, state: JobState | None, message: str, timeout_s: float, *, retryable: bool = False
+    ) -> None:
+        """Stop the job; report `state` with `message` (none when `state` is None);
+        `retryable`: the cause is not the job's own (the agent stopping)."""
         if self.task is None or self.task.done():
             return
         if not self._stopping:
             self._stopping = True
             self._stop_state, self._stop_message = state, message
+            self._stop_retryable = retryable
             self.stopping.set()
             self.task.cancel()
         await asyncio.wait({self.task}, timeout=timeout_s)
@@ -415,13 +575,15 @@ class JobRun:
             if self._stop_state is None:
                 self.reporter.abandon()
             else:
-                self.reporter.report(self._stop_state, self._stop_message)
+                self.reporter.report(
+                    self._stop_state, self._stop_message, retryable=self._stop_retryable
+                )
                 drain_timeout_s = STOP_DRAIN_TIMEOUT_S
             self.logger.info(
                 Event.JOB_CANCELLED, state=self._stop_state, message=self._stop_message
             )
         except JobFailedError as e:
-            self._fail(str(e))
+            self._fail(str(e), retryable=e.retryable)
         except Exception as e:
             self.logger.exception(Event.JOB_FAILED, error=repr(e))
             self._fail(f"the agent on {self.node} failed on this job: {e!r}; it is in its log")
@@ -431,15 +593,18 @@ class JobRun:
             await self.reporter.stop(drain_timeout_s)
             await asyncio.to_thread(self._clean_dir)
 
-    def _fail(self, message: str) -> None:
+    def _fail(self, message: str, *, retryable: bool = False) -> None:
         self.final_state = JobState.FAILED
-        self.reporter.report(JobState.FAILED, message, peak_mib=self._peak() or None)
-        self.logger.warning(Event.JOB_FAILED, message=message)
+        self.reporter.report(
+            JobState.FAILED, message, peak_mib=self.lines.peak() or None, retryable=retryable
+        )
+        self.logger.warning(Event.JOB_FAILED, message=message, retryable=retryable)
 
     async def _pipeline(self) -> None:
         await asyncio.to_thread(self._make_dir)
         data_path = self.job_dir / "data.jsonl"
         await self._fetch_dataset(data_path)
+        resume = await self._fetch_resume()
         self.reporter.report(message="preparing the trainer's environment")
         env = await self._environment()
         for note in env.notes:
@@ -447,7 +612,7 @@ class JobRun:
             self.logger.info(Event.JOB_STATE, message=note)
         choice = await self._choose_card()
         self.reporter.report(message=card_choice_text(choice, self.node))
-        script, job_json = await asyncio.to_thread(self._write_files, data_path, choice)
+        script, job_json = await asyncio.to_thread(self._write_files, data_path, choice, resume)
         await asyncio.to_thread(env.give, self.job_dir)
         done = await self._train(env, choice, script, job_json)
 
@@ -489,18 +654,13 @@ class JobRun:
     def _make_dir(self) -> None:
         shutil.rmtree(self.job_dir, ignore_errors=True)
         self.job_dir.mkdir(parents=True, mode=0o755)
+        (self.job_dir / CHECKPOINTS_DIR).mkdir(mode=0o755)
 
     async def _fetch_dataset(self, path: Path) -> None:
         bucket = self.names.datasets_bucket
         name = self.req.dataset
         try:
-            f = await asyncio.to_thread(path.open, "wb")
-            try:
-                # Not nats-py's get: read_object needs one API subject on one
-                # stream, what a node's credentials allow (lorafleet.permissions).
-                await objects.read_object(self.js, bucket, name, f)
-            finally:
-                await asyncio.to_thread(f.close)
+            _size, sha = await fetch_object(self.js, bucket, name, path)
         except objects.ObjectNotFoundError:
             raise JobFailedError(
                 f"the dataset {name!r} is not in the object store {bucket}: "
@@ -508,15 +668,28 @@ class JobRun:
             ) from None
         except Exception as e:
             raise JobFailedError(f"fetching the dataset {name!r} from {bucket}: {e!r}") from None
-        sha = await asyncio.to_thread(file_sha256, path)
         if sha != self.req.dataset_sha256:
             raise JobFailedError(
                 f"the dataset {name!r} in {bucket} has sha256 {sha}, but the job says "
                 f"{self.req.dataset_sha256}: it was replaced or damaged; submit the data again"
             )
 
+    async def _fetch_resume(self) -> dict[str, Any] | None:
+        """What job.json's `resume` says: the checkpoint or adapter fetched,
+        checked and unpacked (agent/resume.py); None to start afresh."""
+        ref = self.req.resume
+        if ref is None:
+            return None
+        self.reporter.report(message=f"fetching {resume.describe(ref)} to start from")
+        try:
+            entry = await resume.fetch_resume(self.js, self.names, ref, self.job_id, self.job_dir)
+        except resume.ResumeError as e:
+            raise JobFailedError(str(e)) from None
+        self.logger.info(Event.JOB_STATE, message=f"resuming from {ref.object}", **entry)
+        return entry
+
     async def _environment(self) -> TrainerEnvironment:
-        if self.cfg.trainer == "standin":
+        if self.cfg.runs_standin:
             return StandinEnvironment()
         try:
             env: TrainerEnvironment = await environment.prepare(self.cfg)
@@ -541,87 +714,54 @@ class JobRun:
         except NoCardError as e:
             raise JobFailedError(str(e)) from None
 
-    def _write_files(self, data_path: Path, choice: CardChoice) -> tuple[Path, Path]:
-        source = trainer.STANDIN_PATH if self.cfg.trainer == "standin" else trainer.SCRIPT_PATH
+    def _write_files(
+        self, data_path: Path, choice: CardChoice, resume: dict[str, Any] | None
+    ) -> tuple[Path, Path]:
+        source = {"real": trainer.SCRIPT_PATH, "standin": trainer.STANDIN_PATH}.get(
+            self.cfg.trainer, Path(self.cfg.trainer)
+        )
         script = self.job_dir / "trainer.py"
         shutil.copyfile(source, script)
         job_json = self.job_dir / "job.json"
-        spec = job_file(self.req, self.cfg, self.job_dir, data_path, choice)
+        spec = job_file(self.req, self.cfg, self.job_dir, data_path, choice, resume)
         job_json.write_text(json.dumps(spec, indent=2))
         return script, job_json
 
-    def _peak(self) -> int:
-        sampled = self.sampler.peak_mib if self.sampler is not None else 0
-        return max(self.peak_trainer_mib, sampled)
-
-    async def _on_line(self, raw: bytes) -> None:
-        if not raw.strip():
-            return
-        try:
-            line = _line_decoder.decode(raw)
-        except msgspec.DecodeError as e:
-            self.logger.warning(
-                Event.TRAINER_LINE_BAD, error=str(e), line=raw[:200].decode(errors="replace")
-            )
-            return
-        r = self.reporter
-        if isinstance(line, TrainerStep):
-            self.peak_trainer_mib = max(self.peak_trainer_mib, line.peak_mib)
-            peak = self._peak()
-            r.report(
-                step=line.step,
-                steps=line.steps,
-                loss=line.loss,
-                learning_rate=line.learning_rate,
-                tokens_per_s=line.tokens_per_s,
-                eta_s=line.eta_s,
-                peak_mib=peak,
-            )
-            self.logger.info(
-                Event.JOB_PROGRESS, step=line.step, steps=line.steps, loss=line.loss, peak_mib=peak
-            )
-        elif isinstance(line, TrainerState):
-            if line.state == "running":
-                r.report(JobState.RUNNING, line.message or "training")
-            else:
-                r.report(message=line.message or line.state)
-            self.logger.info(Event.TRAINER_LINE, state=line.state, message=line.message)
-        elif isinstance(line, TrainerEval):
-            r.report(step=line.step, eval_loss=line.eval_loss)
-            self.logger.info(Event.JOB_EVAL, step=line.step, eval_loss=line.eval_loss)
-        elif isinstance(line, TrainerLog):
-            r.report(message=line.message)
-            self.logger.info(Event.TRAINER_LINE, message=line.message, trainer_level=line.level)
-        elif isinstance(line, TrainerError):
-            self.error_line = line.message
-            self.logger.warning(Event.TRAINER_LINE, error=line.message)
-        elif isinstance(line, TrainerLengths):
-            note = lengths_note(line, self.req)
-            r.report(message=note)
-            self.logger.info(Event.TRAINER_LINE, message=note)
-        elif isinstance(line, TrainerDone):
-            self.done_line = line
-            self.logger.info(Event.TRAINER_LINE, message="done", adapter_dir=line.adapter_dir)
+    def _sampled(self) -> int:
+        return self.sampler.peak_mib if self.sampler is not None else 0
 
     async def _train(
         self, env: TrainerEnvironment, choice: CardChoice, script: Path, job_json: Path
     ) -> TrainerDone:
+        sender = CheckpointSender(
+            self.js, self.names, node=self.node, job_id=self.job_id, attempt=self.req.attempt,
+            root=self.job_dir / CHECKPOINTS_DIR, chunk_bytes=self.cfg.chunk_bytes,
+            logger=self.logger,
+        )  # fmt: skip
+        self.lines.checkpoints = sender
         mp = ManagedProcess()
-        await mp.start(
-            trainer_argv(env.python, script, job_json),
-            env=trainer_env(env, choice, self.job_dir),
-            cwd=self.job_dir,
-            user=env.user,
-            on_line=self._on_line,
-        )
-        self.trainer_pid = mp.pid
-        self.logger.info(
-            Event.TRAINER_STARTED,
-            pid=mp.pid,
-            python=env.python,
-            device=choice.device,
-            card=choice.index,
-        )
+        try:
+            await mp.start(
+                trainer_argv(env.python, script, job_json),
+                env=trainer_env(env, choice, self.job_dir),
+                cwd=self.job_dir,
+                user=env.user,
+                on_line=self.lines,
+            )
+            self.trainer_pid = mp.pid
+            self.logger.info(Event.TRAINER_STARTED, pid=mp.pid, python=env.python,
+                             device=choice.device, card=choice.index)  # fmt: skip
+            result = await self._wait_trainer(mp)
+        finally:
+            # The final adapter matters now; a checkpoint in flight is dropped.
+            await sender.stop()
+        if result.returncode != 0 or self.lines.done_line is None:
+            await asyncio.to_thread(self._keep_stderr, mp)
+            message, retryable = trainer_failure(result, self.lines.error_line)
+            raise JobFailedError(message, retryable=retryable)
+        return self.lines.done_line
+
+    async def _wait_trainer(self, mp: ManagedProcess) -> ProcessResult:
         self.sampler = MemorySampler(mp.pid)
         self.sampler.start()
         try:
@@ -634,17 +774,16 @@ class JobRun:
         finally:
             self.sampler.stop()
         self._log_exit(result)
-        if result.returncode != 0 or self.done_line is None:
-            await asyncio.to_thread(self._keep_stderr, mp)
-            raise JobFailedError(self._failure(result))
-        return self.done_line
+        return result
 
     def _log_exit(self, result: ProcessResult) -> None:
-        if result.returncode == -9:
+        if result.returncode == -signal.SIGKILL:
             self.logger.warning(
                 Event.TRAINER_KILLED,
                 pid=self.trainer_pid,
-                message=f"SIGKILL after {self.cfg.cancel_grace_s:g} s of grace",
+                message=f"SIGKILL after {self.cfg.cancel_grace_s:g} s of grace"
+                if result.stopped
+                else "SIGKILL, not sent by the agent (the out-of-memory killer?)",
             )
         self.logger.info(
             Event.TRAINER_EXITED,
@@ -653,21 +792,13 @@ class JobRun:
             stopped=result.stopped,
         )
 
-    def _failure(self, result: ProcessResult) -> str:
-        if self.error_line:
-            return f"the trainer failed: {self.error_line}"
-        tail = result.stderr_tail or "(no stderr)"
-        if result.returncode == 0:
-            return f"the trainer exited without saving an adapter; its last words: {tail}"
-        return f"the trainer exited with code {result.returncode}: {tail}"
-
     def _keep_stderr(self, mp: ManagedProcess) -> None:
         with contextlib.suppress(OSError):
             (self.job_dir / "trainer-stderr.txt").write_text(mp.stderr_tail(lines=200) + "\n")
 
     async def _convert(self, env: TrainerEnvironment, adapter_dir: Path, base_dir: Path) -> Path:
         out = self.job_dir / "adapter.gguf"
-        if self.cfg.trainer == "standin":
+        if self.cfg.runs_standin:
             await asyncio.to_thread(out.write_bytes, gguf_bytes(self.job_id))
             self.reporter.report(message="stand-in trainer: a stand-in GGUF, not a conversion")
             return out
@@ -684,7 +815,8 @@ class JobRun:
             shutil.rmtree(self.job_dir, ignore_errors=True)
             return
         # Keep what explains the failure; drop the bulk.
-        for name in ("data.jsonl", "out", "adapter.tar.gz", "adapter.gguf"):
+        bulk = ("data.jsonl", "out", "adapter.tar.gz", "adapter.gguf", CHECKPOINTS_DIR, "resume")
+        for name in bulk:
             p = self.job_dir / name
             if p.is_dir():
                 shutil.rmtree(p, ignore_errors=True)

@@ -225,6 +225,8 @@ class Agent:
             time=dt.datetime.now(dt.UTC),
             state=JobState.FAILED,
             message=message,
+            # The node was presumed lost: the job's cause, not its own.
+            retryable=True,
         )
         # Not awaited here: the fence keeps watching while the group stops.
         self._fence_task = asyncio.create_task(
@@ -251,10 +253,13 @@ class Agent:
     async def shutdown(self) -> None:
         run = self.job
         if run is not None:
+            # Not the job's own failure: with attempts left it runs again elsewhere.
             await run.stop(
                 JobState.FAILED,
-                f"the agent on {self.node} stopped while running this job; submit it again",
+                f"the agent on {self.node} stopped while running this job: not the job's "
+                "own failure (a job with attempts left runs again); else submit it again",
                 self.cfg.cancel_grace_s + CANCEL_SLACK_S,
+                retryable=True,
             )
         with contextlib.suppress(Exception):
             # What KV delete publishes, without its bucket lookup (a stream

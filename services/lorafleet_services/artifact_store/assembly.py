@@ -7,8 +7,9 @@ the bytes that have become contiguous (so the caller can stream them into
 the object store while the delivery goes on), and, once the last chunk is
 known and nothing is missing, says whether count, size and sha256 agree.
 Beside it, the delivery rules: who may deliver (`refusal`), whether the
-object is stored already (`is_stored`), whether the recorder is owed a
-report (`report_owed`), which deliveries ended (`Remembered`).
+object is stored already (`is_stored`), whether a checkpoint may replace
+the stored one (`superseded`), whether the recorder is owed a report
+(`report_owed`), which deliveries ended (`Remembered`).
 
 Everything here decides; nothing here talks to NATS.
 """
@@ -25,7 +26,7 @@ import msgspec
 from lorafleet.artifacts import ObjectInfo, object_digest
 from lorafleet.names import Header, Names, artifact_object_name
 from lorafleet.states import ON_NODE
-from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
+from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
 
 #: Deliveries remembered as ended, so late duplicates are dropped.
 FINISHED_MEMORY = 4096
@@ -49,15 +50,26 @@ class AssemblyError(ValueError):
 
 @dataclass(frozen=True, slots=True)
 class Key:
-    """One delivery: the same artifact of the same attempt of a job."""
+    """One delivery: the same artifact of the same attempt of a job (and, for
+    a checkpoint, of the same step: an attempt delivers many)."""
 
     node: str
     job_id: str
     kind: ArtifactKind
     attempt: int
+    #: A checkpoint's optimizer step; 0 for the other kinds.
+    step: int = 0
+
+    @property
+    def is_checkpoint(self) -> bool:
+        return self.kind is ArtifactKind.CHECKPOINT
 
     @property
     def label(self) -> str:
+        if self.is_checkpoint:
+            return (
+                f"the checkpoint at step {self.step} of job {self.job_id} (attempt {self.attempt})"
+            )
         return f"the {self.kind.value} artifact of job {self.job_id} (attempt {self.attempt})"
 
 
@@ -105,7 +117,12 @@ def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> C
         raise ChunkError(
             f"the last chunk on {subject} has seq {header.seq} but says the count is {header.count}"
         )
-    return Chunk(Key(node, job_id, header.kind, header.attempt), header, subject)
+    step = 0
+    if header.kind is ArtifactKind.CHECKPOINT:
+        if header.step is None or header.step < 0:
+            raise ChunkError(f"a checkpoint chunk on {subject} lacks its step (or it is negative)")
+        step = header.step
+    return Chunk(Key(node, job_id, header.kind, header.attempt, step), header, subject)
 
 
 @dataclass(frozen=True, slots=True)
@@ -243,11 +260,20 @@ class Remembered:
         return len(self._keys)
 
 
+#: The states in which a job's node may deliver a checkpoint: while it
+#: trains, and after (a delivery that started while it trained ends later).
+CHECKPOINT_STATES: frozenset[JobState] = frozenset(
+    {JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING, JobState.UPLOADING}
+)
+
+
 def refusal(job: JobRecord | None, key: Key) -> str | None:
     """Why `key.node` may not deliver this artifact now, or None when it may.
 
     A node delivers only for a job on it, for the job's current attempt,
-    while the job is on a node, and only kinds the job makes.
+    while the job is on a node, and only kinds the job makes; a checkpoint
+    (which every job may make, and which never gates `done`) only while the
+    job is in CHECKPOINT_STATES.
     """
     if job is None:
         return f"job {key.job_id} does not exist"
@@ -260,6 +286,10 @@ def refusal(job: JobRecord | None, key: Key) -> str | None:
         )
     if job.state not in ON_NODE:
         return f"job {key.job_id} is {job.state.value}: it takes no artifacts"
+    if key.is_checkpoint:
+        if job.state not in CHECKPOINT_STATES:
+            return f"job {key.job_id} is {job.state.value}: it takes no checkpoint yet"
+        return None
     if key.kind not in job.artifacts_expected:
         return (
             f"job {key.job_id} makes {', '.join(k.value for k in job.artifacts_expected)}, "
@@ -284,6 +314,8 @@ def object_chunk_token(key: Key, writer: str) -> str:
 
 
 def delivery_prefix(key: Key) -> str:
+    if key.is_checkpoint:
+        return f"{key.job_id}.{key.kind.value}.{key.attempt}.{key.step}."
     return f"{key.job_id}.{key.kind.value}.{key.attempt}."
 
 
@@ -300,7 +332,40 @@ def is_stored(info: ObjectInfo | None, key: Key) -> TypeGuard[ObjectInfo]:
 
 def report_owed(job: JobRecord | None, key: Key) -> bool:
     """Whether the recorder has yet to hear that this artifact is stored."""
-    return job is not None and key.kind not in job.artifacts_stored
+    if job is None:
+        return False
+    if key.is_checkpoint:
+        held = job.checkpoint
+        return held is None or (held.attempt, held.step) != (key.attempt, key.step)
+    return key.kind not in job.artifacts_stored
+
+
+def stored_step(info: ObjectInfo | None) -> tuple[int, int] | None:
+    """(attempt, step) of the checkpoint an object's info describes; None when
+    there is none (or it does not say)."""
+    if info is None or info.deleted:
+        return None
+    try:
+        return int(info.metadata["attempt"]), int(info.metadata["step"])
+    except (KeyError, ValueError):
+        return None
+
+
+def superseded(current: ObjectInfo | None, key: Key) -> str | None:
+    """Why checkpoint `key` must not replace the stored one, or None when it may.
+
+    Within one attempt steps only grow, so a step at or below the stored one
+    is a late copy (a replica, a redelivery) and would roll the job back; a
+    later attempt's checkpoint always replaces an earlier attempt's (that
+    attempt resumed from it, or from an older one, and is the job now).
+    """
+    held = stored_step(current)
+    if held is None:
+        return None
+    attempt, step = held
+    if key.attempt < attempt or (key.attempt == attempt and key.step <= step):
+        return f"{key.label} is not newer than the stored one (step {step} of attempt {attempt})"
+    return None
 
 
 def object_info(
@@ -316,19 +381,22 @@ def object_info(
 ) -> dict[str, Any]:
     """The object's info message, as the NATS object store (any client) reads it."""
     stamp = now.astimezone(dt.UTC).isoformat().replace("+00:00", "Z")
+    metadata = {
+        "sha256": whole.sha256,
+        "size": str(whole.size),
+        "job_id": key.job_id,
+        "node": key.node,
+        "kind": key.kind.value,
+        "attempt": str(key.attempt),
+        "base_model": base_model,
+        "stored_at": stamp,
+    }
+    if key.is_checkpoint:
+        metadata["step"] = str(key.step)
     return {
         "name": artifact_object_name(key.job_id, key.kind.value),
         "description": f"lorafleet {key.kind.value} artifact of job {key.job_id}",
-        "metadata": {
-            "sha256": whole.sha256,
-            "size": str(whole.size),
-            "job_id": key.job_id,
-            "node": key.node,
-            "kind": key.kind.value,
-            "attempt": str(key.attempt),
-            "base_model": base_model,
-            "stored_at": stamp,
-        },
+        "metadata": metadata,
         "options": {"max_chunk_size": chunk_bytes},
         "bucket": names.artifacts_bucket,
         "nuid": nuid,

@@ -27,8 +27,9 @@ from nats.aio.msg import Msg
 from lorafleet import log, metrics
 from lorafleet._recorder_client import Ended
 from lorafleet.artifacts import AsyncPublisher
+from lorafleet.errors import BadRequestError
 from lorafleet.log import Event
-from lorafleet.names import Names, object_chunk_subject
+from lorafleet.names import Names, artifact_object_name, object_chunk_subject
 from lorafleet_schemas.messages import ArtifactStoredRequest, JobRecord
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -44,6 +45,7 @@ from lorafleet_services.artifact_store.assembly import (
     parse_chunk,
     refusal,
     report_owed,
+    superseded,
 )
 from lorafleet_services.artifact_store.streams import CommitError, ObjectWriter, Streams
 
@@ -257,6 +259,9 @@ class Deliveries:
         key = d.key
         job = await self.recorder.get_job(key.job_id)
         why = refusal(job, key)
+        previous = await self.streams.read_info(key) if key.is_checkpoint else None
+        if why is None and key.is_checkpoint:
+            why = superseded(previous, key)
         if why is not None or job is None:  # (refusal gives a why for no job)
             self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                                 kind=key.kind.value, error=f"not stored: {why}")  # fmt: skip
@@ -266,10 +271,17 @@ class Deliveries:
         d.committed = True
         await self._tell_recorder(key, whole.size, whole.sha256)
         await self.streams.purge_delivery(d.subject, d.assembly.stream_seq)
+        if previous is not None and previous.nuid and previous.nuid != d.nuid:
+            # The checkpoint it replaces: only the newest is kept. What a store
+            # that dies before this leaves, no info refers to: the sweep takes it.
+            await self.streams.purge_object_chunks(
+                object_chunk_subject(self.names.artifacts_bucket, previous.nuid)
+            )
         metrics.artifact_stored(key.kind.value, whole.size, time.monotonic() - d.opened_s)
         self.logger.info(
             Event.ARTIFACT_STORED, job_id=key.job_id, node=key.node, kind=key.kind.value,
             size=whole.size, sha256=whole.sha256, chunks=whole.count,
+            **({"step": key.step} if key.is_checkpoint else {}),
         )  # fmt: skip
         await self._close(d)
 
@@ -300,21 +312,40 @@ class Deliveries:
         await self.streams.commit(d.key, info)
 
     async def _tell_recorder(self, key: Key, size: int, sha256: str) -> None:
-        await self.recorder.artifact_stored(
-            ArtifactStoredRequest(id=key.job_id, kind=key.kind, size=size, sha256=sha256)
-        )
+        if not key.is_checkpoint:
+            await self.recorder.artifact_stored(
+                ArtifactStoredRequest(id=key.job_id, kind=key.kind, size=size, sha256=sha256)
+            )
+            return
+        req = ArtifactStoredRequest(
+            id=key.job_id, kind=key.kind, size=size, sha256=sha256, step=key.step,
+            attempt=key.attempt, object=artifact_object_name(key.job_id, key.kind.value),
+        )  # fmt: skip
+        try:
+            await self.recorder.artifact_stored(req)
+        except BadRequestError as e:
+            # A recorder that does not keep checkpoints (an older version) says
+            # so each time: asking again would loop. The checkpoint is stored;
+            # the job just cannot resume from it.
+            self.logger.warning(
+                Event.ARTIFACT_REJECTED, job_id=key.job_id, kind=key.kind.value, step=key.step,
+                error=f"stored, but the recorder did not take it: {e}",
+            )  # fmt: skip
 
     # --- endings --------------------------------------------------------------------
 
     async def fail(self, d: Delivery, message: str) -> None:
-        """A short or corrupt delivery: nothing stored, the job failed, saying why."""
+        """A short or corrupt delivery: nothing stored, the job failed, saying why
+        (a checkpoint's job goes on: the one stored before stays its newest)."""
         key = d.key
         metrics.ARTIFACTS_REJECTED.inc()
         self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                             kind=key.kind.value, error=message)  # fmt: skip
         # The job first: a store that dies after this finds the job failed and
         # purges the chunks; the other way round, the job would wait for nothing.
-        await self.recorder.fail_job(key.job_id, message)
+        # Not for a checkpoint: no job waits for one, and the stored one stays.
+        if not key.is_checkpoint:
+            await self.recorder.fail_job(key.job_id, message)
         await self.discard(d)
 
     async def discard(self, d: Delivery) -> None:

@@ -8,7 +8,12 @@
   start, then one every SWEEP_EVERY_S.
 - Idle deliveries: an agent that died mid-delivery leaves one open. After
   `idle_check_s` without a chunk it is checked again: committed by a
-  replica, or for a job that no longer takes it, it is discarded.
+  replica, for a job that no longer takes it, or a checkpoint older than
+  the one stored, it is discarded.
+
+A job's stored checkpoint is committed (its info refers to its chunks), so
+no sweep takes it, whatever the job's state: a failed job keeps its newest
+checkpoint for a resume.
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ from lorafleet.names import (
     object_meta_subjects,
     object_stream,
 )
-from lorafleet_services.artifact_store.assembly import is_stored, refusal
+from lorafleet_services.artifact_store.assembly import is_stored, refusal, superseded
 from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle
 
 #: Seconds without a new chunk after which an open delivery's job is checked
@@ -121,8 +126,14 @@ class Sweeper:
             d.touched = now
             key = d.key
             try:
-                if is_stored(await self.streams.read_info(key), key):
+                info = await self.streams.read_info(key)
+                if is_stored(info, key):
                     # Another store (a replica) committed it.
+                    await self.deliveries.discard(d)
+                    continue
+                if key.is_checkpoint and superseded(info, key) is not None:
+                    # A checkpoint the agent stopped sending (its delivery
+                    # failed); a newer one is stored, so none will finish it.
                     await self.deliveries.discard(d)
                     continue
                 why = refusal(await self.recorder.get_job(key.job_id), key)
