@@ -1838,6 +1838,29 @@ def eval_batches_of(
     ]
 
 
+def epoch_plan(
+    train: Sequence[int],
+    p: Params,
+    epoch: int,
+    lengths_of: Callable[[Sequence[int]], list[int]],
+    steps_left: int,
+    done: int,
+) -> list[list[list[int]]]:
+    """`epoch`'s steps, planned with the steps left when it began; BadInputError
+    when there are none, or fewer than a resumed run's position says were done."""
+    plan = plan_grouped(
+        train, p.batch_size, p.gradient_accumulation, p.seed + epoch, lengths_of, steps_left
+    )
+    if not plan:
+        raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    if done > len(plan):
+        raise BadInputError(
+            f"the checkpoint's position, step {done} of epoch {epoch}, is past that "
+            f"epoch's {len(plan)} steps: the data is not the checkpoint's"
+        )
+    return plan
+
+
 @dataclasses.dataclass
 class Start:
     """Where training starts: `index` steps into `epoch`'s plan, with the
@@ -1878,16 +1901,7 @@ def train_epochs(
     while progress.step < total_steps:
         epoch += 1
         epoch_start = progress.step - skip
-        plan = plan_grouped(
-            split[0],
-            p.batch_size,
-            p.gradient_accumulation,
-            p.seed + epoch,
-            tokens.lengths,
-            total_steps - epoch_start,
-        )
-        if not plan:
-            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+        plan = epoch_plan(split[0], p, epoch, tokens.lengths, total_steps - epoch_start, skip)
 
         def on_step(s: dict[str, Any], epoch: int = epoch, epoch_start: int = epoch_start) -> None:
             emit("step", **s)
