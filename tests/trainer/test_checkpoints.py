@@ -225,19 +225,20 @@ def test_weights_mode_starts_from_another_runs_adapter(
     uninterrupted: tuple[TrainerRun, Path], tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Only the weights: this job's own schedule from step 1 (the learning rate
-    warms up from 0 again), with a loss well below a fresh adapter's."""
+    warms up from 0 again; another max_steps, which "continue" would refuse),
+    the same first batch as a fresh adapter's (the seed's) at a much lower loss.
+    Its checkpoints come by time here: after every step but the last."""
     run, job_dir = uninterrupted
     job = _job(
         tmp_path / "j",
         tiny_model("llama"),
-        params={"max_steps": 2, "seed": 8},
-        checkpoint_dir=None,
+        params={"max_steps": 3, "checkpoint_every_steps": 0, "checkpoint_every_s": 1e-6},
         resume={"dir": str(job_dir / "out" / "adapter"), "mode": "weights"},
     )
     other = run_trainer(job)
     assert other.rc == 0, other.stderr[-3000:]
     steps = other.events("step")
-    assert [s["step"] for s in steps] == [1, 2] and steps[0]["learning_rate"] == 0.0
+    assert [s["step"] for s in steps] == [1, 2, 3] and steps[0]["learning_rate"] == 0.0
     fresh_first = run.events("step")[0]["loss"]
     assert steps[0]["loss"] < 0.6 * fresh_first, (steps[0]["loss"], fresh_first)
     summary = other.events("done")[0]["summary"]
@@ -246,7 +247,8 @@ def test_weights_mode_starts_from_another_runs_adapter(
         "dir": str(job_dir / "out" / "adapter"),
         "step": 0,
     }
-    assert summary["checkpoints"] == 0
+    assert [x["step"] for x in other.events("checkpoint")] == [1, 2]
+    assert summary["checkpoints"] == 2
 
 
 def _refused(tr: ModuleType, job: Path, monkeypatch: pytest.MonkeyPatch) -> str:
@@ -361,6 +363,16 @@ def test_what_is_not_a_complete_checkpoint_is_refused_with_what_is_wrong(
     _copy(no_meta, parent / "step-00000008")
     _copy(good, parent / ".tmp-step-00000012")
     assert tr.locate_checkpoint(parent) == parent / "step-00000004"
+    # "weights" takes a checkpoint (the newest of a directory of them) or a
+    # peft adapter directory, never a .tmp-* one that looks like an adapter.
+    weights = tr.Resume(dir=parent, mode="weights")
+    assert tr.resume_source(weights)[0] == parent / "step-00000004"
+    adapter = job_dir / "out" / "adapter"
+    assert tr.resume_source(tr.Resume(dir=adapter, mode="weights")) == (adapter, None)
+    with pytest.raises(tr.BadInputError, match="still being written"):
+        tr.resume_source(tr.Resume(dir=parent / ".tmp-step-00000012", mode="weights"))
+    with pytest.raises(tr.BadInputError, match=r"has no checkpoint\.json"):
+        tr.resume_source(tr.Resume(dir=adapter, mode="continue"))
     (parent / "step-00000004" / "checkpoint.json").unlink()
     with pytest.raises(tr.BadInputError, match=r"has no checkpoint\.json"):
         tr.read_checkpoint_meta(tr.locate_checkpoint(parent))
