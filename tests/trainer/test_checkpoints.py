@@ -251,6 +251,51 @@ def test_weights_mode_starts_from_another_runs_adapter(
     assert summary["checkpoints"] == 2
 
 
+def test_a_resume_by_epochs_with_accumulation_ends_the_same(
+    tiny_model: Callable[[str], Path],
+    trainer_module: ModuleType,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Without max_steps (the epochs' plans uncut) and with steps of several
+    micro-batches, the last one short: in this process, to spare the imports
+    (the SIGKILL test above runs real processes)."""
+    import io
+    import warnings
+
+    tr = trainer_module
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    # 14 records, micro-batches of 3 (5 an epoch), 2 a step: 3 steps an epoch, 9 in all.
+    params = {"max_steps": 0, "epochs": 3, "batch_size": 3, "gradient_accumulation": 2}
+    params["checkpoint_every_steps"] = 2
+
+    def run(name: str, **overrides: Any) -> TrainerRun:
+        out = io.StringIO()
+        monkeypatch.setattr(tr, "_out", out)
+        job = _job(tmp_path / name, tiny_model("llama"), params=params, **overrides)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
+            assert tr.run(job) == 0
+        return TrainerRun(0, [], [json.loads(x) for x in out.getvalue().splitlines()], "")
+
+    whole = run("whole")
+    assert [s["epoch"] for s in whole.events("step")] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
+    ckpt = tmp_path / "whole" / "checkpoints" / "step-00000004"
+    assert json.loads((ckpt / "checkpoint.json").read_text())["position"] == {
+        "epoch": 2,
+        "index": 1,
+    }
+    resumed = run("resumed", resume={"dir": str(ckpt), "mode": "continue"})
+    assert _losses(resumed) == _losses(whole, after=4)
+    assert _evals(resumed) == _evals(whole, after=5)
+    assert (
+        _max_adapter_difference(
+            tmp_path / "resumed" / "out" / "adapter", tmp_path / "whole" / "out" / "adapter"
+        )
+        <= 1e-6
+    )
+
+
 def _refused(tr: ModuleType, job: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The trainer's run (in this process, to spare the imports) refuses `job`
     as bad input before any weight loads; answers the message."""
@@ -420,6 +465,31 @@ def test_a_failed_checkpoint_write_is_a_failure_of_the_node(
     with pytest.raises(tr.EnvironmentFailureError, match="writing the checkpoint of step 3 into"):
         writer.wait()
     writer.wait()  # reported once
+
+
+def test_a_step_written_again_replaces_its_checkpoint_whole(
+    trainer_module: ModuleType, tmp_path: Path
+) -> None:
+    """A resumed run passing a step the lost run had checkpointed too: the new
+    checkpoint takes the name, nothing of the old or of the temporary is left."""
+    import torch
+
+    tr = trainer_module
+
+    def snap(value: float) -> Any:
+        meta = {"format": 1, "step": 7, "epoch": 2, "position": {"epoch": 2, "index": 3}}
+        return tr.Snapshot({"w": torch.full((2,), value)}, {}, "{}", {**meta, "progress": {}})
+
+    first = tr.write_checkpoint(tmp_path, snap(1.0))
+    (first / "stale").write_text("only in the first")
+    again = tr.write_checkpoint(tmp_path, snap(2.0))
+    assert again == first == tmp_path / "step-00000007"
+    assert os.listdir(tmp_path) == ["step-00000007"]
+    assert sorted(os.listdir(again)) == sorted(FILES)
+    assert tr.read_checkpoint_meta(again)["step"] == 7
+    from safetensors.torch import load_file
+
+    assert load_file(str(again / "adapter_model.safetensors"))["w"].tolist() == [2.0, 2.0]
 
 
 @pytest.mark.parametrize(

@@ -1473,6 +1473,8 @@ class Checkpointer:
         if checkpoint_due(
             progress.step, self.total_steps, self.every_steps, self.every_s, now - self._last
         ):
+            # The write before first: one snapshot in host memory at a time.
+            self.writer.wait()
             self.writer.submit(take_snapshot(loop, progress, epoch, index, self.meta))
             self._last = now
 
