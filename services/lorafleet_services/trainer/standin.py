@@ -147,6 +147,7 @@ class Checkpoints:
             "step": step,
             "epoch": epoch,
             "position": {"epoch": epoch, "index": index},
+            "progress": {"step": step},
             "files": {"adapter_model.safetensors": len(weights)},
             "time": round(time.time(), 3),
             "standin": True,
