@@ -113,9 +113,10 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
         "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
         "token_lengths", "padding_tokens", "chat_template",
         "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
-        "dtype", "trainable_parameters", "versions",
+        "dtype", "trainable_parameters", "versions", "resumed_from", "checkpoints",
     }  # fmt: skip
     assert summary["chat_template"] == "tokenizer" and summary["steps"] == 24
+    assert summary["resumed_from"] is None and summary["checkpoints"] == 0
     assert summary["final_loss"] == run.events("step")[-1]["loss"]
     assert summary["eval_loss"] == run.events("eval")[-1]["eval_loss"]
     assert summary["data_sha256"] == job["data_sha256"]

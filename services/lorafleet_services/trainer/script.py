@@ -36,6 +36,21 @@ The job file (JSON object; every key required unless a default is given)
     estimate_mib int | null (default null): the job's memory estimate, named in
                  that report.
     hf_offline   bool (default true): read the Hugging Face cache only.
+    checkpoint_dir  str | null (default null): where checkpoints go (created if
+                 missing; .tmp-* leftovers of crashed writes are cleared); null:
+                 none, whatever params.checkpoint_every_* say.
+    resume       {"dir": str, "mode": "continue" | "weights"} | null (default
+                 null). dir: a checkpoint directory (holding checkpoint.json), or
+                 a directory of them (its newest complete step-*), or for
+                 "weights" also a peft adapter directory (adapter_model.safetensors).
+                 "continue": this job's own checkpoint; checkpoint.json and its
+                 fingerprint are checked (bad input naming what differs), the
+                 adapter, optimizer, LR scheduler, GradScaler and RNG states and
+                 the data-plan position restored, and training goes on with the
+                 step after the checkpoint's: the same losses and, on the CPU,
+                 the same adapter as a run never interrupted. "weights": only the
+                 adapter weights are loaded (same rank and target modules, else
+                 bad input) and the job trains from step 1, on its own schedule.
 
 The protocol: stdout, one JSON object per line, the field "event" naming it
 --------------------------------------------------------------------------
@@ -54,14 +69,45 @@ The protocol: stdout, one JSON object per line, the field "event" naming it
     {"event": "eval", "step", "epoch", "eval_loss"}   after each epoch and at the
                  end, when eval_fraction > 0: the mean cross-entropy per answer
                  token over the held-out records.
+    {"event": "checkpoint", "step", "path", "epoch"}   a complete checkpoint of
+                 the state after optimizer step `step` is at `path` (see
+                 Checkpoints). It may come a few steps after its step: the
+                 writing is off the training loop.
     {"event": "done", "adapter_dir", "base_dir", "summary"}
     {"event": "error", "message"}
 Anything else (warnings, tracebacks, library chatter) goes to stderr.
 
-Exit status: 0 done; 2 bad input (parameters, data, the job file), after an
-"error" line naming what to change; 1 any other failure (the base not in the
-cache, no card, a diverging loss, an exception: its type is named), after an
-"error" line when it can; 143 stopped by SIGTERM.
+Exit status, each failure after an "error" line when it can:
+    0    done.
+    1    a failure of the job's own: a diverging loss, the base not in the
+         cache, an exception in training (its type is named), an out of
+         memory (of its budget: a retry would fail the same way).
+    2    bad input: parameters, data, the job file, a resume that does not
+         fit the job; the line names what to change.
+    3    a failure of the node, not the job's: a CUDA or driver error that
+         is not an out of memory (`is_environment_failure`), no card where
+         the agent chose one, an OSError writing a checkpoint or the
+         adapter. The job may be retried elsewhere.
+    143  stopped by SIGTERM.
+
+Checkpoints: with a checkpoint_dir, after every params.checkpoint_every_steps
+optimizer steps and whenever params.checkpoint_every_s seconds passed since
+the last one (`checkpoint_due`; never after the last step: the adapter is the
+result then). The state is copied off the training (`take_snapshot`: only
+the LoRA weights, never the base's) and written on a thread of its own
+(`CheckpointWriter`) into <checkpoint_dir>/.tmp-step-NNNNNNNN/:
+adapter_model.safetensors and adapter_config.json (a peft adapter directory
+too), trainer_state.pt (optimizer, LR scheduler, GradScaler and RNG states:
+python's, torch's CPU and, on a card, CUDA's; read back with
+weights_only), each fsynced, then checkpoint.json last: {format 1, job_id,
+step, epoch, position {epoch, index: steps done of that epoch's plan},
+progress, fingerprint (data_sha256, model, total_steps and the parameters
+but checkpoint_every_*, dtype), files {name: bytes}, time}. Then the
+directory is renamed to step-NNNNNNNN, its parent fsynced, and only then
+the "checkpoint" line printed. A crash leaves a .tmp-* directory (never
+resumed from) or a complete checkpoint. The trainer never removes a
+checkpoint (the agent removes superseded ones); a resumed run that passes
+a step again replaces that step's checkpoint by its equal.
 
 Data rendering: the tokenizer's chat template when it has one, else
 PLAIN_TEMPLATE ("### Question:\\n{q}\\n\\n### Answer:\\n{a}{eos}"). {"q", "a"} is
@@ -86,8 +132,10 @@ records_skipped (both of the records tokenized), records_tokenized (fewer than
 records when max_steps ends the job before the data does), token_lengths
 {min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
 steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
-wall_time_s, peak_mib, device, dtype, trainable_parameters and versions {python, torch,
-transformers, peft, accelerate, safetensors}.
+wall_time_s, peak_mib, device, dtype, trainable_parameters, versions {python, torch,
+transformers, peft, accelerate, safetensors}, resumed_from (null, or {mode, dir,
+step}: the checkpoint's step, 0 for "weights") and checkpoints (written by this
+run). A resumed run's tokens_seen, train_time_s and steps count from step 1.
 """
 
 from __future__ import annotations
@@ -101,8 +149,10 @@ import os
 import random
 import re
 import resource
+import shutil
 import signal
 import sys
+import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Sequence
@@ -114,6 +164,8 @@ from typing import Any, cast
 
 #: Where protocol lines go: stdout, until `main` moves everything else off it.
 _out: Any = sys.stdout
+#: The checkpoint writer's thread prints its lines too: one line at a time.
+_out_lock = threading.Lock()
 
 
 def _own_stdout() -> None:
@@ -129,8 +181,10 @@ def _own_stdout() -> None:
 def emit(event: str, **fields: Any) -> None:
     """Print one protocol line on stdout (and flush: the agent reads it live)."""
     fields["event"] = event
-    _out.write(json.dumps(fields, separators=(",", ":"), allow_nan=False) + "\n")
-    _out.flush()
+    line = json.dumps(fields, separators=(",", ":"), allow_nan=False) + "\n"
+    with _out_lock:
+        _out.write(line)
+        _out.flush()
 
 
 def log(message: str, level: str = "info") -> None:
@@ -144,8 +198,13 @@ class BadInputError(Exception):
 
 
 class TrainingError(Exception):
-    """Not the input's fault (the node's cache, its card, a diverging loss): exit 1,
-    the message shown as it is."""
+    """Not the input's fault (the node's cache, a diverging loss): exit 1, the
+    message shown as it is."""
+
+
+class EnvironmentFailureError(Exception):
+    """Not the job's fault: the node failed it (its card or driver, the disk a
+    checkpoint goes to). Exit 3: the job may be retried elsewhere."""
 
 
 class TerminatedError(BaseException):
@@ -179,6 +238,8 @@ class Params:
     dtype: str = "auto"
     seed: int = 42
     eval_fraction: float = 0.1
+    checkpoint_every_steps: int = 0
+    checkpoint_every_s: float = 600.0
 
 
 #: Each parameter's check: (kind, bounds). kind: int and float (bounds gt, ge,
@@ -201,6 +262,8 @@ PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {
     "dtype": ("choice", {"values": ("auto", "bf16", "fp16", "fp32")}),
     "seed": ("int", {}),
     "eval_fraction": ("float", {"ge": 0, "lt": 1}),
+    "checkpoint_every_steps": ("int", {"ge": 0}),
+    "checkpoint_every_s": ("float", {"ge": 0}),
 }
 # END GENERATED PARAMS
 
@@ -226,6 +289,40 @@ class Job:
     gpu_memory_mib: int | None = None
     #: The job's memory estimate, for the message when the budget is exceeded.
     estimate_mib: int | None = None
+    #: Where checkpoints go (each a step-NNNNNNNN directory); None: none are written.
+    checkpoint_dir: Path | None = None
+    #: Where the job starts from, when not from scratch.
+    resume: Resume | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Resume:
+    #: A checkpoint directory, a directory of them (the newest complete one is
+    #: used) or, for "weights", a peft adapter directory.
+    dir: Path
+    #: "continue": the job's own checkpoint, everything restored, on from its
+    #: step; "weights": only the adapter weights, the job trains from step 0.
+    mode: str
+
+
+RESUME_MODES = ("continue", "weights")
+
+
+def parse_resume(raw: Any) -> Resume | None:
+    """The job file's resume object (null: none)."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or set(raw) != {"dir", "mode"}:
+        raise BadInputError(
+            f'the job\'s resume is {raw!r}; it must be null or {{"dir": str, "mode": '
+            '"continue" | "weights"}'
+        )
+    d = _str(raw, "dir")
+    if raw["mode"] not in RESUME_MODES:
+        raise BadInputError(
+            f"the job's resume.mode is {raw['mode']!r}; it must be one of {RESUME_MODES}"
+        )
+    return Resume(dir=Path(str(d)), mode=raw["mode"])
 
 
 def _int(name: str, v: Any, lo: int | None = None, hi: int | None = None) -> int:
@@ -377,7 +474,13 @@ def parse_job(raw: Any) -> Job:
         hf_offline=offline,
         gpu_memory_mib=mibs["gpu_memory_mib"],
         estimate_mib=mibs["estimate_mib"],
+        checkpoint_dir=_path(_str(raw, "checkpoint_dir", optional=True)),
+        resume=parse_resume(raw.get("resume")),
     )
+
+
+def _path(v: str | None) -> Path | None:
+    return None if v is None else Path(v)
 
 
 # --- data -------------------------------------------------------------------
@@ -1127,6 +1230,401 @@ def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_
     return Loop(model, opt, sched, scaler, autocast, device)
 
 
+# --- checkpoints --------------------------------------------------------------
+
+#: checkpoint.json's "format": a reader refuses any other.
+CHECKPOINT_FORMAT = 1
+CHECKPOINT_META = "checkpoint.json"
+ADAPTER_WEIGHTS = "adapter_model.safetensors"
+ADAPTER_CONFIG = "adapter_config.json"
+#: The optimizer, LR scheduler, GradScaler and RNG states (torch.save; read
+#: back with weights_only: no code runs on load).
+TRAINER_STATE = "trainer_state.pt"
+#: A checkpoint being written; never one to resume from.
+TMP_PREFIX = ".tmp-"
+#: The parameters a checkpoint's trajectory does not depend on: a "continue"
+#: may change them (more or fewer checkpoints, another card's dtype).
+FINGERPRINT_EXCLUDED = ("checkpoint_every_steps", "checkpoint_every_s", "dtype")
+
+
+def checkpoint_name(step: int) -> str:
+    return f"step-{step:08d}"
+
+
+def checkpoint_due(
+    step: int, total_steps: int, every_steps: int, every_s: float, since_s: float
+) -> bool:
+    """Whether to checkpoint after optimizer step `step`: every `every_steps`
+    steps, or once `every_s` seconds passed since the last checkpoint (or the
+    start); never after the last step (the adapter is the result then)."""
+    if step >= total_steps:
+        return False
+    if every_steps > 0 and step % every_steps == 0:
+        return True
+    return every_s > 0 and since_s >= every_s
+
+
+def fingerprint_of(job: Job, total_steps: int) -> dict[str, Any]:
+    """What a checkpoint's state depends on, as JSON: a "continue" must match
+    it (the data plan is rebuilt from it, the optimizer's state assumes it)."""
+    base = job.base
+    model = f"{base.hf_repo}@{base.hf_revision}" if base.hf_repo else str(base.local_dir)
+    params = {
+        k: v for k, v in dataclasses.asdict(job.params).items() if k not in FINGERPRINT_EXCLUDED
+    }
+    out = {"data_sha256": job.data_sha256, "model": model, "total_steps": total_steps, **params}
+    return cast(dict[str, Any], json.loads(json.dumps(out)))
+
+
+def fingerprint_differences(saved: Any, ours: dict[str, Any]) -> list[str]:
+    """What differs between a checkpoint's fingerprint and this job's, by name."""
+    if not isinstance(saved, dict):
+        return ["its fingerprint is missing"]
+    return [
+        f"{k} {json.dumps(saved.get(k))} there, {json.dumps(ours.get(k))} here"
+        for k in sorted(set(saved) | set(ours))
+        if saved.get(k) != ours.get(k)
+    ]
+
+
+@dataclasses.dataclass
+class Snapshot:
+    """A checkpoint's content, copied off the training state at a step (so the
+    training can go on while it is written)."""
+
+    weights: dict[str, Any]
+    state: dict[str, Any]
+    adapter_config: str
+    meta: dict[str, Any]
+
+
+def _cpu_copy(obj: Any) -> Any:
+    """`obj` with every tensor copied to the CPU (the optimizer updates its
+    state in place: a reference would be written as it is some steps later)."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", copy=True)
+    if isinstance(obj, dict):
+        return {k: _cpu_copy(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return type(obj)(_cpu_copy(v) for v in obj)
+    return obj
+
+
+def adapter_config_json(model: Any) -> str:
+    """adapter_config.json as peft's save_pretrained writes it (sets as lists)."""
+    config = model.peft_config["default"].to_dict()
+    config = {k: sorted(v) if isinstance(v, set) else v for k, v in config.items()}
+    return json.dumps(config, indent=2, sort_keys=True)
+
+
+def take_snapshot(
+    loop: Loop, progress: Progress, epoch: int, index: int, meta: dict[str, Any]
+) -> Snapshot:
+    """The state after optimizer step progress.step, `index` steps into `epoch`'s plan."""
+    import torch
+    from peft import get_peft_model_state_dict
+
+    weights = {
+        k: v.detach().to("cpu", copy=True).contiguous()
+        for k, v in get_peft_model_state_dict(loop.model).items()
+    }
+    rng: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if loop.device.type == "cuda":
+        rng["cuda"] = torch.cuda.get_rng_state_all()
+    state = {
+        "optimizer": _cpu_copy(loop.optimizer.state_dict()),
+        "scheduler": _cpu_copy(loop.scheduler.state_dict()),
+        "scaler": None if loop.scaler is None else _cpu_copy(loop.scaler.state_dict()),
+        "rng": rng,
+    }
+    return Snapshot(
+        weights,
+        state,
+        adapter_config_json(loop.model),
+        {
+            **meta,
+            "format": CHECKPOINT_FORMAT,
+            "step": progress.step,
+            "epoch": epoch,
+            "position": {"epoch": epoch, "index": index},
+            "progress": dataclasses.asdict(progress),
+        },
+    )
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_checkpoint(parent: Path, snap: Snapshot) -> Path:
+    """Write `snap` into parent/.tmp-step-N, synced, checkpoint.json last, then
+    rename it to parent/step-N: a crash at any point leaves either no step-N or
+    a complete one. Answers its path."""
+    import torch
+    from safetensors.torch import save_file
+
+    name = checkpoint_name(int(snap.meta["step"]))
+    tmp, final = parent / (TMP_PREFIX + name), parent / name
+    if tmp.exists():  # a write of this step cut short, by a crash
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    save_file(snap.weights, str(tmp / ADAPTER_WEIGHTS), metadata={"format": "pt"})
+    torch.save(snap.state, tmp / TRAINER_STATE)
+    (tmp / ADAPTER_CONFIG).write_text(snap.adapter_config, encoding="utf-8")
+    files = {}
+    for f in (ADAPTER_WEIGHTS, TRAINER_STATE, ADAPTER_CONFIG):
+        # Readable by the agent, which may run as another user than the trainer.
+        os.chmod(tmp / f, 0o644)
+        _fsync(tmp / f)
+        files[f] = (tmp / f).stat().st_size
+    meta = {**snap.meta, "files": files, "time": round(time.time(), 3)}
+    with (tmp / CHECKPOINT_META).open("w", encoding="utf-8") as fh:
+        fh.write(json.dumps(meta, indent=2) + "\n")
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync(tmp)
+    if final.exists():
+        # The same step again (a run resumed from an earlier one passed it):
+        # its state is the same; the old copy goes aside, then away.
+        old = parent / (TMP_PREFIX + "old-" + name)
+        if old.exists():
+            shutil.rmtree(old)
+        final.rename(old)
+        tmp.rename(final)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(final)
+    _fsync(parent)
+    return final
+
+
+class CheckpointWriter:
+    """Writes snapshots on a thread of its own, one at a time, and prints each
+    one's "checkpoint" line once it is complete. The training waits only for
+    the copy of its state (`take_snapshot`) and, when checkpoints come faster
+    than the disk takes them, for the previous write."""
+
+    def __init__(self, parent: Path) -> None:
+        self.parent = parent
+        self.written = 0
+        self._thread: threading.Thread | None = None
+        self._failure: tuple[int, BaseException] | None = None
+
+    def submit(self, snap: Snapshot) -> None:
+        self.wait()
+        self._thread = threading.Thread(
+            target=self._write, args=(snap,), name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def _write(self, snap: Snapshot) -> None:
+        try:
+            path = write_checkpoint(self.parent, snap)
+        except BaseException as e:
+            self._failure = (int(snap.meta["step"]), e)
+            return
+        self.written += 1
+        emit("checkpoint", step=snap.meta["step"], path=str(path), epoch=snap.meta["epoch"])
+
+    def check(self) -> None:
+        """Raise a finished write's failure (called every step: cheap)."""
+        if self._thread is not None and not self._thread.is_alive():
+            self.wait()
+
+    def wait(self) -> None:
+        """Wait for the write in flight; raise its failure: an OSError is the
+        node's (its disk), EnvironmentFailureError; anything else as it is."""
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        if self._failure is None:
+            return
+        step, e = self._failure
+        self._failure = None
+        if isinstance(e, OSError):
+            raise EnvironmentFailureError(
+                f"writing the checkpoint of step {step} into {self.parent} failed: "
+                f"{type(e).__name__}: {e}"
+            ) from e
+        raise e
+
+
+class Checkpointer:
+    """When to checkpoint (`checkpoint_due`) and what (`take_snapshot`), after
+    each optimizer step; the writing is the CheckpointWriter's."""
+
+    def __init__(self, parent: Path, p: Params, total_steps: int, meta: dict[str, Any]) -> None:
+        self.every_steps = p.checkpoint_every_steps
+        self.every_s = p.checkpoint_every_s
+        self.total_steps = total_steps
+        self.meta = meta
+        self.writer = CheckpointWriter(parent)
+        self._last = time.monotonic()
+
+    def after_step(self, loop: Loop, progress: Progress, epoch: int, index: int) -> None:
+        self.writer.check()
+        now = time.monotonic()
+        if checkpoint_due(
+            progress.step, self.total_steps, self.every_steps, self.every_s, now - self._last
+        ):
+            # The write before first: one snapshot in host memory at a time.
+            self.writer.wait()
+            self.writer.submit(take_snapshot(loop, progress, epoch, index, self.meta))
+            self._last = now
+
+    def close(self) -> None:
+        self.writer.wait()
+
+
+def open_checkpoint_dir(path: Path) -> None:
+    """Create the checkpoint directory and clear what crashed writes left in it
+    (.tmp-* directories: never checkpoints). Up front, so a disk that cannot
+    take checkpoints fails the job before it trains."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+        for d in path.glob(TMP_PREFIX + "*"):
+            shutil.rmtree(d) if d.is_dir() else d.unlink()
+    except OSError as e:
+        raise EnvironmentFailureError(
+            f"the checkpoint directory {path} cannot be written: {type(e).__name__}: {e}"
+        ) from e
+
+
+# --- resuming -----------------------------------------------------------------
+
+
+def read_checkpoint_meta(d: Path) -> dict[str, Any]:
+    """A complete checkpoint's checkpoint.json, checked (format, step, position,
+    its files and their sizes); BadInputError saying what is wrong otherwise."""
+    if d.name.startswith(TMP_PREFIX):
+        raise BadInputError(
+            f"{d} is a checkpoint that was still being written ({TMP_PREFIX}* directories "
+            "are incomplete); resume from a step-* directory"
+        )
+    path = d / CHECKPOINT_META
+    if not path.is_file():
+        raise BadInputError(
+            f"{d} has no {CHECKPOINT_META}: it is not a complete checkpoint (the trainer writes "
+            "that file last)"
+        )
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise BadInputError(f"{path} is not JSON: {e}") from None
+    if not isinstance(meta, dict) or meta.get("format") != CHECKPOINT_FORMAT:
+        got = meta.get("format") if isinstance(meta, dict) else meta
+        raise BadInputError(
+            f"{path} has format {got!r}; this trainer reads format {CHECKPOINT_FORMAT}"
+        )
+    step, pos = meta.get("step"), meta.get("position")
+    valid = (
+        isinstance(step, int)
+        and step >= 1
+        and isinstance(pos, dict)
+        and all(isinstance(pos.get(k), int) for k in ("epoch", "index"))
+        and pos["epoch"] >= 1
+        and 0 <= pos["index"] <= step
+        and isinstance(meta.get("files"), dict)
+        and isinstance(meta.get("progress"), dict)
+    )
+    if not valid:
+        raise BadInputError(f"{path} lacks a valid step, position, progress or files list")
+    for name, size in meta["files"].items():
+        f = d / str(name)
+        if not f.is_file() or f.stat().st_size != size:
+            raise BadInputError(f"{f} is missing or not the {size} bytes {path} lists")
+    return meta
+
+
+def locate_checkpoint(d: Path) -> Path:
+    """`d` itself when it holds checkpoint.json (or is a .tmp-* directory, to be
+    refused by name); else the newest complete step-* directory inside it."""
+    if not d.is_dir():
+        raise BadInputError(f"the job's resume.dir {d} is not a directory")
+    if d.name.startswith(TMP_PREFIX) or (d / CHECKPOINT_META).exists():
+        return d
+    for c in sorted(d.glob("step-*"), reverse=True):
+        if (c / CHECKPOINT_META).is_file():
+            return c
+    return d  # refused by read_checkpoint_meta: no checkpoint.json
+
+
+def resume_source(r: Resume) -> tuple[Path, dict[str, Any] | None]:
+    """The directory to read and its checkpoint.json (None: a peft adapter
+    directory, for "weights" only)."""
+    adapter_dir = (
+        r.mode == "weights"
+        and not r.dir.name.startswith(TMP_PREFIX)
+        and not (r.dir / CHECKPOINT_META).exists()
+        and (r.dir / ADAPTER_WEIGHTS).is_file()
+    )
+    if adapter_dir:
+        return r.dir, None
+    d = locate_checkpoint(r.dir)
+    return d, read_checkpoint_meta(d)
+
+
+def load_adapter_weights(model: Any, d: Path, device: Any) -> None:
+    """Copy d/adapter_model.safetensors into the LoRA weights of `model`;
+    BadInputError when its modules or shapes differ (another rank or targets)."""
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    try:
+        loaded = load_file(str(d / ADAPTER_WEIGHTS))
+    except Exception as e:
+        raise BadInputError(f"{d / ADAPTER_WEIGHTS} cannot be read: {type(e).__name__}: {e}") from e
+    ours = {k: tuple(v.shape) for k, v in get_peft_model_state_dict(model).items()}
+    theirs = {k: tuple(v.shape) for k, v in loaded.items()}
+    if ours != theirs:
+        raise BadInputError(
+            f"the adapter in {d} does not fit this job's LoRA: it has {_lora_shape(theirs)}, "
+            f"this job {_lora_shape(ours)}; params.rank and params.target_modules must be "
+            "the ones it was trained with"
+        )
+    set_peft_model_state_dict(model, {k: v.to(device) for k, v in loaded.items()})
+
+
+def _lora_shape(shapes: dict[str, tuple[int, ...]]) -> str:
+    a = {s[0] for k, s in shapes.items() if k.endswith("lora_A.weight")}
+    ranks = "/".join(str(r) for r in sorted(a)) or "no"
+    modules = len([k for k in shapes if k.endswith("lora_A.weight")])
+    return f"rank {ranks} on {modules} modules"
+
+
+def restore_training_state(loop: Loop, d: Path, meta: dict[str, Any]) -> tuple[Progress, Any]:
+    """The optimizer, LR scheduler and GradScaler states of checkpoint `d`
+    into `loop`; answers its progress and its RNG states (restored last,
+    just before the next step, by `restore_rng`)."""
+    import torch
+
+    state = torch.load(d / TRAINER_STATE, map_location="cpu", weights_only=True)
+    loop.optimizer.load_state_dict(state["optimizer"])
+    loop.scheduler.load_state_dict(state["scheduler"])
+    if loop.scaler is not None and state.get("scaler"):
+        loop.scaler.load_state_dict(state["scaler"])
+    fields = {f.name for f in dataclasses.fields(Progress)}
+    progress = Progress(**{k: v for k, v in meta["progress"].items() if k in fields})
+    return progress, state["rng"]
+
+
+def restore_rng(rng: dict[str, Any], device: Any) -> None:
+    """The RNG states of the checkpoint: dropout draws on from where it was."""
+    import torch
+
+    python = rng["python"]
+    random.setstate((python[0], tuple(python[1]), python[2]))
+    torch.set_rng_state(rng["torch"])
+    if device.type == "cuda" and rng.get("cuda"):
+        torch.cuda.set_rng_state_all(rng["cuda"])
+
+
 # --- the card's budget ---------------------------------------------------------
 
 MIB = 1 << 20
@@ -1342,6 +1840,39 @@ def eval_batches_of(
     ]
 
 
+def epoch_plan(
+    train: Sequence[int],
+    p: Params,
+    epoch: int,
+    lengths_of: Callable[[Sequence[int]], list[int]],
+    steps_left: int,
+    done: int,
+) -> list[list[list[int]]]:
+    """`epoch`'s steps, planned with the steps left when it began; BadInputError
+    when there are none, or fewer than a resumed run's position says were done."""
+    plan = plan_grouped(
+        train, p.batch_size, p.gradient_accumulation, p.seed + epoch, lengths_of, steps_left
+    )
+    if not plan:
+        raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
+    if done > len(plan):
+        raise BadInputError(
+            f"the checkpoint's position, step {done} of epoch {epoch}, is past that "
+            f"epoch's {len(plan)} steps: the data is not the checkpoint's"
+        )
+    return plan
+
+
+@dataclasses.dataclass
+class Start:
+    """Where training starts: `index` steps into `epoch`'s plan, with the
+    progress made by then (a fresh job: epoch 1, index 0)."""
+
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress())
+    epoch: int = 1
+    index: int = 0
+
+
 def train_epochs(
     loop: Loop,
     tokens: Tokens,
@@ -1349,27 +1880,38 @@ def train_epochs(
     p: Params,
     total_steps: int,
     pad_id: int,
+    start: Start | None = None,
+    checkpointer: Checkpointer | None = None,
 ) -> tuple[Progress, int]:
     """Epochs of length-grouped batches until total_steps, an eval after each
-    (and so at the end); answers the progress and the epochs run."""
+    (and so at the end), a checkpoint when due; answers the progress and the
+    epochs run.
+
+    An epoch's plan depends only on the seed, the epoch and the steps left
+    when it began (max_steps cuts the last one short): a resumed run rebuilds
+    its plan the same way and skips the steps done.
+    """
     device = loop.device
     eval_batches: list[Batch] | None = None
-    progress = Progress()
+    start = start or Start()
+    progress, epoch, skip = start.progress, start.epoch - 1, start.index
 
     def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
         for step in plan:
             yield epoch, [to_batch(tokens.get(mb), pad_id, device) for mb in step]
 
-    epoch = 0
     while progress.step < total_steps:
         epoch += 1
-        left = total_steps - progress.step
-        plan = plan_grouped(
-            split[0], p.batch_size, p.gradient_accumulation, p.seed + epoch, tokens.lengths, left
-        )
-        if not plan:
-            raise BadInputError(_NO_ANSWER.format(p.max_seq_len))
-        train_steps(loop, steps_of(plan, epoch), total_steps, progress, lambda s: emit("step", **s))
+        epoch_start = progress.step - skip
+        plan = epoch_plan(split[0], p, epoch, tokens.lengths, total_steps - epoch_start, skip)
+
+        def on_step(s: dict[str, Any], epoch: int = epoch, epoch_start: int = epoch_start) -> None:
+            emit("step", **s)
+            if checkpointer is not None:
+                checkpointer.after_step(loop, progress, epoch, progress.step - epoch_start)
+
+        train_steps(loop, steps_of(plan[skip:], epoch), total_steps, progress, on_step)
+        skip = 0
         if split[1]:
             if eval_batches is None:
                 eval_batches = eval_batches_of(tokens, split[1], p, pad_id, device)
@@ -1437,7 +1979,9 @@ def run(job_path: Path) -> int:
 
         cast(Any, hf_logging).disable_progress_bar()
     if job.device == "cuda" and not torch.cuda.is_available():
-        raise TrainingError("the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)")
+        raise EnvironmentFailureError(
+            "the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)"
+        )
     dtype = resolve_dtype(p.dtype, job.device)
     device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
     if device.type == "cuda" and job.gpu_memory_mib is not None:
@@ -1474,6 +2018,10 @@ def run(job_path: Path) -> int:
         )
     tokens.on_progress = lambda done: None  # past preparing: no more state lines
     check_target_modules(base_dir, p.target_modules)
+    # Before the weights load too: a resume that cannot work fails in seconds.
+    resume = check_resume(job, total_steps)
+    if job.checkpoint_dir is not None:
+        open_checkpoint_dir(job.checkpoint_dir)
 
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir),
@@ -1485,21 +2033,35 @@ def run(job_path: Path) -> int:
     )
     model.config.use_cache = False
     loop = prepare_training(model, p, dtype, device, total_steps)
-    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
-    log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
-
-    emit("state", state="running", message=f"training {total_steps} steps")
-    progress, epochs = train_epochs(loop, tokens, split, p, total_steps, pad_id)
-
-    emit("state", state="saving", message="saving the adapter")
-    adapter_dir = job.out_dir / "adapter"
-    adapter_dir.mkdir(parents=True, exist_ok=True)
-    # The adapter names its base as the catalog does, not by this node's path.
+    # The adapter (and each checkpoint's) names its base as the catalog does,
+    # not by this node's path.
     loop.model.peft_config["default"].base_model_name_or_path = (
         job.base.hf_repo or job.base.local_dir
     )
-    loop.model.save_pretrained(str(adapter_dir), safe_serialization=True)
-    (adapter_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
+    log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
+    start, rng = apply_resume(loop, job, resume, total_steps)
+    checkpointer = make_checkpointer(job, total_steps)
+
+    done_steps = start.progress.step
+    emit(
+        "state",
+        state="running",
+        message=f"training steps {done_steps + 1} to {total_steps}"
+        if done_steps
+        else f"training {total_steps} steps",
+    )
+    if rng is not None:  # last: nothing may draw from them before the next step
+        restore_rng(rng, device)
+    progress, epochs = train_epochs(
+        loop, tokens, split, p, total_steps, pad_id, start, checkpointer
+    )
+    if checkpointer is not None:
+        checkpointer.close()
+
+    emit("state", state="saving", message="saving the adapter")
+    adapter_dir = job.out_dir / "adapter"
+    save_adapter(loop.model, adapter_dir, template)
     summary: dict[str, Any] = {
         "job_id": job.job_id,
         "final_loss": progress.last_loss,
@@ -1531,12 +2093,76 @@ def run(job_path: Path) -> int:
         "dtype": dtype,
         "trainable_parameters": n_trainable,
         "versions": versions,
+        "resumed_from": None
+        if resume is None or job.resume is None
+        else {"mode": job.resume.mode, "dir": str(resume[0]), "step": done_steps},
+        "checkpoints": 0 if checkpointer is None else checkpointer.writer.written,
     }
     (adapter_dir / "training_summary.json").write_text(
         json.dumps(summary, indent=2) + "\n", encoding="utf-8"
     )
     emit("done", adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
     return 0
+
+
+def check_resume(job: Job, total_steps: int) -> tuple[Path, dict[str, Any] | None] | None:
+    """The job's resume source (directory, checkpoint.json or None for a peft
+    adapter directory), checked: for "continue", against this job's fingerprint."""
+    if job.resume is None:
+        return None
+    d, meta = resume_source(job.resume)
+    if job.resume.mode == "continue" and meta is not None:
+        diffs = fingerprint_differences(meta.get("fingerprint"), fingerprint_of(job, total_steps))
+        if diffs:
+            raise BadInputError(
+                f"the checkpoint {d} was written for other data or parameters: "
+                f"{'; '.join(diffs)}; continue it with the same ones, or start from its "
+                'weights (resume.mode "weights")'
+            )
+        if meta["step"] >= total_steps:
+            raise BadInputError(f"the checkpoint {d} is at step {meta['step']}, the job's last")
+    return d, meta
+
+
+def apply_resume(
+    loop: Loop, job: Job, source: tuple[Path, dict[str, Any] | None] | None, total_steps: int
+) -> tuple[Start, Any]:
+    """Load the resume source into `loop`: the adapter weights, and for
+    "continue" the rest of the state; answers where training starts and the
+    RNG states to restore just before it (None: the job's seed stands)."""
+    if source is None or job.resume is None:
+        return Start(), None
+    d, meta = source
+    load_adapter_weights(loop.model, d, loop.device)
+    if job.resume.mode == "weights" or meta is None:
+        log(f"loaded the adapter weights of {d}; training from step 1")
+        return Start(), None
+    progress, rng = restore_training_state(loop, d, meta)
+    pos = meta["position"]
+    log(f"resuming from {d}: step {meta['step']} of {total_steps}, epoch {pos['epoch']}")
+    return Start(progress, pos["epoch"], pos["index"]), rng
+
+
+def make_checkpointer(job: Job, total_steps: int) -> Checkpointer | None:
+    """The job's checkpointer; None without a checkpoint_dir or with both
+    triggers off."""
+    p = job.params
+    if job.checkpoint_dir is None or not (p.checkpoint_every_steps or p.checkpoint_every_s):
+        return None
+    meta = {"job_id": job.job_id, "fingerprint": fingerprint_of(job, total_steps)}
+    return Checkpointer(job.checkpoint_dir, p, total_steps, meta)
+
+
+def save_adapter(model: Any, adapter_dir: Path, template: str) -> None:
+    """The trained adapter, as peft writes it, and the chat template it was trained with."""
+    try:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(adapter_dir), safe_serialization=True)
+        (adapter_dir / "chat_template.jinja").write_text(template, encoding="utf-8")
+    except OSError as e:
+        raise EnvironmentFailureError(
+            f"saving the adapter into {adapter_dir} failed: {type(e).__name__}: {e}"
+        ) from e
 
 
 def _read_job(path: Path) -> Any:
@@ -1567,6 +2193,9 @@ def main(argv: list[str]) -> int:
     except TrainingError as e:
         emit("error", message=str(e))
         return 1
+    except EnvironmentFailureError as e:
+        emit("error", message=str(e))
+        return 3
     except TerminatedError:
         emit("error", message="stopped by SIGTERM")
         return 143
@@ -1576,7 +2205,27 @@ def main(argv: list[str]) -> int:
         traceback.print_exc(file=sys.stderr)
         with contextlib.suppress(Exception):
             emit("error", message=failure_message(e))
-        return 1
+        return 3 if is_environment_failure(e) else 1
+
+
+#: A CUDA or driver error in an exception's text: the node's card failed the
+#: job (an ECC error, a card fallen off the bus, a driver gone), not the job.
+_ENVIRONMENT_ERROR = re.compile(
+    r"CUDA error|CUDA driver|cuDNN error|CUBLAS_STATUS|CUSOLVER_STATUS|NCCL error|"
+    r"\bECC\b|no CUDA-capable device|CUDA-capable device\(s\) is/are busy"
+)
+
+
+def is_environment_failure(e: BaseException) -> bool:
+    """Whether an unexpected exception is the node's failure, not the job's
+    (exit 3): a CUDA or driver error, but not an out of memory (the job's
+    budget) nor a device-side assert (an index out of range: the job's data)."""
+    text = str(e)
+    if type(e).__name__ == "OutOfMemoryError" or "out of memory" in text:
+        return False
+    if "device-side assert" in text:
+        return False
+    return type(e).__name__ == "AcceleratorError" or bool(_ENVIRONMENT_ERROR.search(text))
 
 
 def failure_message(e: Exception) -> str:
