@@ -148,6 +148,21 @@ async def get_record(
     return None if info is None else record_from_info(info)
 
 
+#: What a job made for its user; a checkpoint is for resuming, downloaded when asked for.
+RESULTS: tuple[ArtifactKind, ...] = (ArtifactKind.PEFT, ArtifactKind.GGUF)
+#: The file ending of each kind as downloaded: what its bytes are.
+SUFFIXES: dict[ArtifactKind, str] = {
+    ArtifactKind.PEFT: ".tar.gz",
+    ArtifactKind.GGUF: ".gguf",
+    ArtifactKind.CHECKPOINT: ".tar",
+}
+
+
+def download_name(job_id: str, kind: ArtifactKind) -> str:
+    """`<job>-<kind><suffix>`: the file a download writes."""
+    return f"{job_id}-{kind.value}{SUFFIXES[kind]}"
+
+
 async def list_records(js: JetStreamContext, names: Names, job_id: str) -> list[ArtifactRecord]:
     """Every stored artifact of a job, in ArtifactKind order."""
     out = []

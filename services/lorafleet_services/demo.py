@@ -20,6 +20,7 @@ from pathlib import Path
 
 from rich.console import Console
 
+from lorafleet.artifacts import RESULTS, download_name
 from lorafleet.client import Client
 from lorafleet_schemas.messages import (
     Engine,
@@ -113,11 +114,12 @@ def tiny_model(directory: Path, console: Console) -> Path:
 
 
 async def _download_checked(lf: Client, job_id: str, out_dir: Path, console: Console) -> bool:
-    """Download every artifact of the job into `out_dir`; False at the first sha256 mismatch."""
+    """Download what the job made into `out_dir`; False at the first sha256 mismatch."""
     out_dir.mkdir(parents=True, exist_ok=True)
     for art in await lf.artifacts(job_id):
-        suffix = ".tar.gz" if art.kind.value == "peft" else ".gguf"
-        path = out_dir / f"{job_id}-{art.kind.value}{suffix}"
+        if art.kind not in RESULTS:
+            continue
+        path = out_dir / download_name(job_id, art.kind)
         rec = await lf.download(job_id, art.kind, path)
         digest = hashlib.sha256(path.read_bytes()).hexdigest()
         ok = digest == rec.sha256 == art.sha256

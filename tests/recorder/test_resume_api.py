@@ -43,6 +43,9 @@ async def test_submit_refuses_a_resume_from_with_nothing_to_start_from(running: 
     )  # fmt: skip
     err, _ = await raw(nc, N.jobs_submit, {**_spec(model="other"), "resume_from": bare["id"]})
     assert "trained model tiny, not other" in err["error"]["message"], err
+    err, _ = await raw(nc, N.jobs_submit, {**_spec(), "resume_from": bare["id"]})
+    assert "is still starting: start from it once it has ended" in err["error"]["message"], err
+    await moved(nc, bare["id"], "starting", "failed")
     job, _ = await raw(nc, N.jobs_submit, {**_spec(), "resume_from": bare["id"], "max_attempts": 3})
     assert job["resume_from"] == bare["id"] and job["max_attempts"] == 3, job
     listed, _ = await raw(nc, N.jobs_list, {})

@@ -6,6 +6,7 @@ from pathlib import Path
 
 import typer
 
+from lorafleet.artifacts import RESULTS, download_name
 from lorafleet.client import Client
 from lorafleet_schemas.messages import ArtifactKind
 from lorafleet_services.cli._app import app, err, print_json, run_client
@@ -20,17 +21,18 @@ def artifacts(job_id: str) -> None:
 @app.command("download", rich_help_panel="Artifacts")
 def download(
     job_id: str,
-    kind: list[ArtifactKind] = typer.Option([], help="Default: every artifact of the job."),
+    kind: list[ArtifactKind] = typer.Option(
+        [], help="Default: what the job made (peft, gguf); a checkpoint only when named."
+    ),
     out: Path = typer.Option(Path("."), help="Directory to write into."),
 ) -> None:
     """Download a job's artifacts (sha256 checked)."""
 
     async def go(c: Client) -> None:
-        kinds = kind or [a.kind for a in await c.artifacts(job_id)]
+        kinds = kind or [a.kind for a in await c.artifacts(job_id) if a.kind in RESULTS]
         out.mkdir(parents=True, exist_ok=True)
         for k in kinds:
-            suffix = ".tar.gz" if k is ArtifactKind.PEFT else ".gguf"
-            path = out / f"{job_id}-{k.value}{suffix}"
+            path = out / download_name(job_id, k)
             rec = await c.download(job_id, k, path)
             err.print(f"{path}  {rec.size} bytes  sha256 {rec.sha256} (checked)")
 

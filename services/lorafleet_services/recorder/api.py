@@ -20,7 +20,7 @@ from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
-from lorafleet.states import FINAL, IllegalTransitionError
+from lorafleet.states import FINAL, IllegalTransitionError, is_final
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactStoredRequest,
@@ -173,8 +173,8 @@ class RecorderApi:
         return job
 
     async def _check_resume_from(self, spec: JobSpec) -> None:
-        """A job that starts from another's work names a job of the same model
-        that stored a checkpoint or an adapter."""
+        """A job that starts from another's work names an ended job of the same
+        model that stored a checkpoint or an adapter."""
         other = spec.resume_from
         found = await store.resume_source(self.sm, other or "")
         if found is None:
@@ -195,6 +195,14 @@ class RecorderApi:
             raise BadRequestError(
                 f"job {other} (resume_from) trained model {job.model}, not {spec.model}: "
                 "an adapter only fits the model it was trained on",
+                "$.resume_from",
+            )
+        if not is_final(job.state):
+            # Its checkpoint is replaced as it trains, under the one object name:
+            # what a new job fetched could differ from what it was sent.
+            raise BadRequestError(
+                f"job {other} (resume_from) is still {job.state.value}: start from it once it "
+                f"has ended (wait for it, or `lorafleet cancel {other}`)",
                 "$.resume_from",
             )
 
