@@ -206,18 +206,18 @@ async def test_the_window_grows_while_acknowledgements_do_not_queue() -> None:
 async def test_the_window_halves_once_per_window_when_chunks_queue() -> None:
     w = window(FakePublisher(), size=32)
     w.window, w.fastest_s = 32, 0.01
-    w._last_seq = 40  # chunks 9..40 in flight
+    w.in_flight.extend(chunk(seq) for seq in range(10, 41))  # 9 settling, 10..40 in flight
     queued = 0.01 + delivery.QUEUE_TARGET_S + 0.1
     w.adapt(chunk(9), queued)
     assert w.window == 16
     for seq in range(10, 41):  # published before the halving: no second halving for them
         w.adapt(chunk(seq), queued)
     assert w.window == 16
-    w._last_seq = 60
+    w.in_flight.extend(chunk(seq) for seq in range(41, 61))
     w.adapt(chunk(41), queued)  # published after it: the queue is still there
     assert w.window == 8
     for seq in range(61, 200):
-        w._last_seq = seq
+        w.in_flight.append(chunk(seq))
         w.adapt(chunk(seq), queued)
     assert w.window == 1, "a link that keeps queueing ends at one chunk in flight"
 

@@ -288,7 +288,6 @@ class ChunkWindow:
         self.fastest_s = float("inf")
         #: No halving again until a chunk published after the last halving is acknowledged.
         self._halved_at_seq = -1
-        self._last_seq = -1
         self.in_flight: deque[Chunk] = deque()
         self.logger = logger or log.get(subject=subject)
 
@@ -303,7 +302,6 @@ class ChunkWindow:
             await asyncio.sleep(RECONNECT_POLL_S)
         chunk.tries += 1
         chunk.sent_at = loop.time()
-        self._last_seq = max(self._last_seq, chunk.seq)
         try:
             chunk.future = await self.publisher.publish(self.subject, chunk.body, chunk.headers)
             chunk.future.add_done_callback(chunk.stamp_ack)
@@ -324,7 +322,8 @@ class ChunkWindow:
         if queued_s > QUEUE_TARGET_S:
             if chunk.seq > self._halved_at_seq:
                 self.window = max(1, self.window // 2)
-                self._halved_at_seq = self._last_seq
+                # The newest published: still in flight, or `chunk` itself.
+                self._halved_at_seq = max((c.seq for c in self.in_flight), default=chunk.seq)
         elif queued_s < QUEUE_TARGET_S / 2:
             self.window = min(self.size, self.window + 1)
 
