@@ -44,9 +44,8 @@ from urllib.parse import urlparse
 from lorafleet import log
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import StartRequest
 from recorder_reports import make_jobs, make_reports, publish, recorder_rate
-from scheduler_common import Fleet, bench_stack, percentile, summary, wait_nodes_listed
+from scheduler_common import StartTimes, bench_stack, percentile, recording_fleet, summary
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.pg
 import contextlib
@@ -149,40 +148,24 @@ async def start_latencies(tmp: str, nodes: int, jobs: int, mode: str) -> list[fl
     """Submit -> start request received, in seconds, for `jobs` trials."""
     async with bench_stack(metrics_addr="127.0.0.1:0" if mode == "on" else "") as stack:
         await stack.add_model()
-        received: dict[str, float] = {}
-        arrived = asyncio.Event()
-
-        def on_start(node: str, req: StartRequest, at: float) -> None:
-            received[req.job_id] = at
-            arrived.set()
-
-        fleet = Fleet(stack.nc, stack.settings, nodes, on_start=on_start)
-        await fleet.start()
-        await wait_nodes_listed(stack, nodes)
-        try:
+        async with recording_fleet(stack, nodes) as (fleet, times):
             if mode != "on":
-                return await run_trials(stack, list(fleet.nodes), jobs, received, arrived)
+                return await run_trials(stack, list(fleet.nodes), jobs, times)
             procs = (stack.recorder, stack.scheduler)
             async with scraped(tmp, [p.events("service.started")[-1]["metrics"] for p in procs]):
-                return await run_trials(stack, list(fleet.nodes), jobs, received, arrived)
-        finally:
-            await fleet.stop()
+                return await run_trials(stack, list(fleet.nodes), jobs, times)
 
 
-async def run_trials(
-    stack: Any, names: list[str], jobs: int, received: dict[str, float], arrived: asyncio.Event
-) -> list[float]:
+async def run_trials(stack: Any, names: list[str], jobs: int, times: StartTimes) -> list[float]:
     rng = random.Random(7)
     latencies: list[float] = []
     for i in range(WARMUP + jobs):
         node = rng.choice(names) if i % 2 == 0 else None
         t0 = time.perf_counter()
         job_id = await stack.submit(node)
-        while job_id not in received:
-            arrived.clear()
-            await asyncio.wait_for(arrived.wait(), 10)
+        started = await times.of(job_id)
         if i >= WARMUP:
-            latencies.append(received[job_id] - t0)
+            latencies.append(started - t0)
         await stack.call(stack.settings.names.jobs_cancel, {"id": job_id})
         await asyncio.sleep(0.02)
     return latencies

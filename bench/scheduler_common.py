@@ -234,6 +234,39 @@ async def wait_nodes_listed(stack: BenchStack, count: int, timeout_s: float = 30
     raise RuntimeError(f"the scheduler never listed {count} live nodes")
 
 
+@dataclass
+class StartTimes:
+    """When each job's start request reached its simulated node (`Fleet.on_start`)."""
+
+    received: dict[str, float] = field(default_factory=dict)
+    arrived: asyncio.Event = field(default_factory=asyncio.Event)
+
+    def on_start(self, node: str, req: StartRequest, at: float) -> None:
+        self.received[req.job_id] = at
+        self.arrived.set()
+
+    async def of(self, job_id: str, timeout_s: float = 10.0) -> float:
+        """The time job `job_id`'s start request arrived (waited for)."""
+        while job_id not in self.received:
+            self.arrived.clear()
+            await asyncio.wait_for(self.arrived.wait(), timeout_s)
+        return self.received[job_id]
+
+
+@contextlib.asynccontextmanager
+async def recording_fleet(stack: BenchStack, count: int) -> AsyncIterator[tuple[Fleet, StartTimes]]:
+    """`count` simulated nodes, listed live by the scheduler, that record when
+    each start request arrives; stopped on the way out."""
+    times = StartTimes()
+    fleet = Fleet(stack.nc, stack.settings, count, on_start=times.on_start)
+    await fleet.start()
+    try:
+        await wait_nodes_listed(stack, count)
+        yield fleet, times
+    finally:
+        await fleet.stop()
+
+
 def percentile(values: list[float], q: float) -> float:
     ordered = sorted(values)
     if not ordered:

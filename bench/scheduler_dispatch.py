@@ -21,8 +21,7 @@ import asyncio
 import random
 import time
 
-from lorafleet_schemas.messages import StartRequest
-from scheduler_common import Fleet, bench_stack, percentile, summary, wait_nodes_listed
+from scheduler_common import bench_stack, percentile, recording_fleet, summary
 
 #: Trials run first and not counted (connections, caches, the database warm up).
 WARMUP = 10
@@ -32,39 +31,24 @@ async def measure(nodes: int, jobs: int) -> tuple[list[float], list[float]]:
     """(submit -> start received, submit round trip alone), in seconds."""
     async with bench_stack() as stack:
         await stack.add_model()
-        received: dict[str, float] = {}
-        arrived = asyncio.Event()
-
-        def on_start(node: str, req: StartRequest, at: float) -> None:
-            received[req.job_id] = at
-            arrived.set()
-
-        fleet = Fleet(stack.nc, stack.settings, nodes, on_start=on_start)
-        await fleet.start()
-        await wait_nodes_listed(stack, nodes)
-        await asyncio.sleep(1.0)
-        names = list(fleet.nodes)
-        rng = random.Random(7)
         latencies: list[float] = []
         submits: list[float] = []
-        try:
+        async with recording_fleet(stack, nodes) as (fleet, times):
+            await asyncio.sleep(1.0)
+            names = list(fleet.nodes)
+            rng = random.Random(7)
             for i in range(WARMUP + jobs):
-                arrived.clear()
                 node = rng.choice(names) if i % 2 == 0 else None
                 t0 = time.perf_counter()
                 job_id = await stack.submit(node)
                 t_submitted = time.perf_counter()
-                while job_id not in received:
-                    arrived.clear()
-                    await asyncio.wait_for(arrived.wait(), 10)
+                started = await times.of(job_id)
                 if i >= WARMUP:
-                    latencies.append(received[job_id] - t0)
+                    latencies.append(started - t0)
                     submits.append(t_submitted - t0)
                 await stack.call(stack.settings.names.jobs_cancel, {"id": job_id})
                 # Let the cancel reach the node and its next beat say it is idle.
                 await asyncio.sleep(0.02)
-        finally:
-            await fleet.stop()
         return latencies, submits
 
 

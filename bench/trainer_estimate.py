@@ -43,6 +43,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from trainer_gpu import trainer_env  # noqa: E402 (the bench folder, beside this file)
+
 #: Qwen/Qwen2.5-0.5B's config.json, the fields that shape the model.
 QWEN25_05B: dict[str, Any] = {
     "hidden_size": 896,
@@ -149,7 +151,7 @@ def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> 
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**_env()},
+        env=trainer_env(),
     )
     if sampler is not None:
         sampler.pid = proc.pid
@@ -166,20 +168,6 @@ def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> 
         "torch_peak_mib": max((s["peak_mib"] for s in steps), default=None),
         "stderr_tail": err[-800:] if proc.returncode else "",
     }
-
-
-def _env() -> dict[str, str]:
-    import os
-
-    env = dict(os.environ)
-    env.update(
-        HF_HUB_OFFLINE="1",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-        TOKENIZERS_PARALLELISM="false",
-        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-        PYTHONUNBUFFERED="1",
-    )
-    return env
 
 
 def main() -> None:

@@ -164,7 +164,7 @@ def run_lorafleet(work: Path, args: argparse.Namespace, sha: str) -> dict[str, A
         capture_output=True,
         text=True,
         check=False,
-        env=_env(),
+        env=trainer_env(),
     )
     wall = time.perf_counter() - t0
     lines = [json.loads(x) for x in p.stdout.splitlines()]
@@ -309,7 +309,9 @@ def run_baseline(work: Path) -> None:
     )
 
 
-def _env() -> dict[str, str]:
+def trainer_env() -> dict[str, str]:
+    """The trainer's environment, as the agent sets it for a job (what the
+    GPU benches share)."""
     import os
 
     env = dict(os.environ)
@@ -380,7 +382,7 @@ def main() -> None:
             capture_output=True,
             text=True,
             check=False,
-            env=_env(),
+            env=trainer_env(),
         )
         if p.returncode != 0:
             raise SystemExit(f"the baseline failed ({p.returncode}):\n{p.stderr[-3000:]}")
