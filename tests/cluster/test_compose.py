@@ -14,10 +14,9 @@ from typer.testing import CliRunner
 
 from lorafleet.identities import IdentityStore
 from lorafleet.natscluster import NatsCluster
-from lorafleet.settings import Settings
 from lorafleet_schemas.messages import JobState
 from lorafleet_services.cli import app
-from tests.permissions.conftest import IdentityFleet
+from tests.permissions.conftest import IdentityFleet, identity_settings
 from tests.permissions.flow import identity_system
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
@@ -37,14 +36,7 @@ async def compose_fleet(tmp_path: Path) -> AsyncIterator[tuple[IdentityFleet, Na
     shutil.copy(identities / "authorization.conf", etc / "authorization.conf")
     cluster = NatsCluster(tmp_path / "cluster", config_file=etc / "nats.conf")
     await cluster.start()
-    base = Settings(
-        data_dir=str(tmp_path / "data"),
-        database_url="",
-        heartbeat_s=0.5,
-        node_timeout_s=3,
-        request_timeout_s=5.0,
-        replicas=3,
-    )
+    base = identity_settings(tmp_path, request_timeout_s=5.0, replicas=3)
     member = cluster.servers[cluster.names[0]]
     try:
         fleet = IdentityFleet(member, IdentityStore(identities), base, urls=cluster.url)

@@ -8,6 +8,7 @@ import secrets
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -120,14 +121,18 @@ async def start_identity_fleet(tmp_path: Path, *, tls: bool = False) -> Identity
     conf.write_text(identities_config(Names(), identities, tls=server_tls))
     server = NatsServer(tmp_path / "nats-store", config_file=conf)
     await server.start()
-    base = Settings(
+    return IdentityFleet(server, store, identity_settings(tmp_path), certs)
+
+
+def identity_settings(tmp_path: Path, **changes: Any) -> Settings:
+    """What every process of an identity fleet shares (`settings_for` adds its own)."""
+    return Settings(
         data_dir=str(tmp_path / "data"),
         database_url=f"sqlite+aiosqlite:///{tmp_path / 'lorafleet.db'}",
         heartbeat_s=0.5,
         node_timeout_s=3,
         request_timeout_s=3.0,
-    )
-    return IdentityFleet(server, store, base, certs)
+    ).with_(**changes)
 
 
 @pytest.fixture
