@@ -109,6 +109,18 @@ def run_trainer(
     return TrainerRun(p.returncode, raw, [json.loads(x) for x in raw], p.stderr)
 
 
+def start_trainer(job_path: Path) -> subprocess.Popen[str]:
+    """The trainer on `job_path`, its stdout a pipe of JSON lines to read as it
+    runs (a test that stops it midway); stderr discarded."""
+    return subprocess.Popen(
+        [sys.executable, str(TRAINER_PATH), str(job_path)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        env=_env(),
+    )
+
+
 def _env() -> dict[str, str]:
     import os
 

@@ -8,8 +8,6 @@ import json
 import os
 import shutil
 import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from types import ModuleType
@@ -18,12 +16,11 @@ from typing import Any
 import pytest
 
 from tests.trainer.harness import (
-    TRAINER_PATH,
     TrainerRun,
-    _env,
     ndjson,
     qa_records,
     run_trainer,
+    start_trainer,
     write_job,
 )
 from tests.trainer.test_protocol import _decode_strictly
@@ -136,13 +133,7 @@ def test_a_run_killed_and_resumed_ends_as_the_uninterrupted_one(
     # fingerprint): the checkpoints land mid-epoch, and writing them changes nothing.
     killed_job = _job(tmp_path / "killed", base, params={"checkpoint_every_steps": 5})
     seen: list[dict[str, Any]] = []
-    with subprocess.Popen(
-        [sys.executable, str(TRAINER_PATH), str(killed_job)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-    ) as p:
+    with start_trainer(killed_job) as p:
         try:
             assert p.stdout is not None
             for raw in p.stdout:

@@ -7,8 +7,6 @@ import json
 import math
 import os
 import signal
-import subprocess
-import sys
 import warnings
 from collections.abc import Callable
 from pathlib import Path
@@ -19,13 +17,12 @@ import pytest
 
 from tests.trainer.conftest import TRAIN_PARAMS
 from tests.trainer.harness import (
-    TRAINER_PATH,
     TrainerRun,
-    _env,
     fake_hf_cache,
     ndjson,
     qa_records,
     run_trainer,
+    start_trainer,
     write_job,
 )
 
@@ -301,13 +298,7 @@ def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_
         data=ndjson(qa_records()),
         params={"max_steps": 100_000, "batch_size": 2},
     )
-    with subprocess.Popen(
-        [sys.executable, str(TRAINER_PATH), str(job)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=_env(),
-    ) as p:
+    with start_trainer(job) as p:
         try:
             assert p.stdout is not None
             seen = []
