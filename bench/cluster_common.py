@@ -9,7 +9,6 @@ timeout 3 s. Agents are started by the bench.
 
 from __future__ import annotations
 
-import contextlib
 import statistics
 import sys
 from collections.abc import AsyncIterator
@@ -21,8 +20,14 @@ from tests.eventually import eventually
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsLink, available
 from tests.pg import throwaway_database
-from tests.procs import ServiceProcess
-from tests.system.conftest import Stack, kill_pid, pid_alive, trainer_pids
+from tests.system.conftest import (
+    Stack,
+    kill_pid,
+    pid_alive,
+    running_stack,
+    system_settings,
+    trainer_pids,
+)
 
 # What the cluster benches take from the tests (imported here, after the path).
 __all__ = [
@@ -38,9 +43,7 @@ __all__ = [
     "trainer_pids",
 ]
 
-from lorafleet import _bus as bus
 from lorafleet.natsserver import NatsServer
-from lorafleet.settings import Settings
 
 
 @asynccontextmanager
@@ -48,33 +51,10 @@ async def system(
     url: str, server: NatsServer, tmp: Path, replicas: int = 1
 ) -> AsyncIterator[Stack]:
     with throwaway_database("lorafleet_bench") as db_url:
-        settings = Settings(
-            nats_url=url,
-            data_dir=str(tmp / "data"),
-            database_url=db_url,
-            heartbeat_s=0.5,
-            node_timeout_s=3,
-            request_timeout_s=3.0,
-            replicas=replicas,
-        )
-        nc = await bus.connect(settings, "bench")
-        js = nc.jetstream()
-        await bus.ensure_layout(js, bus.layout_for(settings))
-        recorder = ServiceProcess("lorafleet_services.recorder", settings)
-        stack = Stack(settings, server, nc, js, tmp, recorder, procs=[recorder])
-        try:
-            await recorder.start()
-            stack.artifact_store = ServiceProcess("lorafleet_services.artifact_store", settings)
-            stack.procs.append(stack.artifact_store)
-            await stack.artifact_store.start()
-            await stack.scheduler()
+        settings = system_settings(url, db_url, tmp).with_(replicas=replicas)
+        async with running_stack(settings, server, tmp, "bench") as stack:
             await stack.add_model()
             yield stack
-        finally:
-            for proc in [*stack.agents.values(), *stack.procs]:
-                with contextlib.suppress(Exception):
-                    await proc.stop(timeout_s=5)
-            await bus.drain_quietly(nc)
 
 
 def summary(name: str, values: list[float]) -> str:

@@ -218,15 +218,32 @@ async def stack(
 ) -> AsyncIterator[Stack]:
     """Recorder (PostgreSQL), one scheduler and the artifact-store when it exists;
     agents are started by the test (`await stack.agent("node-1")`)."""
-    settings = Settings(
-        nats_url=nats_server.url,
+    settings = system_settings(nats_server.url, pg_url, tmp_path).with_(**stack_settings)
+    async with running_stack(settings, nats_server, tmp_path, "system-test") as s:
+        yield s
+
+
+def system_settings(nats_url: str, database_url: str, tmp_path: Path) -> Settings:
+    """The system tests' settings (heartbeat 0.5 s, node timeout 3 s); the
+    cluster benches run with them too."""
+    return Settings(
+        nats_url=nats_url,
         data_dir=str(tmp_path / "data"),
-        database_url=pg_url,
+        database_url=database_url,
         heartbeat_s=0.5,
         node_timeout_s=3,
         request_timeout_s=3.0,
-    ).with_(**stack_settings)
-    nc = await bus.connect(settings, "system-test")
+    )
+
+
+@contextlib.asynccontextmanager
+async def running_stack(
+    settings: Settings, nats_server: NatsServer, tmp_path: Path, client_name: str
+) -> AsyncIterator[Stack]:
+    """The layout, the recorder, the artifact-store (when it exists) and one
+    scheduler on `settings`; on the way out agents stop first, so their jobs
+    end while the others still answer."""
+    nc = await bus.connect(settings, client_name)
     js = nc.jetstream()
     await bus.ensure_layout(js, bus.layout_for(settings))
     recorder = ServiceProcess("lorafleet_services.recorder", settings)
@@ -240,7 +257,6 @@ async def stack(
         await s.scheduler()
         yield s
     finally:
-        # Agents first, so their jobs end while the others still answer.
         for proc in [*s.agents.values(), *s.procs]:
             with contextlib.suppress(Exception):
                 await proc.stop(timeout_s=5)
