@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import datetime as dt
 import hashlib
 import io
 from collections.abc import AsyncIterator
@@ -69,6 +70,13 @@ from lorafleet_schemas.messages import (
 )
 
 T = TypeVar("T")
+
+
+def job_order(job: JobRecord) -> tuple[int, dt.datetime]:
+    """What orders records of one job, oldest first: the recorder's version
+    of it (its updated_at can run backwards, see JobRecord.version), then
+    the time, which alone orders records of a recorder that sends no version."""
+    return job.version, job.updated_at
 
 
 class JobFailedError(RuntimeError):
@@ -207,11 +215,11 @@ class Client:
                     event = await asyncio.wait_for(queue.get(), poll_s)
                 except TimeoutError:
                     job = await self.get(job_id)
-                    if job.updated_at == last.updated_at:
+                    if job_order(job) <= job_order(last):
                         continue
                     changed = job.state != last.state
                     event = JobEvent(kind="state" if changed else "progress", job=job)
-                if event.job.updated_at < last.updated_at:
+                if job_order(event.job) < job_order(last):
                     continue  # older than what we showed
                 last = event.job
                 yield event

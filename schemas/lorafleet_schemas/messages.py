@@ -329,6 +329,12 @@ class JobRecord(msgspec.Struct, kw_only=True):
     #: Its stored PEFT adapter, once stored (a job with resume_from this one
     #: starts from it when it has no checkpoint).
     adapter: CheckpointRef | None = None
+    #: Grows by one with every committed change of the job: of two records
+    #: of one job, the one with the higher version is newer. `updated_at`
+    #: cannot say that: a writer stamps its time before it waits for the
+    #: row, so a change can commit after another yet carry an earlier time.
+    #: 0 from a recorder older than this field.
+    version: int = 0
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

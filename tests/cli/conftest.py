@@ -45,24 +45,29 @@ class Up:
         return [sys.executable, "-m", "lorafleet_services.cli", *args]
 
     async def lorafleet(
-        self, *args: str, env: dict[str, str] | None = None
+        self, *args: str, env: dict[str, str] | None = None, timeout_s: float = COMMAND_TIMEOUT_S
     ) -> tuple[int, str, str]:
-        """Run `lorafleet ARGS` with pipes (not a terminal); (rc, stdout, stderr)."""
+        """Run `lorafleet ARGS` with pipes (not a terminal); (rc, stdout, stderr).
+        A command still running after `timeout_s`, or when the caller is
+        cancelled, is killed and reaped, so that its pipes never outlive the
+        test (they would fail a later test as unclosed transports)."""
         proc = await asyncio.create_subprocess_exec(
             *self.argv(*args), cwd=ROOT, env={**self.env, **(env or {})},
             stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
         )  # fmt: skip
         try:
-            out, err = await asyncio.wait_for(proc.communicate(), COMMAND_TIMEOUT_S)
+            out, err = await asyncio.wait_for(proc.communicate(), timeout_s)
         except TimeoutError:
-            # Kill and reap it, so that its pipes do not outlive the test (they
-            # would fail the next test's setup as unclosed transports).
             proc.kill()
             out, err = await proc.communicate()
             raise AssertionError(
-                f"lorafleet {' '.join(args)} did not end in {COMMAND_TIMEOUT_S:g} s; "
-                f"stderr: {err.decode()[-2000:]}"
+                f"lorafleet {' '.join(args)} did not end in {timeout_s:g} s; "
+                f"stdout: {out.decode()[-2000:]}; stderr: {err.decode()[-2000:]}"
             ) from None
+        finally:
+            if proc.returncode is None:
+                proc.kill()
+                await asyncio.shield(proc.wait())
         assert proc.returncode is not None
         return proc.returncode, out.decode(), err.decode()
 

@@ -5,6 +5,7 @@ stand-in trainer; and the same commands with pipes, as scripts run them."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import re
 import struct
@@ -125,14 +126,19 @@ def _one_line(err: str) -> bool:
 
 async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
     job_id = await up.submit(3000)
-    watch = asyncio.create_task(up.lorafleet("watch", job_id, "--plain"))
-    await eventually(
-        lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
-        until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
-    )  # fmt: skip
-    rc, _, err = await up.lorafleet("cancel", job_id, "--reason", "enough")
-    assert rc == 0, err
-    rc, _, err = await asyncio.wait_for(watch, 60)
+    watch = asyncio.create_task(up.lorafleet("watch", job_id, "--plain", timeout_s=60))
+    try:
+        await eventually(
+            lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+            until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
+        )  # fmt: skip
+        rc, _, err = await up.lorafleet("cancel", job_id, "--reason", "enough")
+        assert rc == 0, err
+        rc, _, err = await watch
+    finally:
+        watch.cancel()  # a no-op once it has ended; kills the command otherwise
+        with contextlib.suppress(asyncio.CancelledError, AssertionError):
+            await watch
     assert rc == 2 and "cancelled" in err, err
 
 

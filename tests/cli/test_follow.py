@@ -59,6 +59,19 @@ def test_state_changes_and_new_messages_print_above_progress_does_not() -> None:
     assert view.tokens_per_s == 900.0
 
 
+def test_the_newer_version_wins_even_with_an_earlier_time() -> None:
+    """Found in CI: a cancel stamped its time, then waited for the row while
+    a status batch committed; the cancel's record was dropped as older and
+    the watch never ended. The version orders them, the time does not."""
+    view = JobView(record(step=5, updated_at=at(2), version=7))
+    cancelled = record(state=JobState.CANCELLED, step=5, updated_at=at(1.9), version=8)
+    [line] = view.update(JobEvent(kind="state", job=cancelled))
+    assert "j1 cancelled" in line and view.job.state is JobState.CANCELLED
+    late = record(step=9, updated_at=at(3), version=6)
+    assert view.update(JobEvent(kind="progress", job=late)) == []
+    assert view.job.state is JobState.CANCELLED
+
+
 def test_the_eta_counts_down_between_events_and_the_line_says_it_all() -> None:
     view = JobView(record())
     job = record(step=150, loss=0.5, eval_loss=0.6, peak_mib=512, updated_at=at(1))

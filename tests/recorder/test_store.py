@@ -339,3 +339,32 @@ async def test_concurrent_batches_for_one_job(models: Sessions) -> None:
     got = await store.get_job(models, job.id)
     assert got is not None and comparable(got) == comparable(expected)
     assert len((await store.curve(models, job.id)).points) == 20
+
+
+async def test_every_change_of_a_job_has_a_higher_version(models: Sessions) -> None:
+    """What a watcher orders a job's records by: its updated_at can run
+    backwards (a writer stamps its time before it waits for the row), the
+    version cannot. Each kind of write, as it returns and as it is read."""
+    job = await new_job(models, "tiny-gguf")
+    seen = [job.version]
+    applied, job = await store.transition(
+        models, job.id, JobState.QUEUED, JobState.STARTING, node="n1"
+    )
+    seen.append(job.version)
+    result = await store.apply_status(models, [rep(job, 1, state=JobState.RUNNING)])
+    seen.append(result.changes[0].job.version)
+    result = await store.apply_status(models, [rep(job, 2, step=1, steps=9, loss=2.0)])
+    seen.append(result.changes[0].job.version)
+    got, _ = await store.record_artifact(
+        models, job.id, ArtifactKind.CHECKPOINT, 10, SHA, step=1, attempt=1, object_name="o"
+    )
+    seen.append(got.version)
+    got, _ = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
+    seen.append(got.version)
+    applied, got = await store.transition(models, job.id, JobState.RUNNING, JobState.CANCELLED)
+    seen.append(got.version)
+    got, _ = await store.resume_job(models, job.id, 1)
+    seen.append(got.version)
+    assert applied and seen == list(range(1, len(seen) + 1)), seen
+    read = await store.get_job(models, job.id)
+    assert read is not None and read.version == seen[-1]

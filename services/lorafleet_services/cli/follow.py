@@ -31,7 +31,7 @@ from rich.progress_bar import ProgressBar
 from rich.table import Table
 from rich.text import Text
 
-from lorafleet.client import Client
+from lorafleet.client import Client, job_order
 from lorafleet_schemas.messages import ArtifactRecord, JobEvent, JobRecord, JobState
 
 Mode = Literal["live", "plain", "json"]
@@ -70,7 +70,7 @@ class JobView:
         """Take `event`; the lines to print above the display (a state change,
         a new message), oldest first."""
         before, job = self.job, event.job
-        if job.updated_at < before.updated_at:
+        if job_order(job) < job_order(before):
             return []  # older than what is shown
         self.job = job
         if event.tokens_per_s is not None:

@@ -179,6 +179,7 @@ def job_record(row: Mapping[Any, Any]) -> JobRecord:
             None if row["checkpoint"] is None else msgspec.convert(row["checkpoint"], CheckpointRef)
         ),
         adapter=artifact_ref(row, ArtifactKind.PEFT),
+        version=row["version"],
     )
 
 
@@ -203,14 +204,18 @@ async def _load_job(s: AsyncSession, job_id: str) -> dict[str, Any] | None:
     return dict(row) if row is not None else None
 
 
-async def _guarded_update(s: AsyncSession, row: Mapping[str, Any], values: dict[str, Any]) -> None:
+async def _guarded_update(s: AsyncSession, row: dict[str, Any], values: dict[str, Any]) -> None:
+    """Write `values` to the job of `row` if no one has since `row` was read
+    (else _GuardMissedError), and bring `row` up to what was written."""
+    version = row["version"] + 1
     result = await s.execute(
         update(_jobs)
         .where(_jobs.c.id == row["id"], _jobs.c.version == row["version"])
-        .values(**values, version=row["version"] + 1)
+        .values(**values, version=version)
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
         raise _GuardMissedError(row["id"])
+    row.update(values, version=version)
 
 
 def _event_row(
@@ -732,7 +737,6 @@ async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]
             )
             if folded.values:
                 await _guarded_update(s, row, folded.values)
-                row.update(folded.values)
                 latest = _latest_rates(job_reports)
                 result.changes.append(
                     JobChange(
@@ -845,7 +849,6 @@ async def _record_checkpoint_once(
             return job_record(row), None
         values = {"checkpoint": msgspec.to_builtins(ref), "updated_at": now()}
         await _guarded_update(s, row, values)
-        row.update(values)
     job = job_record(row)
     return job, JobChange(job, "progress", [])
 
@@ -883,7 +886,6 @@ async def _record_artifact_once(
                 insert(_events),
                 [_event_row(job_id, t, m.from_state, m.to_state, m.message) for m in moves],
             )
-        row.update(values)
     job = job_record(row)
     return job, JobChange(job, "state" if moves else "progress", moves)
 
@@ -1033,5 +1035,4 @@ async def _resume_once(
         }
         await _guarded_update(s, row, values)
         await s.execute(insert(_events).values(_event_row(job_id, t, state, JobState.QUEUED, said)))
-        row.update(values)
     return job_record(row), Move(state, JobState.QUEUED, said)
