@@ -19,6 +19,7 @@ import sys
 from collections.abc import Mapping
 from pathlib import Path
 
+from lorafleet._process import die_with_parent
 from lorafleet._tasks import stop_tasks
 
 #: Seconds to wait for "Server is ready".
@@ -109,8 +110,10 @@ class NatsServer:
 
     async def start(self) -> NatsServer:
         self.store_dir.mkdir(parents=True, exist_ok=True)
+        # With a parent-death SIGTERM: a parent killed outright (a test run
+        # stopped, `lorafleet up` killed) leaves no server on its ports.
         self.proc = proc = await asyncio.create_subprocess_exec(
-            *self._args(),
+            *die_with_parent(self._args()),
             env={**os.environ, **self.env},
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,

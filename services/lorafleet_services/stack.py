@@ -25,6 +25,7 @@ from typing import Any, Protocol
 
 from lorafleet import _bus as bus
 from lorafleet import metrics
+from lorafleet._process import die_with_parent
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
@@ -171,8 +172,11 @@ class ServiceProcess:
             "LORAFLEET_LOG_FORMAT": "json",
         }
         self._started = asyncio.Event()
+        # Its own session (a Ctrl-C meant for `up` reaches `up` alone, which
+        # stops the children in order), and a parent-death SIGTERM (`up`
+        # killed outright leaves no service holding its ports and store).
         self.proc = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", self.module, *self.args,
+            *die_with_parent([sys.executable, "-m", self.module, *self.args]),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
             start_new_session=True, limit=1 << 20,
         )  # fmt: skip

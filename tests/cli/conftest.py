@@ -84,24 +84,34 @@ class Up:
         )
 
 
-@pytest.fixture(scope="module")
-def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
-    tmp = tmp_path_factory.mktemp("up")
-    data_dir = tmp / "data"
+def up_env(tmp: Path) -> dict[str, str]:
+    """The environment `lorafleet up` and the commands run in: data under
+    `tmp`, the stand-in trainer, nothing fetched, no fixed port."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join(str(ROOT / d) for d in ("schemas", "libs", "services")),
-        "LORAFLEET_DATA_DIR": str(data_dir),
+        "LORAFLEET_DATA_DIR": str(tmp / "data"),
         "LORAFLEET_AGENT_TRAINER": "standin",
         "LORAFLEET_STANDIN_STEP_S": STEP_S,
         # A source is named, so `up` fetches nothing (vllm models convert nothing).
         "LORAFLEET_AGENT_CONVERSION_SOURCE": str(tmp / "{tag}.tar.gz"),
         "LORAFLEET_AGENT_LLAMACPP_TAG": "b1",
         "LORAFLEET_CONNECT_TIMEOUT_S": "2",
+        # Each child picks a free port: `up`'s default 9460 and on may be taken
+        # (an operator's own `lorafleet up` on this machine failed every test).
+        "LORAFLEET_METRICS_ADDR": "127.0.0.1:0",
         "COLUMNS": "120",
     }
     for name in ("LORAFLEET_NATS_URL", "LORAFLEET_LOG_FORMAT", "NO_COLOR"):
         env.pop(name, None)
+    return env
+
+
+@pytest.fixture(scope="module")
+def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
+    tmp = tmp_path_factory.mktemp("up")
+    data_dir = tmp / "data"
+    env = up_env(tmp)
     terminal = Terminal(env, str(ROOT))
     pairs = tmp / "pairs.jsonl"
     pairs.write_text(DATA)

@@ -56,6 +56,7 @@ from nats.js import JetStreamContext
 
 from lorafleet import log, metrics, objects
 from lorafleet._bus import encode
+from lorafleet._process import die_with_parent
 from lorafleet.estimate import EstimateError, estimate_memory
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
@@ -170,21 +171,12 @@ def trainer_failure(result: ProcessResult, error_line: str | None) -> tuple[str,
 #: A restarted agent finds what an earlier one left running by it.
 JOB_DIR_VAR = "LORAFLEET_JOB_DIR"
 
-#: Runs the trainer with a parent-death signal: if the agent dies (SIGKILL,
-#: OOM), the trainer gets SIGKILL instead of training on as an orphan that
-#: holds the card. Standard library only (it runs in the engine's Python);
-#: prctl's setting survives the exec. PR_SET_PDEATHSIG is 1.
-DIE_WITH_AGENT = (
-    "import ctypes, os, signal, sys\n"
-    "ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)\n"
-    "if os.getppid() != int(sys.argv[1]): os._exit(137)\n"
-    "os.execv(sys.argv[2], sys.argv[2:])"
-)
-
 
 def trainer_argv(python: str, script: Path, job_json: Path) -> list[str]:
-    """The trainer's command line, started through DIE_WITH_AGENT."""
-    return [python, "-c", DIE_WITH_AGENT, str(os.getpid()), python, str(script), str(job_json)]
+    """The trainer's command line. With a parent-death SIGKILL: if the agent
+    dies (SIGKILL, OOM), the trainer does not train on as an orphan that
+    holds the card. The prelude runs in the engine's Python."""
+    return die_with_parent([python, str(script), str(job_json)], signal.SIGKILL, python=python)
 
 
 def trainer_env(

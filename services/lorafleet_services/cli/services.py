@@ -128,10 +128,11 @@ def up_cmd(
 
 
 async def _until_stopped(stack: EmbeddedStack) -> None:
-    """Wait for SIGINT/SIGTERM or a child's exit; then stop the stack."""
+    """Wait for SIGINT/SIGTERM/SIGHUP (its terminal closed) or a child's
+    exit; then stop the stack."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
     try:
         while not stop.is_set():

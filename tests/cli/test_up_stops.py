@@ -1,0 +1,96 @@
+"""`lorafleet up` leaves nothing running once it is gone: its terminal
+closed (SIGHUP) stops it cleanly, and killed outright (SIGKILL) its
+children get a parent-death SIGTERM and stop too — found when a killed
+`up` left five processes holding its ports, and the next `up` could not
+start."""
+
+from __future__ import annotations
+
+import asyncio
+import signal
+import sys
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.cli.conftest import ROOT, free_port, up_env
+from tests.eventually import eventually
+
+#: nats-server, recorder, scheduler, artifact-store, agent.
+CHILDREN = 5
+UP_TIMEOUT_S = 90.0
+#: Seconds the children have to stop once `up` is gone (each drains on SIGTERM).
+GONE_TIMEOUT_S = 30.0
+
+
+@dataclass
+class RunningUp:
+    proc: asyncio.subprocess.Process
+    children: list[psutil.Process]
+    data_dir: Path
+
+
+@pytest.fixture
+async def running_up(tmp_path: Path) -> AsyncIterator[RunningUp]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorafleet_services.cli", "up", "--nats-port", str(free_port()),
+        cwd=ROOT, env=up_env(tmp_path), stdout=asyncio.subprocess.DEVNULL,
+        stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    assert proc.stderr is not None
+    said: list[str] = []
+    ready = asyncio.Event()
+
+    async def read(stderr: asyncio.StreamReader) -> None:
+        # Read to the end: `up` writes every child's log lines here.
+        while line := await stderr.readline():
+            said.append(line.decode(errors="replace"))
+            if "lorafleet is up" in said[-1]:
+                ready.set()
+
+    reader = asyncio.create_task(read(proc.stderr))
+    procs = [psutil.Process(proc.pid)]
+    try:
+        await eventually(ready.is_set, "lorafleet is up", timeout_s=UP_TIMEOUT_S)
+        children = procs[0].children(recursive=True)
+        procs += children
+        assert len(children) == CHILDREN, [c.cmdline()[:3] for c in children]
+        yield RunningUp(proc, children, tmp_path / "data")
+    finally:
+        for p in procs:
+            if p.is_running():
+                p.kill()
+        await proc.wait()
+        await reader
+
+
+def _alive(procs: list[psutil.Process]) -> list[str]:
+    alive = []
+    for p in procs:
+        try:
+            if p.status() != psutil.STATUS_ZOMBIE:
+                alive.append(" ".join(p.cmdline()[:4]))
+        except psutil.NoSuchProcess:
+            pass
+    return alive
+
+
+async def test_a_closed_terminal_stops_up_cleanly(running_up: RunningUp) -> None:
+    running_up.proc.send_signal(signal.SIGHUP)
+    rc = await asyncio.wait_for(running_up.proc.wait(), GONE_TIMEOUT_S)
+    assert rc == 0
+    # `up` removes its nats-url file last, once every child has stopped.
+    assert not (running_up.data_dir / "nats-url").exists()
+    assert _alive(running_up.children) == []
+
+
+async def test_up_killed_outright_leaves_no_child_running(running_up: RunningUp) -> None:
+    running_up.proc.kill()
+    await running_up.proc.wait()
+    await eventually(
+        lambda: _alive(running_up.children), "every child of the killed up to stop",
+        until=lambda alive: alive == [], timeout_s=GONE_TIMEOUT_S,
+    )  # fmt: skip
