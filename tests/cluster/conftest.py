@@ -17,6 +17,7 @@ import pytest
 
 from lorafleet.natscluster import NatsCluster
 from lorafleet.natsserver import NatsServer
+from tests.cluster.helpers import RECORDER_ACK_WAIT_S
 from tests.system.conftest import stack  # noqa: F401 (the fixture, run on the cluster)
 
 
@@ -37,4 +38,8 @@ def nats_server(nats_cluster: NatsCluster) -> NatsServer:
 
 @pytest.fixture
 def stack_settings(nats_cluster: NatsCluster) -> dict[str, Any]:
-    return {"nats_url": nats_cluster.url, "replicas": 3}
+    return {
+        "nats_url": nats_cluster.url,
+        "replicas": 3,
+        "recorder_ack_wait_s": RECORDER_ACK_WAIT_S,
+    }

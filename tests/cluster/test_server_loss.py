@@ -84,9 +84,11 @@ async def test_two_of_three_left_and_the_system_goes_on(
 
 
 @pytest.mark.xfail(
-    reason="found in the full suite under load (1 run of 2): the job ended done but its "
-    "curve lacked step 1 — a status report lost or refused during the rolling restart; "
-    "open, not yet understood (see issue 12's closing note). Passes alone.",
+    reason="found once in the full suite under load (1 run of 2), not since (in over 20): "
+    "the job ended done but its curve lacked step 1. Suspected: the report was in flight "
+    "to the recorder as its server restarted, and came back only after the 30 s ack wait, "
+    "once the test had looked; the cluster's recorder now acks within 5 s and the check "
+    "waits that long. Unproven, so left expected to fail (issue 12's closing note).",
     strict=False,
 )
 async def test_a_rolling_restart_while_a_job_trains(
