@@ -284,7 +284,7 @@ def test_a_base_from_the_hugging_face_cache(
         base={**base, "hf_revision": "v2"},
     )
     run = run_trainer(other, env={"HF_HOME": str(hf_home)})
-    assert run.rc == 1
+    assert run.rc == 3  # another node's cache may hold it: the job may be retried there
     assert run.lines[-1]["event"] == "error"
     assert run.lines[-1]["message"].startswith(
         "lorafleet/tiny-qwen2@v2 is not in the node's Hugging Face cache: "

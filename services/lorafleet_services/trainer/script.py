@@ -79,15 +79,16 @@ Anything else (warnings, tracebacks, library chatter) goes to stderr.
 
 Exit status, each failure after an "error" line when it can:
     0    done.
-    1    a failure of the job's own: a diverging loss, the base not in the
-         cache, an exception in training (its type is named), an out of
+    1    a failure of the job's own: a diverging loss, the base not on the
+         Hub, an exception in training (its type is named), an out of
          memory (of its budget: a retry would fail the same way).
     2    bad input: parameters, data, the job file, a resume that does not
          fit the job; the line names what to change.
     3    a failure of the node, not the job's: a CUDA or driver error that
          is not an out of memory (`is_environment_failure`), no card where
-         the agent chose one, an OSError writing a checkpoint or the
-         adapter. The job may be retried elsewhere.
+         the agent chose one, the base not in the node's cache (offline),
+         an OSError writing a checkpoint or the adapter. The job may be
+         retried elsewhere.
     143  stopped by SIGTERM.
 
 Checkpoints: with a checkpoint_dir, after every params.checkpoint_every_steps
@@ -198,8 +199,8 @@ class BadInputError(Exception):
 
 
 class TrainingError(Exception):
-    """Not the input's fault (the node's cache, a diverging loss): exit 1, the
-    message shown as it is."""
+    """Not the input's fault (a diverging loss, a base the Hub lacks): exit 1,
+    the message shown as it is."""
 
 
 class EnvironmentFailureError(Exception):
@@ -1736,9 +1737,10 @@ def resolve_base(base: Base, offline: bool) -> Path:
             )
         except Exception as e:
             where = "the node's Hugging Face cache" if offline else "the Hugging Face Hub"
-            raise TrainingError(
-                f"{base.hf_repo}@{base.hf_revision} is not in {where}: {type(e).__name__}: {e}"
-            ) from e
+            said = f"{base.hf_repo}@{base.hf_revision} is not in {where}: {type(e).__name__}: {e}"
+            # Missing from this node's cache is this node's lack (another
+            # node may hold it); missing from the Hub, the job's own.
+            raise (EnvironmentFailureError if offline else TrainingError)(said) from e
     if not any(d.glob("*.safetensors")):
         raise BadInputError(f"no *.safetensors weights in {d}; only safetensors are read")
     # The trainer runs as the engines' user; weights saved by another user
