@@ -119,6 +119,18 @@ class TrainerEnvironment(Protocol):
     def give(self, path: Path) -> None: ...
 
 
+#: In every trainer's and converter's environment, whatever runs it: lines
+#: unbuffered (the agent reads them as they come), no progress bars and no
+#: tokenizer threads in the output, and a CUDA allocator that returns
+#: memory a co-located engine may need.
+RUN_ENV: Mapping[str, str] = {
+    "PYTHONUNBUFFERED": "1",
+    "HF_HUB_DISABLE_PROGRESS_BARS": "1",
+    "TOKENIZERS_PARALLELISM": "false",
+    "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
+}
+
+
 class TrainerSetupError(RuntimeError):
     """The node cannot run the trainer as configured; the message says what
     to install or change."""
@@ -154,12 +166,9 @@ class EngineEnvironment:
             "PATH": f"{Path(self.python).parent}:{SYSTEM_PATH}",
             "LANG": os.environ.get("LANG") or "C.UTF-8",
             "PYTHONNOUSERSITE": "1",
-            "PYTHONUNBUFFERED": "1",
+            **RUN_ENV,
             **who,
             "HF_HOME": str(self.hf_home),
-            "HF_HUB_DISABLE_PROGRESS_BARS": "1",
-            "TOKENIZERS_PARALLELISM": "false",
-            "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
             # NVML numbers cards in PCI bus order; CUDA's default order is
             # fastest first, so without this the index could name another card.
             "CUDA_DEVICE_ORDER": "PCI_BUS_ID",
@@ -201,6 +210,7 @@ class StandinEnvironment:
             for k, v in self.base_env.items()
             if not k.startswith("LORAFLEET_") or k.startswith("LORAFLEET_STANDIN_")
         }
+        env.update(RUN_ENV)
         env["CUDA_VISIBLE_DEVICES"] = "" if choice.index is None else str(choice.index)
         env.update(extra or {})
         return env

@@ -182,18 +182,9 @@ def trainer_argv(python: str, script: Path, job_json: Path) -> list[str]:
 def trainer_env(
     env: TrainerEnvironment, choice: CardChoice, job_dir: Path | None = None
 ) -> dict[str, str]:
-    """The trainer process's environment: the environment's, plus what every run needs."""
-    out = env.process_env(choice)
-    if job_dir is not None:
-        out[JOB_DIR_VAR] = str(job_dir)
-    out.update(
-        CUDA_VISIBLE_DEVICES="" if choice.index is None else str(choice.index),
-        PYTORCH_CUDA_ALLOC_CONF="expandable_segments:True",
-        PYTHONUNBUFFERED="1",
-        TOKENIZERS_PARALLELISM="false",
-        HF_HUB_DISABLE_PROGRESS_BARS="1",
-    )
-    return out
+    """The trainer process's environment: the environment's (its card and
+    `environment.RUN_ENV` included), and the job's directory."""
+    return env.process_env(choice, None if job_dir is None else {JOB_DIR_VAR: str(job_dir)})
 
 
 def job_file(
