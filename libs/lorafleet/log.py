@@ -61,6 +61,10 @@ class Event:
     STATUS_STALE: Final = "status.stale"
     NODE_UP: Final = "node.up"
     NODE_LOST: Final = "node.lost"
+    #: A node's key went away (deleted or expired) while the scheduler's view
+    #: was blind or just back: not a loss, and not logged as one; the sweep
+    #: judges the node from now on (scheduler/nodes.py).
+    NODE_DEPARTURE_DEFERRED: Final = "node.departure_deferred"
     #: A node's agent stopped cleanly (it deleted its heartbeat key).
     NODE_LEFT: Final = "node.left"
     NODE_BUSY: Final = "node.busy"

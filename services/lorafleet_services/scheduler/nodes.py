@@ -114,13 +114,13 @@ class NodeWatcher:
             self.wake()
 
     def _on_departure(self, name: str, why: Departure) -> None:
-        event = Event.NODE_LEFT if why is Departure.LEFT else Event.NODE_LOST
         if self.blind or self._in_reconnect_grace():
             # The server may have expired beats that could not reach it while
             # it was down (and a fresh watch redelivers old deletes): the
-            # sweep judges these nodes from now on.
+            # sweep judges these nodes from now on. Not node.lost: whoever
+            # counts those (an alert over the logs) counts real losses only.
             self.logger.info(
-                event,
+                Event.NODE_DEPARTURE_DEFERRED,
                 node=name,
                 message=f"{why.value} while our view was blind or just back: left to the sweep",
             )
