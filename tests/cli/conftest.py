@@ -20,9 +20,16 @@ from tests.cli.terminal import Terminal
 ROOT = Path(__file__).resolve().parents[2]
 #: Seconds per stand-in step: 300 steps take ~10 s, long enough to look at twice.
 STEP_S = "0.03"
+#: Seconds `lorafleet up` may take to say it is up.
+UP_TIMEOUT_S = 90.0
 #: Seconds one `lorafleet` command may take in these tests.
 COMMAND_TIMEOUT_S = 120.0
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
+
+
+def cli_argv(*args: str) -> list[str]:
+    """`lorafleet ARGS` as a command line, in this Python."""
+    return [sys.executable, "-m", "lorafleet_services.cli", *args]
 
 
 def free_port() -> int:
@@ -42,7 +49,7 @@ class Up:
     pairs: Path
 
     def argv(self, *args: str) -> list[str]:
-        return [sys.executable, "-m", "lorafleet_services.cli", *args]
+        return cli_argv(*args)
 
     async def lorafleet(
         self, *args: str, env: dict[str, str] | None = None, timeout_s: float = COMMAND_TIMEOUT_S
@@ -120,7 +127,7 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     try:
         window = f"{terminal.session}:0"
         terminal.type(window, *running.argv("up", "--nats-port", str(free_port())))
-        asyncio.run(terminal.wait_for(window, "lorafleet is up", timeout_s=90))
+        asyncio.run(terminal.wait_for(window, "lorafleet is up", timeout_s=UP_TIMEOUT_S))
         rc, _, err = asyncio.run(
             running.lorafleet(
                 "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(tmp / "tiny")

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import signal
-import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -16,12 +15,11 @@ from pathlib import Path
 import psutil
 import pytest
 
-from tests.cli.conftest import ROOT, free_port, up_env
+from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, free_port, up_env
 from tests.eventually import eventually
 
 #: nats-server, recorder, scheduler, artifact-store, agent.
 CHILDREN = 5
-UP_TIMEOUT_S = 90.0
 #: Seconds the children have to stop once `up` is gone (each drains on SIGTERM).
 GONE_TIMEOUT_S = 30.0
 
@@ -36,7 +34,7 @@ class RunningUp:
 @pytest.fixture
 async def running_up(tmp_path: Path) -> AsyncIterator[RunningUp]:
     proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "lorafleet_services.cli", "up", "--nats-port", str(free_port()),
+        *cli_argv("up", "--nats-port", str(free_port())),
         cwd=ROOT, env=up_env(tmp_path), stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

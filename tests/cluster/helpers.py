@@ -10,7 +10,7 @@ import msgspec
 from lorafleet import Client
 from lorafleet.natscluster import NatsCluster, stream_leader
 from lorafleet_schemas.messages import JobState, StatusReport
-from tests.eventually import eventually
+from tests.eventually import NeverHappenedError, eventually
 from tests.procs import ServiceProcess
 from tests.system.conftest import Stack, has_artifact_store
 
@@ -69,7 +69,7 @@ async def assert_each_step_once(stack: Stack, job_id: str, steps: int) -> None:
             recorded, "every step in the curve", until=lambda got: sorted(got) == wanted,
             timeout_s=RECORDER_ACK_WAIT_S + 5.0, interval_s=0.5,
         )  # fmt: skip
-    except AssertionError:
+    except NeverHappenedError:
         got = await recorded()
         raise AssertionError(await missing_steps_story(stack, job_id, got, steps)) from None
 

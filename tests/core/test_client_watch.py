@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import datetime as dt
+from collections.abc import AsyncIterator
 
 import msgspec
 from nats.aio.msg import Msg
@@ -45,5 +46,5 @@ async def test_a_missed_cancel_stamped_before_the_last_progress_still_ends_the_w
     assert [(e.kind, e.job.version) for e in seen] == [("state", 8)]
 
 
-async def _all(events: object) -> list[JobEvent]:
-    return [e async for e in events]  # type: ignore[attr-defined]
+async def _all(events: AsyncIterator[JobEvent]) -> list[JobEvent]:
+    return [e async for e in events]

@@ -266,3 +266,12 @@ async def running_stack(
 def kill_pid(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError):
         os.kill(pid, signal.SIGKILL)
+
+
+def kill_agent(agent: ServiceProcess, job_id: str | None = None) -> None:
+    """SIGKILL an agent and the trainers it started (of `job_id`, if given):
+    the machine went away."""
+    pids = trainer_pids(agent, job_id)
+    agent.kill()
+    for pid in pids:
+        kill_pid(pid)

@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from lorafleet_schemas.messages import JobState
-from tests.system.conftest import Stack, kill_pid, start_requests, trainer_pids
+from tests.system.conftest import Stack, kill_agent, start_requests
 from tests.system.test_faults import FINISHED, SLOW
 
 
@@ -24,10 +24,7 @@ async def test_agent_restarted_mid_job_fails_it_as_lost_and_takes_the_next(stack
     agent = await stack.agent("node-1", env=SLOW)
     job = await stack.submit("node-1")
     await stack.wait_state(job.id, JobState.RUNNING)
-    pids = trainer_pids(agent)
-    agent.kill()
-    for pid in pids:
-        kill_pid(pid)
+    kill_agent(agent)
     # Back before its last beat expires (6 s): the node never looks lost, but
     # its heartbeats now name no job.
     new_agent = await stack.agent("node-1", env={"LORAFLEET_STANDIN_STEPS": "3"})

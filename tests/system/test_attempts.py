@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from lorafleet_schemas.messages import JobState
-from tests.system.conftest import Stack, kill_pid, start_requests, trainer_pids
+from tests.system.conftest import Stack, kill_agent, start_requests
 from tests.system.test_faults import FINISHED, SLOW
 
 
@@ -47,10 +47,7 @@ async def test_an_agent_restarted_without_the_job_requeues_it_with_attempts_left
     agent = await stack.agent("node-1", env=SLOW)
     job = await stack.submit("node-1", max_attempts=2)
     await stack.wait_state(job.id, JobState.RUNNING)
-    pids = trainer_pids(agent)
-    agent.kill()
-    for pid in pids:
-        kill_pid(pid)
+    kill_agent(agent)
     new_agent = await stack.agent("node-1", env={"LORAFLEET_STANDIN_STEPS": "3"})
     done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=40)
     assert done.state in FINISHED, done.message

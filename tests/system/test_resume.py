@@ -16,7 +16,7 @@ from lorafleet.artifacts import download_artifact, file_sha256
 from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState
 from lorafleet_services.tiny import build_tiny_model
 from tests.eventually import eventually
-from tests.system.conftest import Stack, kill_pid, trainer_pids
+from tests.system.conftest import Stack, kill_agent
 
 FINISHED = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 #: The real trainer imports torch and transformers before its first step.
@@ -24,15 +24,6 @@ REAL_TIMEOUT_S = 120.0
 #: The stand-in's pace: slow enough that a kill lands mid-training.
 STEP_S = "0.05"
 EVERY_STEPS = 10
-
-
-async def kill_node(stack: Stack, node: str, job_id: str) -> None:
-    """SIGKILL a node's agent and its trainer: the machine went away."""
-    agent = stack.agents[node]
-    pids = trainer_pids(agent, job_id)
-    agent.kill()
-    for pid in pids:
-        kill_pid(pid)
 
 
 async def checkpointed(
@@ -57,7 +48,7 @@ async def test_a_lost_node_with_attempts_left_resumes_the_job_on_another(stack: 
     first = seen.node
     assert first is not None
     at_kill = (await stack.get(job.id)).step
-    await kill_node(stack, first, job.id)
+    kill_agent(stack.agents[first], job.id)
 
     done = await stack.wait_state(job.id, *FINISHED, timeout_s=60)
     assert done.state is JobState.DONE, done.message
@@ -115,7 +106,7 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
 
     cut = await stack.submit("node-1", model="tiny-llama", params=params, max_attempts=2)
     seen = await checkpointed(stack, cut.id, 8, timeout_s=REAL_TIMEOUT_S)
-    await kill_node(stack, "node-1", cut.id)
+    kill_agent(stack.agents["node-1"], cut.id)
     assert seen.checkpoint is not None
     # Named for node-1, the job waits for it: the node comes back (a new agent).
     await stack.agent("node-1", **real)
