@@ -4,10 +4,12 @@ checks every server-loss test makes."""
 from __future__ import annotations
 
 import hashlib
+import json
 
 import msgspec
 
 from lorafleet import Client
+from lorafleet.names import kv_stream
 from lorafleet.natscluster import NatsCluster, stream_leader
 from lorafleet_schemas.messages import JobState, StatusReport
 from tests.eventually import NeverHappenedError, eventually
@@ -40,6 +42,33 @@ async def connected_member(cluster: NatsCluster, client_name: str) -> str:
         return None
 
     return await eventually(find, f"{client_name} to be connected", retry_on=(OSError,))
+
+
+async def lead_elsewhere(stack: Stack, leader: str, avoid: str) -> None:
+    """Move the status stream, the heartbeat bucket and the recorder's consumer
+    to `leader` wherever `avoid` leads one (a JetStream leader stepdown with a
+    preferred member, asked until it holds)."""
+    names = stack.settings.names
+    streams = [names.status_stream, kv_stream(names.nodes_bucket)]
+    body = json.dumps({"placement": {"preferred": leader}}).encode()
+
+    async def consumer_leader() -> str:
+        info = await stack.js.consumer_info(names.status_stream, names.recorder_consumer)
+        return info.cluster.leader if info.cluster is not None and info.cluster.leader else ""
+
+    async def placed() -> bool:
+        led = [await stream_leader(stack.js, s) for s in streams] + [await consumer_leader()]
+        if avoid not in led:
+            return True
+        for stream, member in zip(streams, led, strict=False):
+            if member == avoid:
+                await stack.nc.request(f"$JS.API.STREAM.LEADER.STEPDOWN.{stream}", body, 5.0)
+        if led[-1] == avoid:
+            subject = f"$JS.API.CONSUMER.LEADER.STEPDOWN.{names.status_stream}"
+            await stack.nc.request(f"{subject}.{names.recorder_consumer}", body, 5.0)
+        return False
+
+    await eventually(placed, f"no leader on {avoid}", retry_on=(Exception,), interval_s=0.5)
 
 
 def no_false_loss(stack: Stack, agent: ServiceProcess) -> None:

@@ -83,9 +83,15 @@ class Stack:
         return await proc.start()
 
     async def agent(
-        self, node: str = "node-1", env: Mapping[str, str] | None = None, **cfg: Any
+        self,
+        node: str = "node-1",
+        env: Mapping[str, str] | None = None,
+        nats_url: str | None = None,
+        **cfg: Any,
     ) -> ServiceProcess:
-        proc = agent_process(self.settings, self.tmp_path, node, env, **cfg)
+        """An agent; `nats_url` connects it elsewhere than the stack's URL (one member)."""
+        settings = self.settings.with_(nats_url=nats_url) if nats_url else self.settings
+        proc = agent_process(settings, self.tmp_path, node, env, **cfg)
         self.agents[node] = proc
         self.procs.append(proc)
         return await proc.start()
