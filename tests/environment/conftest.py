@@ -6,8 +6,10 @@ test user.
   overrides it); the first run downloads about 19 MB, later runs nothing.
 - The stand-in vLLM Python is a real venv made from a base interpreter the
   test user can run (the project's own lives under /root, 0700), whose
-  site-packages are the project's own minus peft and accelerate: it has torch
-  and transformers like a vLLM install, and needs the overlay for the rest.
+  site-packages are the project's own minus peft and accelerate (hard links
+  where they share a filesystem, so a checkout under a 0700 directory works):
+  it has torch and transformers like a vLLM install, and needs the overlay
+  for the rest.
   `<engines_dir>/vllm/<version>/bin/python3` is a shell script that logs its
   arguments and execs it, so a test can count installs.
 """
@@ -120,6 +122,16 @@ def _base_python() -> str:
     return os.path.realpath(str(getattr(sys, "_base_executable", sys.executable)))
 
 
+def _link_tree(src: Path, dst: Path) -> None:
+    """`dst` as `src`'s files hard-linked (no bytes copied). A symlink would
+    do, but its target must be reachable by the engines' user, and a checkout
+    under a 0700 directory (mktemp -d) is not; a hard link lives where it is made."""
+    if src.is_dir() and not src.is_symlink():
+        shutil.copytree(src, dst, symlinks=True, copy_function=os.link, dirs_exist_ok=True)
+    else:
+        os.link(src, dst, follow_symlinks=False)
+
+
 @pytest.fixture(scope="session")
 def engine_venv(open_dir: Path) -> Path:
     """A venv with the project's packages but not peft or accelerate; its python."""
@@ -127,11 +139,29 @@ def engine_venv(open_dir: Path) -> Path:
     subprocess.run([_base_python(), "-m", "venv", "--without-pip", str(venv)], check=True)
     ours = Path(sysconfig.get_paths()["purelib"])
     (site,) = venv.glob("lib/python*/site-packages")
-    for entry in ours.iterdir():
+    same_device = ours.stat().st_dev == site.stat().st_dev
+    for entry in _site_entries(ours) if same_device else ours.iterdir():
         if entry.name.lower().startswith(("peft", "accelerate")):
             continue
-        (site / entry.name).symlink_to(entry)
+        if same_device:
+            _link_tree(entry, site / entry.name)
+        else:  # the engines' user must be able to reach `ours` then
+            (site / entry.name).symlink_to(entry)
     return venv / "bin" / "python"
+
+
+def _site_entries(site: Path) -> list[Path]:
+    """What `site` holds, an editable install's .pth (lines naming the
+    checkout's source folders) replaced by the packages those folders hold."""
+    entries: list[Path] = []
+    for entry in site.iterdir():
+        lines = entry.read_text().split() if entry.suffix == ".pth" else []
+        if lines and all(Path(line).is_absolute() and Path(line).is_dir() for line in lines):
+            folders = [Path(line) for line in lines]
+            entries += [p.parent for f in folders for p in f.glob("*/__init__.py")]
+        else:
+            entries.append(entry)
+    return entries
 
 
 def _wrapper(path: Path, target: str, log: Path) -> None:
