@@ -1969,11 +1969,71 @@ def run(job_path: Path) -> int:
     log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
 
     if job.hf_offline:
-        os.environ["HF_HUB_OFFLINE"] = "1"
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported
     emit("state", state="preparing", message="loading the tokenizer and the base weights")
     base_dir = resolve_base(job.base, job.hf_offline)
+    device, dtype = start_torch(job)
+    inputs = prepare_inputs(base_dir, records, split, p)
+    total_steps = inputs.total_steps
+    check_target_modules(base_dir, p.target_modules)
+    # Before the weights load too: a resume that cannot work fails in seconds.
+    resume = check_resume(job, total_steps)
+    if job.checkpoint_dir is not None:
+        open_checkpoint_dir(job.checkpoint_dir)
+    loop = load_for_training(job, base_dir, dtype, device, total_steps)
+    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
+    log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
+    start, rng = apply_resume(loop, job, resume, total_steps)
+    checkpointer = make_checkpointer(job, total_steps)
+
+    done_steps = start.progress.step  # training moves start.progress on
+    emit("state", state="running", message=running_message(done_steps, total_steps))
+    if rng is not None:  # last: nothing may draw from them before the next step
+        restore_rng(rng, device)
+    progress, epochs = train_epochs(
+        loop, inputs.tokens, split, p, total_steps, inputs.pad_id, start, checkpointer
+    )
+    if checkpointer is not None:
+        checkpointer.close()
+
+    emit("state", state="saving", message="saving the adapter")
+    adapter_dir = job.out_dir / "adapter"
+    save_adapter(loop.model, adapter_dir, inputs.template)
+    summary = {
+        **describe_inputs(job, inputs, base_dir),
+        **describe_training(progress, epochs, device, dtype, started),
+        "trainable_parameters": n_trainable,
+        "versions": versions,
+        "resumed_from": describe_resume(job, resume, done_steps),
+        "checkpoints": 0 if checkpointer is None else checkpointer.writer.written,
+    }
+    (adapter_dir / "training_summary.json").write_text(
+        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+    )
+    emit("done", adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
+    return 0
+
+
+def running_message(done_steps: int, total_steps: int) -> str:
+    """What the running line says: the steps ahead (a resumed run is past step 1)."""
+    if done_steps:
+        return f"training steps {done_steps + 1} to {total_steps}"
+    return f"training {total_steps} steps"
+
+
+def describe_resume(
+    job: Job, source: tuple[Path, dict[str, Any] | None] | None, done_steps: int
+) -> dict[str, Any] | None:
+    """The training summary's account of what the run resumed from, if anything."""
+    if source is None or job.resume is None:
+        return None
+    return {"mode": job.resume.mode, "dir": str(source[0]), "step": done_steps}
+
+
+def start_torch(job: Job) -> tuple[Any, str]:
+    """Import torch, check the card the job asks for and keep to its budget,
+    seed; the torch device and the dtype name to train in."""
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     # Progress bars would fill the stderr tail the agent keeps for the reason of a failure.
     with contextlib.suppress(Exception):
@@ -1984,12 +2044,38 @@ def run(job_path: Path) -> int:
         raise EnvironmentFailureError(
             "the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)"
         )
-    dtype = resolve_dtype(p.dtype, job.device)
+    dtype = resolve_dtype(job.params.dtype, job.device)
     device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
     if device.type == "cuda" and job.gpu_memory_mib is not None:
         log(cap_card_memory(device, job.gpu_memory_mib))
-    random.seed(p.seed)
-    torch.manual_seed(p.seed)
+    random.seed(job.params.seed)
+    torch.manual_seed(job.params.seed)
+    return device, dtype
+
+
+@dataclasses.dataclass
+class Inputs:
+    """The records as training reads them, planned before the weights load."""
+
+    records: list[tuple[int, Conversation]]
+    split: tuple[list[int], list[int]]
+    template: str
+    pad_id: int
+    tokens: Tokens
+    total_steps: int
+
+
+def prepare_inputs(
+    base_dir: Path,
+    records: list[tuple[int, Conversation]],
+    split: tuple[list[int], list[int]],
+    p: Params,
+) -> Inputs:
+    """The tokenizer, its template and what step 1 needs tokenized (all the
+    training records without max_steps, else the first windows of epoch 1):
+    before the weights load, so a bad record or too short a max_seq_len fails
+    fast and the lengths are known early."""
+    from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
     template = chat_template_of(tokenizer)
@@ -1999,9 +2085,6 @@ def run(job_path: Path) -> int:
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
     tokens = Tokens(tokenizer, template, records, p.max_seq_len, preparing_progress(len(records)))
-    # Before the weights load: what step 1 needs (all the training records
-    # without max_steps, else the first windows of epoch 1), so a bad record or
-    # too short a max_seq_len fails fast and the lengths are known early.
     total_steps = plan_total_steps(tokens, split[0], p)
     if p.max_steps > 0:
         first = plan_grouped(
@@ -2019,11 +2102,12 @@ def run(job_path: Path) -> int:
             **tokens.length_summary(),
         )
     tokens.on_progress = lambda done: None  # past preparing: no more state lines
-    check_target_modules(base_dir, p.target_modules)
-    # Before the weights load too: a resume that cannot work fails in seconds.
-    resume = check_resume(job, total_steps)
-    if job.checkpoint_dir is not None:
-        open_checkpoint_dir(job.checkpoint_dir)
+    return Inputs(records, split, template, pad_id, tokens, total_steps)
+
+
+def load_for_training(job: Job, base_dir: Path, dtype: str, device: Any, total_steps: int) -> Loop:
+    """The base weights with a fresh LoRA adapter, its optimizer and schedule."""
+    from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
         str(base_dir),
@@ -2034,41 +2118,21 @@ def run(job_path: Path) -> int:
         **({"device_map": {"": str(device)}} if device.type == "cuda" else {}),
     )
     model.config.use_cache = False
-    loop = prepare_training(model, p, dtype, device, total_steps)
+    loop = prepare_training(model, job.params, dtype, device, total_steps)
     # The adapter (and each checkpoint's) names its base as the catalog does,
     # not by this node's path.
     loop.model.peft_config["default"].base_model_name_or_path = (
         job.base.hf_repo or job.base.local_dir
     )
-    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
-    log(f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}")
-    start, rng = apply_resume(loop, job, resume, total_steps)
-    checkpointer = make_checkpointer(job, total_steps)
+    return loop
 
-    done_steps = start.progress.step
-    emit(
-        "state",
-        state="running",
-        message=f"training steps {done_steps + 1} to {total_steps}"
-        if done_steps
-        else f"training {total_steps} steps",
-    )
-    if rng is not None:  # last: nothing may draw from them before the next step
-        restore_rng(rng, device)
-    progress, epochs = train_epochs(
-        loop, tokens, split, p, total_steps, pad_id, start, checkpointer
-    )
-    if checkpointer is not None:
-        checkpointer.close()
 
-    emit("state", state="saving", message="saving the adapter")
-    adapter_dir = job.out_dir / "adapter"
-    save_adapter(loop.model, adapter_dir, template)
-    summary: dict[str, Any] = {
+def describe_inputs(job: Job, inputs: Inputs, base_dir: Path) -> dict[str, Any]:
+    """The training summary's account of what was trained on."""
+    tokens, (train, held_out) = inputs.tokens, inputs.split
+    return {
         "job_id": job.job_id,
-        "final_loss": progress.last_loss,
-        "eval_loss": progress.last_eval,
-        "params": dataclasses.asdict(p),
+        "params": dataclasses.asdict(job.params),
         "base": {
             "hf_repo": job.base.hf_repo,
             "hf_revision": job.base.hf_revision if job.base.hf_repo else None,
@@ -2076,14 +2140,24 @@ def run(job_path: Path) -> int:
             "base_dir": str(base_dir),
         },
         "data_sha256": job.data_sha256,
-        "records": len(records),
-        "records_train": len(split[0]),
-        "records_eval": len(split[1]),
+        "records": len(inputs.records),
+        "records_train": len(train),
+        "records_eval": len(held_out),
         "records_cut": tokens.cut,
         "records_skipped": tokens.skipped,
         "records_tokenized": tokens.done,
         "token_lengths": tokens.length_summary(),
-        "chat_template": "plain" if template is PLAIN_TEMPLATE else "tokenizer",
+        "chat_template": "plain" if inputs.template is PLAIN_TEMPLATE else "tokenizer",
+    }
+
+
+def describe_training(
+    progress: Progress, epochs: int, device: Any, dtype: str, started: float
+) -> dict[str, Any]:
+    """The training summary's account of the run itself."""
+    return {
+        "final_loss": progress.last_loss,
+        "eval_loss": progress.last_eval,
         "steps": progress.step,
         "epochs": epochs,
         "tokens_seen": progress.tokens,
@@ -2093,18 +2167,7 @@ def run(job_path: Path) -> int:
         "peak_mib": peak_mib(device),
         "device": str(device),
         "dtype": dtype,
-        "trainable_parameters": n_trainable,
-        "versions": versions,
-        "resumed_from": None
-        if resume is None or job.resume is None
-        else {"mode": job.resume.mode, "dir": str(resume[0]), "step": done_steps},
-        "checkpoints": 0 if checkpointer is None else checkpointer.writer.written,
     }
-    (adapter_dir / "training_summary.json").write_text(
-        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-    )
-    emit("done", adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
-    return 0
 
 
 def check_resume(job: Job, total_steps: int) -> tuple[Path, dict[str, Any] | None] | None:
