@@ -49,6 +49,17 @@ What it does for you:
   `tick_s` seconds without one, in the handler's task (never at the same
   time as `handle`): the artifact-store checks idle deliveries there. An
   exception from it is logged and the loop goes on.
+- A batch held longer than a third of the ack wait (the handler is slow:
+  the database is under load, or the batch waits in the queue behind a slow
+  one) is kept from redelivery: each of its messages not yet acked is told
+  "in progress" every third of the ack wait, for at most `max_hold_s`, past
+  which the handler is taken for stuck and its messages go back to the
+  stream (`consumer.hold_expired`). So the ack wait only bounds how long a
+  message the server sent and nobody got (a dying server had it in
+  flight) waits before it comes back, and it can be short.
+- The durable consumer keeps the settings it was created with; `start()`
+  brings an existing one's ack wait and max ack pending to this config's
+  (`consumer.updated`), so a changed setting takes effect on restart.
 - `stop()`: no new fetch starts; the fetch in flight (at most
   `fetch_wait_s`) and the batches already fetched are handled, so nothing
   is left waiting for `ack_wait_s`; then the subscription is removed (a
@@ -86,6 +97,11 @@ RETRY_WAIT_MAX_S = 5.0
 RETRY_JITTER_S = 0.1
 #: Seconds `stop()` waits for the batch in hand before cancelling the loop.
 STOP_TIMEOUT_S = 10.0
+#: A batch in hand is told "in progress" every this fraction of the ack wait.
+HOLD_EVERY = 1 / 3
+#: Seconds a batch is kept from redelivery at most: a handler slower than
+#: this is taken for stuck.
+MAX_HOLD_S = 120.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -99,6 +115,8 @@ class PullConsumerConfig:
     max_ack_pending: messages delivered and not yet acked, at most.
     batch: messages fetched at once, at most.
     fetch_wait_s: seconds one fetch waits for its first message; default 1.
+    max_hold_s: seconds a batch in hand is kept from redelivery at most;
+        default MAX_HOLD_S (120).
     """
 
     stream: str
@@ -108,6 +126,7 @@ class PullConsumerConfig:
     max_ack_pending: int
     batch: int
     fetch_wait_s: float = 1.0
+    max_hold_s: float = MAX_HOLD_S
 
     def consumer_config(self) -> ConsumerConfig:
         """The server-side consumer: explicit ack, from the stream's start, never given up."""
@@ -178,6 +197,9 @@ class PullConsumer:
         # None after the last batch: the fetcher is done.
         self._batches: asyncio.Queue[list[Msg] | None] = asyncio.Queue(maxsize=1)
         self._task: asyncio.Task[None] | None = None
+        #: Batches fetched and not yet handled (by id), with their loop time of fetch.
+        self._in_hand: dict[int, tuple[list[Msg], float]] = {}
+        self._handled = asyncio.Event()
 
     async def start(self) -> None:
         """Subscribe (creating the durable consumer if missing) and start the loop."""
@@ -192,6 +214,7 @@ class PullConsumer:
             async with asyncio.TaskGroup() as group:
                 group.create_task(self._fetch_loop(), name=f"{name}-fetch")
                 group.create_task(self._handle_loop(), name=f"{name}-handle")
+                group.create_task(self._hold_loop(), name=f"{name}-hold")
         except Exception as e:
             self.logger.exception(Event.REQUEST_FAILED, error=repr(e), where=f"{name} loop")
 
@@ -211,8 +234,27 @@ class PullConsumer:
 
     async def _subscribe(self) -> JetStreamContext.PullSubscription:
         c = self.config
-        return await self.js.pull_subscribe(
+        sub = await self.js.pull_subscribe(
             c.filter_subject, durable=c.durable, stream=c.stream, config=c.consumer_config()
+        )
+        await self._update_settings()
+        return sub
+
+    async def _update_settings(self) -> None:
+        """An existing durable consumer gets this config's ack wait and max ack
+        pending (both editable in place; its position is kept)."""
+        c = self.config
+        held = (await self.js.consumer_info(c.stream, c.durable)).config
+        same_wait = held.ack_wait is not None and abs(held.ack_wait - c.ack_wait_s) < 1e-3
+        if same_wait and held.max_ack_pending == c.max_ack_pending:
+            return
+        await self.js.add_consumer(c.stream, config=c.consumer_config())
+        self.logger.info(
+            Event.CONSUMER_UPDATED,
+            consumer=c.durable,
+            ack_wait_s=c.ack_wait_s,
+            was_ack_wait_s=held.ack_wait,
+            max_ack_pending=c.max_ack_pending,
         )
 
     async def _fetch_loop(self) -> None:
@@ -224,6 +266,7 @@ class PullConsumer:
             except Exception:
                 break  # a failure while stopping: every other one is retried
             if msgs:
+                self._in_hand[id(msgs)] = (msgs, loop.time())
                 await self._batches.put(msgs)
             elif loop.time() - last_check >= self.check_every_s:
                 # Idle: now and then make sure there is a consumer to idle on.
@@ -286,10 +329,41 @@ class PullConsumer:
 
     async def _handle_loop(self) -> None:
         more = True
-        while more:
-            async for attempt in _backoff(BatchFailedError):
-                with attempt:
-                    more = await self._handle_next()
+        try:
+            while more:
+                async for attempt in _backoff(BatchFailedError):
+                    with attempt:
+                        more = await self._handle_next()
+        finally:
+            self._handled.set()
+
+    async def _hold_loop(self) -> None:
+        """Tell the server "in progress" for each unacked message of a batch in
+        hand longer than HOLD_EVERY of the ack wait (see the module docstring)."""
+        every_s = self.config.ack_wait_s * HOLD_EVERY
+        loop = asyncio.get_running_loop()
+        while True:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._handled.wait(), every_s)
+            if self._handled.is_set():
+                return
+            now = loop.time()
+            for key, (batch, since) in list(self._in_hand.items()):
+                if now - since < every_s:
+                    continue
+                unacked = [m for m in batch if not m.is_acked]
+                if now - since > self.config.max_hold_s:
+                    del self._in_hand[key]
+                    self.logger.warning(
+                        Event.CONSUMER_HOLD_EXPIRED,
+                        consumer=self.config.durable,
+                        messages=len(unacked),
+                        held_s=round(now - since, 1),
+                    )
+                    continue
+                for m in unacked:
+                    with contextlib.suppress(Exception):  # gone: the ack wait decides
+                        await m.in_progress()
 
     async def _handle_next(self) -> bool:
         """Take the next batch (or a tick) and handle it; False once the fetcher is done."""
@@ -329,3 +403,6 @@ class PullConsumer:
                 with contextlib.suppress(Exception):  # acked already: nothing to undo
                     await m.nak(delay=RETRY_WAIT_INITIAL_S)
             raise BatchFailedError(repr(e)) from e
+        finally:
+            # What the handler left unacked (a held chunk) is its own to keep now.
+            self._in_hand.pop(id(batch), None)

@@ -92,6 +92,12 @@ class Event:
     ARTIFACT_STORED: Final = "artifact.stored"
     ARTIFACT_REJECTED: Final = "artifact.rejected"
     ARTIFACT_DELIVERED: Final = "artifact.delivered"
+    #: A durable consumer's settings (ack wait, max ack pending) were brought
+    #: to this process's: the server keeps a consumer's settings from its creation.
+    CONSUMER_UPDATED: Final = "consumer.updated"
+    #: A batch was in hand past its consumer's max_hold_s: no longer kept from
+    #: redelivery (a stuck handler's messages go back to the stream).
+    CONSUMER_HOLD_EXPIRED: Final = "consumer.hold_expired"
     #: A generic back-off (stamina) is about to try again.
     RETRY_SCHEDULED: Final = "retry.scheduled"
     #: Collecting metrics for a scrape failed in part (lorafleet.metrics).

@@ -69,9 +69,12 @@ class Settings:
     #: "debug", "info", "warning" or "error".
     log_level: str = "info"
     #: Seconds the server waits for the recorder's ack of a status report
-    #: before redelivering it; default 30 (fault tests use a few seconds, so
-    #: that reports held by a killed recorder come back quickly).
-    recorder_ack_wait_s: float = 30.0
+    #: before redelivering it; default 10. A batch the recorder is still
+    #: applying is kept from redelivery ("in progress", lorafleet._consumer),
+    #: so this bounds only how long a report a killed recorder held, or a
+    #: dying NATS server had in flight to it, waits to come back (fault
+    #: tests use a few seconds).
+    recorder_ack_wait_s: float = 10.0
     #: Seconds after its newest chunk that an object chunk subject no object
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import StreamConfig
+from nats.js.api import ConsumerInfo, StreamConfig
 
 from lorafleet import _bus as bus
 from lorafleet._consumer import PullConsumer, PullConsumerConfig
@@ -203,3 +203,75 @@ async def test_on_tick_runs_while_idle(nc: Client) -> None:
         await consumer.stop()
     with pytest.raises(ValueError, match="together"):
         PullConsumer(js, CONFIG, Applied(), on_tick=tick)
+
+
+def _redeliveries(info: ConsumerInfo) -> int:
+    """Deliveries beyond one per stored message (num_redelivered counts only
+    redeliveries not yet acked)."""
+    return info.delivered.consumer_seq - info.delivered.stream_seq
+
+
+async def test_a_batch_in_hand_past_the_ack_wait_is_not_sent_again(nc: Client) -> None:
+    """The handler takes 2.5 ack waits over a batch while the loop fetches on
+    (nothing else to fetch): told "in progress", the server does not send it
+    again to those fetches."""
+    js = nc.jetstream()
+    config = replace(CONFIG, ack_wait_s=1.0)
+    first = asyncio.Event()
+    seen: list[bytes] = []
+
+    async def slow_first(msgs: list[Msg]) -> None:
+        if not first.is_set():
+            first.set()
+            await asyncio.sleep(2.5)
+        for m in msgs:
+            seen.append(m.data)
+            await m.ack()
+
+    consumer = PullConsumer(js, config, slow_first)
+    await consumer.start()
+    try:
+        await publish(js, b"1")
+        await eventually(lambda: seen, "the slow one applied", timeout_s=10)
+        await publish(js, b"2")
+        await eventually(lambda: seen, "the next applied", until=lambda s: len(s) >= 2)
+        await asyncio.sleep(0.5)
+        assert seen == [b"1", b"2"]
+        assert _redeliveries(await js.consumer_info(STREAM, config.durable)) == 0
+    finally:
+        await consumer.stop()
+
+
+async def test_a_handler_stuck_past_max_hold_lets_its_batch_go(nc: Client) -> None:
+    js = nc.jetstream()
+    config = replace(CONFIG, ack_wait_s=1.0, max_hold_s=1.5)
+    release = asyncio.Event()
+    consumer = PullConsumer(js, config, lambda msgs: release.wait())
+    await consumer.start()
+    try:
+        await publish(js, b"1")
+
+        async def redelivered() -> int:
+            return _redeliveries(await js.consumer_info(STREAM, config.durable))
+
+        await eventually(redelivered, "the stuck batch sent again", until=bool, timeout_s=10)
+    finally:
+        release.set()
+        await consumer.stop()
+
+
+async def test_an_existing_consumer_takes_this_configs_ack_wait(nc: Client) -> None:
+    """The server keeps a consumer's settings from its creation: a changed
+    ack wait (LORAFLEET_RECORDER_ACK_WAIT_S) must reach the existing one."""
+    js = nc.jetstream()
+    await js.add_consumer(STREAM, config=replace(CONFIG, ack_wait_s=30.0).consumer_config())
+    await publish(js, b"1")
+    applied = Applied()
+    consumer = PullConsumer(js, replace(CONFIG, ack_wait_s=5.0, max_ack_pending=10), applied)
+    await consumer.start()
+    try:
+        await eventually(lambda: applied.payloads == [b"1"], "the message applied")
+        info = await js.consumer_info(STREAM, CONFIG.durable)
+        assert info.config.ack_wait == 5.0 and info.config.max_ack_pending == 10
+    finally:
+        await consumer.stop()

@@ -29,7 +29,7 @@ def test_the_two_knobs_that_bypassed_settings_are_settings() -> None:
     )
     assert s.recorder_ack_wait_s == 2.0 and s.artifact_orphan_age_s == 0.0
     assert Settings.from_env(s.to_env()) == s
-    assert Settings().recorder_ack_wait_s == 30.0 and Settings().artifact_orphan_age_s == 600.0
+    assert Settings().recorder_ack_wait_s == 10.0 and Settings().artifact_orphan_age_s == 600.0
     with pytest.raises(SettingsError, match="LORAFLEET_RECORDER_ACK_WAIT_S='soon' is not a number"):
         Settings.from_env({"LORAFLEET_RECORDER_ACK_WAIT_S": "soon"})
     with pytest.raises(SettingsError, match="LORAFLEET_RECORDER_ACK_WAIT_S must be > 0"):

@@ -9,17 +9,19 @@ import contextlib
 import io
 import signal
 from collections.abc import AsyncIterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import nats.errors
 import nats.js.errors
 import pytest
 from nats.aio.client import Client
+from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
 from lorafleet import _bus as bus
 from lorafleet import objects
+from lorafleet._consumer import PullConsumer
 from lorafleet.errors import ConnectError
 from lorafleet.identities import IdentityStore, ensure_fleet
 from lorafleet.identities import server_config as identities_config
@@ -31,6 +33,7 @@ from lorafleet.names import (
     object_stream,
 )
 from lorafleet.permissions import LAYOUT_OWNERS
+from lorafleet_services.recorder.service import consumer_config
 from tests.eventually import eventually
 from tests.permissions.conftest import IdentityFleet
 from tests.permissions.test_refusals import REFUSAL_INTERVAL_S, REFUSAL_TIMEOUT_S, beat, refused
@@ -215,6 +218,30 @@ async def test_no_one_but_the_recorder_reads_its_consumer(conns: Conns) -> None:
     info = await recorder_js.consumer_info(stream, durable)
     # Nothing was delivered to anyone: the report waits for the recorder.
     assert (info.num_pending, info.num_ack_pending, info.delivered.stream_seq) == (1, 0, 0)
+
+
+async def test_the_recorder_may_change_its_consumers_ack_wait(conns: Conns) -> None:
+    """A consumer made by an older recorder (ack wait 30 s) takes this one's
+    on its identity: the update is a create of the same durable."""
+    names = conns.fleet.base.names
+    recorder = conns["service/recorder"]
+    settings = conns.fleet.settings_for("service", "recorder")
+    config = consumer_config(settings)
+    js = recorder.nc.jetstream()
+    await js.add_consumer(names.status_stream, replace(config, ack_wait_s=30.0).consumer_config())
+    consumer = PullConsumer(js, config, _ack_all)
+    await consumer.start()
+    try:
+        info = await js.consumer_info(names.status_stream, names.recorder_consumer)
+        assert info.config.ack_wait == settings.recorder_ack_wait_s != 30.0
+        assert recorder.refusals == []
+    finally:
+        await consumer.stop()
+
+
+async def _ack_all(msgs: list[Msg]) -> None:
+    for m in msgs:
+        await m.ack()
 
 
 async def test_an_unknown_nkey_is_a_connect_error_naming_its_seed(
