@@ -244,11 +244,21 @@ class PullConsumer:
         """An existing durable consumer gets this config's ack wait and max ack
         pending (both editable in place; its position is kept)."""
         c = self.config
-        held = (await self.js.consumer_info(c.stream, c.durable)).config
-        same_wait = held.ack_wait is not None and abs(held.ack_wait - c.ack_wait_s) < 1e-3
-        if same_wait and held.max_ack_pending == c.max_ack_pending:
+        try:
+            held = (await self.js.consumer_info(c.stream, c.durable)).config
+            same_wait = held.ack_wait is not None and abs(held.ack_wait - c.ack_wait_s) < 1e-3
+            if same_wait and held.max_ack_pending == c.max_ack_pending:
+                return
+            await self.js.add_consumer(c.stream, config=c.consumer_config())
+        except Exception as e:
+            # Consuming with the old settings beats not consuming at all.
+            self.logger.warning(
+                Event.NATS_ERROR,
+                error=repr(e),
+                where=f"{c.durable} settings",
+                message="the consumer keeps the settings it has",
+            )
             return
-        await self.js.add_consumer(c.stream, config=c.consumer_config())
         self.logger.info(
             Event.CONSUMER_UPDATED,
             consumer=c.durable,

@@ -10,7 +10,8 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerInfo, StreamConfig
+from nats.js.api import ConsumerInfo, DeliverPolicy, StreamConfig
+from structlog.testing import capture_logs
 
 from lorafleet import _bus as bus
 from lorafleet._consumer import PullConsumer, PullConsumerConfig
@@ -273,5 +274,24 @@ async def test_an_existing_consumer_takes_this_configs_ack_wait(nc: Client) -> N
         await eventually(lambda: applied.payloads == [b"1"], "the message applied")
         info = await js.consumer_info(STREAM, CONFIG.durable)
         assert info.config.ack_wait == 5.0 and info.config.max_ack_pending == 10
+    finally:
+        await consumer.stop()
+
+
+async def test_a_consumer_that_cannot_take_the_settings_is_consumed_as_it_is(nc: Client) -> None:
+    """A deliver policy cannot change in place: the update is refused, logged,
+    and the loop consumes with the settings the consumer has."""
+    js = nc.jetstream()
+    old = replace(CONFIG.consumer_config(), ack_wait=30.0, deliver_policy=DeliverPolicy.NEW)
+    await js.add_consumer(STREAM, config=old)
+    applied = Applied()
+    consumer = PullConsumer(js, replace(CONFIG, ack_wait_s=5.0), applied)
+    with capture_logs() as logs:
+        await consumer.start()
+    try:
+        await publish(js, b"1")
+        await eventually(lambda: applied.payloads == [b"1"], "the message applied")
+        assert (await js.consumer_info(STREAM, CONFIG.durable)).config.ack_wait == 30.0
+        assert any(line.get("where") == f"{CONFIG.durable} settings" for line in logs), logs
     finally:
         await consumer.stop()
