@@ -15,7 +15,11 @@ port), so a stream or KV created at R3 right away gets its replicas.
 
 The helpers the fault tests need: `meta_leader()`, `stream_leader()` (from
 `$JS.API.STREAM.INFO`'s cluster.leader), `member_of_url()` (which member a
-connection is on), `kill()` (SIGKILL) and `restart()`.
+connection is on), `kill()` (SIGKILL) and `restart()`; with the default
+config also `isolate()` and `rejoin()`: a member cut off from the other two
+while its clients stay connected to it (a minority partition), done by
+reloading the members' configs without its routes (nats-server drops a
+removed route; no member is told of the cut one, so none routes to it).
 """
 
 from __future__ import annotations
@@ -23,9 +27,11 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import signal
 import socket
 import urllib.error
 import urllib.request
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -129,10 +135,14 @@ class NatsCluster:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.host = host
+        #: With the default config each member has a file of its own (its
+        #: routes can be changed and reloaded: `isolate`); else all share one.
+        self.own_configs = config_file is None
         if config_file is None:
             config_file = self.root / "nats.conf"
             config_file.write_text(DEFAULT_CONFIG)
         self.config_file = Path(config_file)
+        self.isolated: set[str] = set()
         self.names = [f"nats-{i + 1}" for i in range(size)]
         flat = free_ports(3 * size, host)
         self.ports = {
@@ -143,22 +153,42 @@ class NatsCluster:
         for name in self.names:
             self.servers[name] = self._member(name)
 
-    def _member(self, name: str) -> NatsServer:
-        ports = self.ports[name]
-        routes = [
+    def _routes(self, name: str) -> list[str]:
+        return [
             f"nats-route://{self.host}:{self.ports[other].cluster}"
             for other in self.names
             if other != name
         ]
+
+    def _member(self, name: str) -> NatsServer:
+        ports = self.ports[name]
         store = self.root / name / "store"
+        env = member_env(name, self.host, ports, store, self._routes(name))
+        config = self.config_file
+        if self.own_configs:
+            config = self.root / f"{name}.conf"
+            self._write_config(name, env)
         return _Member(
             store,
             port=ports.client,
             host=self.host,
-            config_file=self.config_file,
+            config_file=config,
             monitor_port=ports.monitor,
-            env=member_env(name, self.host, ports, store, routes),
+            env=env,
         )
+
+    def _write_config(self, name: str, env: dict[str, str]) -> None:
+        """The default config with `env` written in, minus the routes to and
+        from isolated members."""
+        text = DEFAULT_CONFIG
+        for var in ("NATS_ROUTE_A", "NATS_ROUTE_B"):
+            route = env[var]
+            peer = next(n for n in self.names if route.endswith(f":{self.ports[n].cluster}"))
+            cut = name in self.isolated or peer in self.isolated
+            text = text.replace(f"${var}", "" if cut else route)
+        for var, value in env.items():
+            text = text.replace(f"${var}", value)
+        (self.root / f"{name}.conf").write_text(text)
 
     # --- addresses --------------------------------------------------------
 
@@ -204,6 +234,49 @@ class NatsCluster:
         await self.servers[name].stop(kill=kill)
         await self.servers[name].start()
         await self.wait_ready()
+
+    async def isolate(self, name: str) -> None:
+        """Cut `name` off from the other members (its clients stay connected):
+        every member reloads its config without the routes to or from it;
+        returns once its routes are gone."""
+        await self._reroute(add=name)
+
+        async def cut_off() -> bool:
+            routez = await self.monitor(name, "/routez")
+            return not routez.get("routes")
+
+        await self._poll(cut_off, f"{name}'s routes to go")
+
+    async def rejoin(self, name: str) -> None:
+        """Undo `isolate(name)`; returns once the cluster is ready again."""
+        await self._reroute(remove=name)
+        await self.wait_ready()
+
+    async def _reroute(self, add: str | None = None, remove: str | None = None) -> None:
+        if not self.own_configs:
+            raise NatsServerError("isolate() needs the default config (a file per member)")
+        if add:
+            self.isolated.add(add)
+        if remove:
+            self.isolated.discard(remove)
+        for name in self.names:
+            member = self.servers[name]
+            self._write_config(name, member.env)
+            if member.proc is not None:
+                member.proc.send_signal(signal.SIGHUP)
+
+    async def _poll(
+        self,
+        check: Callable[[], Awaitable[bool]],
+        what: str,
+        timeout_s: float = CLUSTER_READY_TIMEOUT_S,
+    ) -> None:
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        while not await check():
+            if loop.time() > deadline:
+                raise NatsServerError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+            await asyncio.sleep(POLL_S)
 
     async def __aenter__(self) -> NatsCluster:
         return await self.start()
