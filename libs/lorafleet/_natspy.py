@@ -52,6 +52,36 @@ def client_of(js: JetStreamContext) -> Client:
     return conn
 
 
+# --- moving a connection to another server ------------------------------------------
+
+
+async def move_to_another_server(nc: Client, wait_s: float) -> bool:
+    """Reconnect `nc` to a server of its pool other than the one it is on;
+    True once connected elsewhere within `wait_s`.
+
+    Upstream: `force_reconnect()` shuffles the pool and may well pick the
+    server it left (one time in two with two servers), and returns before
+    the reconnect (its task, `_reconnection_task`, ends once connected). So
+    the current server is taken out of the pool (`_server_pool`) for this
+    reconnect and put back after it, connected or not.
+    """
+    current = nc._current_server
+    pool = nc._server_pool
+    if current is None or current not in pool or len(pool) < 2:
+        return False
+    pool.remove(current)
+    try:
+        await nc.force_reconnect()
+        task = nc._reconnection_task
+        if task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), wait_s)
+    finally:
+        if current not in pool:
+            pool.append(current)
+    return nc.is_connected and nc._current_server is not current
+
+
 # --- micro: counting the error replies a handler sends itself ---------------------
 
 

@@ -36,6 +36,9 @@ class Event:
     NATS_DISCONNECTED: Final = "nats.disconnected"
     NATS_RECONNECTED: Final = "nats.reconnected"
     NATS_ERROR: Final = "nats.error"
+    #: The agent left a server that answers but stores no beat (it may be cut
+    #: off from the rest of the cluster) for another (agent/heartbeat.py).
+    NATS_MOVED: Final = "nats.moved"
     #: The server refused a publish or subscription for want of permission.
     NATS_REFUSED: Final = "nats.refused"
     MODEL_ADDED: Final = "model.added"

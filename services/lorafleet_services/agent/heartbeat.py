@@ -20,6 +20,17 @@ responders), and the scheduler, as blind as the agent, judges nobody then.
 So a failed beat is followed by a round trip to the server (PING/PONG,
 `REACH_TIMEOUT_S`): `last_reached` is the last time the server answered at
 all, and fencing tells "I cannot reach NATS" from "the bucket is electing".
+
+A beat that fails while the server answers may also mean that this server
+is cut off from the rest of the cluster (its routes are down, its clients'
+links are not): there the bucket never comes back, while the scheduler on
+the majority's side sees the node fall silent and fails its job. So the
+agent then moves to another server of the cluster
+(`_natspy.move_to_another_server`; its pool learns the cluster's members
+from the server), at most once per `move_every_s` (half the node timeout):
+during an election the move is harmless (every server says the same), and
+a node whose server was cut off beats again from the other side within the
+node timeout.
 """
 
 from __future__ import annotations
@@ -34,7 +45,7 @@ from nats.js import JetStreamContext
 
 from lorafleet import log
 from lorafleet._bus import encode
-from lorafleet._natspy import client_of
+from lorafleet._natspy import client_of, move_to_another_server
 from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Card, EnginesInstalled, Heartbeat
@@ -49,6 +60,10 @@ ENGINES_RESCAN_S = 30.0
 #: Whole seconds a round trip to the server may take after a failed beat
 #: (nats-py's flush takes whole seconds) before NATS counts as unreachable.
 REACH_TIMEOUT_S = 1
+#: Seconds a move to another server may take before the agent lets nats-py
+#: come back to the one it left (the others may be unreachable from here:
+#: addresses the cluster advertises that this node cannot reach).
+MOVE_WAIT_S = 1.0
 
 
 class CardReader:
@@ -109,6 +124,11 @@ class Heartbeater:
         self.last_reached = self.last_ack
         #: Why the last beat failed ("" after an acknowledged one).
         self.last_error = ""
+        #: Seconds between two moves to another server at most (see the module doc).
+        self.move_every_s = settings.node_timeout_s / 2
+        self._moved_at = -self.move_every_s
+        #: Moves to another server after beats the server answered but did not store.
+        self.moves = 0
         self.beats = 0
         self.subject = settings.names.node_heartbeat(cfg.node)
         self.logger = log.get(node=cfg.node)
@@ -169,6 +189,8 @@ class Heartbeater:
             reached = await self._reach()
             self.last_error = repr(e)
             self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e), nats_reachable=reached)
+            if reached:
+                await self._move()
             return False
         self.last_ack = self.last_reached = asyncio.get_running_loop().time()
         self.last_error = ""
@@ -186,6 +208,25 @@ class Heartbeater:
             return False
         self.last_reached = asyncio.get_running_loop().time()
         return True
+
+    async def _move(self) -> None:
+        """To another server of the cluster, unless moved lately or there is none."""
+        nc = client_of(self.js)
+        now = asyncio.get_running_loop().time()
+        if now - self._moved_at < self.move_every_s or len(nc.servers) < 2:
+            return
+        self._moved_at = now
+        left = nc.connected_url.netloc if nc.connected_url else ""
+        if not await move_to_another_server(nc, MOVE_WAIT_S):
+            self.logger.warning(Event.NATS_ERROR, error="no other server took us", left=left)
+            return
+        self.moves += 1
+        self.logger.warning(
+            Event.NATS_MOVED,
+            left=left,
+            server=nc.connected_url.netloc if nc.connected_url else "",
+            message="the server answered but stored no beat",
+        )
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
