@@ -123,8 +123,9 @@ class NatsCluster:
 
     root: a directory for the config and the members' stores (`<root>/<name>/`).
     config_file: the members' config, reading what differs between them from
-        the environment (`member_env`); default: DEFAULT_CONFIG, written to
-        `<root>/nats.conf`. compose/nats-cluster/nats.conf is one.
+        the environment (`member_env`); default: DEFAULT_CONFIG, written
+        for each member with its environment filled in (`<root>/<name>.conf`,
+        which `isolate` rewrites). compose/nats-cluster/nats.conf is one.
     Members are named nats-1, nats-2, nats-3 (as in compose).
     """
 
