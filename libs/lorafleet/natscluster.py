@@ -136,13 +136,9 @@ class NatsCluster:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
         self.host = host
-        #: With the default config each member has a file of its own (its
-        #: routes can be changed and reloaded: `isolate`); else all share one.
-        self.own_configs = config_file is None
-        if config_file is None:
-            config_file = self.root / "nats.conf"
-            config_file.write_text(DEFAULT_CONFIG)
-        self.config_file = Path(config_file)
+        #: The members' shared config; None: DEFAULT_CONFIG, a file per member
+        #: (its routes can be changed and reloaded: `isolate`).
+        self.config_file = Path(config_file) if config_file is not None else None
         self.isolated: set[str] = set()
         self.names = [f"nats-{i + 1}" for i in range(size)]
         flat = free_ports(3 * size, host)
@@ -166,9 +162,8 @@ class NatsCluster:
         store = self.root / name / "store"
         env = member_env(name, self.host, ports, store, self._routes(name))
         config = self.config_file
-        if self.own_configs:
-            config = self.root / f"{name}.conf"
-            self._write_config(name, env)
+        if config is None:
+            config = self._write_config(name, env)
         return _Member(
             store,
             port=ports.client,
@@ -178,18 +173,19 @@ class NatsCluster:
             env=env,
         )
 
-    def _write_config(self, name: str, env: dict[str, str]) -> None:
-        """The default config with `env` written in, minus the routes to and
-        from isolated members."""
+    def _write_config(self, name: str, env: dict[str, str]) -> Path:
+        """`name`'s file: the default config with `env` written in, minus the
+        routes to and from isolated members."""
         text = DEFAULT_CONFIG
-        for var in ("NATS_ROUTE_A", "NATS_ROUTE_B"):
-            route = env[var]
-            peer = next(n for n in self.names if route.endswith(f":{self.ports[n].cluster}"))
-            cut = name in self.isolated or peer in self.isolated
-            text = text.replace(f"${var}", "" if cut else route)
+        peers = [n for n in self.names if n != name]  # in _routes' order
+        for var, peer in zip(("NATS_ROUTE_A", "NATS_ROUTE_B"), peers, strict=True):
+            if name in self.isolated or peer in self.isolated:
+                text = text.replace(f"${var}", "")
         for var, value in env.items():
             text = text.replace(f"${var}", value)
-        (self.root / f"{name}.conf").write_text(text)
+        path = self.root / f"{name}.conf"
+        path.write_text(text)
+        return path
 
     # --- addresses --------------------------------------------------------
 
@@ -246,7 +242,11 @@ class NatsCluster:
             routez = await self.monitor(name, "/routez")
             return not routez.get("routes")
 
-        await self._poll(cut_off, f"{name}'s routes to go")
+        await self._poll(
+            cut_off,
+            lambda: f"{name}'s routes did not go within {CLUSTER_READY_TIMEOUT_S:.0f} s",
+            CLUSTER_READY_TIMEOUT_S,
+        )
 
     async def rejoin(self, name: str) -> None:
         """Undo `isolate(name)`; returns once the cluster is ready again."""
@@ -254,7 +254,7 @@ class NatsCluster:
         await self.wait_ready()
 
     async def _reroute(self, add: str | None = None, remove: str | None = None) -> None:
-        if not self.own_configs:
+        if self.config_file is not None:
             raise NatsServerError("isolate() needs the default config (a file per member)")
         if add:
             self.isolated.add(add)
@@ -266,17 +266,16 @@ class NatsCluster:
             if member.proc is not None:
                 member.proc.send_signal(signal.SIGHUP)
 
+    @staticmethod
     async def _poll(
-        self,
-        check: Callable[[], Awaitable[bool]],
-        what: str,
-        timeout_s: float = CLUSTER_READY_TIMEOUT_S,
+        check: Callable[[], Awaitable[bool]], failed: Callable[[], str], timeout_s: float
     ) -> None:
+        """Until `check()`; NatsServerError(`failed()`) after `timeout_s`."""
         loop = asyncio.get_running_loop()
         deadline = loop.time() + timeout_s
         while not await check():
             if loop.time() > deadline:
-                raise NatsServerError(f"timed out after {timeout_s:.0f} s waiting for {what}")
+                raise NatsServerError(failed())
             await asyncio.sleep(POLL_S)
 
     async def __aenter__(self) -> NatsCluster:
@@ -330,15 +329,14 @@ class NatsCluster:
     async def wait_ready(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
         """Until the running members have a meta leader, every one reports
         healthy (JetStream current) and the leader sees every peer current."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await self._ready_now():
-            if loop.time() > deadline:
-                raise NatsServerError(
-                    f"the cluster ({', '.join(self.running())}) did not become ready "
-                    f"within {timeout_s:.0f} s: no meta leader, or a member not current"
-                )
-            await asyncio.sleep(POLL_S)
+        await self._poll(
+            self._ready_now,
+            lambda: (
+                f"the cluster ({', '.join(self.running())}) did not become ready "
+                f"within {timeout_s:.0f} s: no meta leader, or a member not current"
+            ),
+            timeout_s,
+        )
 
 
 async def stream_leader(js: JetStreamContext, stream: str) -> str:
