@@ -10,13 +10,14 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js import JetStreamContext
-from nats.js.api import ConsumerInfo, DeliverPolicy, StreamConfig
+from nats.js.api import DeliverPolicy, StreamConfig
 from structlog.testing import capture_logs
 
 from lorafleet import _bus as bus
 from lorafleet._consumer import PullConsumer, PullConsumerConfig
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
+from tests.consumers import redeliveries
 from tests.eventually import eventually
 
 STREAM = "TEST_EVENTS"
@@ -206,12 +207,6 @@ async def test_on_tick_runs_while_idle(nc: Client) -> None:
         PullConsumer(js, CONFIG, Applied(), on_tick=tick)
 
 
-def _redeliveries(info: ConsumerInfo) -> int:
-    """Deliveries beyond one per stored message (num_redelivered counts only
-    redeliveries not yet acked)."""
-    return info.delivered.consumer_seq - info.delivered.stream_seq
-
-
 async def test_a_batch_in_hand_past_the_ack_wait_is_not_sent_again(nc: Client) -> None:
     """The handler takes 2.5 ack waits over a batch while the loop fetches on
     (nothing else to fetch): told "in progress", the server does not send it
@@ -238,7 +233,7 @@ async def test_a_batch_in_hand_past_the_ack_wait_is_not_sent_again(nc: Client) -
         await eventually(lambda: seen, "the next applied", until=lambda s: len(s) >= 2)
         await asyncio.sleep(0.5)
         assert seen == [b"1", b"2"]
-        assert _redeliveries(await js.consumer_info(STREAM, config.durable)) == 0
+        assert redeliveries(await js.consumer_info(STREAM, config.durable)) == 0
     finally:
         await consumer.stop()
 
@@ -253,7 +248,7 @@ async def test_a_handler_stuck_past_max_hold_lets_its_batch_go(nc: Client) -> No
         await publish(js, b"1")
 
         async def redelivered() -> int:
-            return _redeliveries(await js.consumer_info(STREAM, config.durable))
+            return redeliveries(await js.consumer_info(STREAM, config.durable))
 
         await eventually(redelivered, "the stuck batch sent again", until=bool, timeout_s=10)
     finally:

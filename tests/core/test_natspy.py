@@ -49,7 +49,7 @@ async def _errors_collected(url: str, **kwargs: object) -> tuple[Client, list[Ex
 # --- moving to another server ----------------------------------------------------
 
 
-async def _on(nc: Client) -> str:
+def _on(nc: Client) -> str:
     return nc.connected_url.netloc if nc.connected_url else ""
 
 
@@ -61,10 +61,10 @@ async def test_upstream_force_reconnect_may_come_back_to_the_same_server(
         try:
             same = 0
             for _ in range(20):  # each stays with 1 in 2: all 20 moving is 1 in a million
-                before = await _on(nc)
+                before = _on(nc)
                 await nc.force_reconnect()
                 await eventually(lambda: nc.is_connected, "reconnected")
-                same += await _on(nc) == before
+                same += _on(nc) == before
             assert same > 0
         finally:
             await nc.close()
@@ -75,9 +75,9 @@ async def test_move_to_another_server_always_moves(tmp_path: Path) -> None:
         nc = await nats.connect([a.url, b.url], reconnect_time_wait=0)
         try:
             for _ in range(10):
-                before = await _on(nc)
+                before = _on(nc)
                 assert await _natspy.move_to_another_server(nc, wait_s=5.0)
-                assert nc.is_connected and await _on(nc) != before
+                assert nc.is_connected and _on(nc) != before
             assert len(nc.servers) == 2  # the server left is back in the pool
         finally:
             await nc.close()

@@ -1991,7 +1991,7 @@ def run(job_path: Path) -> int:
     if rng is not None:  # last: nothing may draw from them before the next step
         restore_rng(rng, device)
     progress, epochs = train_epochs(
-        loop, inputs.tokens, split, p, total_steps, inputs.pad_id, start, checkpointer
+        loop, inputs.tokens, inputs.split, p, total_steps, inputs.pad_id, start, checkpointer
     )
     if checkpointer is not None:
         checkpointer.close()
