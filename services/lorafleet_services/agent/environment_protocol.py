@@ -65,7 +65,7 @@ class TrainerEnvironment(Protocol):
         cancel: asyncio.Event,
     ) -> str | None:
         """Write the GGUF of the adapter in `adapter_dir` (trained on the model
-        in `base_dir`) to `out`; answers what the job's
-        report should say of it, or None. Setting `cancel` stops it. Raises
+        in `base_dir`) to `out`; answers what the job's report should say of
+        it, or None. Setting `cancel` stops it. Raises
         conversion.ConversionError when it cannot."""
         ...
