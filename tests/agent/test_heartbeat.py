@@ -18,6 +18,7 @@ def _install_engines(root: Path) -> None:
         py = root / "vllm" / v / "bin" / "python3"
         py.parent.mkdir(parents=True)
         py.write_text("")
+        py.chmod(0o755)
     (root / "llamacpp" / "b6100-cuda12").mkdir(parents=True)
 
 

@@ -10,16 +10,14 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet_services.agent.card_memory import MemorySampler, session_pids
 from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
-from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_key
+from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_order
+from lorafleet_services.agent.environment import find_python
 from lorafleet_services.agent.heartbeat import BUCKET_OUTAGE_PATIENCE_S, fence_reason
-from lorafleet_services.agent.job import (
-    MemorySampler,
-    remove_job_dirs,
-    session_pids,
-    trainer_failure,
-)
+from lorafleet_services.agent.job import trainer_failure
+from lorafleet_services.agent.leftovers import remove_job_dirs
 from lorafleet_services.agent.process import ProcessResult
 from lorafleet_services.trainer.standin import adapter_files
 
@@ -28,6 +26,7 @@ def _engine(root: Path, *parts: str) -> None:
     p = root.joinpath(*parts)
     p.parent.mkdir(parents=True, exist_ok=True)
     p.write_text("")
+    p.chmod(0o755)  # an install is an interpreter that runs
 
 
 def test_engines_newest_by_version_not_by_text(tmp_path: Path) -> None:
@@ -42,7 +41,20 @@ def test_engines_newest_by_version_not_by_text(tmp_path: Path) -> None:
     assert newest_vllm_python(tmp_path) == tmp_path / "vllm" / "0.10.1" / "bin" / "python3"
     assert find_engines(tmp_path, "b42").llamacpp == "b42"
     assert find_engines(tmp_path / "missing").vllm == []
-    assert version_key("0.10.0") > version_key("0.9.9")
+    assert version_order("0.10.0") > version_order("0.9.9")
+
+
+def test_the_heartbeat_and_the_trainer_pick_the_same_vllm(tmp_path: Path) -> None:
+    for v in ("0.11.0", "0.11.0+cu128", "0.10.2"):
+        _engine(tmp_path, "vllm", v, "bin", "python3")
+    (tmp_path / "vllm" / "nightly" / "bin").mkdir(parents=True)  # no interpreter
+    reported = find_engines(tmp_path).vllm
+    # PEP 440: a local build (+cu128) sorts after its release.
+    assert reported == ["0.10.2", "0.11.0", "0.11.0+cu128"]
+    trains = find_python(AgentConfig(node="n", engines_dir=tmp_path, work_dir=tmp_path / "w"))
+    assert trains == str(tmp_path / "vllm" / reported[-1] / "bin" / "python3")
+    assert version_order("0.11.0rc1") < version_order("0.11.0")
+    assert version_order("not-a-version") < version_order("0.0.1")
 
 
 def test_standin_adapter_is_deterministic_per_job() -> None:

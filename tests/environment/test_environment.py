@@ -17,18 +17,12 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lorafleet_services.agent import environment as envmod
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig, EngineUser
-from lorafleet_services.agent.environment import (
-    OVERLAY_MARKER,
-    EngineEnvironment,
-    TrainerSetupError,
-    ensure_overlay,
-    find_python,
-    prepare,
-    resolve_user,
-)
+from lorafleet_services.agent.engine_user import resolve_user
+from lorafleet_services.agent.environment import EngineEnvironment, find_python, prepare
+from lorafleet_services.agent.environment_protocol import TrainerSetupError
+from lorafleet_services.agent.overlay import OVERLAY_MARKER, ensure_overlay, overlay_dir
 from lorafleet_services.agent.process import run_process
 from tests.environment.conftest import Engines, make_engines
 from tests.eventually import eventually
@@ -160,7 +154,7 @@ def test_not_root_runs_as_itself(engine_user: str, user_engine_venv: Path, open_
     """Really not root: resolve_user run by the test user itself."""
     code = (
         "from pathlib import Path; from lorafleet_services.agent.config import AgentConfig; "
-        "from lorafleet_services.agent.environment import resolve_user; "
+        "from lorafleet_services.agent.engine_user import resolve_user; "
         "import json; "
         f"print(json.dumps(resolve_user(AgentConfig(node='n', work_dir=Path('{open_dir}/w-nr')))))"
     )
@@ -306,7 +300,7 @@ async def _agent_process(cfg: AgentConfig, python: str, stdout: int) -> asyncio.
     code = (
         "import asyncio, sys; from pathlib import Path; "
         "from lorafleet_services.agent.config import AgentConfig; "
-        "from lorafleet_services.agent.environment import ensure_overlay; "
+        "from lorafleet_services.agent.overlay import ensure_overlay; "
         "e, w, h, py = sys.argv[1:]; "
         "print(asyncio.run(ensure_overlay(AgentConfig(node='n2', engines_dir=Path(e), "
         "work_dir=Path(w), wheel_dir=h), py)))"
@@ -407,15 +401,15 @@ async def test_overlay_with_uv_is_installed_once_for_concurrent_agents(
 async def test_the_overlay_is_keyed_by_pins(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    a = envmod.overlay_dir(_cfg(tmp_path, tmp_path), "/py", "3.11.2", "cpython-311")
-    b = envmod.overlay_dir(
+    a = overlay_dir(_cfg(tmp_path, tmp_path), "/py", "3.11.2", "cpython-311")
+    b = overlay_dir(
         _cfg(tmp_path, tmp_path, overlay_packages=("peft==0.21.1", "accelerate==1.15.0")),
         "/py",
         "3.11.2",
         "cpython-311",
     )
-    c = envmod.overlay_dir(_cfg(tmp_path, tmp_path), "/py", "3.11.3", "cpython-311")
-    d = envmod.overlay_dir(_cfg(tmp_path, tmp_path), "/other/py", "3.11.2", "cpython-311")
+    c = overlay_dir(_cfg(tmp_path, tmp_path), "/py", "3.11.3", "cpython-311")
+    d = overlay_dir(_cfg(tmp_path, tmp_path), "/other/py", "3.11.2", "cpython-311")
     assert len({a, b, c, d}) == 4
 
 

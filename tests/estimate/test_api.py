@@ -153,7 +153,7 @@ async def test_estimate_and_submit_through_the_recorder(running: Running, tmp_pa
 
 def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
     from lorafleet_schemas.messages import StartRequest, TrainerLengths
-    from lorafleet_services.agent.job import job_estimate_mib, lengths_note
+    from lorafleet_services.agent.trainer_lines import job_estimate_mib, lengths_note
 
     req = StartRequest(
         job_id="j1",

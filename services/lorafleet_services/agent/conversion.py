@@ -40,7 +40,7 @@ from typing import IO
 
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import TrainerEnvironment
+from lorafleet_services.agent.environment_protocol import TrainerEnvironment
 from lorafleet_services.agent.process import ProcessResult, run_process
 
 #: Seconds a fetch may wait for the source to answer or send the next bytes.

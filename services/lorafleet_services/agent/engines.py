@@ -1,47 +1,58 @@
-"""The engines installed on this node, as the heartbeat reports them.
+"""The engines installed on this node: what the heartbeat reports, and the
+one vLLM discovery the trainer's Python is chosen from.
 
-vLLM: every `<engines_dir>/vllm/<version>/bin/python3` that exists, newest
-last. llama.cpp: the newest `<engines_dir>/llamacpp/b<build>-...` release
-tag (`b<build>`), or the configured tag. Reading them is a few directory
-listings; the heartbeat still does it in a thread, away from the event loop.
+vLLM: every `<engines_dir>/vllm/<version>/` with an executable
+`bin/python3`, ordered by `version_order` (PEP 440, `packaging.version`):
+0.10.2 < 0.11.0rc1 < 0.11.0 < 0.11.0+cu128 (a local build sorts after its
+release); a name that is no version sorts before every version. The
+heartbeat lists them oldest first and the trainer takes the last, so both
+name the same vLLM. llama.cpp: the newest `<engines_dir>/llamacpp/b<build>-...`
+release tag (`b<build>`), or the configured tag. Reading them is a few
+directory listings; the heartbeat still does it in a thread, away from the
+event loop.
 """
 
 from __future__ import annotations
 
+import os
 import re
 from pathlib import Path
+
+from packaging.version import InvalidVersion, Version
 
 from lorafleet_schemas.messages import EnginesInstalled
 
 _LLAMACPP_RE = re.compile(r"^b(\d+)(?:[-_.].*)?$")
-_PART_RE = re.compile(r"(\d+)|([A-Za-z]+)")
 
 
-def version_key(version: str) -> tuple[tuple[int, int | str], ...]:
-    """Sort key for version strings: numbers compare as numbers, so 0.10 > 0.9;
-    a release sorts after its pre-releases ("0.10.0" > "0.10.0rc1")."""
-    parts: list[tuple[int, int | str]] = []
-    for num, word in _PART_RE.findall(version):
-        parts.append((1, int(num)) if num else (0, word.lower()))
-    # A trailing number-only version beats the same one with a suffix.
-    parts.append((2, 0))
-    return tuple(parts)
+def version_order(name: str) -> tuple[int, Version | str]:
+    """Sort key for a directory named for a version: PEP 440 order
+    (0.10 > 0.9, a release after its pre-releases and before its local
+    builds); names that are no version first, by name."""
+    try:
+        return (1, Version(name))
+    except InvalidVersion:
+        return (0, name)
 
 
 def vllm_versions(engines_dir: Path) -> list[str]:
-    """Installed vLLM versions (those with a bin/python3), oldest first."""
+    """Installed vLLM versions (those with an executable bin/python3), oldest first."""
     root = engines_dir / "vllm"
     try:
-        found = [d.name for d in root.iterdir() if (d / "bin" / "python3").exists()]
+        found = [d.name for d in root.iterdir() if _runnable(d / "bin" / "python3")]
     except OSError:
         return []
-    return sorted(found, key=version_key)
+    return sorted(found, key=version_order)
 
 
 def newest_vllm_python(engines_dir: Path) -> Path | None:
     """The newest installed vLLM's interpreter, or None."""
     versions = vllm_versions(engines_dir)
     return engines_dir / "vllm" / versions[-1] / "bin" / "python3" if versions else None
+
+
+def _runnable(path: Path) -> bool:
+    return path.is_file() and os.access(path, os.X_OK)
 
 
 def llamacpp_tag(engines_dir: Path) -> str | None:

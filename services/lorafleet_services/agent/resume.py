@@ -33,7 +33,7 @@ from lorafleet_schemas.messages import ArtifactKind, CheckpointRef
 from lorafleet_services.agent.fetch import fetch_object
 
 
-class ResumeError(Exception):
+class ResumeFetchError(Exception):
     """The job cannot start from what it was to resume from; the message says why."""
 
 
@@ -74,14 +74,14 @@ async def fetch_resume(
     try:
         size, sha = await fetch_object(js, bucket, ref.object, archive)
     except objects.ObjectNotFoundError:
-        raise ResumeError(
+        raise ResumeFetchError(
             f"{what} is not in the object store {bucket} (object {ref.object}): it was "
             "removed; resume from another checkpoint, or submit the job afresh"
         ) from None
     except Exception as e:
-        raise ResumeError(f"fetching {what} ({ref.object}) from {bucket}: {e!r}") from None
+        raise ResumeFetchError(f"fetching {what} ({ref.object}) from {bucket}: {e!r}") from None
     if (size, sha) != (ref.size, ref.sha256):
-        raise ResumeError(
+        raise ResumeFetchError(
             f"{what} in {bucket} ({ref.object}) is {size} bytes with sha256 {sha}, but the "
             f"job resumes from {ref.size} bytes with sha256 {ref.sha256}: it was replaced "
             "or damaged; resume from another checkpoint, or submit the job afresh"
@@ -90,7 +90,7 @@ async def fetch_resume(
     try:
         await asyncio.to_thread(unpack, archive, target)
     except (tarfile.TarError, OSError) as e:
-        raise ResumeError(f"unpacking {what} ({ref.object}): {e}") from None
+        raise ResumeFetchError(f"unpacking {what} ({ref.object}): {e}") from None
     finally:
         archive.unlink(missing_ok=True)
     return {"dir": str(target), "mode": resume_mode(ref, job_id)}

@@ -59,7 +59,8 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater, fence_reason
-from lorafleet_services.agent.job import JobRun, kill_leftover_trainers, remove_job_dirs
+from lorafleet_services.agent.job import JobRun, StopRequest
+from lorafleet_services.agent.leftovers import kill_leftover_trainers, remove_job_dirs
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -183,8 +184,7 @@ class Agent:
             return NodeCancelReply(stopped=False)
         reason = req.reason or "cancelled"
         await run.stop(
-            JobState.CANCELLED,
-            f"cancelled on {self.node}: {reason}",
+            StopRequest.cancelled(f"cancelled on {self.node}: {reason}"),
             self.cfg.cancel_grace_s + CANCEL_SLACK_S,
         )
         return NodeCancelReply(stopped=run.task is not None and run.task.done())
@@ -230,7 +230,7 @@ class Agent:
         )
         # Not awaited here: the fence keeps watching while the group stops.
         self._fence_task = asyncio.create_task(
-            run.stop(None, "fenced", self.cfg.cancel_grace_s + CANCEL_SLACK_S)
+            run.stop(StopRequest.fenced(), self.cfg.cancel_grace_s + CANCEL_SLACK_S)
         )
 
     def _report_fenced(self) -> None:
@@ -255,11 +255,11 @@ class Agent:
         if run is not None:
             # Not the job's own failure: with attempts left it runs again elsewhere.
             await run.stop(
-                JobState.FAILED,
-                f"the agent on {self.node} stopped while running this job: not the job's "
-                "own failure (a job with attempts left runs again); else submit it again",
+                StopRequest.agent_stopping(
+                    f"the agent on {self.node} stopped while running this job: not the job's "
+                    "own failure (a job with attempts left runs again); else submit it again"
+                ),
                 self.cfg.cancel_grace_s + CANCEL_SLACK_S,
-                retryable=True,
             )
         with contextlib.suppress(Exception):
             # What KV delete publishes, without its bucket lookup (a stream
