@@ -54,7 +54,7 @@ import psutil
 import stamina
 from nats.js import JetStreamContext
 
-from lorafleet import log, metrics, objects
+from lorafleet import log, objects
 from lorafleet._bus import encode
 from lorafleet._process import die_with_parent
 from lorafleet.estimate import EstimateError, estimate_memory
@@ -83,6 +83,7 @@ from lorafleet_services.agent.checkpoints import CheckpointSender
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment import StandinEnvironment, TrainerEnvironment
 from lorafleet_services.agent.fetch import fetch_object
+from lorafleet_services.agent.metric_views import RUNNING_JOBS
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
 from lorafleet_services.trainer.standin import gguf_bytes
 
@@ -352,7 +353,7 @@ class Reporter:
 
     def report(self, state: JobState | None = None, message: str = "", **fields: Any) -> None:
         self.seq += 1
-        metrics.RUNNING_JOBS.report(self.node, self.job_id, fields)
+        RUNNING_JOBS.report(self.node, self.job_id, fields)
         self._queue.put_nowait(
             StatusReport(
                 job_id=self.job_id,
