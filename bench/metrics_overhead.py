@@ -78,8 +78,8 @@ for _cls, _names in ((_m.Counter, ("inc",)), (_m.Gauge, ("inc", "dec", "set")),
         setattr(_cls, _name, _noop)
 _m.MetricWrapperBase.labels = _self
 
-import lorafleet.metrics as _lm
-_lm.RunningJobs.report = _noop
+import lorafleet_services.agent.metric_views as _views
+_views.RunningJobs.report = _noop
 """
 
 
@@ -96,9 +96,9 @@ class Metrics:
     def off(self) -> None:
         import prometheus_client.metrics as m
 
-        import lorafleet.metrics as lm
+        from lorafleet_services.agent.metric_views import RunningJobs
 
-        for cls in (m.Counter, m.Gauge, m.Histogram, m.MetricWrapperBase, lm.RunningJobs):
+        for cls in (m.Counter, m.Gauge, m.Histogram, m.MetricWrapperBase, RunningJobs):
             self.saved.setdefault(cls, dict(vars(cls)))
         exec(STUB, {})
         os.environ["PYTHONPATH"] = os.pathsep.join(
@@ -126,6 +126,7 @@ async def scraped(tmp: str, urls: list[str]) -> AsyncIterator[Prometheus]:
 async def reports_per_s(tmp: str, total: int, jobs: int, mode: str) -> float:
     """Reports/s of one in-process recorder (served and scraped when "on")."""
     from lorafleet import metrics
+    from lorafleet._metrics_http import MetricsServer
 
     with throwaway_database("lorafleet_bench") as url:
         async with NatsServer(f"{tmp}/nats-{time.monotonic_ns()}") as server:
@@ -135,7 +136,7 @@ async def reports_per_s(tmp: str, total: int, jobs: int, mode: str) -> float:
             if mode != "on":
                 return await recorder_rate(settings, total)
             metrics.register("recorder")
-            endpoint = metrics.MetricsServer("127.0.0.1:0")
+            endpoint = MetricsServer("127.0.0.1:0")
             await endpoint.start()
             try:
                 async with scraped(tmp, [endpoint.url]):
@@ -215,7 +216,9 @@ def unit_costs(nodes: int) -> tuple[float, float]:
     import datetime as dt
 
     from lorafleet import metrics
+    from lorafleet._metrics_http import exposition
     from lorafleet_schemas.messages import Card, Heartbeat
+    from lorafleet_services.scheduler.metric_views import node_samples
 
     metrics.register("scheduler")
     endpoint = "lorafleet.bench.endpoint"
@@ -236,11 +239,11 @@ def unit_costs(nodes: int) -> tuple[float, float]:
         Heartbeat(node=f"n{i}", version="1", started_at=now, time=now, cards=cards)
         for i in range(nodes)
     ]
-    remove = metrics.LIVE.add(lambda: metrics.node_samples((b, True, 0.5) for b in beats))
+    remove = metrics.LIVE.add(lambda: node_samples((b, True, 0.5) for b in beats))
     scrapes = 50
     t0 = time.perf_counter()
     for _ in range(scrapes):
-        metrics.exposition()
+        exposition()
     per_scrape = (time.perf_counter() - t0) / scrapes
     remove()
     return per_update, per_scrape

@@ -54,6 +54,7 @@ import lorafleet
 import lorafleet._bus as bus
 import lorafleet.log as log
 import lorafleet.metrics as metrics
+from lorafleet._metrics_http import MetricsServer
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
@@ -125,15 +126,14 @@ async def serve(program: Program, settings: Settings, stop: asyncio.Event | None
             await metrics_server.stop()
 
 
-async def start_metrics(program: Program, settings: Settings) -> metrics.MetricsServer | None:
+async def start_metrics(program: Program, settings: Settings) -> MetricsServer | None:
     """The metrics endpoint, when `settings.metrics_addr` is set (bound before
     anything else, so that a port in use stops the process at once)."""
     metrics.register(program.name)
-    metrics.RUNNING_JOBS.linger_s = settings.metrics_linger_s
     metrics.BUILD_INFO.labels(program.name, lorafleet.__version__).set(1)
     if not settings.metrics_addr:
         return None
-    server = metrics.MetricsServer(settings.metrics_addr)
+    server = MetricsServer(settings.metrics_addr)
     await server.start()
     return server
 
@@ -142,7 +142,7 @@ async def _serve(
     program: Program,
     settings: Settings,
     stop: asyncio.Event,
-    metrics_server: metrics.MetricsServer | None,
+    metrics_server: MetricsServer | None,
 ) -> None:
     logger = log.get()
     if program.before_connect is not None:

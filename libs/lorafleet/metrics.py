@@ -1,26 +1,24 @@
-"""Prometheus metrics of every lorafleet process, defined once, and their endpoint.
+"""Prometheus metrics of every lorafleet process, defined once.
 
 Every metric lorafleet exports is defined in this module, named the
 Prometheus way (base units: seconds and bytes; counters end in `_total`).
-A service updates them with one call per event (`metrics.JOBS_SUBMITTED.inc()`);
-`runtime.serve()` starts the endpoint (`MetricsServer`, `GET /metrics`) for
-every Program when `LORAFLEET_METRICS_ADDR` is set (off by default).
+A service updates them with one call per event (`metrics.JOBS_SUBMITTED.inc()`).
+Importing this module changes nothing outside it: `register(service)`, at
+the service's start (`runtime.serve()` calls it for every Program), puts
+that service's metrics and the live gauges on prometheus_client's
+process-wide registry; the endpoint that serves them is private
+(`lorafleet._metrics_http`).
 
 Two kinds of metric:
 
 - event metrics (counters, histograms) on prometheus_client's process-wide
   registry, which also carries its `process_*` and `python_*` collectors;
-- live gauges (`LIVE`), computed at each scrape from what the process
-  knows now: the scheduler's node table (nodes, cards, heartbeat age), the
-  agent's running job (`RUNNING_JOBS`), the recorder's jobs by state
-  (`JOB_COUNTS`, read from the database before each scrape). Their labels
-  are bounded by what exists now: a finished job's series stay
+- live gauges (`LIVE`), computed at each scrape by the views the services
+  add at start (each beside its service: the scheduler's node table, the
+  agent's running jobs, the recorder's jobs by state). Their labels are
+  bounded by what exists now: a finished job's series stay
   `metrics_linger_s` seconds (so that the last scrape sees its final
   values), then go away; a forgotten node's series go with it.
-
-The endpoint is a small asyncio server in the service's own event loop (not
-prometheus_client's thread): collecting reads the service's tables on the
-loop that changes them, and the recorder can await its database query.
 
 Label names: `node`, `job_id` (never `job`: Prometheus uses it for the
 scrape job), `card`, `state`, `kind`, `endpoint`, `code`.
@@ -29,28 +27,20 @@ scrape job), `card`, `state`, `kind`, `endpoint`, `code`.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import datetime as dt
-import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from prometheus_client import REGISTRY, Counter, Gauge, Histogram, disable_created_metrics
 from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 from prometheus_client.registry import Collector
 
 import lorafleet.log as log
 from lorafleet.log import Event
-from lorafleet.settings import SettingsError, parse_host_port
-from lorafleet_schemas.messages import ArtifactKind, ErrorCode, Heartbeat, JobState, StatusReport
+from lorafleet_schemas.messages import ArtifactKind, ErrorCode, JobState, StatusReport
 
 MIB = 1024 * 1024
-
-# The `_created` series double every counter's and histogram's series for a
-# timestamp no panel uses.
-disable_created_metrics()  # type: ignore[no-untyped-call]
 
 #: Final states, in the order the finished counter is pre-set (zero series
 #: exist before the first job ends, so a panel over them has data).
@@ -167,28 +157,6 @@ def _preset() -> None:
         ARTIFACT_DELIVERY.labels(kind.value)
 
 
-_preset()
-
-#: The event metrics each service exports (every process: `_COMMON`).
-_COMMON = (BUILD_INFO, API_REQUESTS, API_ERRORS, API_DURATION)
-SERVICE_METRICS: dict[str, tuple[Any, ...]] = {
-    "recorder": (JOBS_SUBMITTED, JOBS_FINISHED, STATUS_APPLIED, STATUS_REFUSED, STATUS_LAG),
-    "scheduler": (JOB_START_LATENCY, JOBS_DISPATCHED, DISPATCH_ROUND, NODES_LOST, NODES_LEFT),
-    "artifact-store": (ARTIFACTS_STORED, ARTIFACT_BYTES, ARTIFACTS_REJECTED, ARTIFACT_DELIVERY),
-    "agent": (),
-}
-_registered: set[int] = set()
-
-
-def register(service: str) -> None:
-    """Export the metrics of `service` (and every process's) from this
-    process; idempotent (in-process tests run several services)."""
-    for metric in (*_COMMON, *SERVICE_METRICS.get(service, ())):
-        if id(metric) not in _registered:
-            REGISTRY.register(metric)
-            _registered.add(id(metric))
-
-
 def endpoint_metrics(endpoint: str) -> None:
     """Create an endpoint's request, duration and error series (each code) at zero."""
     API_REQUESTS.labels(endpoint)
@@ -293,7 +261,7 @@ class LiveCollector(Collector):
     """The live gauges: each scrape asks every registered view.
 
     Views are added by services at start and removed at stop (`add` returns
-    the remover). Registered once, at import, on the process-wide registry.
+    the remover). `register` puts `LIVE` on the process-wide registry.
     """
 
     def __init__(self) -> None:
@@ -336,231 +304,29 @@ class LiveCollector(Collector):
 
 
 LIVE = LiveCollector()
-REGISTRY.register(LIVE)
 
 
-# --- the recorder's jobs by state ---------------------------------------------
+# --- registering ------------------------------------------------------------------
 
-
-@dataclass
-class JobCounts:
-    """Jobs by state as the recorder's last query found them (None: never asked)."""
-
-    by_state: dict[str, int] | None = None
-    #: Seconds the oldest queued job has waited, when the query ran.
-    oldest_queued_s: float = 0.0
-
-    def set(self, by_state: Mapping[str, int], oldest_queued_s: float) -> None:
-        self.by_state = {s.value: int(by_state.get(s.value, 0)) for s in JobState}
-        self.oldest_queued_s = max(0.0, oldest_queued_s)
-
-    def samples(self) -> Iterator[Sample]:
-        if self.by_state is None:
-            return
-        for state, n in self.by_state.items():
-            yield JOBS, (state,), float(n)
-        yield QUEUE_DEPTH, (), float(self.by_state[JobState.QUEUED.value])
-        yield QUEUE_OLDEST_AGE, (), self.oldest_queued_s
-
-
-# --- the scheduler's node table -----------------------------------------------
-
-
-def node_samples(nodes: Iterable[tuple[Heartbeat, bool, float]]) -> Iterator[Sample]:
-    """Samples of (heartbeat, alive, seconds since it arrived) for each known node."""
-    alive = 0
-    for hb, up, age_s in nodes:
-        alive += up
-        yield NODE_UP, (hb.node,), float(up)
-        yield NODE_BUSY, (hb.node,), float(up and hb.job is not None)
-        yield HEARTBEAT_AGE, (hb.node,), max(0.0, age_s)
-        if not up:
-            continue  # a lost node's cards say nothing about now
-        for card in hb.cards:
-            labels = (hb.node, str(card.index), card.name)
-            yield CARD_TOTAL, labels, float(card.total_mib * MIB)
-            yield CARD_FREE, labels, float(card.free_mib * MIB)
-    yield NODES_ALIVE, (), float(alive)
-
-
-# --- the agent's running job --------------------------------------------------
-
-_JOB_FIELDS: dict[str, tuple[LiveGauge, float]] = {
-    "step": (JOB_STEP, 1.0),
-    "steps": (JOB_STEPS, 1.0),
-    "loss": (JOB_LOSS, 1.0),
-    "eval_loss": (JOB_EVAL_LOSS, 1.0),
-    "tokens_per_s": (JOB_TOKENS, 1.0),
-    "peak_mib": (JOB_PEAK, float(MIB)),
-    "eta_s": (JOB_ETA, 1.0),
+#: The event metrics each service exports (every process: `_COMMON`).
+_COMMON = (BUILD_INFO, API_REQUESTS, API_ERRORS, API_DURATION)
+SERVICE_METRICS: dict[str, tuple[Any, ...]] = {
+    "recorder": (JOBS_SUBMITTED, JOBS_FINISHED, STATUS_APPLIED, STATUS_REFUSED, STATUS_LAG),
+    "scheduler": (JOB_START_LATENCY, JOBS_DISPATCHED, DISPATCH_ROUND, NODES_LOST, NODES_LEFT),
+    "artifact-store": (ARTIFACTS_STORED, ARTIFACT_BYTES, ARTIFACTS_REJECTED, ARTIFACT_DELIVERY),
+    "agent": (),
 }
+_registered: set[int] = set()
 
 
-@dataclass
-class _JobValues:
-    values: dict[str, float] = field(default_factory=dict)
-    #: Monotonic seconds when the job ended here (None: running).
-    ended_at: float | None = None
-
-
-class RunningJobs:
-    """The progress of the jobs an agent runs now, as its status reports carry it.
-
-    linger_s: seconds a finished job's series stay; default 60 (see the
-    module docstring). clock: monotonic seconds.
-    """
-
-    def __init__(self, linger_s: float = 60.0, clock: Callable[[], float] = time.monotonic):
-        self.linger_s = linger_s
-        self.clock = clock
-        self._jobs: dict[tuple[str, str], _JobValues] = {}
-
-    def report(self, node: str, job_id: str, fields: Mapping[str, Any]) -> None:
-        """Keep each progress field of a status report that carries one."""
-        job = self._jobs.setdefault((node, job_id), _JobValues())
-        for name, value in fields.items():
-            if value is not None and name in _JOB_FIELDS:
-                job.values[name] = float(value)
-
-    def ended(self, node: str, job_id: str) -> None:
-        job = self._jobs.get((node, job_id))
-        if job is not None and job.ended_at is None:
-            job.ended_at = self.clock()
-        self._prune()  # also where nothing scrapes: the table stays bounded
-
-    def __len__(self) -> int:
-        """Jobs held: running, or finished and lingering."""
-        return len(self._jobs)
-
-    def _prune(self) -> None:
-        now = self.clock()
-        for key, job in list(self._jobs.items()):
-            if job.ended_at is not None and now - job.ended_at >= self.linger_s:
-                del self._jobs[key]
-
-    def samples(self) -> Iterator[Sample]:
-        self._prune()
-        for key, job in list(self._jobs.items()):
-            for name, value in job.values.items():
-                gauge, scale = _JOB_FIELDS[name]
-                yield gauge, key, value * scale
-
-
-JOB_COUNTS = JobCounts()
-RUNNING_JOBS = RunningJobs()
-LIVE.add(JOB_COUNTS.samples)
-LIVE.add(RUNNING_JOBS.samples)
-
-
-# --- the endpoint ---------------------------------------------------------------
-
-#: Bytes of a request's head the endpoint reads at most.
-MAX_REQUEST_BYTES = 8192
-#: Seconds a client has to send its request line and headers.
-REQUEST_TIMEOUT_S = 5.0
-
-
-def exposition() -> bytes:
-    """The process's metrics in Prometheus's text format (without refreshing)."""
-    return generate_latest(REGISTRY)
-
-
-class MetricsServer:
-    """`GET /metrics` on `addr` ("host:port"; port 0 picks a free one).
-
-    start() binds (a port in use raises SettingsError naming the setting);
-    `url` is where it listens; stop() closes it.
-    """
-
-    def __init__(self, addr: str, setting: str = "LORAFLEET_METRICS_ADDR") -> None:
-        self.addr = addr
-        self.setting = setting
-        self.host, self.port = parse_host_port(addr, setting)
-        self._server: asyncio.Server | None = None
-
-    @property
-    def url(self) -> str:
-        host = self.host or "0.0.0.0"
-        host = f"[{host}]" if ":" in host else host
-        return f"http://{host}:{self.port}/metrics"
-
-    async def start(self) -> None:
-        try:
-            self._server = await asyncio.start_server(self._handle, self.host or None, self.port)
-        except OSError as e:
-            raise SettingsError(
-                f"{self.setting}={self.addr!r}: cannot listen there ({e.strerror}); "
-                "choose a free port (0 picks one), or unset it to serve no metrics"
-            ) from None
-        self.port = self._server.sockets[0].getsockname()[1]
-
-    async def stop(self) -> None:
-        if self._server is not None:
-            self._server.close()
-            with contextlib.suppress(Exception):
-                await self._server.wait_closed()
-            self._server = None
-
-    async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
-            writer.write(await respond(head))
-            await writer.drain()
-        except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):
-            pass
-        except ConnectionError:
-            pass
-        finally:
-            writer.close()
-            with contextlib.suppress(Exception):
-                await writer.wait_closed()
-
-
-async def respond(head: bytes) -> bytes:
-    """The whole HTTP/1.1 response to a request's head."""
-    parts = head.split(b"\r\n", 1)[0].split()
-    method, path = (parts[0], parts[1].split(b"?", 1)[0]) if len(parts) >= 2 else (b"", b"")
-    if method not in (b"GET", b"HEAD"):
-        return _response(405, b"text/plain", b"GET /metrics\n", method == b"HEAD")
-    if path == b"/metrics":
-        await LIVE.refresh()
-        return _response(200, CONTENT_TYPE_LATEST.encode(), exposition(), method == b"HEAD")
-    if path == b"/":
-        return _response(200, b"text/plain", b"lorafleet: metrics at /metrics\n", False)
-    return _response(404, b"text/plain", b"not found: metrics are at /metrics\n", False)
-
-
-_REASONS = {200: b"OK", 404: b"Not Found", 405: b"Method Not Allowed"}
-
-
-def _response(status: int, content_type: bytes, body: bytes, head_only: bool) -> bytes:
-    lines = [
-        b"HTTP/1.1 %d %s" % (status, _REASONS[status]),
-        b"Content-Type: " + content_type,
-        b"Content-Length: %d" % len(body),
-        b"Connection: close",
-    ]
-    return b"\r\n".join(lines) + b"\r\n\r\n" + (b"" if head_only else body)
-
-
-# --- several processes on one machine (lorafleet up) ------------------------------
-
-
-def child_addr(base: str, index: int, setting: str = "LORAFLEET_METRICS_ADDR") -> str:
-    """The address of the `index`-th process when they share `base`: the
-    port plus `index` (port 0 stays 0: each picks its own). "" stays off."""
-    if not base:
-        return ""
-    host, port = parse_host_port(base, setting)
-    if port == 0:
-        return base
-    host = f"[{host}]" if ":" in host else host
-    return f"{host}:{port + index}"
-
-
-def endpoints_text(urls: Mapping[str, str]) -> str:
-    """Lines saying where each process serves its metrics (for `lorafleet up`)."""
-    if not urls:
-        return "metrics: off (set LORAFLEET_METRICS_ADDR, e.g. 127.0.0.1:9460, to serve them)"
-    width = max(map(len, urls))
-    return "\n".join(f"metrics: {name:<{width}}  {url}" for name, url in urls.items())
+def register(service: str) -> None:
+    """Export the metrics of `service` (and every process's) and the live
+    gauges from this process; idempotent (in-process tests run several services)."""
+    # The `_created` series double every counter's and histogram's series for
+    # a timestamp no panel uses.
+    disable_created_metrics()  # type: ignore[no-untyped-call]
+    _preset()
+    for metric in (LIVE, *_COMMON, *SERVICE_METRICS.get(service, ())):
+        if id(metric) not in _registered:
+            REGISTRY.register(metric)
+            _registered.add(id(metric))

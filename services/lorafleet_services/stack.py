@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lorafleet import _bus as bus
-from lorafleet import metrics
+from lorafleet._metrics_http import child_addr
 from lorafleet._process import die_with_parent
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
@@ -310,7 +310,7 @@ class EmbeddedStack:
         return self.settings
 
     async def _spawn(self, module: str, settings: Settings, env: dict[str, str]) -> ServiceProcess:
-        addr = metrics.child_addr(self.metrics_addr, len(self.children))
+        addr = child_addr(self.metrics_addr, len(self.children))
         env = {**env, "LORAFLEET_METRICS_ADDR": addr}
         proc = ServiceProcess(module, settings, env=env, echo=self.echo)
         await proc.start()

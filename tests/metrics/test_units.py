@@ -1,4 +1,4 @@
-"""lorafleet.metrics without a bus: definitions, live gauges, the endpoint, settings."""
+"""lorafleet.metrics without a bus: definitions, the live gauges, the endpoint, settings."""
 
 from __future__ import annotations
 
@@ -6,13 +6,18 @@ import asyncio
 import datetime as dt
 import shutil
 import subprocess
+import sys
 
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from lorafleet import metrics
+from lorafleet._metrics_http import MetricsServer, child_addr, endpoints_text, exposition
 from lorafleet.settings import Settings, SettingsError, parse_host_port
 from lorafleet_schemas.messages import Card, Heartbeat
+from lorafleet_services.agent.metric_views import RunningJobs
+from lorafleet_services.recorder.metric_views import JobCounts
+from lorafleet_services.scheduler.metric_views import node_samples
 
 
 class Clock:
@@ -43,7 +48,7 @@ def beat(node: str, cards: list[tuple[int, int]], job: str | None = None) -> Hea
 
 def test_running_jobs_keep_each_field_and_go_after_the_linger() -> None:
     clock = Clock()
-    jobs = metrics.RunningJobs(linger_s=5.0, clock=clock)
+    jobs = RunningJobs(linger_s=5.0, clock=clock)
     jobs.report("n1", "j1", {"step": 1, "steps": 4, "loss": 2.5, "peak_mib": 10, "eta_s": None})
     jobs.report("n1", "j1", {"step": 2, "eval_loss": 2.0, "message": "ignored"})
     got = samples(jobs.samples)
@@ -64,7 +69,7 @@ def test_running_jobs_keep_each_field_and_go_after_the_linger() -> None:
 
 def test_finished_jobs_go_even_where_nothing_scrapes() -> None:
     clock = Clock()
-    jobs = metrics.RunningJobs(linger_s=1.0, clock=clock)
+    jobs = RunningJobs(linger_s=1.0, clock=clock)
     for i in range(100):
         jobs.report("n1", f"j{i}", {"step": 1})
         jobs.ended("n1", f"j{i}")
@@ -77,7 +82,7 @@ def test_node_samples_cover_cards_of_live_nodes_only() -> None:
         (beat("a", [(80, 70), (80, 12)], job="j"), True, 0.4),
         (beat("b", [(40, 1)]), False, 9.0),
     ]
-    got = samples(lambda: metrics.node_samples(rows))
+    got = samples(lambda: node_samples(rows))
     assert got[("lorafleet_nodes_alive", ())] == 1.0
     assert got[("lorafleet_card_memory_free_bytes", ("a", "1", "H100"))] == 12 * metrics.MIB
     assert got[("lorafleet_card_memory_total_bytes", ("a", "0", "H100"))] == 80 * metrics.MIB
@@ -88,7 +93,7 @@ def test_node_samples_cover_cards_of_live_nodes_only() -> None:
 
 
 def test_job_counts_name_every_state() -> None:
-    counts = metrics.JobCounts()
+    counts = JobCounts()
     assert list(counts.samples()) == [], "no query yet: no series (not zeros)"
     counts.set({"queued": 2, "done": 5}, oldest_queued_s=-1.0)
     got = samples(counts.samples)
@@ -147,13 +152,13 @@ def test_metrics_are_off_by_default_and_linger_is_checked() -> None:
 
 
 def test_child_addr_spreads_fixed_ports_and_keeps_port_zero() -> None:
-    assert metrics.child_addr("127.0.0.1:9460", 2) == "127.0.0.1:9462"
-    assert metrics.child_addr(":9460", 1) == ":9461"
-    assert metrics.child_addr("127.0.0.1:0", 3) == "127.0.0.1:0"
-    assert metrics.child_addr("", 3) == ""
-    text = metrics.endpoints_text({"recorder": "http://127.0.0.1:9460/metrics"})
+    assert child_addr("127.0.0.1:9460", 2) == "127.0.0.1:9462"
+    assert child_addr(":9460", 1) == ":9461"
+    assert child_addr("127.0.0.1:0", 3) == "127.0.0.1:0"
+    assert child_addr("", 3) == ""
+    text = endpoints_text({"recorder": "http://127.0.0.1:9460/metrics"})
     assert "recorder  http://127.0.0.1:9460/metrics" in text
-    assert "off" in metrics.endpoints_text({})
+    assert "off" in endpoints_text({})
 
 
 async def http_get(port: int, path: str, method: str = "GET") -> tuple[str, bytes]:
@@ -168,13 +173,14 @@ async def http_get(port: int, path: str, method: str = "GET") -> tuple[str, byte
 async def test_the_endpoint_serves_the_registry_and_refreshes_first() -> None:
     metrics.register("recorder")
     refreshed: list[int] = []
+    counts = JobCounts()
 
     async def refresh() -> None:
         refreshed.append(1)
-        metrics.JOB_COUNTS.set({"queued": 3}, 7.0)
+        counts.set({"queued": 3}, 7.0)
 
-    remove = metrics.LIVE.add(refresh=refresh)
-    server = metrics.MetricsServer("127.0.0.1:0")
+    remove = metrics.LIVE.add(counts.samples, refresh=refresh)
+    server = MetricsServer("127.0.0.1:0")
     await server.start()
     try:
         assert server.url == f"http://127.0.0.1:{server.port}/metrics"
@@ -190,16 +196,15 @@ async def test_the_endpoint_serves_the_registry_and_refreshes_first() -> None:
         assert status.endswith("200 OK") and body == b""
     finally:
         remove()
-        metrics.JOB_COUNTS.by_state = None
         await server.stop()
 
 
 async def test_a_port_in_use_is_a_settings_error() -> None:
-    first = metrics.MetricsServer("127.0.0.1:0")
+    first = MetricsServer("127.0.0.1:0")
     await first.start()
     try:
         with pytest.raises(SettingsError, match=r"cannot listen there .*choose a free port"):
-            await metrics.MetricsServer(f"127.0.0.1:{first.port}").start()
+            await MetricsServer(f"127.0.0.1:{first.port}").start()
     finally:
         await first.stop()
 
@@ -209,6 +214,19 @@ def test_promtool_accepts_every_definition() -> None:
         metrics.register(service)
     metrics.endpoint_metrics("lorafleet.api.jobs.get")
     assert shutil.which("promtool"), "promtool is missing: apt-get install prometheus (./dev does)"
-    text = metrics.exposition()
+    text = exposition()
     out = subprocess.run(["promtool", "check", "metrics"], input=text, capture_output=True)
     assert out.returncode == 0, out.stdout.decode() + out.stderr.decode()
+
+
+def test_importing_the_definitions_registers_nothing() -> None:
+    code = (
+        "from prometheus_client import REGISTRY\n"
+        "before = set(REGISTRY._collector_to_names)\n"
+        "import lorafleet.metrics, lorafleet._metrics_http\n"
+        "assert set(REGISTRY._collector_to_names) == before, 'import registered a collector'\n"
+        "lorafleet.metrics.register('agent')\n"
+        "assert lorafleet.metrics.LIVE in REGISTRY._collector_to_names\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr

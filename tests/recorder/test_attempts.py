@@ -7,7 +7,7 @@ import pytest
 
 from lorafleet.states import IllegalTransitionError
 from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobSpec, JobState
-from lorafleet_services.recorder import store
+from lorafleet_services.recorder import fold, job_writes, store
 from lorafleet_services.recorder.db import Sessions
 from tests.recorder.test_store import SHA, rep
 
@@ -32,14 +32,14 @@ async def running_at(sm: Sessions, job: JobRecord, node: str, steps: range) -> J
         rep(job, 2 + i, node=node, step=s, steps=100, loss=10 - s / 10, eval_loss=20 - s / 10)
         for i, s in enumerate(steps)
     ]
-    await store.apply_status(sm, reports)
+    await job_writes.apply_status(sm, reports)
     found = await store.get_job(sm, job.id)
     assert found is not None
     return found
 
 
 async def checkpoint(sm: Sessions, job: JobRecord, step: int, attempt: int) -> JobRecord:
-    got, _ = await store.record_artifact(
+    got, _ = await job_writes.record_artifact(
         sm, job.id, ArtifactKind.CHECKPOINT, 1000 + step, CP_SHA,
         step=step, attempt=attempt, object_name=f"{job.id}/checkpoint",
     )  # fmt: skip
@@ -65,7 +65,7 @@ async def test_a_requeue_goes_back_to_the_named_node_and_keeps_the_progress(
         assert back.step == 30 and back.loss == pytest.approx(7.0) and back.attempt == 1
         assert (await events(models, job.id))[-1] == ("running", "queued", "node n1 was lost")
         # A late report of the lost attempt changes nothing.
-        late = await store.apply_status(models, [rep(job, 99, node="n1", step=31, loss=1.0)])
+        late = await job_writes.apply_status(models, [rep(job, 99, node="n1", step=31, loss=1.0)])
         assert late.refused and (await store.get_job(models, job.id)) == back
         # A placed job goes anywhere; one named for a node waits for it.
         target = named or "n2"
@@ -104,7 +104,7 @@ async def test_a_retryable_failure_requeues_with_attempts_left_else_fails(
     job = await running_at(models, await new_job(models, max_attempts=2), "n1", range(1, 11))
     await checkpoint(models, job, 8, 1)
     why = "the trainer died of signal 9"
-    await store.apply_status(
+    await job_writes.apply_status(
         models, [rep(job, 50, node="n1", state=JobState.FAILED, message=why, retryable=True)]
     )
     back = await store.get_job(models, job.id)
@@ -115,14 +115,14 @@ async def test_a_retryable_failure_requeues_with_attempts_left_else_fails(
     )
     job = await running_at(models, back, "n2", range(9, 12))
     assert job.attempt == 2
-    await store.apply_status(
+    await job_writes.apply_status(
         models, [rep(job, 50, node="n2", state=JobState.FAILED, message=why, retryable=True)]
     )
     ended = await store.get_job(models, job.id)
     assert ended is not None and ended.state is JobState.FAILED and ended.message == why
     # Not retryable: fails at once, attempts or not.
     job = await running_at(models, await new_job(models), "n1", range(1, 3))
-    await store.apply_status(
+    await job_writes.apply_status(
         models, [rep(job, 50, node="n1", state=JobState.FAILED, message="loss diverged")]
     )
     ended = await store.get_job(models, job.id)
@@ -146,10 +146,10 @@ async def test_the_newest_checkpoint_of_the_current_attempt_is_kept_and_gates_no
     second = (await checkpoint(models, job, 17, 2)).checkpoint
     assert second is not None and (second.attempt, second.step) == (2, 17)
     with pytest.raises(store.CheckpointFieldsError):
-        await store.record_artifact(models, job.id, ArtifactKind.CHECKPOINT, 1, CP_SHA)
+        await job_writes.record_artifact(models, job.id, ArtifactKind.CHECKPOINT, 1, CP_SHA)
     # The adapter is what done waits for, and its ref is kept for resume_from.
-    await store.apply_status(models, [rep(job, 90, node="n2", state=JobState.UPLOADING)])
-    done, _ = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 77, SHA)
+    await job_writes.apply_status(models, [rep(job, 90, node="n2", state=JobState.UPLOADING)])
+    done, _ = await job_writes.record_artifact(models, job.id, ArtifactKind.PEFT, 77, SHA)
     assert done.state is JobState.DONE and done.adapter is not None
     assert (done.adapter.object, done.adapter.size, done.adapter.kind) == (
         f"{job.id}/peft",
@@ -185,34 +185,36 @@ async def test_the_curve_is_the_effective_one_and_the_events_show_the_attempts(
     ]  # fmt: skip
     # A later attempt that started afresh supersedes every earlier point,
     # even before its own first one.
-    assert store.effective(curve.points, {1: 0, 2: 12, 3: 0}) == []
-    fresh = store.effective(curve.points, {1: 0, 2: 0})
+    assert fold.effective(curve.points, {1: 0, 2: 12, 3: 0}) == []
+    fresh = fold.effective(curve.points, {1: 0, 2: 0})
     assert [p.attempt for p in fresh] == [2, 2, 2]
 
 
 async def test_resume_refuses_an_unknown_a_running_and_a_checkpointless_job(
     models: Sessions,
 ) -> None:
-    with pytest.raises(store.NotFoundError):
-        await store.resume_job(models, "nope", 1)
+    with pytest.raises(store.NoSuchJobError):
+        await job_writes.resume_job(models, "nope", 1)
     job = await running_at(models, await new_job(models, max_attempts=1), "n1", range(1, 5))
     await checkpoint(models, job, 3, 1)
     before = (await _get(models, job.id), await events(models, job.id))
-    with pytest.raises(store.ResumeError, match="is running: only a failed or cancelled"):
-        await store.resume_job(models, job.id, 1)
+    with pytest.raises(store.NotResumableError, match="is running: only a failed or cancelled"):
+        await job_writes.resume_job(models, job.id, 1)
     assert (await _get(models, job.id), await events(models, job.id)) == before
     bare = await running_at(models, await new_job(models, max_attempts=1), "n1", range(1, 5))
     await store.transition(models, bare.id, JobState.RUNNING, JobState.CANCELLED)
     before = (await _get(models, bare.id), await events(models, bare.id))
-    with pytest.raises(store.ResumeError, match=r"no checkpoint stored.*submit it again"):
-        await store.resume_job(models, bare.id, 1)
+    with pytest.raises(store.NotResumableError, match=r"no checkpoint stored.*submit it again"):
+        await job_writes.resume_job(models, bare.id, 1)
     assert (await _get(models, bare.id), await events(models, bare.id)) == before
     # With an adapter (its GGUF failed), the way on is a new job from it.
     made = await running_at(models, await new_job(models, model="tiny-gguf"), "n1", range(1, 3))
-    await store.record_artifact(models, made.id, ArtifactKind.PEFT, 5, SHA)
+    await job_writes.record_artifact(models, made.id, ArtifactKind.PEFT, 5, SHA)
     await store.transition(models, made.id, JobState.RUNNING, JobState.FAILED, "no gguf")
-    with pytest.raises(store.ResumeError, match=f"submit a new job with resume_from {made.id}"):
-        await store.resume_job(models, made.id, 1)
+    with pytest.raises(
+        store.NotResumableError, match=f"submit a new job with resume_from {made.id}"
+    ):
+        await job_writes.resume_job(models, made.id, 1)
 
 
 async def test_resume_queues_a_failed_job_from_its_checkpoint_as_a_new_attempt(
@@ -223,7 +225,7 @@ async def test_resume_queues_a_failed_job_from_its_checkpoint_as_a_new_attempt(
     )
     await checkpoint(models, job, 6, 1)
     await store.transition(models, job.id, JobState.RUNNING, JobState.FAILED, "node lost")
-    resumed, move = await store.resume_job(models, job.id, 2, "the node is back")
+    resumed, move = await job_writes.resume_job(models, job.id, 2, "the node is back")
     assert resumed.state is JobState.QUEUED and resumed.finished_at is None
     assert resumed.max_attempts == 3 and resumed.attempt == 1 and resumed.node == "n1"
     assert resumed.message == (

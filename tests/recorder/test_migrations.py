@@ -1,6 +1,6 @@
-"""models.py and the Alembic migrations describe the same schema.
+"""tables.py and the Alembic migrations describe the same schema.
 
-A fresh database is migrated with Alembic and compared with the models'
+A fresh database is migrated with Alembic and compared with the tables'
 metadata by Alembic's autogenerate (`compare_metadata`, types compared too),
 on both backends: a column, table, index or type in one and not the other
 fails here, before a query meets it in production.
@@ -18,7 +18,7 @@ from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, pool
 
 from lorafleet_services.recorder.db import migrate, sync_url
-from lorafleet_services.recorder.models import Base
+from lorafleet_services.recorder.tables import METADATA
 from tests.pg import throwaway_database
 
 
@@ -35,12 +35,12 @@ def migrated_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str
 
 
 def schema_differences(url: str) -> list[Any]:
-    """What autogenerate would write to make the database at `url` match models.py."""
+    """What autogenerate would write to make the database at `url` match tables.py."""
     engine = create_engine(sync_url(url), poolclass=pool.NullPool)
     try:
         with engine.connect() as conn:
             context = MigrationContext.configure(conn, opts={"compare_type": True})
-            return list(compare_metadata(context, Base.metadata))
+            return list(compare_metadata(context, METADATA))
     finally:
         engine.dispose()
 
@@ -48,7 +48,7 @@ def schema_differences(url: str) -> list[Any]:
 def test_models_and_migrations_describe_the_same_schema(migrated_url: str) -> None:
     differences = schema_differences(migrated_url)
     assert differences == [], (
-        "models.py and the migrations differ; write a migration (or fix the model):\n"
+        "tables.py and the migrations differ; write a migration (or fix the table):\n"
         + "\n".join(map(repr, differences))
     )
 

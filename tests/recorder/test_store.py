@@ -16,7 +16,7 @@ from lorafleet_schemas.messages import (
     JobState,
     StatusReport,
 )
-from lorafleet_services.recorder import store
+from lorafleet_services.recorder import job_writes, store
 from lorafleet_services.recorder.db import Sessions
 
 SHA = "0" * 64
@@ -125,7 +125,7 @@ async def test_transition_cas_and_rules(models: Sessions) -> None:
     assert applied and job.finished_at is not None and job.message == "by user"
     with pytest.raises(IllegalTransitionError, match="final"):
         await store.transition(models, job.id, JobState.CANCELLED, JobState.FAILED)
-    with pytest.raises(store.NotFoundError):
+    with pytest.raises(store.NoSuchJobError):
         await store.transition(models, "nope", JobState.QUEUED, JobState.STARTING)
     curve = await store.curve(models, job.id)
     assert [(e.from_state, e.to_state) for e in curve.events] == [
@@ -161,7 +161,7 @@ async def test_racing_transitions_exactly_one_wins(models: Sessions) -> None:
 
 async def test_status_in_order(models: Sessions) -> None:
     job = await started(models)
-    result = await store.apply_status(models, training_reports(job))
+    result = await job_writes.apply_status(models, training_reports(job))
     assert not result.refused
     got = await store.get_job(models, job.id)
     assert got is not None
@@ -191,15 +191,15 @@ async def test_each_evaluation_is_kept_once_for_the_eval_curve(models: Sessions)
         rep(job, 4, step=2, steps=2, loss=1.0),
         rep(job, 5, step=2, eval_loss=1.25),
     ]
-    await store.apply_status(models, reports[::-1])
-    await store.apply_status(models, reports)  # repeated: stored once
+    await job_writes.apply_status(models, reports[::-1])
+    await job_writes.apply_status(models, reports)  # repeated: stored once
     curve = await store.curve(models, job.id)
     assert [(p.step, p.eval_loss) for p in curve.evals] == [(1, 1.5), (2, 1.25)]
 
 
 async def test_status_repeated_and_shuffled_same_result(models: Sessions) -> None:
     base = await started(models)
-    await store.apply_status(models, training_reports(base))
+    await job_writes.apply_status(models, training_reports(base))
     expected_job = await store.get_job(models, base.id)
     expected_curve = await store.curve(models, base.id)
     assert expected_job is not None
@@ -212,7 +212,7 @@ async def test_status_repeated_and_shuffled_same_result(models: Sessions) -> Non
         i = 0
         while i < len(reports):
             n = rng.randint(1, 9)
-            await store.apply_status(models, reports[i : i + n])
+            await job_writes.apply_status(models, reports[i : i + n])
             i += n
         got = await store.get_job(models, job.id)
         assert got is not None
@@ -222,14 +222,14 @@ async def test_status_repeated_and_shuffled_same_result(models: Sessions) -> Non
         assert curve.evals == expected_curve.evals
     # Applying everything again changes nothing at all.
     before = await store.get_job(models, job.id)
-    result = await store.apply_status(models, training_reports(job))
+    result = await job_writes.apply_status(models, training_reports(job))
     assert result.changes == []
     assert await store.get_job(models, job.id) == before
 
 
 async def test_wrong_node_or_attempt_refused(models: Sessions) -> None:
     job = await started(models)
-    result = await store.apply_status(
+    result = await job_writes.apply_status(
         models,
         [
             rep(job, 1, node="intruder", state=JobState.RUNNING, step=1, loss=1.0, peak_mib=9999),
@@ -244,7 +244,7 @@ async def test_wrong_node_or_attempt_refused(models: Sessions) -> None:
     assert (await store.curve(models, job.id)).points == []
     # A queued job (no node yet) takes no report either.
     queued = await new_job(models)
-    result = await store.apply_status(
+    result = await job_writes.apply_status(
         models, [StatusReport(job_id=queued.id, node="n1", attempt=0, seq=1, time=T0)]
     )
     assert len(result.refused) == 1
@@ -252,24 +252,24 @@ async def test_wrong_node_or_attempt_refused(models: Sessions) -> None:
 
 async def test_peak_only_grows(models: Sessions) -> None:
     job = await started(models)
-    await store.apply_status(models, [rep(job, 1, peak_mib=800)])
-    await store.apply_status(models, [rep(job, 2, peak_mib=300)])
+    await job_writes.apply_status(models, [rep(job, 1, peak_mib=800)])
+    await job_writes.apply_status(models, [rep(job, 2, peak_mib=300)])
     got = await store.get_job(models, job.id)
     assert got is not None and got.peak_mib == 800
-    await store.apply_status(models, [rep(job, 3, peak_mib=900), rep(job, 4, peak_mib=100)])
+    await job_writes.apply_status(models, [rep(job, 3, peak_mib=900), rep(job, 4, peak_mib=100)])
     got = await store.get_job(models, job.id)
     assert got is not None and got.peak_mib == 900
 
 
 async def test_final_job_never_changes(models: Sessions) -> None:
     job = await started(models)
-    await store.apply_status(
+    await job_writes.apply_status(
         models, [rep(job, 1, state=JobState.RUNNING), rep(job, 2, step=1, loss=2.0)]
     )
     applied, job = await store.transition(models, job.id, JobState.RUNNING, JobState.CANCELLED)
     assert applied
     before = await store.get_job(models, job.id)
-    result = await store.apply_status(
+    result = await job_writes.apply_status(
         models,
         [
             rep(job, 3, step=2, loss=1.0, peak_mib=5000),
@@ -280,12 +280,12 @@ async def test_final_job_never_changes(models: Sessions) -> None:
     assert len(result.refused) == 3 and result.changes == []
     assert await store.get_job(models, job.id) == before
     assert [p.step for p in (await store.curve(models, job.id)).points] == [1]
-    _, change = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
+    _, change = await job_writes.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
     assert change is None
     assert await store.get_job(models, job.id) == before
     # A report never makes a job done.
     other = await started(models)
-    result = await store.apply_status(models, [rep(other, 1, state=JobState.DONE)])
+    result = await job_writes.apply_status(models, [rep(other, 1, state=JobState.DONE)])
     assert len(result.refused) == 1
     got = await store.get_job(models, other.id)
     assert got is not None and got.state is JobState.STARTING
@@ -296,21 +296,21 @@ async def test_done_only_when_every_artifact_stored(
     models: Sessions, uploading_first: bool
 ) -> None:
     job = await started(models, "tiny-gguf")
-    await store.apply_status(models, [rep(job, 1, state=JobState.RUNNING)])
+    await job_writes.apply_status(models, [rep(job, 1, state=JobState.RUNNING)])
     uploading = [rep(job, 2, state=JobState.UPLOADING)]
     if uploading_first:
-        await store.apply_status(models, uploading)
-    got, change = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
+        await job_writes.apply_status(models, uploading)
+    got, change = await job_writes.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
     assert got.state is not JobState.DONE and change is not None and change.kind == "progress"
     # Idempotent: recording it again changes nothing.
-    _, change = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
+    _, change = await job_writes.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
     assert change is None
-    got, change = await store.record_artifact(models, job.id, ArtifactKind.GGUF, 10, SHA)
+    got, change = await job_writes.record_artifact(models, job.id, ArtifactKind.GGUF, 10, SHA)
     if uploading_first:
         assert got.state is JobState.DONE and change is not None and change.kind == "state"
     else:
         assert got.state is JobState.RUNNING
-        result = await store.apply_status(models, uploading)
+        result = await job_writes.apply_status(models, uploading)
         [change2] = result.changes
         assert change2.job.state is JobState.DONE
         assert [m.to_state for m in change2.moves] == [JobState.UPLOADING, JobState.DONE]
@@ -320,13 +320,13 @@ async def test_done_only_when_every_artifact_stored(
     assert final.message == "every artifact is stored and verified: peft, gguf"
     vjob = await started(models, "tiny-vllm")
     with pytest.raises(store.ArtifactKindError):
-        await store.record_artifact(models, vjob.id, ArtifactKind.GGUF, 10, SHA)
+        await job_writes.record_artifact(models, vjob.id, ArtifactKind.GGUF, 10, SHA)
 
 
 async def test_concurrent_batches_for_one_job(models: Sessions) -> None:
     """Two consumers (replicated recorders) applying halves at once: the guard serialises."""
     base = await started(models)
-    await store.apply_status(models, training_reports(base))
+    await job_writes.apply_status(models, training_reports(base))
     expected = await store.get_job(models, base.id)
     assert expected is not None
     job = await started(models)
@@ -334,7 +334,11 @@ async def test_concurrent_batches_for_one_job(models: Sessions) -> None:
     random.Random(3).shuffle(reports)
     halves = [reports[i::2] for i in range(2)]
     await asyncio.gather(
-        *(store.apply_status(models, h[i : i + 3]) for h in halves for i in range(0, len(h), 3))
+        *(
+            job_writes.apply_status(models, h[i : i + 3])
+            for h in halves
+            for i in range(0, len(h), 3)
+        )
     )
     got = await store.get_job(models, job.id)
     assert got is not None and comparable(got) == comparable(expected)
@@ -351,19 +355,19 @@ async def test_every_change_of_a_job_has_a_higher_version(models: Sessions) -> N
         models, job.id, JobState.QUEUED, JobState.STARTING, node="n1"
     )
     seen.append(job.version)
-    result = await store.apply_status(models, [rep(job, 1, state=JobState.RUNNING)])
+    result = await job_writes.apply_status(models, [rep(job, 1, state=JobState.RUNNING)])
     seen.append(result.changes[0].job.version)
-    result = await store.apply_status(models, [rep(job, 2, step=1, steps=9, loss=2.0)])
+    result = await job_writes.apply_status(models, [rep(job, 2, step=1, steps=9, loss=2.0)])
     seen.append(result.changes[0].job.version)
-    got, _ = await store.record_artifact(
+    got, _ = await job_writes.record_artifact(
         models, job.id, ArtifactKind.CHECKPOINT, 10, SHA, step=1, attempt=1, object_name="o"
     )
     seen.append(got.version)
-    got, _ = await store.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
+    got, _ = await job_writes.record_artifact(models, job.id, ArtifactKind.PEFT, 10, SHA)
     seen.append(got.version)
     applied, got = await store.transition(models, job.id, JobState.RUNNING, JobState.CANCELLED)
     seen.append(got.version)
-    got, _ = await store.resume_job(models, job.id, 1)
+    got, _ = await job_writes.resume_job(models, job.id, 1)
     seen.append(got.version)
     assert applied and seen == list(range(1, len(seen) + 1)), seen
     read = await store.get_job(models, job.id)

@@ -61,6 +61,7 @@ from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater, fence_reason
 from lorafleet_services.agent.job import JobRun, StopRequest
 from lorafleet_services.agent.leftovers import kill_leftover_trainers, remove_job_dirs
+from lorafleet_services.agent.metric_views import RUNNING_JOBS
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -95,6 +96,7 @@ class Agent:
         self._subs: list[Subscription] = []
         self._tasks: list[asyncio.Task[None]] = []
         self._stop = asyncio.Event()
+        self._unregister_metrics: Callable[[], None] = lambda: None
         self.logger = log.get(node=cfg.node)
         self.heartbeat = Heartbeater(
             js, settings, cfg, version=lorafleet.__version__, current_job=self.current_job
@@ -122,6 +124,8 @@ class Agent:
             asyncio.create_task(self.heartbeat.run(self._stop), name="heartbeat"),
             asyncio.create_task(self.watch_fence(self._stop), name="fence"),
         ]
+        RUNNING_JOBS.linger_s = self.settings.metrics_linger_s
+        self._unregister_metrics = metrics.LIVE.add(RUNNING_JOBS.samples)
 
     async def stop(self) -> None:
         """Take no more requests, stop the running job (reported `failed`) and
@@ -132,6 +136,7 @@ class Agent:
         self._stop.set()
         await stop_tasks(*self._tasks)
         await self.shutdown()
+        self._unregister_metrics()
 
     # --- requests -------------------------------------------------------------
 
@@ -166,7 +171,7 @@ class Agent:
         return StartReply(accepted=True)
 
     def _job_ended(self, run: JobRun) -> None:
-        metrics.RUNNING_JOBS.ended(self.node, run.job_id)
+        RUNNING_JOBS.ended(self.node, run.job_id)
         self.ended[(run.job_id, run.req.attempt)] = {
             None: "when the agent was fenced",
             JobState.UPLOADING: "with its artifacts delivered",

@@ -18,11 +18,12 @@ from typing import Any
 import stamina
 from nats.js import JetStreamContext
 
-from lorafleet import log, metrics
+from lorafleet import log
 from lorafleet._bus import encode
 from lorafleet.log import Event
 from lorafleet.names import Header, Names
 from lorafleet_schemas.messages import JobState, StartRequest, StatusReport
+from lorafleet_services.agent.metric_views import RUNNING_JOBS
 
 #: Seconds one status publish waits for its ack before it is retried.
 PUBLISH_TIMEOUT_S = 2.0
@@ -48,7 +49,7 @@ class Reporter:
 
     def report(self, state: JobState | None = None, message: str = "", **fields: Any) -> None:
         self.seq += 1
-        metrics.RUNNING_JOBS.report(self.node, self.job_id, fields)
+        RUNNING_JOBS.report(self.node, self.job_id, fields)
         self._queue.put_nowait(
             StatusReport(
                 job_id=self.job_id,

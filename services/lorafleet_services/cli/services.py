@@ -10,7 +10,7 @@ from typing import Any
 
 import typer
 
-from lorafleet.metrics import endpoints_text
+from lorafleet._metrics_http import endpoints_text
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig

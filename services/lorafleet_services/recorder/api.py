@@ -44,9 +44,10 @@ from lorafleet_schemas.messages import (
     TransitionReply,
     TransitionRequest,
 )
-from lorafleet_services.recorder import data, store
+from lorafleet_services.recorder import data, job_writes, store
 from lorafleet_services.recorder.db import Sessions
-from lorafleet_services.recorder.store import JobChange, StatusResult
+from lorafleet_services.recorder.fold import Move
+from lorafleet_services.recorder.job_writes import JobChange, StatusResult
 
 
 class Datasets(Protocol):
@@ -208,10 +209,10 @@ class RecorderApi:
 
     async def jobs_resume(self, req: JobResumeRequest) -> JobRecord:
         try:
-            job, move = await store.resume_job(self.sm, req.id, req.attempts, req.reason)
-        except store.NotFoundError:
+            job, move = await job_writes.resume_job(self.sm, req.id, req.attempts, req.reason)
+        except store.NoSuchJobError:
             raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
-        except store.ResumeError as e:
+        except store.NotResumableError as e:
             raise ConflictError(str(e), "$.id") from None
         change = JobChange(job, "state", [move])
         self._log_moves(change)
@@ -246,7 +247,7 @@ class RecorderApi:
     async def jobs_curve(self, req: JobCurveRequest) -> JobCurve:
         try:
             return await store.curve(self.sm, req.id)
-        except store.NotFoundError:
+        except store.NoSuchJobError:
             raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
 
     # --- internal ---
@@ -258,15 +259,13 @@ class RecorderApi:
             )
         except IllegalTransitionError as e:
             raise ConflictError(str(e), "$.to_state") from None
-        except store.NotFoundError:
+        except store.NoSuchJobError:
             raise NotFoundError(f"no job {req.id}", "$.id") from None
         if applied and req.from_state is req.to_state:
             # A queued job's new message (what it waits for): no move to log.
             await self._publish(JobChange(job, "progress", []))
         elif applied:
-            change = JobChange(
-                job, "state", [store.Move(req.from_state, req.to_state, req.message)]
-            )
+            change = JobChange(job, "state", [Move(req.from_state, req.to_state, req.message)])
             self._log_moves(change)
             await self._publish(change)
         else:
@@ -282,7 +281,7 @@ class RecorderApi:
 
     async def artifact(self, req: ArtifactStoredRequest) -> JobRecord:
         try:
-            job, change = await store.record_artifact(
+            job, change = await job_writes.record_artifact(
                 self.sm,
                 req.id,
                 req.kind,
@@ -292,7 +291,7 @@ class RecorderApi:
                 attempt=req.attempt,
                 object_name=req.object,
             )
-        except store.NotFoundError:
+        except store.NoSuchJobError:
             raise NotFoundError(f"no job {req.id}", "$.id") from None
         except (store.ArtifactKindError, store.CheckpointFieldsError) as e:
             raise BadRequestError(str(e), "$.kind") from None
@@ -307,7 +306,7 @@ class RecorderApi:
 
     async def apply_status(self, reports: Sequence[StatusReport]) -> StatusResult:
         """Apply a batch in one transaction; log refusals. Publish with `after_status`."""
-        result = await store.apply_status(self.sm, reports)
+        result = await job_writes.apply_status(self.sm, reports)
         metrics.reports_committed(reports, result.applied, len(result.refused))
         for report, why in result.refused:
             self.logger.warning(

@@ -39,6 +39,7 @@ from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db, store
 from lorafleet_services.recorder.api import RecorderApi
+from lorafleet_services.recorder.metric_views import JobCounts
 
 #: Reports fetched and applied in one transaction, at most.
 FETCH_BATCH = 256
@@ -111,6 +112,7 @@ class Recorder:
         self.logger = log.get()
         self._service: Service | None = None
         self._unregister: Callable[[], None] | None = None
+        self.job_counts = JobCounts()
         self._consumer = PullConsumer(
             self.js, consumer_config(settings), self._apply, ensure_stream=self._ensure_layout
         )
@@ -125,7 +127,7 @@ class Recorder:
     async def start(self) -> None:
         """Consume status and serve requests (the JetStream layout exists: runtime.serve)."""
         await self._consumer.start()
-        self._unregister = metrics.LIVE.add(refresh=self._count_jobs)
+        self._unregister = metrics.LIVE.add(self.job_counts.samples, self._count_jobs)
         self._service = await start_service(
             self.nc,
             self.names.recorder_service,
@@ -152,7 +154,7 @@ class Recorder:
         """Jobs by state for the metrics endpoint (one query per scrape)."""
         counts, oldest = await store.job_counts(self.api.sm)
         age_s = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest else 0.0
-        metrics.JOB_COUNTS.set(counts, age_s)
+        self.job_counts.set(counts, age_s)
 
     async def _apply(self, msgs: list[Msg]) -> None:
         reports: list[StatusReport] = []

@@ -56,6 +56,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.scheduler.dispatch import AgentRequests, Dispatcher
 from lorafleet_services.scheduler.kv_watch import KeyWatch
 from lorafleet_services.scheduler.leadership import Leadership
+from lorafleet_services.scheduler.metric_views import node_samples
 from lorafleet_services.scheduler.nodes import NodeWatcher
 
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
@@ -160,7 +161,7 @@ class Scheduler:
     def metric_samples(self) -> Iterator[metrics.Sample]:
         """The node table and leadership, for the metrics endpoint."""
         now = self.clock()
-        yield from metrics.node_samples(
+        yield from node_samples(
             (n.heartbeat, n.alive, now - n.last_seen) for n in self.nodes.table.nodes.values()
         )
         yield metrics.LEADER, (), float(self.is_leader())
