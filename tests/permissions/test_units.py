@@ -11,15 +11,17 @@ import pytest
 from lorafleet._bus import redact_url, refusal
 from lorafleet.names import InvalidNameError, Names, msg_get_subject
 from lorafleet.natsserver import binary
-from lorafleet.permissions import (
+from lorafleet.passwords import (
     SERVICE_USER,
-    PermissionsError,
-    agent_permissions,
-    allows,
     client_env,
     fleet_users,
     server_config,
     service_permissions,
+)
+from lorafleet.permissions import (
+    PermissionsError,
+    agent_permissions,
+    allows,
     subject_matches,
 )
 from lorafleet.settings import Settings, SettingsError

@@ -22,7 +22,8 @@ from lorafleet.identities import (
     server_config,
 )
 from lorafleet.names import Names
-from lorafleet.permissions import PermissionsError, ServerTls
+from lorafleet.natsconfig import ServerTls
+from lorafleet.permissions import PermissionsError
 from lorafleet.settings import Settings
 from lorafleet_services.cli._app import app
 
