@@ -316,7 +316,7 @@ async def test_upstream_refused_publish_does_not_raise(tmp_path: Path) -> None:
         await nc.publish("denied.x", b"")  # no exception: the server's -ERR comes later
         await nc.flush()
         await eventually(lambda: errors, "the refusal reached the error callback")
-        refused = _natspy.refusal(errors[0])
+        refused = _natspy.permissions_violation_message(errors[0])
         assert refused is not None and 'publish to "denied.x"' in refused.lower(), errors
         assert not _natspy.is_authorization_violation(errors[0])
         await nc.close()
