@@ -20,7 +20,7 @@ One module per command group: services.py (the services, up, demo),
 catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
 plots), nodes.py, top.py, artifacts.py, auth.py (nkey identities),
 nats_config.py (the older passwords); _app.py holds the Typer apps and
-what they share. A new command goes in its group's module.
+what they share, _help.py tidies what --help shows. A new command goes in its group's module.
 
 Without LORAFLEET_NATS_URL the commands use the NATS server of a running
 `lorafleet up` (its URL is kept in the data directory).
@@ -38,6 +38,7 @@ from lorafleet_services.cli import estimate, jobs, top
 # isort: split
 from lorafleet_services.cli import artifacts, auth, catalog, nats_config, nodes
 from lorafleet_services.cli._app import app
+from lorafleet_services.cli._help import tidied_command
 from lorafleet_services.cli.services import up_agent_config
 
 __all__ = [
@@ -57,7 +58,7 @@ __all__ = [
 
 
 def main() -> None:
-    app()
+    tidied_command(app)()
 
 
 if __name__ == "__main__":

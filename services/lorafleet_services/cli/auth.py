@@ -67,9 +67,14 @@ def auth_cmd(
     directory: Path = typer.Option(
         ..., "--dir", help="The identity directory (seeds, config, env files); made 0700."
     ),
-    node: list[str] = typer.Option([], "--node", help="A node's name; repeat for each node."),
+    node: list[str] = typer.Option(
+        [], "--node", metavar="NODE", help="A node's name; repeat for each node."
+    ),
     client: list[str] = typer.Option(
-        [], "--client", help="A client identity (an operator); default one named 'cli'."
+        [],
+        "--client",
+        metavar="NAME",
+        help="A client identity (an operator); default one named 'cli'.",
     ),
     listen: str = typer.Option("0.0.0.0:4222", help="host:port the server listens on."),
     url: str = typer.Option(

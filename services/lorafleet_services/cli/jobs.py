@@ -68,7 +68,9 @@ def submit(
     ),
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
-    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    param: list[str] = typer.Option(
+        [], metavar="KEY=VALUE", help="A trainer parameter; repeatable."
+    ),
     params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
     plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),

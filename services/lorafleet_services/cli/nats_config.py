@@ -12,7 +12,9 @@ from lorafleet_services.cli._app import app, err, print_json
 
 @app.command("nats-config", rich_help_panel="Access")
 def nats_config_cmd(
-    node: list[str] = typer.Option(..., "--node", help="A node's name; repeat for each node."),
+    node: list[str] = typer.Option(
+        ..., "--node", metavar="NODE", help="A node's name; repeat for each node."
+    ),
     listen: str = typer.Option("0.0.0.0:4222", help="host:port the server listens on."),
     host: str = typer.Option("127.0.0.1:4222", help="host:port the processes connect to."),
     store_dir: str | None = typer.Option(None, help="JetStream's store directory."),
