@@ -113,10 +113,14 @@ def submit(
         return job
 
     job = run_client(go, interrupted="stopped watching; the job goes on (`lorafleet jobs list`)")
-    if not (watch_ and as_json):
+    if not watch_:
         print_json(job)
-    if watch_:
-        raise typer.Exit(exit_code(job))
+        return
+    # After the summary a person has read the outcome; the record is for a
+    # program reading stdout (`> job.json`), or `lorafleet jobs get`.
+    if not as_json and not console.is_terminal:
+        print_json(job)
+    raise typer.Exit(exit_code(job))
 
 
 @jobs_app.command("list")
