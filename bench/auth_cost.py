@@ -45,8 +45,8 @@ from lorafleet import _bus as bus
 from lorafleet.client import Client
 from lorafleet.identities import IdentityStore, ensure_fleet
 from lorafleet.identities import server_config as identities_config
+from lorafleet.natsconfig import ServerTls
 from lorafleet.natsserver import NatsServer
-from lorafleet.permissions import ServerTls
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,

@@ -1,9 +1,16 @@
 """lorafleet's trainer against TRL's SFTTrainer with PEFT on the CPU: real tokens/s, loss, peak RSS.
 
-    python -m venv /tmp/trlenv && echo $PWD/.venv/lib/python3.11/site-packages \\
-        > /tmp/trlenv/lib/python3.11/site-packages/shared.pth
+    python -m venv /tmp/trlenv
+    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
+        > /tmp/trlenv/lib/python3.11/site-packages/lorafleet.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
     /tmp/trlenv/bin/python bench/trainer_trl.py [--records 512] [--epochs 1]
+
+The .pth lends the bench's environment lorafleet's (torch, transformers,
+the editable install of the three import roots): `site.addsitedir` also
+runs that directory's own .pth files, which is how the editable install
+puts the roots on the path; a .pth naming the directory alone adds it but
+runs none of them (`No module named 'lorafleet_services'`).
 
 Both train, each in a fresh process (peak memory is its own), one torch
 thread each:

@@ -33,7 +33,11 @@ from nats.js.api import (
 )
 
 import lorafleet.log as log
-from lorafleet._natspy import create_object_store, is_authorization_violation, refusal
+from lorafleet._natspy import (
+    create_object_store,
+    is_authorization_violation,
+    permissions_violation_message,
+)
 from lorafleet.errors import ConnectError, raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -106,7 +110,7 @@ def _unreachable(settings: Settings) -> ConnectError:
 class _Callbacks:
     """nats-py's callbacks of one connection: they log what happens to it."""
 
-    def __init__(self, on_refused: Callable[[str], None] | None) -> None:
+    def __init__(self, on_refused: Callable[[str], bool | None] | None) -> None:
         self.logger = log.get()
         self.on_refused = on_refused
         # A wrong user or password reaches only the error callback while
@@ -122,13 +126,16 @@ class _Callbacks:
             self.unauthorized = True
         if isinstance(e, ssl.SSLError):
             self.tls_error = e
-        refused = refusal(e)
+        refused = permissions_violation_message(e)
         if refused is None:
             self.logger.warning(Event.NATS_ERROR, error=repr(e))
             return
-        self.logger.warning(Event.NATS_REFUSED, message=refused, error=refusal_hint(refused))
-        if self.on_refused is not None:
-            self.on_refused(refused)
+        # A refusal its caller expected is logged by the caller, once.
+        if self.on_refused is not None and self.on_refused(refused):
+            return
+        self.logger.warning(
+            Event.NATS_REFUSED, message=refused, error=permissions_violation_hint(refused)
+        )
 
     async def disconnected(self) -> None:
         # nats-py calls disconnected_cb on a deliberate close too: only a lost
@@ -141,7 +148,7 @@ class _Callbacks:
         self.logger.info(Event.NATS_RECONNECTED)
 
 
-def refusal_hint(refused: str) -> str:
+def permissions_violation_hint(refused: str) -> str:
     """What to check after the server's refusal `refused` (its own words)."""
     if "subscription" in refused.lower() and '"_inbox' in refused.lower():
         return (
@@ -231,14 +238,16 @@ async def connect(
     settings: Settings,
     name: str,
     *,
-    on_refused: Callable[[str], None] | None = None,
+    on_refused: Callable[[str], bool | None] | None = None,
     **kwargs: Any,
 ) -> Client:
     """Connect with reconnect-forever, after failing fast on the first attempt.
 
     Replies come on `settings.nats_inbox_prefix` inboxes. A refusal for
-    want of permission is logged as `nats.refused` with the server's words
-    and passed to `on_refused`; other asynchronous errors as `nats.error`.
+    want of permission is passed to `on_refused` (the server's words) and,
+    unless it returns True (the caller expected it and logs it itself),
+    logged as a `nats.refused` warning with those words and a hint; other
+    asynchronous errors as `nats.error`.
     `kwargs` go to nats.connect over lorafleet's options.
     """
     callbacks = _Callbacks(on_refused)

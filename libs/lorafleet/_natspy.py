@@ -326,7 +326,7 @@ async def create_object_store(js: JetStreamContext, config: ObjectStoreConfig) -
 # --- permission refusals ---------------------------------------------------------------
 
 
-def refusal(e: BaseException) -> str | None:
+def permissions_violation_message(e: BaseException) -> str | None:
     """The server's words when `e` is a permissions violation, else None.
 
     Upstream: nats-py does not raise for a refused publish or subscription:

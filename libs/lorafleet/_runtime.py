@@ -147,7 +147,7 @@ async def _serve(
     logger = log.get()
     if program.before_connect is not None:
         await program.before_connect(settings)
-    refused = asyncio.Event()
+    layout_refusal = LayoutRefusal()
     holder: list[Service] = []
 
     async def reconnected_cb() -> None:
@@ -158,7 +158,7 @@ async def _serve(
     nc = await bus.connect(
         settings,
         program.client_name or f"lorafleet-{program.name}",
-        on_refused=lambda _text: refused.set(),
+        on_refused=layout_refusal.heard,
         reconnected_cb=reconnected_cb,
     )
     try:
@@ -166,7 +166,7 @@ async def _serve(
             parts = owned_layout_parts(settings.nats_nkey_seed, program.name)
             await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
         else:
-            await ensure_layout_if_allowed(nc, settings, refused)
+            await ensure_layout_if_allowed(nc, settings, layout_refusal)
         service = await program.make(nc, settings)
         holder.append(service)
         try:
@@ -185,26 +185,51 @@ async def _serve(
         logger.info(Event.SERVICE_STOPPED)
 
 
-async def ensure_layout_if_allowed(nc: Client, settings: Settings, refused: asyncio.Event) -> None:
+class LayoutRefusal:
+    """The connection's `on_refused` while a node tries to create the layout:
+    the refusal its credentials get there is expected, so it is claimed (the
+    connection logs no warning) and `ensure_layout_if_allowed` logs it once,
+    at info. Refusals outside the attempt are the connection's to warn of."""
+
+    def __init__(self) -> None:
+        self.expected = False
+        #: The server's words, once a refusal was heard during the attempt.
+        self.words: str | None = None
+        self.event = asyncio.Event()
+
+    def heard(self, words: str) -> bool:
+        if not self.expected:
+            return False
+        self.words = self.words or words
+        self.event.set()
+        return True
+
+
+async def ensure_layout_if_allowed(nc: Client, settings: Settings, refusal: LayoutRefusal) -> None:
     """Create the JetStream layout, unless these credentials may not.
 
     A node's credentials (lorafleet.permissions) do not allow creating
     streams: the services create them. A refused request is not answered,
-    so the refusal (`refused`, set by the connection's error callback) ends
+    so the refusal (heard by `refusal`, the connection's `on_refused`) ends
     the attempt at once instead of a request timeout later.
     """
     logger = log.get()
-    refused.clear()
+    refusal.expected, refusal.words = True, None
+    refusal.event.clear()
     task = asyncio.ensure_future(bus.ensure_layout(nc.jetstream(), bus.layout_for(settings)))
-    waiter = asyncio.ensure_future(refused.wait())
-    done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
-    waiter.cancel()
+    waiter = asyncio.ensure_future(refusal.event.wait())
+    try:
+        done, _ = await asyncio.wait({task, waiter}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        waiter.cancel()
+        refusal.expected = False
     if task not in done:
         await stop_tasks(task)
         logger.info(
             Event.NATS_REFUSED,
             message="this node's credentials may not create the JetStream layout; "
             "the services create it",
+            error=refusal.words,
         )
         return
     try:

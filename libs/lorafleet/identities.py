@@ -22,15 +22,13 @@ from pathlib import Path
 import nkeys
 
 from lorafleet.names import Names, check_token
+from lorafleet.natsconfig import ServerTls, authorization_block, nkey_server_config
 from lorafleet.permissions import (
     SERVICES,
     Permissions,
     PermissionsError,
-    ServerTls,
-    authorization_block,
     identity_block,
     identity_inbox_prefix,
-    nkey_server_config,
 )
 
 #: The kinds of identity, in the order a config lists them.

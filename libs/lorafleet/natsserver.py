@@ -62,7 +62,7 @@ class NatsServer:
     monitor_port: the HTTP monitoring port; 0 (the default) turns it off.
     env: variables added to the server's environment (for `$NAME` in a config).
     config_file: a nats-server config (users and permissions, e.g. from
-        lorafleet.permissions.server_config); host, port, JetStream and
+        lorafleet.identities.server_config); host, port, JetStream and
         store_dir given here win over it. Default: none (no auth).
     """
 

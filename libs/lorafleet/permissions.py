@@ -2,8 +2,8 @@
 
 The blocks are nats-server's own shape (`{"publish": {"allow": [...]},
 "subscribe": {"allow": [...]}, "allow_responses": true}`), usable in a
-server config (`server_config`), an operator's JWT tooling, or read by a
-person. Everything not allowed is denied.
+server config (`lorafleet.natsconfig` renders one), an operator's JWT
+tooling, or read by a person. Everything not allowed is denied.
 
 An agent of node N may only:
 - put its heartbeat: `$KV.<nodes bucket>.N` (a publish with a JetStream
@@ -43,21 +43,15 @@ JetStream pieces it owns (`LAYOUT_OWNERS`):
 - a client (operators, the CLI): `<prefix>.api.>`, puts datasets, reads
   artifacts and hears `events.jobs.*`; nothing internal.
 Each reads replies on its own inboxes (`identity_inbox_prefix`). The
-older password form (`service_permissions`, one user for every service)
-is still what `lorafleet nats-config` prints.
+older password form, one user for every service, is `lorafleet.passwords`
+(why it is kept is written there).
 """
 
 from __future__ import annotations
 
-import json
-from collections.abc import Iterable, Mapping
-from dataclasses import dataclass
 from typing import Any
 
 from lorafleet.names import (
-    JS_ACK_SUBJECTS,
-    JS_API_SUBJECTS,
-    JS_FLOW_CONTROL_SUBJECTS,
     SERVICE_DISCOVERY_SUBJECTS,
     Names,
     check_token,
@@ -77,15 +71,12 @@ from lorafleet.names import (
 #: A permission block as nats-server reads it.
 Permissions = dict[str, Any]
 
-#: The user name `fleet_users` gives the services.
-SERVICE_USER = "lorafleet"
-
 #: The inbox prefix of processes that keep nats-py's default.
 DEFAULT_INBOX = "_INBOX"
 
 
 class PermissionsError(ValueError):
-    """A user name, password or listen address that cannot go into a server config."""
+    """A name, key, password or TLS setting that cannot go into a server config."""
 
 
 def agent_permissions(names: Names, node: str) -> Permissions:
@@ -110,29 +101,6 @@ def agent_permissions(names: Names, node: str) -> Permissions:
                 f"{node_inbox_prefix(node)}.>",
             ]
         },
-        "allow_responses": True,
-    }
-
-
-def service_permissions(names: Names) -> Permissions:
-    """What the recorder, scheduler and artifact-store may do (see the module doc)."""
-    p = names.prefix
-    buckets_kv = [names.nodes_bucket, names.leader_bucket]
-    buckets_obj = [names.datasets_bucket, names.artifacts_bucket]
-    return {
-        "publish": {
-            "allow": [
-                f"{p}.>",
-                JS_API_SUBJECTS,
-                JS_ACK_SUBJECTS,
-                JS_FLOW_CONTROL_SUBJECTS,
-                *(kv_subjects(b) for b in buckets_kv),
-                *(object_subjects(b) for b in buckets_obj),
-                SERVICE_DISCOVERY_SUBJECTS,
-                f"{DEFAULT_INBOX}.>",
-            ]
-        },
-        "subscribe": {"allow": [f"{p}.>", SERVICE_DISCOVERY_SUBJECTS, f"{DEFAULT_INBOX}.>"]},
         "allow_responses": True,
     }
 
@@ -376,146 +344,3 @@ def allows(perms: Permissions, action: str, subject: str) -> bool:
     if any(subject_matches(d, subject) for d in block.get("deny", [])):
         return False
     return any(subject_matches(a, subject) for a in block.get("allow", []))
-
-
-# --- a server config ----------------------------------------------------------
-
-
-def _check_user(user: str, password: str) -> None:
-    for what, value in (("user name", user), ("password", password)):
-        if not value or any(c in value for c in '"\\\n\r\t ') or not value.isprintable():
-            raise PermissionsError(
-                f"{what} {value!r} cannot go into the server config: use printable "
-                "characters without spaces, quotes or backslashes"
-            )
-
-
-def server_config(
-    users: Mapping[str, tuple[str, Permissions]],
-    *,
-    listen: str | None = None,
-    store_dir: str | None = None,
-    max_payload: int | None = None,
-) -> str:
-    """A nats-server config with JetStream on and `users` (name -> (password,
-    permissions)) in its `authorization` block.
-
-    listen: "host:port" (default: nats-server's 0.0.0.0:4222, or the command
-    line's -a/-p). store_dir: JetStream's store (default: nats-server's, or
-    -sd). max_payload: bytes (default: nats-server's 1 MiB). Passwords are
-    written as given: keep the file readable by the server's user only.
-    """
-    if not users:
-        raise PermissionsError("a config needs at least one user")
-    lines = _header("lorafleet nats-config", listen, store_dir, max_payload, None)
-    lines += ["", "authorization {", "  users = ["]
-    for user, (password, perms) in users.items():
-        _check_user(user, password)
-        entry = {"user": user, "password": password, "permissions": perms}
-        lines.append(f"    {json.dumps(entry)}")
-    lines += ["  ]", "}", ""]
-    return "\n".join(lines)
-
-
-@dataclass(frozen=True, slots=True)
-class ServerTls:
-    """The server side of TLS: its certificate and key (PEM files), and the CA
-    its clients' certificates must be signed by when `verify_clients`."""
-
-    cert: str
-    key: str
-    ca: str | None = None
-    verify_clients: bool = False
-
-    def __post_init__(self) -> None:
-        if self.verify_clients and not self.ca:
-            raise PermissionsError("verifying client certificates needs the CA that signs them")
-
-
-def _header(
-    generator: str,
-    listen: str | None,
-    store_dir: str | None,
-    max_payload: int | None,
-    tls: ServerTls | None,
-) -> list[str]:
-    lines = [f"# lorafleet: generated by `{generator}`", ""]
-    if listen is not None:
-        lines.append(f"listen: {json.dumps(listen)}")
-    if max_payload is not None:
-        lines.append(f"max_payload: {int(max_payload)}")
-    js = {"store_dir": store_dir} if store_dir else {}
-    lines.append(f"jetstream: {json.dumps(js)}" if js else "jetstream: enabled")
-    if tls is not None:
-        block: dict[str, Any] = {"cert_file": tls.cert, "key_file": tls.key}
-        if tls.ca:
-            block["ca_file"] = tls.ca
-        if tls.verify_clients:
-            block["verify"] = True
-        lines.append(f"tls: {json.dumps(block)}")
-    return lines
-
-
-def nkey_server_config(
-    identities: Mapping[str, tuple[str, Permissions]],
-    *,
-    listen: str | None = None,
-    store_dir: str | None = None,
-    max_payload: int | None = None,
-    tls: ServerTls | None = None,
-) -> str:
-    """A nats-server config with JetStream on and one nkey user per identity
-    (`identities`: its name -> (public key `U...`, permissions)).
-
-    Only public keys go in: the file reveals no secret. Each entry is
-    preceded by a comment naming its identity. See `server_config` for
-    listen, store_dir and max_payload; `tls` turns TLS on.
-    """
-    lines = _header("lorafleet auth", listen, store_dir, max_payload, tls)
-    return "\n".join([*lines, "", authorization_block(identities)])
-
-
-def authorization_block(identities: Mapping[str, tuple[str, Permissions]]) -> str:
-    """The `authorization { users = [...] }` part of a config alone: one nkey
-    user per identity, for a config of one's own to `include` (compose's
-    cluster config does)."""
-    if not identities:
-        raise PermissionsError("a config needs at least one identity")
-    lines = ["authorization {", "  users = ["]
-    for name, (public_key, perms) in identities.items():
-        if not (public_key.startswith("U") and public_key.isalnum() and len(public_key) == 56):
-            raise PermissionsError(
-                f"{name}: {public_key!r} is not an nkey user public key (56 characters, "
-                "starting with U); the seed file may be damaged: delete it and re-run"
-            )
-        lines.append(f"    # {name}")
-        lines.append(f"    {json.dumps({'nkey': public_key, 'permissions': perms})}")
-    lines += ["  ]", "}", ""]
-    return "\n".join(lines)
-
-
-def fleet_users(
-    names: Names,
-    nodes: Iterable[str],
-    passwords: Mapping[str, str],
-    service_user: str = SERVICE_USER,
-) -> dict[str, tuple[str, Permissions]]:
-    """The users of one installation: `service_user` and one user per node
-    (named as the node), each with the password `passwords` gives it."""
-    users: dict[str, tuple[str, Permissions]] = {
-        service_user: (passwords[service_user], service_permissions(names))
-    }
-    for node in nodes:
-        if node == service_user:
-            raise PermissionsError(f"node {node!r} has the service user's name; rename one")
-        users[node] = (passwords[node], agent_permissions(names, node))
-    return users
-
-
-def client_env(user: str, password: str, host_port: str, node: str | None = None) -> str:
-    """The LORAFLEET_* lines a process of `user` runs with (`node`: an agent's)."""
-    out = f"LORAFLEET_NATS_URL=nats://{user}:{password}@{host_port}"
-    if node is not None:
-        out += f" LORAFLEET_NATS_INBOX_PREFIX={node_inbox_prefix(node)}"
-        out += f" LORAFLEET_AGENT_NODE={check_token(node, 'node name')}"
-    return out

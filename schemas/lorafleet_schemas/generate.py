@@ -15,7 +15,6 @@ import msgspec
 from lorafleet_schemas.messages import PUBLISHED
 
 #: schemas/json/ in a checkout (and inside the wheel, next to this module).
-JSON_SCHEMA_DIALECT = "https://json-schema.org/draft/2020-12/schema"
 JSON_DIR = Path(__file__).resolve().parent.parent / "json"
 
 

@@ -27,11 +27,11 @@ from lorafleet_services.artifact_store.assembly import (
     ChunkError,
     Key,
     Whole,
+    delivery_refusal_reason,
     is_committed_by,
     object_chunk_token,
     object_info,
     parse_chunk,
-    refusal,
 )
 from tests.artifacts.fakes import job
 
@@ -153,14 +153,18 @@ def test_parse_chunk_checks_subject_against_header() -> None:
 
 
 def test_refusal_rules() -> None:
-    assert refusal(job(), KEY) is None
-    assert refusal(job(state=JobState.RUNNING), KEY) is None
-    assert "does not exist" in (refusal(None, KEY) or "")
-    assert "assigned to node 'node-b', not 'node-a'" in (refusal(job(node="node-b"), KEY) or "")
-    assert "attempt 2" in (refusal(job(attempt=2), KEY) or "")
-    assert "is failed" in (refusal(job(state=JobState.FAILED), KEY) or "")
-    assert "is queued" in (refusal(job(state=JobState.QUEUED), KEY) or "")
-    assert "not peft" in (refusal(job(artifacts_expected=[ArtifactKind.GGUF]), KEY) or "")
+    assert delivery_refusal_reason(job(), KEY) is None
+    assert delivery_refusal_reason(job(state=JobState.RUNNING), KEY) is None
+    assert "does not exist" in (delivery_refusal_reason(None, KEY) or "")
+    assert "assigned to node 'node-b', not 'node-a'" in (
+        delivery_refusal_reason(job(node="node-b"), KEY) or ""
+    )
+    assert "attempt 2" in (delivery_refusal_reason(job(attempt=2), KEY) or "")
+    assert "is failed" in (delivery_refusal_reason(job(state=JobState.FAILED), KEY) or "")
+    assert "is queued" in (delivery_refusal_reason(job(state=JobState.QUEUED), KEY) or "")
+    assert "not peft" in (
+        delivery_refusal_reason(job(artifacts_expected=[ArtifactKind.GGUF]), KEY) or ""
+    )
 
 
 def test_object_info_reads_back_as_a_record() -> None:

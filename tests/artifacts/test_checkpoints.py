@@ -27,11 +27,11 @@ from lorafleet_services.artifact_store.assembly import (
     ChunkError,
     Key,
     Whole,
+    delivery_refusal_reason,
     is_committed_by,
     object_chunk_token,
     object_info,
     parse_chunk,
-    refusal,
     report_owed,
     superseded,
 )
@@ -94,15 +94,18 @@ def test_a_checkpoint_chunk_carries_its_step() -> None:
 
 def test_a_checkpoint_is_taken_while_the_job_trains_whatever_it_expects() -> None:
     for state in (JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING, JobState.UPLOADING):
-        assert refusal(running(state=state), key(3)) is None, state
-    assert "no checkpoint yet" in (refusal(running(state=JobState.STARTING), key(3)) or "")
+        assert delivery_refusal_reason(running(state=state), key(3)) is None, state
+    assert "no checkpoint yet" in (
+        delivery_refusal_reason(running(state=JobState.STARTING), key(3)) or ""
+    )
     for state in (JobState.FAILED, JobState.DONE, JobState.CANCELLED, JobState.QUEUED):
-        assert refusal(running(state=state), key(3)) is not None, state
-    assert "node-b" in (refusal(running(node="node-b"), key(3)) or "")
-    assert "attempt 2" in (refusal(running(attempt=2), key(3)) or "")
+        assert delivery_refusal_reason(running(state=state), key(3)) is not None, state
+    assert "node-b" in (delivery_refusal_reason(running(node="node-b"), key(3)) or "")
+    assert "attempt 2" in (delivery_refusal_reason(running(attempt=2), key(3)) or "")
     # The other kinds still need the job to make them.
     assert "not peft" in (
-        refusal(running(artifacts_expected=[]), Key("node-a", "job1", PEFT, 1)) or ""
+        delivery_refusal_reason(running(artifacts_expected=[]), Key("node-a", "job1", PEFT, 1))
+        or ""
     )
 
 

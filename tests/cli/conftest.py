@@ -86,9 +86,11 @@ class Up:
 
     async def submit_raw(self, *more: str) -> tuple[int, str, str]:
         """`lorafleet submit` of model tiny with the pairs and `more`: (rc, stdout, stderr)."""
-        return await self.lorafleet(
-            "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs), *more
-        )
+        return await self.lorafleet(*self.submit_args(*more))
+
+    def submit_args(self, *more: str) -> tuple[str, ...]:
+        """The arguments of `lorafleet submit` of model tiny with the pairs and `more`."""
+        return ("submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs), *more)
 
 
 def up_env(tmp: Path) -> dict[str, str]:

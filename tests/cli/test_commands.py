@@ -73,6 +73,21 @@ async def test_watch_redraws_one_display_in_place_and_top_lists_the_job(up: Up) 
     assert len(history.rstrip().splitlines()) < 40, history
 
 
+async def test_submit_watch_on_a_terminal_ends_with_its_summary(up: Up) -> None:
+    """The summary is the answer on a terminal; the job's record (about 70
+    lines of JSON) is `jobs get`'s, or stdout's when stdout is a pipe."""
+    t = up.terminal
+    window = t.new_window()
+    t.type(window, *up.argv(*up.submit_args("--param", "max_steps=20", "--watch")),
+           then='; echo "exit""=$?"')  # fmt: skip
+    end = await t.wait_for(window, "exit=", timeout_s=60)
+    history = t.history(window)
+    assert "exit=0" in end and "final loss" in history, history
+    assert not [ln for ln in history.splitlines() if ln.lstrip().startswith(("{", '"'))], history
+    rc, out, err = await up.lorafleet(*up.submit_args("--param", "max_steps=20", "--watch"))
+    assert rc == 0 and json.loads(out)["state"] == "done", err
+
+
 async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> None:
     job_id = await up.submit(100)
     rc, out, err = await up.lorafleet("watch", job_id, "--every-s", "1000")

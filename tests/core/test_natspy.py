@@ -25,7 +25,7 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from lorafleet import _natspy, names, permissions
+from lorafleet import _natspy, names, passwords
 from lorafleet.names import Names, msg_get_subject
 from lorafleet.natsserver import NatsServer
 from tests.eventually import eventually
@@ -310,13 +310,13 @@ async def test_upstream_create_object_store_ignores_the_config_bucket(
 async def test_upstream_refused_publish_does_not_raise(tmp_path: Path) -> None:
     config = tmp_path / "nats.conf"
     perms = {"publish": {"allow": ["ok.>"]}, "subscribe": {"allow": ["_INBOX.>"]}}
-    config.write_text(permissions.server_config({"u": ("p", perms)}))
+    config.write_text(passwords.server_config({"u": ("p", perms)}))
     async with NatsServer(tmp_path / "store", config_file=config) as server:
         nc, errors = await _errors_collected(server.url_for("u", "p"))
         await nc.publish("denied.x", b"")  # no exception: the server's -ERR comes later
         await nc.flush()
         await eventually(lambda: errors, "the refusal reached the error callback")
-        refused = _natspy.refusal(errors[0])
+        refused = _natspy.permissions_violation_message(errors[0])
         assert refused is not None and 'publish to "denied.x"' in refused.lower(), errors
         assert not _natspy.is_authorization_violation(errors[0])
         await nc.close()

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import importlib
 import json
+import pkgutil
 from pathlib import Path
 
 import msgspec
@@ -66,3 +68,16 @@ def test_trainer_lines_decode_by_their_event_tag() -> None:
 def test_new_fields_have_defaults() -> None:
     # An old sender that knows only the required fields stays valid.
     assert msgspec.json.decode(b"{}", type=TrainerParams) == TrainerParams()
+
+
+def test_every_domain_module_is_re_exported() -> None:
+    """Clients import from `lorafleet_schemas.messages`; a Struct added to a
+    domain module and not to the package would be reachable only by its path."""
+    package = importlib.import_module("lorafleet_schemas.messages")
+    missing = [
+        f"{info.name}.{name}"
+        for info in pkgutil.iter_modules(package.__path__, "lorafleet_schemas.messages.")
+        for name, value in vars(importlib.import_module(info.name)).items()
+        if getattr(value, "__module__", None) == info.name and name not in package.__all__
+    ]
+    assert not missing, "add to lorafleet_schemas/messages/__init__.py:\n" + "\n".join(missing)

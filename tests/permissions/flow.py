@@ -55,9 +55,10 @@ class IdentitySystem:
         for proc in [*self.services, *([self.agent] if self.agent else [])]:
             lines = proc.events(Event.NATS_REFUSED)
             said[proc.module] = [
-                ln["message"] for ln in lines if "$js.api.stream.create" not in ln["message"]
-                and "may not create the JetStream layout" not in ln["message"]
-            ]  # fmt: skip
+                ln["message"]
+                for ln in lines
+                if "may not create the JetStream layout" not in ln["message"]
+            ]
         return {k: v for k, v in said.items() if v}
 
 

@@ -15,7 +15,8 @@ from lorafleet import _bus as bus
 from lorafleet.errors import ConnectError
 from lorafleet.names import Names
 from lorafleet.natsserver import NatsServer
-from lorafleet.permissions import SERVICE_USER, agent_permissions, service_permissions
+from lorafleet.passwords import SERVICE_USER, service_permissions
+from lorafleet.permissions import agent_permissions
 from lorafleet.settings import Settings
 from lorafleet_services.cli import app
 

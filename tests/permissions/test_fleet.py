@@ -87,11 +87,12 @@ class System:
         return job
 
     def assert_nothing_refused(self) -> None:
-        """The agent's layout attempt was refused at once (it said so); nothing else was."""
+        """The agent's layout attempt was refused at once (it said so, in one
+        line with the server's words); nothing else was."""
         assert self.agent is not None
         said = self.agent.events(Event.NATS_REFUSED)
-        assert [ln["level"] for ln in said] == ["warning", "info"], said
-        assert "$js.api.stream.create" in said[0]["message"]
+        assert [ln["level"] for ln in said] == ["info"], said
+        assert "$js.api.stream.create" in said[0]["error"]
         for proc in self.services:
             assert proc.events(Event.NATS_REFUSED) == [], proc.module
 

@@ -266,8 +266,8 @@ async def test_a_client_without_its_inbox_prefix_is_told_to_set_it(
             await nc.request(id_fleet.base.names.jobs_list, b"{}", timeout=REFUSED_WAIT_S)
         text = await eventually(lambda: refusals, "the inbox subscription to be refused")
         assert "subscription" in text[0].lower()
-        assert "LORAFLEET_NATS_INBOX_PREFIX" in bus.refusal_hint(text[0])
-        assert "LORAFLEET_NATS_INBOX_PREFIX" not in bus.refusal_hint(
+        assert "LORAFLEET_NATS_INBOX_PREFIX" in bus.permissions_violation_hint(text[0])
+        assert "LORAFLEET_NATS_INBOX_PREFIX" not in bus.permissions_violation_hint(
             'Permissions Violation for Publish to "lorafleet.store.jobs.transition"'
         )
     finally:

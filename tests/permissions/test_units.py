@@ -8,18 +8,21 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet._bus import redact_url, refusal
+from lorafleet._bus import redact_url
+from lorafleet._natspy import permissions_violation_message
 from lorafleet.names import InvalidNameError, Names, msg_get_subject
 from lorafleet.natsserver import binary
-from lorafleet.permissions import (
+from lorafleet.passwords import (
     SERVICE_USER,
-    PermissionsError,
-    agent_permissions,
-    allows,
     client_env,
     fleet_users,
     server_config,
     service_permissions,
+)
+from lorafleet.permissions import (
+    PermissionsError,
+    agent_permissions,
+    allows,
     subject_matches,
 )
 from lorafleet.settings import Settings, SettingsError
@@ -183,7 +186,7 @@ def test_the_inbox_prefix_setting() -> None:
 
 def test_refusal_and_redaction() -> None:
     err = Exception('nats: permissions violation for publish to "$kv.b.k"')
-    assert refusal(err) == 'permissions violation for publish to "$kv.b.k"'
-    assert refusal(Exception("nats: stale connection")) is None
+    assert permissions_violation_message(err) == 'permissions violation for publish to "$kv.b.k"'
+    assert permissions_violation_message(Exception("nats: stale connection")) is None
     assert redact_url("nats://u:p@h:1,nats://h2:2") == "nats://u:***@h:1,nats://h2:2"
     assert redact_url("nats://h:1") == "nats://h:1"

@@ -6,10 +6,10 @@ each with an `ArtifactChunkHeader` (JSON in the `Lorafleet-Chunk` header).
 the bytes that have become contiguous (so the caller can stream them into
 the object store while the delivery goes on), and, once the last chunk is
 known and nothing is missing, says whether count, size and sha256 agree.
-Beside it, the delivery rules: who may deliver (`refusal`), whether the
-object is stored already (`is_stored`), whether a checkpoint may replace
-the stored one (`superseded`), whether the recorder is owed a report
-(`report_owed`), which deliveries ended (`Remembered`).
+Beside it, the delivery rules: who may deliver (`delivery_refusal_reason`),
+whether the object is stored already (`is_stored`), whether a checkpoint
+may replace the stored one (`superseded`), whether the recorder is owed a
+report (`report_owed`), which deliveries ended (`Remembered`).
 
 Everything here decides; nothing here talks to NATS.
 """
@@ -267,7 +267,7 @@ CHECKPOINT_STATES: frozenset[JobState] = frozenset(
 )
 
 
-def refusal(job: JobRecord | None, key: Key) -> str | None:
+def delivery_refusal_reason(job: JobRecord | None, key: Key) -> str | None:
     """Why `key.node` may not deliver this artifact now, or None when it may.
 
     A node delivers only for a job on it, for the job's current attempt,

@@ -39,11 +39,11 @@ from lorafleet_services.artifact_store.assembly import (
     Key,
     Remembered,
     Whole,
+    delivery_refusal_reason,
     is_stored,
     object_chunk_token,
     object_info,
     parse_chunk,
-    refusal,
     report_owed,
     superseded,
 )
@@ -214,7 +214,7 @@ class Deliveries:
             await self.streams.purge_delivery(chunk.subject, upto_seq)
             self.ended.add(key)
             return None
-        why = refusal(job, key)
+        why = delivery_refusal_reason(job, key)
         if why is not None:
             metrics.ARTIFACTS_REJECTED.inc()
             self.logger.warning(
@@ -258,11 +258,11 @@ class Deliveries:
         await d.writer.flush()
         key = d.key
         job = await self.recorder.get_job(key.job_id)
-        why = refusal(job, key)
+        why = delivery_refusal_reason(job, key)
         previous = await self.streams.read_info(key) if key.is_checkpoint else None
         if why is None and key.is_checkpoint:
             why = superseded(previous, key)
-        if why is not None or job is None:  # (refusal gives a why for no job)
+        if why is not None or job is None:  # (the reason covers a missing job)
             self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                                 kind=key.kind.value, error=f"not stored: {why}")  # fmt: skip
             await self.discard(d)

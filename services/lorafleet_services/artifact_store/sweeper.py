@@ -34,7 +34,11 @@ from lorafleet.names import (
     object_meta_subjects,
     object_stream,
 )
-from lorafleet_services.artifact_store.assembly import is_stored, refusal, superseded
+from lorafleet_services.artifact_store.assembly import (
+    delivery_refusal_reason,
+    is_stored,
+    superseded,
+)
 from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle
 
 #: Seconds without a new chunk after which an open delivery's job is checked
@@ -136,7 +140,7 @@ class Sweeper:
                     # failed); a newer one is stored, so none will finish it.
                     await self.deliveries.discard(d)
                     continue
-                why = refusal(await self.recorder.get_job(key.job_id), key)
+                why = delivery_refusal_reason(await self.recorder.get_job(key.job_id), key)
                 if why is not None:
                     self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id,
                                         node=key.node, kind=key.kind.value,

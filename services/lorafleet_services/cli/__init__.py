@@ -18,9 +18,9 @@ NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert
 
 One module per command group: services.py (the services, up, demo),
 catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
-plots), nodes.py, top.py, artifacts.py, auth.py (nats-config), identities.py
-(auth: nkey identities); _app.py holds the
-Typer apps and what they share. A new command goes in its group's module.
+plots), nodes.py, top.py, artifacts.py, auth.py (nkey identities),
+nats_config.py (the older passwords); _app.py holds the Typer apps and
+what they share, _help.py tidies what --help shows. A new command goes in its group's module.
 
 Without LORAFLEET_NATS_URL the commands use the NATS server of a running
 `lorafleet up` (its URL is kept in the data directory).
@@ -36,8 +36,9 @@ from lorafleet_services.cli import services
 from lorafleet_services.cli import estimate, jobs, top
 
 # isort: split
-from lorafleet_services.cli import artifacts, auth, catalog, identities, nodes
+from lorafleet_services.cli import artifacts, auth, catalog, nats_config, nodes
 from lorafleet_services.cli._app import app
+from lorafleet_services.cli._help import tidied_command
 from lorafleet_services.cli.services import up_agent_config
 
 __all__ = [
@@ -46,9 +47,9 @@ __all__ = [
     "auth",
     "catalog",
     "estimate",
-    "identities",
     "jobs",
     "main",
+    "nats_config",
     "nodes",
     "services",
     "top",
@@ -57,7 +58,7 @@ __all__ = [
 
 
 def main() -> None:
-    app()
+    tidied_command(app)()
 
 
 if __name__ == "__main__":

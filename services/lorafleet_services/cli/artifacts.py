@@ -22,7 +22,9 @@ def artifacts(job_id: str) -> None:
 def download(
     job_id: str,
     kind: list[ArtifactKind] = typer.Option(
-        [], help="Default: what the job made (peft, gguf); a checkpoint only when named."
+        [],
+        metavar="|".join(ArtifactKind),
+        help="Repeatable. Default: what the job made (peft, gguf); a checkpoint only when named.",
     ),
     out: Path = typer.Option(Path("."), help="Directory to write into."),
 ) -> None:

@@ -73,7 +73,9 @@ def show_estimate(model: str, trainer: TrainerParams, gpu_mib: int | None) -> No
 def estimate_cmd(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
     gpu_mib: int | None = typer.Option(None, help="Check this many MiB against the estimate."),
-    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    param: list[str] = typer.Option(
+        [], metavar="KEY=VALUE", help="A trainer parameter; repeatable."
+    ),
     params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
     as_json: bool = typer.Option(False, "--json"),
 ) -> None:

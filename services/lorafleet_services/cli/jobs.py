@@ -43,6 +43,7 @@ from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write
 INLINE_DATA_MAX_BYTES = 512 * 1024
 
 
+_PARAM = typer.Option([], metavar="KEY=VALUE", help="A trainer parameter; repeatable.")
 _MAX_ATTEMPTS = typer.Option(
     1,
     min=1,
@@ -68,7 +69,7 @@ def submit(
     ),
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
-    param: list[str] = typer.Option([], help="Trainer parameter key=value; repeatable."),
+    param: list[str] = _PARAM,
     params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
     plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),
@@ -111,10 +112,13 @@ def submit(
         return job
 
     job = run_client(go, interrupted="stopped watching; the job goes on (`lorafleet jobs list`)")
-    if not (watch_ and as_json):
+    if not watch_:
         print_json(job)
-    if watch_:
-        raise typer.Exit(exit_code(job))
+        return
+    # After the summary, the record is for a program reading stdout (`> job.json`).
+    if not as_json and not console.is_terminal:
+        print_json(job)
+    raise typer.Exit(exit_code(job))
 
 
 @jobs_app.command("list")

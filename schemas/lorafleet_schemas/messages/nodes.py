@@ -1,0 +1,93 @@
+"""The scheduler and the agents: start and cancel requests, and the heartbeat
+each node keeps in the `lorafleet_nodes` bucket."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+import msgspec
+
+from lorafleet_schemas.messages.artifacts import ArtifactKind
+from lorafleet_schemas.messages.catalog import ModelRecord
+from lorafleet_schemas.messages.fields import Sha256Hex
+from lorafleet_schemas.messages.jobs import CheckpointRef, TrainerParams
+
+
+class StartRequest(msgspec.Struct, kw_only=True):
+    """`lorafleet.node.<node>.start`: train this job."""
+
+    job_id: str
+    attempt: int
+    model: ModelRecord
+    gpu_memory_mib: int
+    #: Object name in `lorafleet_datasets`; the agent checks its sha256.
+    dataset: str
+    dataset_sha256: Sha256Hex
+    params: TrainerParams
+    artifacts: list[ArtifactKind]
+    #: Start from this checkpoint (the job's own newest, or another job's
+    #: checkpoint or adapter); None: from the base weights.
+    resume: CheckpointRef | None = None
+
+
+class StartReply(msgspec.Struct, kw_only=True):
+    accepted: bool
+    #: Why not, when not accepted.
+    reason: str = ""
+    #: The job the node is busy with, when busy.
+    running_job: str | None = None
+
+
+class NodeCancelRequest(msgspec.Struct, kw_only=True):
+    """`lorafleet.node.<node>.cancel`."""
+
+    job_id: str
+    reason: str = ""
+
+
+class NodeCancelReply(msgspec.Struct, kw_only=True):
+    #: True when the job was running there and is now stopped.
+    stopped: bool
+
+
+class Card(msgspec.Struct, kw_only=True):
+    index: int
+    name: str
+    total_mib: int
+    free_mib: int
+
+
+class EnginesInstalled(msgspec.Struct, kw_only=True):
+    vllm: list[str] = msgspec.field(default_factory=list)
+    #: The newest llama.cpp release tag installed (b1234), if any.
+    llamacpp: str | None = None
+
+
+class Heartbeat(msgspec.Struct, kw_only=True):
+    """The value of key `<node>` in KV `lorafleet_nodes`; it expires after `ttl_s`."""
+
+    node: str
+    version: str
+    started_at: dt.datetime
+    time: dt.datetime
+    cards: list[Card] = msgspec.field(default_factory=list)
+    engines: EnginesInstalled = msgspec.field(default_factory=EnginesInstalled)
+    #: The job the agent is running, if any.
+    job: str | None = None
+    #: The agent trains on the CPU when it has no card (embedded default).
+    cpu_training: bool = False
+    heartbeat_s: float = 1.0
+    ttl_s: int = 3
+
+
+class NodeInfo(msgspec.Struct, kw_only=True):
+    heartbeat: Heartbeat
+    alive: bool
+
+
+class NodeListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    pass
+
+
+class NodeList(msgspec.Struct, kw_only=True):
+    nodes: list[NodeInfo]

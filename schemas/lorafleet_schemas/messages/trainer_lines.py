@@ -1,0 +1,89 @@
+"""The trainer's JSON-lines protocol: one tagged line per event on its stdout,
+read by the agent."""
+
+from __future__ import annotations
+
+from typing import Any, Literal
+
+import msgspec
+
+
+class TrainerState(msgspec.Struct, kw_only=True, tag="state", tag_field="event"):
+    """A state change inside the trainer: "preparing" (loading), "running", "saving"."""
+
+    state: Literal["preparing", "running", "saving"]
+    message: str = ""
+
+
+class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event"):
+    """One optimizer step."""
+
+    step: int
+    steps: int
+    loss: float
+    learning_rate: float
+    tokens_per_s: float
+    eta_s: float
+    #: torch's peak reserved MiB on a card; peak RSS MiB on the CPU.
+    peak_mib: int
+    epoch: int = 0
+
+
+class TrainerEval(msgspec.Struct, kw_only=True, tag="eval", tag_field="event"):
+    step: int
+    epoch: int
+    eval_loss: float
+
+
+class TrainerLog(msgspec.Struct, kw_only=True, tag="log", tag_field="event"):
+    """Something a person should read (records cut at max length, ...)."""
+
+    message: str
+    level: Literal["info", "warning"] = "info"
+
+
+class TrainerDone(msgspec.Struct, kw_only=True, tag="done", tag_field="event"):
+    adapter_dir: str
+    #: The directory the base weights were read from (the GGUF conversion needs it).
+    base_dir: str
+    summary: dict[str, Any] = msgspec.field(default_factory=dict)
+
+
+class TrainerError(msgspec.Struct, kw_only=True, tag="error", tag_field="event"):
+    message: str
+
+
+class TrainerCheckpoint(msgspec.Struct, kw_only=True, tag="checkpoint", tag_field="event"):
+    """A complete checkpoint is on disk (written to a temporary name, then
+    renamed): the state after optimizer step `step`."""
+
+    step: int
+    #: The checkpoint directory.
+    path: str
+    epoch: int = 0
+
+
+class TrainerLengths(msgspec.Struct, kw_only=True, tag="lengths", tag_field="event"):
+    """The token lengths of the records tokenized before the weights load (all
+    of them without max_steps; with it, those its steps read)."""
+
+    records_tokenized: int
+    records_cut: int
+    records_skipped: int
+    min: int
+    p50: int
+    p95: int
+    max: int
+    mean: int
+
+
+TrainerLine = (
+    TrainerState
+    | TrainerStep
+    | TrainerEval
+    | TrainerLog
+    | TrainerDone
+    | TrainerError
+    | TrainerLengths
+    | TrainerCheckpoint
+)

@@ -1,0 +1,61 @@
+"""`--help` tidied where Typer's rendering falls short (typer 0.29, its rich
+markup mode). Each is a workaround; tests/cli/test_help.py pins the
+upstream behaviour, so a Typer that fixes one says so by failing there.
+
+- A flag takes no value, yet Typer shows a type for it (`--watch <bool>`,
+  `--help <bool>`): every flag gets an empty metavar, which Typer shows in
+  place of the type.
+- Typer keeps a docstring's single line breaks in the commands' panel (and
+  in the paragraphs after the first), so the help breaks mid-sentence at
+  80 columns: each paragraph becomes one line, which rich wraps to the
+  terminal's width. A paragraph Click keeps verbatim (starting with \\b)
+  stays as written.
+
+An option that takes a list of values names them itself (`--param
+KEY=VALUE`, `--node NODE`): Typer's `<list[str]>` says nothing to a reader.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import typer.main
+from typer.core import TyperCommand, TyperGroup, TyperOption
+
+#: What Click treats as a verbatim paragraph (no rewrapping).
+VERBATIM_MARK = "\b"
+
+
+def unwrapped(text: str) -> str:
+    """`text` with each paragraph on one line (verbatim ones kept)."""
+    paragraphs = text.strip().split("\n\n")
+    return "\n\n".join(
+        p if p.startswith(VERBATIM_MARK) else " ".join(line.strip() for line in p.splitlines())
+        for p in paragraphs
+    )
+
+
+def tidy(command: TyperCommand | TyperGroup) -> None:
+    """Tidy the help of `command` and of every command under it, in place."""
+    if command.help:
+        command.help = unwrapped(command.help)
+    options = [p for p in command.params if isinstance(p, TyperOption)]
+    help_option = command.get_help_option(command.context_class(command))
+    if isinstance(help_option, TyperOption):
+        options.append(help_option)
+    for option in options:
+        if option.is_flag and option.metavar is None:
+            option.metavar = ""
+    if isinstance(command, TyperGroup):
+        for sub in command.commands.values():
+            if isinstance(sub, TyperCommand | TyperGroup):
+                tidy(sub)
+
+
+def tidied_command(app: typer.Typer) -> Callable[..., object]:
+    """The Click command `app` runs as, its help tidied; call it to run
+    (with Click's arguments: none reads sys.argv)."""
+    command = typer.main.get_command(app)
+    if isinstance(command, TyperCommand | TyperGroup):
+        tidy(command)
+    return command

@@ -1,0 +1,45 @@
+"""`lorafleet nats-config`: NATS credentials for a fleet."""
+
+from __future__ import annotations
+
+import sys
+
+import typer
+
+from lorafleet.settings import Settings
+from lorafleet_services.cli._app import app, err, print_json
+
+
+@app.command("nats-config", rich_help_panel="Access")
+def nats_config_cmd(
+    node: list[str] = typer.Option(
+        ..., "--node", metavar="NODE", help="A node's name; repeat for each node."
+    ),
+    listen: str = typer.Option("0.0.0.0:4222", help="host:port the server listens on."),
+    host: str = typer.Option("127.0.0.1:4222", help="host:port the processes connect to."),
+    store_dir: str | None = typer.Option(None, help="JetStream's store directory."),
+    blocks: bool = typer.Option(False, "--blocks", help="Only the permission blocks, as JSON."),
+) -> None:
+    """Print a nats-server config: a user for the services and one per node,
+    each node allowed only its own subjects (passwords generated), then the
+    LORAFLEET_* settings each process runs with, as comments."""
+    import secrets
+
+    from lorafleet import passwords as perms
+
+    names = Settings.from_env().names
+    try:
+        passwords = {u: secrets.token_urlsafe(18) for u in (perms.SERVICE_USER, *node)}
+        users = perms.fleet_users(names, node, passwords)
+    except ValueError as e:
+        err.print(f"[red]error[/red] {e}")
+        raise typer.Exit(1) from None
+    if blocks:
+        print_json({user: block for user, (_pw, block) in users.items()})
+        return
+    lines = [perms.server_config(users, listen=listen, store_dir=store_dir)]
+    lines.append("# Each process's settings (keep this file and these lines secret):")
+    for user, (password, _block) in users.items():
+        agent = None if user == perms.SERVICE_USER else user
+        lines.append(f"#   {user}: {perms.client_env(user, password, host, node=agent)}")
+    sys.stdout.write("\n".join(lines) + "\n")

@@ -1,0 +1,105 @@
+"""`--help` as a reader sees it at 80 columns: no type shown for a flag, no
+`<list[str]>`, no sentence broken where the docstring's lines end — and
+the Typer behaviour each workaround in cli/_help.py answers, pinned."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterator
+
+import pytest
+import typer
+import typer.main
+
+from lorafleet_services.cli import app
+from lorafleet_services.cli._help import tidied_command, unwrapped
+
+COLUMNS = 80
+#: A line of a command's entry in a commands panel that another line of the
+#: same entry follows is at least this long: rich wrapped it at the width,
+#: not at a line break of the docstring (the help column is 62 wide).
+MIN_WRAPPED_LINE = 45
+
+
+def help_of(command: Callable[..., object], *argv: str, capsys: pytest.CaptureFixture[str]) -> str:
+    with pytest.raises(SystemExit) as exited:
+        command([*argv, "--help"], prog_name="lorafleet")
+    assert exited.value.code == 0
+    return capsys.readouterr().out
+
+
+def command_paths(a: typer.Typer, prefix: tuple[str, ...] = ()) -> Iterator[tuple[str, ...]]:
+    for info in a.registered_commands:
+        assert info.name or info.callback is not None
+        yield (*prefix, info.name or (info.callback.__name__ if info.callback else ""))
+    for group in a.registered_groups:
+        assert group.name is not None and group.typer_instance is not None
+        yield (*prefix, group.name)
+        yield from command_paths(group.typer_instance, (*prefix, group.name))
+
+
+@pytest.fixture(autouse=True)
+def eighty_columns(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("COLUMNS", str(COLUMNS))
+
+
+def test_upstream_typer_shows_a_flag_type_and_keeps_docstring_breaks(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """When this fails, Typer renders help well by itself: drop the
+    workaround in cli/_help.py that no longer does anything."""
+    plain = typer.Typer()
+
+    @plain.command("one")
+    def one(flag: bool = typer.Option(False, "--flag", help="A flag.")) -> None:
+        """First line of the doc
+        and its second line."""
+
+    @plain.command("two")
+    def two() -> None:
+        """Another."""
+
+    listing = help_of(typer.main.get_command(plain), capsys=capsys)
+    assert re.search(r"First line of the doc\s*│\n│\s+and its second line", listing), listing
+    page = help_of(typer.main.get_command(plain), "one", capsys=capsys)
+    assert re.search(r"--flag\s+<bool>", page) and re.search(r"--help\s+<bool>", page), page
+
+
+def test_no_help_page_shows_a_flag_type_or_a_python_list(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    command = tidied_command(app)
+    pages = {path: help_of(command, *path, capsys=capsys) for path in [(), *command_paths(app)]}
+    bad = {
+        " ".join(path) or "lorafleet": [
+            ln for ln in page.splitlines() if "<bool>" in ln or "<list[" in ln
+        ]
+        for path, page in pages.items()
+    }
+    assert not {k: v for k, v in bad.items() if v}, bad
+    submit = pages[("submit",)]
+    assert re.search(r"--param\s+KEY=VALUE", submit) and re.search(r"--watch\s+Follow", submit)
+
+
+def test_the_command_list_wraps_at_the_width_not_at_docstring_lines(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    listing = help_of(tidied_command(app), capsys=capsys)
+    entries: list[list[str]] = []
+    for line in listing.splitlines():
+        cells = re.fullmatch(r"│ (\S*)\s+(.*?)\s*│", line)
+        if cells is None:
+            continue
+        name, text = cells.groups()
+        if name:
+            entries.append([text])
+        elif entries:
+            entries[-1].append(text)
+    assert any(len(e) > 1 for e in entries), listing  # some entry does wrap
+    short = [e for e in entries for ln in e[:-1] if len(ln) < MIN_WRAPPED_LINE]
+    assert not short, "\n".join(" / ".join(e) for e in short)
+
+
+def test_unwrapped_joins_lines_and_keeps_paragraphs_and_verbatim_blocks() -> None:
+    text = "One line\n    and the next.\n\nA second\nparagraph.\n\n\bkept\n  as is"
+    assert unwrapped(text) == "One line and the next.\n\nA second paragraph.\n\n\bkept\n  as is"
