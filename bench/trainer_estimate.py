@@ -130,7 +130,7 @@ class NvmlPeak:
 
 
 def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> dict[str, Any]:
-    from tests.trainer.harness import TRAINER_PATH
+    from tests.trainer.harness import TRAINER_ARGV
 
     sha = build_data(work / "data.jsonl", 4 * params["batch_size"], params["max_seq_len"])
     spec = {
@@ -147,7 +147,7 @@ def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> 
     (work / "job.json").write_text(json.dumps(spec))
     sampler = NvmlPeak() if device == "cuda" else None
     proc = subprocess.Popen(
-        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        [*TRAINER_ARGV, str(work / "job.json")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

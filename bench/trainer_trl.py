@@ -1,9 +1,13 @@
 """lorafleet's trainer against TRL's SFTTrainer with PEFT on the CPU: real tokens/s, loss, peak RSS.
 
-    python -m venv /tmp/trlenv && echo $PWD/.venv/lib/python3.11/site-packages \\
+    python -m venv /tmp/trlenv
+    echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/trlenv/lib/python3.11/site-packages/shared.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
     /tmp/trlenv/bin/python bench/trainer_trl.py [--records 512] [--epochs 1]
+
+(site.addsitedir, not the bare directory name: it reads the .pth files there
+too, so the editable install's import roots load.)
 
 Both train, each in a fresh process (peak memory is its own), one torch
 thread each:
@@ -88,7 +92,7 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
 
 
 def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dict[str, Any]:
-    from tests.trainer.harness import TRAINER_PATH
+    from tests.trainer.harness import TRAINER_ARGV
 
     data = "".join(json.dumps(r) + "\n" for r in records)
     (work / "data.jsonl").write_text(data)
@@ -112,7 +116,7 @@ def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dic
     }
     (work / "job.json").write_text(json.dumps(job))
     p = subprocess.run(
-        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        [*TRAINER_ARGV, str(work / "job.json")],
         capture_output=True,
         text=True,
         env=_env(),
@@ -142,14 +146,14 @@ def run_trl(work: Path, epochs: int) -> None:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from tests.trainer.harness import load_trainer_module
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from lorafleet_trainer.batches import split_records
+
     torch.set_num_threads(1)
-    tr = load_trainer_module()
     records = [json.loads(x) for x in (work / "data.jsonl").read_text().splitlines()]
-    train_idx, held_idx = tr.split_records(len(records), 0.1, SEED)
+    train_idx, held_idx = split_records(len(records), 0.1, SEED)
 
     def rows(idx: list[int]) -> Dataset:
         return Dataset.from_list(

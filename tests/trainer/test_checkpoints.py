@@ -4,6 +4,7 @@ the uninterrupted run does, and what a resume refuses."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
@@ -279,7 +280,7 @@ def test_a_resume_by_epochs_with_accumulation_ends_the_same(
     params = {"max_steps": 0, "epochs": 3, "batch_size": 3, "gradient_accumulation": 2}
     params["checkpoint_every_steps"] = 2
 
-    def run(name: str, **overrides: Any) -> TrainerRun:
+    def train(name: str, **overrides: Any) -> TrainerRun:
         out = io.StringIO()
         job = _job(tmp_path / name, tiny_model("llama"), params=params, **overrides)
         with warnings.catch_warnings():
@@ -287,14 +288,14 @@ def test_a_resume_by_epochs_with_accumulation_ends_the_same(
             assert run(JobFile.read(job), LineWriter(out)) == 0
         return TrainerRun(0, [], [json.loads(x) for x in out.getvalue().splitlines()], "")
 
-    whole = run("whole")
+    whole = train("whole")
     assert [s["epoch"] for s in whole.events("step")] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     ckpt = tmp_path / "whole" / "checkpoints" / "step-00000004"
     assert json.loads((ckpt / "checkpoint.json").read_text())["position"] == {
         "epoch": 2,
         "index": 1,
     }
-    resumed = run("resumed", resume={"dir": str(ckpt), "mode": "continue"})
+    resumed = train("resumed", resume={"dir": str(ckpt), "mode": "continue"})
     assert _losses(resumed) == _losses(whole, after=4)
     assert _evals(resumed) == _evals(whole, after=5)
     assert (
@@ -458,7 +459,7 @@ def test_checkpoints_are_due_by_steps_or_time_never_at_the_end() -> None:
 def test_a_failed_checkpoint_write_is_a_failure_of_the_node(tmp_path: Path) -> None:
     """An OSError while writing (here: the directory vanished) surfaces at the
     next step as exit 3's error; another exception as it is."""
-    writer = CheckpointWriter(tmp_path / "gone")
+    writer = CheckpointWriter(tmp_path / "gone", LineWriter(io.StringIO()))
     snap = Snapshot({}, {}, "{}", {"step": 3, "epoch": 1})
     (tmp_path / "gone").write_text("a file, not a directory")
     writer.submit(snap)

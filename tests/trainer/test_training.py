@@ -128,7 +128,7 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     assert summary["params"]["rank"] == TRAIN_PARAMS["rank"]
     assert summary["device"] == "cpu" and summary["dtype"] == "fp32"
     # Every training record once an epoch, padding not counted.
-    records = load_records(Path(job["data_path"]), job["data_sha256"])
+    records = [c for _, c in load_records(Path(job["data_path"]), job["data_sha256"])]
     train_idx, _ = split_records(16, 0.125, TRAIN_PARAMS["seed"])
     tok = AutoTokenizer.from_pretrained(done["base_dir"])
     template = (adapter / "chat_template.jinja").read_text()
@@ -148,7 +148,7 @@ def _reload(run: TrainerRun, job_path: Path) -> tuple[Any, list[Any], Any]:
 
     job = json.loads(job_path.read_text())
     (done,) = run.events("done")
-    records = load_records(Path(job["data_path"]), job["data_sha256"])
+    records = [c for _, c in load_records(Path(job["data_path"]), job["data_sha256"])]
     _, eval_idx = split_records(len(records), TRAIN_PARAMS["eval_fraction"], TRAIN_PARAMS["seed"])
     tok = AutoTokenizer.from_pretrained(done["base_dir"])
     template = (Path(done["adapter_dir"]) / "chat_template.jinja").read_text()
