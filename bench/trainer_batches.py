@@ -16,7 +16,7 @@ Two parts, each a ratio against the old way measured here, in this process:
 2. Real tokens per second. The same Llama-shaped model (random weights, about
    3.5M parameters), the same LoRA, the same records (a long-tailed length
    distribution from 16 to 512 tokens, a learnable pattern) and the same
-   epochs, trained with the script's `train_steps` twice: batches from
+   epochs, trained with the trainer's `train_steps` twice: batches from
    `plan_steps` (shuffled, padded to the longest: the old way) and from
    `plan_grouped`. Reported: real (non-padding) tokens/s of each, their
    ratio, the padding share and the held-out loss of each after the epochs.

@@ -6,10 +6,10 @@ N steps against none, the same script, on the CPU.
 Both arms run in this process, on one Llama-shaped model of random weights
 (hidden 256, 4 layers: about 3.5M parameters) with a rank-16 LoRA on every
 linear layer (296k trainable parameters, a 3.6 MB checkpoint), batches of 8
-records of 16 to 128 tokens (the tiny tokenizer, the script's own encoding),
-through the script's own loop: `train_steps`, and after each step what
+records of 16 to 128 tokens (the tiny tokenizer, the trainer's own encoding),
+through the trainer's own loop: `train_steps`, and after each step what
 `train_epochs` does, the step line and, in the checkpointing arm, the
-script's `Checkpointer` (`take_snapshot` on the loop's thread, then
+trainer's `Checkpointer` (`take_snapshot` on the loop's thread, then
 `write_checkpoint` on the writer's: safetensors, torch.save, fsyncs,
 checkpoint.json, rename) into a temporary directory on this machine's disk.
 
@@ -68,7 +68,7 @@ def records(n: int, seed: int = 0) -> list[dict[str, str]]:
 
 
 def build_loop(hidden: int, layers: int) -> tuple[Any, list[Any]]:
-    """The script's training loop on a fresh model, and 64 micro-batches of 8."""
+    """The trainer's training loop on a fresh model, and 64 micro-batches of 8."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -114,7 +114,7 @@ def main() -> None:
     progress = Progress()
     timings: dict[str, list[float]] = {"take_snapshot": [], "write_checkpoint": []}
     for name, times in timings.items():
-        # The script's own functions, timed where the Checkpointer calls them.
+        # The trainer's own functions, timed where the Checkpointer calls them.
         def timed(*a: Any, _f: Any = getattr(checkpoints, name), _t: list[float] = times) -> Any:
             t0 = time.perf_counter()
             try:

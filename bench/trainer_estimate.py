@@ -7,7 +7,7 @@ A real architecture with random weights, from its published config (no
 download): Qwen2.5-0.5B's shapes (24 layers, hidden 896, intermediate 4864,
 14 heads, 2 key/value heads, vocabulary 151,936, tied embeddings), the tests'
 byte-level tokenizer (its ids fit the vocabulary). Three configurations of
-the trainer script (`python script.py job.json`, in a fresh process each):
+the trainer (`python -m lorafleet_trainer job.json`, in a fresh process each):
 
 - batch 4 x 512 tokens;
 - batch 8 x 1024 tokens;

@@ -17,9 +17,9 @@ directory:
 
 Then, each in a fresh process (so that peak memory is its own):
 
-- lorafleet: the trainer script itself, `python script.py job.json` (lorafleet_services/trainer);
+- lorafleet: the trainer itself, `python -m lorafleet_trainer job.json` (trainer/lorafleet_trainer);
 - hf_trainer: transformers.Trainer on a peft model, the same tokens and
-  labels (encoded by the trainer script's own functions), the same LoRA
+  labels (encoded by the trainer's own functions), the same LoRA
   (rank 16, alpha 32, dropout 0.05, all-linear), AdamW (torch), constant
   learning rate 2e-4, no gradient clipping (the trainer does none), the same
   dtype (bf16 on cards that have it, else fp16; fp32 on the CPU) and the

@@ -6,7 +6,7 @@ Both run in this process on the same tiny Llama (services/lorafleet_services/tin
 with the same peft LoRA, the same AdamW, and the same micro-batches, built
 once beforehand:
 
-- trainer: the script's own `prepare_training` + `train_steps` (autocast
+- trainer: the trainer's own `prepare_training` + `train_steps` (autocast
   context, scheduler, loss .item(), timing, peak RSS, one JSON step line per
   step written to /dev/null);
 - bare: forward, backward, optimizer step, zero_grad; nothing else.

@@ -80,7 +80,7 @@ def test_a_schema_field_the_trainer_would_drop_fails_the_check() -> None:
 
 
 def test_the_trainers_parameters_are_the_schemas() -> None:
-    """Params (the script's copy: it cannot import the schemas) has every
+    """Params (generated: the trainer cannot import the schemas) has every
     TrainerParams field with the same default, and accepts what it encodes."""
     import dataclasses
 

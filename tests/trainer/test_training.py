@@ -1,4 +1,4 @@
-"""Real LoRA training of tiny Llama and Qwen2 models by the trainer script, on the CPU."""
+"""Real LoRA training of tiny Llama and Qwen2 models by the trainer, on the CPU."""
 
 from __future__ import annotations
 
@@ -108,7 +108,7 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     ).read_text()
     summary = json.loads((adapter / "training_summary.json").read_text())
     assert summary == done["summary"]
-    # The keys the script's docstring lists.
+    # The keys lorafleet_trainer.run's docstring lists.
     assert set(summary) == {
         "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
         "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
