@@ -16,7 +16,7 @@ Two parts, each a ratio against the old way measured here, in this process:
 2. Real tokens per second. The same Llama-shaped model (random weights, about
    3.5M parameters), the same LoRA, the same records (a long-tailed length
    distribution from 16 to 512 tokens, a learnable pattern) and the same
-   epochs, trained with the script's `train_steps` twice: batches from
+   epochs, trained with the trainer's `train_steps` twice: batches from
    `plan_steps` (shuffled, padded to the longest: the old way) and from
    `plan_grouped`. Reported: real (non-padding) tokens/s of each, their
    ratio, the padding share and the held-out loss of each after the epochs.
@@ -41,9 +41,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.trainer.harness import load_trainer_module  # noqa: E402
-
 from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
+from lorafleet_trainer import rendering  # noqa: E402
+from lorafleet_trainer.batches import plan_grouped, plan_steps, split_records, to_batch  # noqa: E402
+from lorafleet_trainer.loop import Progress, eval_loss, prepare_training, train_steps  # noqa: E402
+from lorafleet_trainer.params import Params  # noqa: E402
+from lorafleet_trainer.records import parse_record  # noqa: E402
+from lorafleet_trainer.rendering import Encoded, Tokens, encode_conversation, encode_many  # noqa: E402
 
 WORDS = " ".join(TOKENIZER_TEXT).replace("?", "").replace(".", "").split()
 
@@ -58,32 +62,33 @@ def synthetic_records(n: int, seed: int = 0) -> list[dict[str, str]]:
     return [{"q": text(rng.randint(10, 90)), "a": text(rng.randint(50, 400))} for _ in range(n)]
 
 
-def time_to_first_step(tr: Any, n_records: int) -> dict[str, Any]:
+def time_to_first_step(n_records: int) -> dict[str, Any]:
     tok = build_tokenizer()
     template = tok.chat_template
     lines = [json.dumps(r) for r in synthetic_records(n_records)]
     size_mb = sum(len(x) + 1 for x in lines) / 1e6
-    numbered = [(i + 1, tr.parse_record(x, i + 1)) for i, x in enumerate(lines)]
-    train, _ = tr.split_records(len(numbered), 0.1, 42)
+    numbered = [(i + 1, parse_record(x, i + 1)) for i, x in enumerate(lines)]
+    train, _ = split_records(len(numbered), 0.1, 42)
 
     t0 = time.perf_counter()
-    before = [tr.encode_conversation(tok, template, conv, 1024) for _, conv in numbered]
+    before = [encode_conversation(tok, template, conv, 1024) for _, conv in numbered]
     before_s = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    tokens = tr.Tokens(tok, template, numbered, 1024)
-    plan = tr.plan_grouped(train, 4, 1, 43, tokens.lengths, 5)
+    tokens = Tokens(tok, template, numbered, 1024)
+    plan = plan_grouped(train, 4, 1, 43, tokens.lengths, 5)
     after_s = time.perf_counter() - t0
     assert len(plan) == 5
 
     t0 = time.perf_counter()
-    whole = tr.encode_many(tok, template, numbered, 1024)
+    whole = encode_many(tok, template, numbered, 1024)
     whole_s = time.perf_counter() - t0
     assert whole == before, "batched tokens differ from record-by-record ones"
     # The same on one thread: what batching alone gives, without the tokenizer's pool.
-    tr._parallel_tokenizing = contextlib.nullcontext  # TOKENIZERS_PARALLELISM stays false
+    # (A bench's counterfactual: the pool's switch replaced for this process.)
+    rendering._parallel_tokenizing = contextlib.nullcontext  # TOKENIZERS_PARALLELISM stays false
     t0 = time.perf_counter()
-    tr.encode_many(tok, template, numbered, 1024)
+    encode_many(tok, template, numbered, 1024)
     one_thread_s = time.perf_counter() - t0
     return {
         "records": n_records,
@@ -99,7 +104,7 @@ def time_to_first_step(tr: Any, n_records: int) -> dict[str, Any]:
     }
 
 
-def long_tail_records(tr: Any, n: int, vocab: int, seed: int) -> list[Any]:
+def long_tail_records(n: int, vocab: int, seed: int) -> list[Any]:
     """Records of 16 to 512 tokens, most short; each an arithmetic run of token
     ids (learnable), the first quarter the prompt (no loss)."""
     rng = random.Random(seed)
@@ -109,18 +114,18 @@ def long_tail_records(tr: Any, n: int, vocab: int, seed: int) -> list[Any]:
         start, stride = rng.randrange(vocab), rng.randrange(1, 7)
         ids = [(start + k * stride) % vocab for k in range(length)]
         prompt = length // 4
-        out.append(tr.Encoded(ids, [-100] * prompt + ids[prompt:], False))
+        out.append(Encoded(ids, [-100] * prompt + ids[prompt:], False))
     return out
 
 
-def throughput(tr: Any, n_train: int, epochs: int) -> dict[str, Any]:
+def throughput(n_train: int, epochs: int) -> dict[str, Any]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = 420
-    records = long_tail_records(tr, n_train + 64, vocab, seed=1)
+    records = long_tail_records(n_train + 64, vocab, seed=1)
     train, held = records[:n_train], records[n_train:]
-    params = tr.Params(rank=8, alpha=16, dropout=0.0, learning_rate=2e-3, batch_size=8)
+    params = Params(rank=8, alpha=16, dropout=0.0, learning_rate=2e-3, batch_size=8)
     cpu = torch.device("cpu")
     config = LlamaConfig(
         vocab_size=vocab,
@@ -131,33 +136,30 @@ def throughput(tr: Any, n_train: int, epochs: int) -> dict[str, Any]:
         num_key_value_heads=2,
         max_position_embeddings=1024,
     )
-    tr._out = open("/dev/null", "w")  # noqa: SIM115 (the step lines)
     lengths = [len(e.input_ids) for e in train]
-    eval_batches = [tr.to_batch(held[i : i + 8], 0, cpu) for i in range(0, len(held), 8)]
+    eval_batches = [to_batch(held[i : i + 8], 0, cpu) for i in range(0, len(held), 8)]
 
     def plans(grouped: bool, epoch: int) -> list[list[list[int]]]:
         if grouped:
-            return tr.plan_grouped(
-                range(n_train), 8, 1, epoch, lambda ids: [lengths[i] for i in ids]
-            )
-        return tr.plan_steps(n_train, 8, 1, epoch)
+            return plan_grouped(range(n_train), 8, 1, epoch, lambda ids: [lengths[i] for i in ids])
+        return plan_steps(n_train, 8, 1, epoch)
 
     def run(grouped: bool) -> dict[str, Any]:
         torch.manual_seed(0)
         model = LlamaForCausalLM(config)
         steps = sum(len(plans(grouped, e)) for e in range(1, epochs + 1))
-        loop = tr.prepare_training(model, params, "fp32", cpu, steps)
-        progress = tr.Progress()
+        loop = prepare_training(model, params, "fp32", cpu, steps)
+        progress = Progress()
         for e in range(1, epochs + 1):
             it = (
-                (e, [tr.to_batch([train[i] for i in mb], 0, cpu) for mb in s])
+                (e, [to_batch([train[i] for i in mb], 0, cpu) for mb in s])
                 for s in plans(grouped, e)
             )
-            tr.train_steps(loop, it, steps, progress, lambda s: None)
+            train_steps(loop, it, steps, progress, lambda s: None)
         return {
             "real_tokens_per_s": round(progress.tokens / progress.train_s, 1),
             "padding_share": round(progress.padding / (progress.tokens + progress.padding), 3),
-            "eval_loss": round(tr.eval_loss(loop, eval_batches), 4),
+            "eval_loss": round(eval_loss(loop, eval_batches), 4),
             "train_s": round(progress.train_s, 1),
         }
 
@@ -186,13 +188,12 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    tr = load_trainer_module()
     out: dict[str, Any] = {}
     with tempfile.TemporaryDirectory():
         if not args.skip_tokenizing:
-            out["time_to_first_step"] = time_to_first_step(tr, args.records)
+            out["time_to_first_step"] = time_to_first_step(args.records)
             print(json.dumps(out["time_to_first_step"]), flush=True)
-        out["throughput"] = throughput(tr, args.train_records, args.epochs)
+        out["throughput"] = throughput(args.train_records, args.epochs)
     print(json.dumps(out, indent=2))
 
 

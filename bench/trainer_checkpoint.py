@@ -6,10 +6,10 @@ N steps against none, the same script, on the CPU.
 Both arms run in this process, on one Llama-shaped model of random weights
 (hidden 256, 4 layers: about 3.5M parameters) with a rank-16 LoRA on every
 linear layer (296k trainable parameters, a 3.6 MB checkpoint), batches of 8
-records of 16 to 128 tokens (the tiny tokenizer, the script's own encoding),
-through the script's own loop: `train_steps`, and after each step what
+records of 16 to 128 tokens (the tiny tokenizer, the trainer's own encoding),
+through the trainer's own loop: `train_steps`, and after each step what
 `train_epochs` does, the step line and, in the checkpointing arm, the
-script's `Checkpointer` (`take_snapshot` on the loop's thread, then
+trainer's `Checkpointer` (`take_snapshot` on the loop's thread, then
 `write_checkpoint` on the writer's: safetensors, torch.save, fsyncs,
 checkpoint.json, rename) into a temporary directory on this machine's disk.
 
@@ -44,9 +44,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.trainer.harness import load_trainer_module  # noqa: E402
-
 from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
+from lorafleet_trainer import checkpoints  # noqa: E402
+from lorafleet_trainer.batches import to_batch  # noqa: E402
+from lorafleet_trainer.checkpoints import Checkpointer  # noqa: E402
+from lorafleet_trainer.loop import Progress, prepare_training, train_steps  # noqa: E402
+from lorafleet_trainer.params import Params  # noqa: E402
+from lorafleet_trainer.protocol import Event, LineWriter  # noqa: E402
+from lorafleet_trainer.records import parse_record  # noqa: E402
+from lorafleet_trainer.rendering import chat_template_of, encode_conversation  # noqa: E402
 
 WORDS = " ".join(TOKENIZER_TEXT).replace("?", "").replace(".", "").split()
 
@@ -61,19 +67,19 @@ def records(n: int, seed: int = 0) -> list[dict[str, str]]:
     return [{"q": text(rng.randint(3, 20)), "a": text(rng.randint(4, 60))} for _ in range(n)]
 
 
-def build_loop(tr: Any, hidden: int, layers: int) -> tuple[Any, list[Any]]:
-    """The script's training loop on a fresh model, and 64 micro-batches of 8."""
+def build_loop(hidden: int, layers: int) -> tuple[Any, list[Any]]:
+    """The trainer's training loop on a fresh model, and 64 micro-batches of 8."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
     tok = build_tokenizer()
-    template = tr.chat_template_of(tok)
+    template = chat_template_of(tok)
     encoded = [
-        tr.encode_conversation(tok, template, tr.parse_record(json.dumps(r), 1), 128)
+        encode_conversation(tok, template, parse_record(json.dumps(r), 1), 128)
         for r in records(512)
     ]
     cpu = torch.device("cpu")
-    batches = [tr.to_batch(encoded[i : i + 8], tok.pad_token_id, cpu) for i in range(0, 512, 8)]
+    batches = [to_batch(encoded[i : i + 8], tok.pad_token_id, cpu) for i in range(0, 512, 8)]
     config = LlamaConfig(
         vocab_size=len(tok),
         hidden_size=hidden,
@@ -86,8 +92,8 @@ def build_loop(tr: Any, hidden: int, layers: int) -> tuple[Any, list[Any]]:
     )
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
-    params = tr.Params(rank=16, alpha=32, learning_rate=1e-3, batch_size=8, checkpoint_every_s=0)
-    return tr.prepare_training(model, params, "fp32", cpu, 10**9), batches
+    params = Params(rank=16, alpha=32, learning_rate=1e-3, batch_size=8, checkpoint_every_s=0)
+    return prepare_training(model, params, "fp32", cpu, 10**9), batches
 
 
 def main() -> None:
@@ -102,26 +108,25 @@ def main() -> None:
     import torch
 
     torch.set_num_threads(1)
-    tr = load_trainer_module()
     devnull = open("/dev/null", "w")  # noqa: SIM115 (the step and checkpoint lines)
-    tr._out = devnull
-    loop, batches = build_loop(tr, args.hidden, args.layers)
-    progress = tr.Progress()
+    lines = LineWriter(devnull)
+    loop, batches = build_loop(args.hidden, args.layers)
+    progress = Progress()
     timings: dict[str, list[float]] = {"take_snapshot": [], "write_checkpoint": []}
     for name, times in timings.items():
-        # The script's own functions, timed where the Checkpointer calls them.
-        def timed(*a: Any, _f: Any = getattr(tr, name), _t: list[float] = times) -> Any:
+        # The trainer's own functions, timed where the Checkpointer calls them.
+        def timed(*a: Any, _f: Any = getattr(checkpoints, name), _t: list[float] = times) -> Any:
             t0 = time.perf_counter()
             try:
                 return _f(*a)
             finally:
                 _t.append(time.perf_counter() - t0)
 
-        setattr(tr, name, timed)
+        setattr(checkpoints, name, timed)
     step_s: list[float] = []
     with tempfile.TemporaryDirectory() as tmp:
-        params = tr.Params(checkpoint_every_steps=args.every, checkpoint_every_s=0)
-        ckpt = tr.Checkpointer(Path(tmp), params, 10**9, {"job_id": "bench", "fingerprint": {}})
+        params = Params(checkpoint_every_steps=args.every, checkpoint_every_s=0)
+        ckpt = Checkpointer(Path(tmp), params, 10**9, {"job_id": "bench", "fingerprint": {}}, lines)
 
         def block(checkpoints: bool) -> float:
             """One arm's block of steps; answers its real tokens/s."""
@@ -129,13 +134,13 @@ def main() -> None:
             plan = ((1, [batches[(start + i) % len(batches)]]) for i in range(args.block))
 
             def on_step(s: dict[str, Any]) -> None:
-                tr.emit("step", **s)
+                lines.emit(Event.STEP, **s)
                 if checkpoints:
                     ckpt.after_step(loop, progress, 1, progress.step)
 
             tokens = progress.tokens
             t0 = time.perf_counter()
-            tr.train_steps(loop, plan, 10**9, progress, on_step)
+            train_steps(loop, plan, 10**9, progress, on_step)
             if checkpoints:
                 ckpt.close()
             else:

@@ -7,7 +7,7 @@ A real architecture with random weights, from its published config (no
 download): Qwen2.5-0.5B's shapes (24 layers, hidden 896, intermediate 4864,
 14 heads, 2 key/value heads, vocabulary 151,936, tied embeddings), the tests'
 byte-level tokenizer (its ids fit the vocabulary). Three configurations of
-the trainer script (`python script.py job.json`, in a fresh process each):
+the trainer (`python -m lorafleet_trainer job.json`, in a fresh process each):
 
 - batch 4 x 512 tokens;
 - batch 8 x 1024 tokens;
@@ -130,7 +130,7 @@ class NvmlPeak:
 
 
 def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> dict[str, Any]:
-    from tests.trainer.harness import TRAINER_PATH
+    from tests.trainer.harness import TRAINER_ARGV
 
     sha = build_data(work / "data.jsonl", 4 * params["batch_size"], params["max_seq_len"])
     spec = {
@@ -147,7 +147,7 @@ def run_trainer(work: Path, params: dict[str, Any], device: str, **job: Any) -> 
     (work / "job.json").write_text(json.dumps(spec))
     sampler = NvmlPeak() if device == "cuda" else None
     proc = subprocess.Popen(
-        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        [*TRAINER_ARGV, str(work / "job.json")],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -17,9 +17,9 @@ directory:
 
 Then, each in a fresh process (so that peak memory is its own):
 
-- lorafleet: the trainer script itself, `python script.py job.json` (lorafleet_services/trainer);
+- lorafleet: the trainer itself, `python -m lorafleet_trainer job.json` (trainer/lorafleet_trainer);
 - hf_trainer: transformers.Trainer on a peft model, the same tokens and
-  labels (encoded by the trainer script's own functions), the same LoRA
+  labels (encoded by the trainer's own functions), the same LoRA
   (rank 16, alpha 32, dropout 0.05, all-linear), AdamW (torch), constant
   learning rate 2e-4, no gradient clipping (the trainer does none), the same
   dtype (bf16 on cards that have it, else fp16; fp32 on the CPU) and the
@@ -139,7 +139,7 @@ def build_data(path: Path, n: int, seq_len: int) -> str:
 
 
 def run_lorafleet(work: Path, args: argparse.Namespace, sha: str) -> dict[str, Any]:
-    from tests.trainer.harness import TRAINER_PATH
+    from tests.trainer.harness import TRAINER_ARGV
 
     job = {
         "job_id": "bench",
@@ -160,7 +160,7 @@ def run_lorafleet(work: Path, args: argparse.Namespace, sha: str) -> dict[str, A
     (work / "job.json").write_text(json.dumps(job))
     t0 = time.perf_counter()
     p = subprocess.run(
-        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        [*TRAINER_ARGV, str(work / "job.json")],
         capture_output=True,
         text=True,
         check=False,
@@ -193,7 +193,6 @@ def run_baseline(work: Path) -> None:
     """The Hugging Face Trainer + PEFT run (in its own process); prints its JSON result."""
     import torch
     from peft import LoraConfig, get_peft_model
-    from tests.trainer.harness import load_trainer_module
     from transformers import (
         AutoModelForCausalLM,
         AutoTokenizer,
@@ -202,20 +201,25 @@ def run_baseline(work: Path) -> None:
         TrainingArguments,
     )
 
+    from lorafleet_trainer.base_model import _load_kwargs
+    from lorafleet_trainer.batches import collate
+    from lorafleet_trainer.loop import resolve_dtype, torch_dtype
+    from lorafleet_trainer.rendering import Encoded, chat_template_of, encode_conversation
+    from lorafleet_trainer.run import load_records
+
     cfg = json.loads((work / "baseline.json").read_text())
-    tr = load_trainer_module()
     cuda = cfg["device"] == "cuda"
-    dtype = tr.resolve_dtype("auto", cfg["device"])
+    dtype = resolve_dtype("auto", cfg["device"])
     base = str(work / "base")
     tok = AutoTokenizer.from_pretrained(base)
-    template = tr.chat_template_of(tok)
-    records = tr.load_records(work / "data.jsonl", cfg["sha256"])
-    encoded = [tr.encode_conversation(tok, template, c, cfg["seq_len"]) for c in records]
+    template = chat_template_of(tok)
+    records = [c for _, c in load_records(work / "data.jsonl", cfg["sha256"])]
+    encoded = [encode_conversation(tok, template, c, cfg["seq_len"]) for c in records]
     rows = [{"input_ids": e.input_ids, "labels": e.labels} for e in encoded]
 
-    def collate(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
-        ids, mask, labels = tr.collate(
-            [tr.Encoded(b["input_ids"], b["labels"], False) for b in batch], tok.pad_token_id
+    def to_tensors(batch: list[dict[str, list[int]]]) -> dict[str, Any]:
+        ids, mask, labels = collate(
+            [Encoded(b["input_ids"], b["labels"], False) for b in batch], tok.pad_token_id
         )
         return {
             "input_ids": torch.tensor(ids),
@@ -226,7 +230,7 @@ def run_baseline(work: Path) -> None:
     model = AutoModelForCausalLM.from_pretrained(
         base,
         use_safetensors=True,
-        **tr._load_kwargs(tr.torch_dtype(dtype)),  # dtype= or torch_dtype=, by version
+        **_load_kwargs(torch_dtype(dtype)),  # dtype= or torch_dtype=, by version
         **({"device_map": {"": "cuda:0"}} if cuda else {}),
     )
     model.config.use_cache = False
@@ -281,7 +285,7 @@ def run_baseline(work: Path) -> None:
         seed=0,
     )
     trainer = Trainer(
-        model=model, args=targs, train_dataset=rows, data_collator=collate, callbacks=[Clock()]
+        model=model, args=targs, train_dataset=rows, data_collator=to_tensors, callbacks=[Clock()]
     )
     if cuda:
         torch.cuda.reset_peak_memory_stats()

@@ -6,7 +6,7 @@ Both run in this process on the same tiny Llama (services/lorafleet_services/tin
 with the same peft LoRA, the same AdamW, and the same micro-batches, built
 once beforehand:
 
-- trainer: the script's own `prepare_training` + `train_steps` (autocast
+- trainer: the trainer's own `prepare_training` + `train_steps` (autocast
   context, scheduler, loss .item(), timing, peak RSS, one JSON step line per
   step written to /dev/null);
 - bare: forward, backward, optimizer step, zero_grad; nothing else.
@@ -34,9 +34,15 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from tests.trainer.harness import load_trainer_module, qa_records  # noqa: E402
+from tests.trainer.harness import qa_records  # noqa: E402
 
 from lorafleet_services.tiny import build_tiny_model  # noqa: E402
+from lorafleet_trainer.batches import plan_steps, to_batch  # noqa: E402
+from lorafleet_trainer.loop import Progress, peak_mib, prepare_training, train_steps  # noqa: E402
+from lorafleet_trainer.params import Params  # noqa: E402
+from lorafleet_trainer.protocol import Event, LineWriter  # noqa: E402
+from lorafleet_trainer.records import parse_record  # noqa: E402
+from lorafleet_trainer.rendering import chat_template_of, encode_conversation  # noqa: E402
 
 LORA = {"rank": 8, "alpha": 16, "dropout": 0.0, "learning_rate": 1e-3, "batch_size": 4}
 
@@ -53,23 +59,22 @@ def main() -> None:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     torch.set_num_threads(1)
-    tr = load_trainer_module()
     with tempfile.TemporaryDirectory() as tmp:
         base = build_tiny_model("llama", Path(tmp) / "llama")
         tok = AutoTokenizer.from_pretrained(base)
-        template = tr.chat_template_of(tok)
+        template = chat_template_of(tok)
         records = [
-            tr.encode_conversation(tok, template, tr.parse_record(json.dumps(r), 1), 128)
+            encode_conversation(tok, template, parse_record(json.dumps(r), 1), 128)
             for r in qa_records(4)
         ]
-        params = tr.Params(**LORA, gradient_accumulation=args.accumulation)
+        params = Params(**LORA, gradient_accumulation=args.accumulation)
         cpu = torch.device("cpu")
         plan: list[list[Any]] = []
         epoch = 0
         while len(plan) < args.steps:
             epoch += 1
-            for step in tr.plan_steps(len(records), params.batch_size, args.accumulation, epoch):
-                plan.append([tr.to_batch([records[i] for i in mb], 0, cpu) for mb in step])
+            for step in plan_steps(len(records), params.batch_size, args.accumulation, epoch):
+                plan.append([to_batch([records[i] for i in mb], 0, cpu) for mb in step])
         plan = plan[: args.steps]
 
         def fresh_model() -> Any:
@@ -78,18 +83,18 @@ def main() -> None:
 
         # The trainer's loop, its JSON lines going to /dev/null.
         devnull = open("/dev/null", "w")  # noqa: SIM115
-        tr._out = devnull
-        trainer_loop = tr.prepare_training(fresh_model(), params, "fp32", cpu, 10**9)
+        lines = LineWriter(devnull)
+        trainer_loop = prepare_training(fresh_model(), params, "fp32", cpu, 10**9)
 
         def run_trainer() -> float:
-            progress = tr.Progress()
+            progress = Progress()
             t0 = time.perf_counter()
-            tr.train_steps(
+            train_steps(
                 trainer_loop,
                 ((1, micro) for micro in plan),
                 len(plan),
                 progress,
-                lambda s: tr.emit("step", **s),
+                lambda s: lines.emit(Event.STEP, **s),
             )
             return (time.perf_counter() - t0) / len(plan)
 
@@ -139,15 +144,15 @@ def main() -> None:
         n = 20_000
         t0 = time.perf_counter()
         for i in range(n):
-            tr.emit(
-                "step",
+            lines.emit(
+                Event.STEP,
                 step=i,
                 steps=n,
                 loss=1.2345678,
                 learning_rate=2e-4,
                 tokens_per_s=1234.5,
                 eta_s=12.3,
-                peak_mib=tr.peak_mib(cpu),
+                peak_mib=peak_mib(cpu),
                 epoch=1,
             )
             time.perf_counter()

@@ -95,7 +95,7 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
 
 
 def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dict[str, Any]:
-    from tests.trainer.harness import TRAINER_PATH
+    from tests.trainer.harness import TRAINER_ARGV
 
     data = "".join(json.dumps(r) + "\n" for r in records)
     (work / "data.jsonl").write_text(data)
@@ -119,7 +119,7 @@ def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dic
     }
     (work / "job.json").write_text(json.dumps(job))
     p = subprocess.run(
-        [sys.executable, str(TRAINER_PATH), str(work / "job.json")],
+        [*TRAINER_ARGV, str(work / "job.json")],
         capture_output=True,
         text=True,
         env=_env(),
@@ -149,14 +149,14 @@ def run_trl(work: Path, epochs: int) -> None:
     import torch
     from datasets import Dataset
     from peft import LoraConfig
-    from tests.trainer.harness import load_trainer_module
     from transformers import AutoModelForCausalLM, AutoTokenizer
     from trl import SFTConfig, SFTTrainer
 
+    from lorafleet_trainer.batches import split_records
+
     torch.set_num_threads(1)
-    tr = load_trainer_module()
     records = [json.loads(x) for x in (work / "data.jsonl").read_text().splitlines()]
-    train_idx, held_idx = tr.split_records(len(records), 0.1, SEED)
+    train_idx, held_idx = split_records(len(records), 0.1, SEED)
 
     def rows(idx: list[int]) -> Dataset:
         return Dataset.from_list(

@@ -1,6 +1,7 @@
 """A trainer for the agent's checkpoint and resume tests: a real process that
-speaks the trainer protocol (TrainerLine), standard library only, run by the
-agent as `LORAFLEET_AGENT_TRAINER=<this file>`.
+speaks the trainer protocol (TrainerLine), the standard library and the
+trainer's layout (lorafleet_trainer.layout, beside it in the job directory)
+only, run by the agent as `LORAFLEET_AGENT_TRAINER=<this file>`.
 
     python checkpointing_trainer.py job.json
 
@@ -31,6 +32,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorafleet_trainer.layout import CHECKPOINT_GLOB, TMP_PREFIX, checkpoint_name
+
 
 def emit(event: str, **fields: Any) -> None:
     sys.stdout.write(json.dumps({"event": event, **fields}) + "\n")
@@ -51,14 +54,14 @@ def resume_note(job: dict[str, Any]) -> str:
 
 
 def checkpoint(root: Path, step: int, size: int) -> None:
-    tmp = root / f".tmp-step-{step}"
+    tmp = root / (TMP_PREFIX + checkpoint_name(step))
     tmp.mkdir()
     (tmp / "state.bin").write_bytes(os.urandom(size))
     (tmp / "trainer_state.json").write_text(json.dumps({"step": step}))
-    final = root / f"step-{step:08d}"
+    final = root / checkpoint_name(step)
     tmp.rename(final)
     emit("checkpoint", step=step, path=str(final), epoch=1)
-    dirs = sum(1 for p in root.iterdir() if p.name.startswith("step-"))
+    dirs = sum(1 for _ in root.glob(CHECKPOINT_GLOB))
     emit("log", message=f"dirs={dirs}")
 
 

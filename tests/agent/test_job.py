@@ -27,7 +27,7 @@ from lorafleet_schemas.messages import (
     StatusReport,
 )
 from lorafleet_services.agent.cards import read_cards
-from lorafleet_services.trainer.standin import adapter_files, gguf_bytes
+from lorafleet_trainer.standin import adapter_files, gguf_bytes
 from tests.agent.conftest import Bus, Reports, finished, start_request
 from tests.eventually import eventually
 

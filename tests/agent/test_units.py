@@ -19,7 +19,7 @@ from lorafleet_services.agent.heartbeat import BUCKET_OUTAGE_PATIENCE_S, fence_r
 from lorafleet_services.agent.job import trainer_failure
 from lorafleet_services.agent.leftovers import remove_job_dirs
 from lorafleet_services.agent.process import ProcessResult
-from lorafleet_services.trainer.standin import adapter_files
+from lorafleet_trainer.standin import adapter_files
 
 
 def _engine(root: Path, *parts: str) -> None:

@@ -11,6 +11,7 @@ from pathlib import Path
 import msgspec
 import pytest
 
+import lorafleet_trainer
 from lorafleet_schemas.messages import TrainerError, TrainerLine, TrainerLog
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
@@ -18,7 +19,7 @@ from lorafleet_services.agent.environment import EngineEnvironment, prepare
 from lorafleet_services.agent.process import run_process
 from lorafleet_services.tiny import build_tiny_model
 from tests.environment.conftest import make_engines
-from tests.trainer.harness import TRAINER_PATH, ndjson, qa_records, write_job
+from tests.trainer.harness import ndjson, qa_records, write_job
 
 CPU = CardChoice(index=None, name="cpu", free_mib=0)
 
@@ -35,7 +36,8 @@ class Run:
 
 
 async def run_as_user(env: EngineEnvironment, base: Path, job_dir: Path) -> Run:
-    """The trainer script on `base`, in `job_dir`, as the environment's user."""
+    """The trainer on `base`, copied into `job_dir` as the agent copies it, run
+    there as the environment's user."""
     shutil.rmtree(job_dir, ignore_errors=True)
     job_json = write_job(
         job_dir,
@@ -43,7 +45,8 @@ async def run_as_user(env: EngineEnvironment, base: Path, job_dir: Path) -> Run:
         data=ndjson(qa_records()),
         params={"max_steps": 2, "batch_size": 4, "max_seq_len": 64, "rank": 4, "alpha": 8},
     )
-    shutil.copy(TRAINER_PATH, job_dir / "trainer.py")
+    package = Path(lorafleet_trainer.__file__).parent
+    shutil.copytree(package, job_dir / package.name, ignore=shutil.ignore_patterns("__pycache__"))
     env.give(job_dir)
     lines: list[TrainerLine] = []
 
@@ -51,7 +54,7 @@ async def run_as_user(env: EngineEnvironment, base: Path, job_dir: Path) -> Run:
         lines.append(msgspec.json.decode(raw, type=TrainerLine))
 
     res = await run_process(
-        [env.python, str(job_dir / "trainer.py"), str(job_json)],
+        [env.python, "-m", "lorafleet_trainer", str(job_json)],
         env=env.process_env(CPU),
         cwd=job_dir,
         user=env.user,

@@ -14,7 +14,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
-from tests.trainer.harness import load_trainer_module
+from lorafleet_trainer.loop import prepare_training
 
 
 def _bytes(tensors: Any) -> int:
@@ -39,13 +39,12 @@ def peak_allocated(fn: Any) -> int:
 def measure_step(model: Any, params: Any, rows: list[list[int]]) -> dict[str, int]:
     import torch
 
-    tr = load_trainer_module()
     cpu = torch.device("cpu")
     base = _bytes(model.parameters())
     with warnings.catch_warnings():
         # peft 0.21 still calls transformers' deprecated is_gradient_checkpointing.
         warnings.simplefilter("ignore", FutureWarning)
-        loop = tr.prepare_training(model, params, "fp32", cpu, 10)
+        loop = prepare_training(model, params, "fp32", cpu, 10)
     trainable = [p for p in loop.model.parameters() if p.requires_grad]
     ids = torch.tensor(rows)
     labels = ids.clone()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
@@ -12,7 +11,6 @@ import pytest
 from lorafleet_services.tiny import build_tiny_model
 from tests.trainer.harness import (
     TrainerRun,
-    load_trainer_module,
     ndjson,
     qa_records,
     run_trainer,
@@ -70,8 +68,3 @@ def trained(
         return runs[arch]
 
     return get
-
-
-@pytest.fixture(scope="session")
-def trainer_module() -> ModuleType:
-    return load_trainer_module()

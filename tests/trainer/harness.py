@@ -1,25 +1,22 @@
-"""Running the real trainer script as a subprocess, for tests and benchmarks.
+"""Running the real trainer as a subprocess, for tests and benchmarks.
 
 `write_job(...)` writes data.jsonl and job.json into a directory;
-`run_trainer(job_path)` runs `sys.executable script.py job.json` and
+`run_trainer(job_path)` runs `python -m lorafleet_trainer job.json` and
 answers its exit status, its stdout lines (raw and parsed) and its stderr.
-`load_trainer_module()` imports the script from its path without running it.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import hashlib
-import importlib.util
 import json
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
-# By path, not by import: the trainer is a file the agent copies, not a module.
-TRAINER_PATH = Path(__file__).resolve().parents[2] / "services/lorafleet_services/trainer/script.py"
+#: The trainer's command line, less the job file.
+TRAINER_ARGV = [sys.executable, "-m", "lorafleet_trainer"]
 
 #: Short, repetitive Q/A pairs (their words are in the tiny tokenizer's text).
 QA = [
@@ -97,7 +94,7 @@ def run_trainer(
     `env` adds to its environment."""
     env = {**_env(), **(env or {})}
     p = subprocess.run(
-        [sys.executable, str(TRAINER_PATH), str(job_path)],
+        [*TRAINER_ARGV, str(job_path)],
         capture_output=True,
         text=True,
         timeout=timeout_s,
@@ -113,7 +110,7 @@ def start_trainer(job_path: Path) -> subprocess.Popen[str]:
     """The trainer on `job_path`, its stdout a pipe of JSON lines to read as it
     runs (a test that stops it midway); stderr discarded."""
     return subprocess.Popen(
-        [sys.executable, str(TRAINER_PATH), str(job_path)],
+        [*TRAINER_ARGV, str(job_path)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -149,14 +146,3 @@ def fake_hf_cache(hf_home: Path, repo: str, model_dir: Path, revision: str = "ma
     (repo_dir / "refs").mkdir(parents=True, exist_ok=True)
     (repo_dir / "refs" / revision).write_text(commit)
     return snapshot
-
-
-def load_trainer_module() -> ModuleType:
-    """The trainer script as a module (importing it runs nothing)."""
-    spec = importlib.util.spec_from_file_location("lorafleet_trainer_script", TRAINER_PATH)
-    assert spec is not None and spec.loader is not None
-    mod = importlib.util.module_from_spec(spec)
-    # dataclasses look their module up in sys.modules while the class is made.
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod

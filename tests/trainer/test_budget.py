@@ -5,11 +5,13 @@ process's NVML reading, the job file's fields, and the out-of-memory report.
 from __future__ import annotations
 
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from lorafleet_trainer.budget import failure_message, memory_fraction, process_card_mib
+from lorafleet_trainer.jobfile import JobFile
+from lorafleet_trainer.protocol import BadInputError
 from tests.trainer.harness import write_job
 
 MIB = 1 << 20
@@ -19,12 +21,12 @@ TORCH_OOM = (
 )
 
 
-def test_the_allocator_gets_the_budget_less_the_context(trainer_module: ModuleType) -> None:
-    fraction = trainer_module.memory_fraction
+def test_the_allocator_gets_the_budget_less_the_context() -> None:
+    fraction = memory_fraction
     card = 80 * 1024 * MIB
     assert fraction(8000, 512, card) == pytest.approx((8000 - 512) / (80 * 1024))
     assert fraction(10**7, 512, card) == 1.0  # never above the whole card
-    with pytest.raises(trainer_module.BadInputError) as e:
+    with pytest.raises(BadInputError) as e:
         fraction(500, 512, card)
     assert str(e.value) == (
         "gpu_memory_mib 500 leaves nothing for the training: the CUDA context alone takes "
@@ -33,7 +35,7 @@ def test_the_allocator_gets_the_budget_less_the_context(trainer_module: ModuleTy
 
 
 def test_the_process_card_memory_is_read_from_nvml_for_this_pid(
-    trainer_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     import torch
 
@@ -42,44 +44,43 @@ def test_the_process_card_memory_is_read_from_nvml_for_this_pid(
         "process         77 uses    30000.000 MB GPU memory"
     )
     monkeypatch.setattr(torch.cuda, "list_gpu_processes", lambda device=None: listing)
-    assert trainer_module.process_card_mib(0, 4242) == 612
-    assert trainer_module.process_card_mib(0, 42) is None  # not this process's line
+    assert process_card_mib(0, 4242) == 612
+    assert process_card_mib(0, 42) is None  # not this process's line
 
     def no_nvml(device: Any = None) -> str:
         raise RuntimeError("no NVML")
 
     monkeypatch.setattr(torch.cuda, "list_gpu_processes", no_nvml)
-    assert trainer_module.process_card_mib(0, 4242) is None
+    assert process_card_mib(0, 4242) is None
 
 
 def test_running_out_of_the_budget_says_what_it_asked_for_and_what_to_change(
-    trainer_module: ModuleType, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
 ) -> None:
     import torch
 
-    monkeypatch.setattr(trainer_module, "_BUDGET", (8000, 7100))
-    message = trainer_module.failure_message(torch.OutOfMemoryError(TORCH_OOM))
+    capped = write_job(tmp_path, tmp_path, data="", gpu_memory_mib=8000, estimate_mib=7100)
+    message = failure_message(torch.OutOfMemoryError(TORCH_OOM), JobFile.read(capped))
     assert message == (
         "the trainer ran out of its budget of 8000 MiB (the job's gpu_memory_mib), asking for "
         "2.00 GiB more; the memory estimate was 7100 MiB; lower batch_size or max_seq_len "
         "(raising gradient_accumulation keeps the batch), turn on gradient_checkpointing, or "
         "give the job more gpu_memory_mib"
     )
-    monkeypatch.setattr(trainer_module, "_BUDGET", (None, None))
-    uncapped = trainer_module.failure_message(torch.OutOfMemoryError(TORCH_OOM))
+    uncapped = failure_message(
+        torch.OutOfMemoryError(TORCH_OOM), JobFile.read(write_job(tmp_path, tmp_path, data=""))
+    )
     assert uncapped.startswith("the card ran out of memory, asking for 2.00 GiB more; lower")
-    assert trainer_module.failure_message(ValueError("x")) == "ValueError: x"
+    assert failure_message(ValueError("x"), None) == "ValueError: x"
 
 
 @pytest.mark.parametrize("bad", [0, -5, "8000", True, 1.5])
-def test_the_job_files_memory_fields_are_checked(
-    trainer_module: ModuleType, tmp_path: Path, bad: Any
-) -> None:
+def test_the_job_files_memory_fields_are_checked(tmp_path: Path, bad: Any) -> None:
     import json
 
     path = write_job(tmp_path, tmp_path, data="", gpu_memory_mib=bad)
-    with pytest.raises(trainer_module.BadInputError, match="the job's gpu_memory_mib is"):
-        trainer_module.parse_job(json.loads(path.read_text()))
+    with pytest.raises(BadInputError, match="the job's gpu_memory_mib is"):
+        JobFile.parse(json.loads(path.read_text()))
     good = write_job(tmp_path, tmp_path, data="", gpu_memory_mib=8000, estimate_mib=7100)
-    job = trainer_module.parse_job(json.loads(good.read_text()))
+    job = JobFile.parse(json.loads(good.read_text()))
     assert (job.gpu_memory_mib, job.estimate_mib) == (8000, 7100)

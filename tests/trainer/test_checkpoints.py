@@ -4,17 +4,39 @@ the uninterrupted run does, and what a resume refuses."""
 
 from __future__ import annotations
 
+import io
 import json
 import os
 import shutil
 import signal
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from lorafleet_trainer.checkpoints import (
+    CheckpointWriter,
+    Snapshot,
+    checkpoint_due,
+    write_checkpoint,
+)
+from lorafleet_trainer.jobfile import JobFile, Resume
+from lorafleet_trainer.loop import prepare_training
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import (
+    BadInputError,
+    EnvironmentFailureError,
+    LineWriter,
+    is_environment_failure,
+)
+from lorafleet_trainer.resume import (
+    load_adapter_weights,
+    locate_checkpoint,
+    read_checkpoint_meta,
+    resume_source,
+)
+from lorafleet_trainer.run import run
 from tests.trainer.harness import (
     TrainerRun,
     ndjson,
@@ -244,7 +266,6 @@ def test_weights_mode_starts_from_another_runs_adapter(
 
 def test_a_resume_by_epochs_with_accumulation_ends_the_same(
     tiny_model: Callable[[str], Path],
-    trainer_module: ModuleType,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -254,29 +275,27 @@ def test_a_resume_by_epochs_with_accumulation_ends_the_same(
     import io
     import warnings
 
-    tr = trainer_module
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     # 14 records, micro-batches of 3 (5 an epoch), 2 a step: 3 steps an epoch, 9 in all.
     params = {"max_steps": 0, "epochs": 3, "batch_size": 3, "gradient_accumulation": 2}
     params["checkpoint_every_steps"] = 2
 
-    def run(name: str, **overrides: Any) -> TrainerRun:
+    def train(name: str, **overrides: Any) -> TrainerRun:
         out = io.StringIO()
-        monkeypatch.setattr(tr, "_out", out)
         job = _job(tmp_path / name, tiny_model("llama"), params=params, **overrides)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
-            assert tr.run(job) == 0
+            assert run(JobFile.read(job), LineWriter(out)) == 0
         return TrainerRun(0, [], [json.loads(x) for x in out.getvalue().splitlines()], "")
 
-    whole = run("whole")
+    whole = train("whole")
     assert [s["epoch"] for s in whole.events("step")] == [1, 1, 1, 2, 2, 2, 3, 3, 3]
     ckpt = tmp_path / "whole" / "checkpoints" / "step-00000004"
     assert json.loads((ckpt / "checkpoint.json").read_text())["position"] == {
         "epoch": 2,
         "index": 1,
     }
-    resumed = run("resumed", resume={"dir": str(ckpt), "mode": "continue"})
+    resumed = train("resumed", resume={"dir": str(ckpt), "mode": "continue"})
     assert _losses(resumed) == _losses(whole, after=4)
     assert _evals(resumed) == _evals(whole, after=5)
     assert (
@@ -287,16 +306,15 @@ def test_a_resume_by_epochs_with_accumulation_ends_the_same(
     )
 
 
-def _refused(tr: ModuleType, job: Path, monkeypatch: pytest.MonkeyPatch) -> str:
+def _refused(job: Path, monkeypatch: pytest.MonkeyPatch) -> str:
     """The trainer's run (in this process, to spare the imports) refuses `job`
     as bad input before any weight loads; answers the message."""
     import io
 
     monkeypatch.setenv("HF_HUB_OFFLINE", "1")
     out = io.StringIO()
-    monkeypatch.setattr(tr, "_out", out)
-    with pytest.raises(tr.BadInputError) as e:
-        tr.run(job)
+    with pytest.raises(BadInputError) as e:
+        run(JobFile.read(job), LineWriter(out))
     states = [json.loads(x).get("state") for x in out.getvalue().splitlines()]
     assert "running" not in states
     return str(e.value)
@@ -305,7 +323,6 @@ def _refused(tr: ModuleType, job: Path, monkeypatch: pytest.MonkeyPatch) -> str:
 def test_a_resume_of_another_jobs_settings_is_refused_naming_what_differs(
     uninterrupted: tuple[TrainerRun, Path],
     tiny_model: Callable[[str], Path],
-    trainer_module: ModuleType,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -317,7 +334,7 @@ def test_a_resume_of_another_jobs_settings_is_refused_naming_what_differs(
         params={"seed": 8, "max_steps": 30},
         resume={"dir": str(ckpt), "mode": "continue"},
     )
-    message = _refused(trainer_module, job, monkeypatch)
+    message = _refused(job, monkeypatch)
     assert message.startswith(f"the checkpoint {ckpt} was written for other data or parameters: ")
     assert "seed 7 there, 8 here" in message and "total_steps 24 there, 30 here" in message
     assert "rank" not in message
@@ -327,7 +344,6 @@ def test_a_resume_of_another_jobs_settings_is_refused_naming_what_differs(
 def test_a_half_written_checkpoint_is_refused(
     uninterrupted: tuple[TrainerRun, Path],
     tiny_model: Callable[[str], Path],
-    trainer_module: ModuleType,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -336,7 +352,7 @@ def test_a_half_written_checkpoint_is_refused(
     tmp = tmp_path / ".tmp-step-00000008"
     shutil.copytree(job_dir / "checkpoints" / "step-00000008", tmp)
     job = _job(tmp_path / "j", tiny_model("llama"), resume={"dir": str(tmp), "mode": "continue"})
-    assert _refused(trainer_module, job, monkeypatch) == (
+    assert _refused(job, monkeypatch) == (
         f"{tmp} is a checkpoint that was still being written (.tmp-* directories are "
         "incomplete); resume from a step-* directory"
     )
@@ -366,31 +382,30 @@ def _copy(src: Path, dst: Path) -> Path:
 
 
 def test_what_is_not_a_complete_checkpoint_is_refused_with_what_is_wrong(
-    uninterrupted: tuple[TrainerRun, Path], trainer_module: ModuleType, tmp_path: Path
+    uninterrupted: tuple[TrainerRun, Path], tmp_path: Path
 ) -> None:
-    tr = trainer_module
     _, job_dir = uninterrupted
     good = job_dir / "checkpoints" / "step-00000004"
-    assert tr.read_checkpoint_meta(good)["step"] == 4
+    assert read_checkpoint_meta(good)["step"] == 4
 
     no_meta = _copy(good, tmp_path / "a" / "step-00000004")
     (no_meta / "checkpoint.json").unlink()
-    with pytest.raises(tr.BadInputError, match=r"has no checkpoint.json: it is not a complete"):
-        tr.read_checkpoint_meta(no_meta)
+    with pytest.raises(BadInputError, match=r"has no checkpoint.json: it is not a complete"):
+        read_checkpoint_meta(no_meta)
     other_format = _copy(good, tmp_path / "b" / "step-00000004")
     meta = json.loads((other_format / "checkpoint.json").read_text())
     (other_format / "checkpoint.json").write_text(json.dumps({**meta, "format": 2}))
-    with pytest.raises(tr.BadInputError, match=r"has format 2; this trainer reads format 1"):
-        tr.read_checkpoint_meta(other_format)
+    with pytest.raises(BadInputError, match=r"has format 2; this trainer reads format 1"):
+        read_checkpoint_meta(other_format)
     cut = _copy(good, tmp_path / "c" / "step-00000004")
     state = cut / "trainer_state.pt"
     state.write_bytes(state.read_bytes()[:100])
-    with pytest.raises(tr.BadInputError, match=r"trainer_state.pt is missing or not the \d+ bytes"):
-        tr.read_checkpoint_meta(cut)
+    with pytest.raises(BadInputError, match=r"trainer_state.pt is missing or not the \d+ bytes"):
+        read_checkpoint_meta(cut)
     torn = _copy(good, tmp_path / "d" / "step-00000004")
     (torn / "checkpoint.json").write_text('{"format": 1, "st')
-    with pytest.raises(tr.BadInputError, match=r"checkpoint.json is not JSON"):
-        tr.read_checkpoint_meta(torn)
+    with pytest.raises(BadInputError, match=r"checkpoint.json is not JSON"):
+        read_checkpoint_meta(torn)
 
     # A directory of checkpoints: its newest complete one; .tmp-* and
     # directories without checkpoint.json are passed over.
@@ -398,25 +413,24 @@ def test_what_is_not_a_complete_checkpoint_is_refused_with_what_is_wrong(
     _copy(good, parent / "step-00000004")
     _copy(no_meta, parent / "step-00000008")
     _copy(good, parent / ".tmp-step-00000012")
-    assert tr.locate_checkpoint(parent) == parent / "step-00000004"
+    assert locate_checkpoint(parent) == parent / "step-00000004"
     # "weights" takes a checkpoint (the newest of a directory of them) or a
     # peft adapter directory, never a .tmp-* one that looks like an adapter.
-    weights = tr.Resume(dir=parent, mode="weights")
-    assert tr.resume_source(weights)[0] == parent / "step-00000004"
+    weights = Resume(dir=parent, mode="weights")
+    assert resume_source(weights)[0] == parent / "step-00000004"
     adapter = job_dir / "out" / "adapter"
-    assert tr.resume_source(tr.Resume(dir=adapter, mode="weights")) == (adapter, None)
-    with pytest.raises(tr.BadInputError, match="still being written"):
-        tr.resume_source(tr.Resume(dir=parent / ".tmp-step-00000012", mode="weights"))
-    with pytest.raises(tr.BadInputError, match=r"has no checkpoint\.json"):
-        tr.resume_source(tr.Resume(dir=adapter, mode="continue"))
+    assert resume_source(Resume(dir=adapter, mode="weights")) == (adapter, None)
+    with pytest.raises(BadInputError, match="still being written"):
+        resume_source(Resume(dir=parent / ".tmp-step-00000012", mode="weights"))
+    with pytest.raises(BadInputError, match=r"has no checkpoint\.json"):
+        resume_source(Resume(dir=adapter, mode="continue"))
     (parent / "step-00000004" / "checkpoint.json").unlink()
-    with pytest.raises(tr.BadInputError, match=r"has no checkpoint\.json"):
-        tr.read_checkpoint_meta(tr.locate_checkpoint(parent))
+    with pytest.raises(BadInputError, match=r"has no checkpoint\.json"):
+        read_checkpoint_meta(locate_checkpoint(parent))
 
 
 def test_an_adapter_of_another_rank_does_not_load(
     uninterrupted: tuple[TrainerRun, Path],
-    trainer_module: ModuleType,
     tiny_model: Callable[[str], Path],
 ) -> None:
     import warnings
@@ -424,60 +438,52 @@ def test_an_adapter_of_another_rank_does_not_load(
     import torch
     from transformers import AutoModelForCausalLM
 
-    tr = trainer_module
     _, job_dir = uninterrupted
     model = AutoModelForCausalLM.from_pretrained(str(tiny_model("llama")), dtype=torch.float32)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
-        loop = tr.prepare_training(model, tr.Params(rank=4), "fp32", torch.device("cpu"), 10)
-    with pytest.raises(tr.BadInputError) as e:
-        tr.load_adapter_weights(loop.model, job_dir / "out" / "adapter", loop.device)
+        loop = prepare_training(model, Params(rank=4), "fp32", torch.device("cpu"), 10)
+    with pytest.raises(BadInputError) as e:
+        load_adapter_weights(loop.model, job_dir / "out" / "adapter", loop.device)
     assert "it has rank 8 on 14 modules, this job rank 4 on 14 modules" in str(e.value)
 
 
-def test_checkpoints_are_due_by_steps_or_time_never_at_the_end(trainer_module: ModuleType) -> None:
-    due = trainer_module.checkpoint_due
+def test_checkpoints_are_due_by_steps_or_time_never_at_the_end() -> None:
+    due = checkpoint_due
     assert [s for s in range(1, 13) if due(s, 12, 4, 0.0, 0.0)] == [4, 8]
     assert due(3, 12, 0, 600.0, 600.0) and not due(3, 12, 0, 600.0, 599.9)
     assert not due(12, 12, 1, 1.0, 1e9)  # the last step: the adapter is the result
     assert not due(5, 12, 0, 0.0, 1e9)  # both off
 
 
-def test_a_failed_checkpoint_write_is_a_failure_of_the_node(
-    trainer_module: ModuleType, tmp_path: Path
-) -> None:
+def test_a_failed_checkpoint_write_is_a_failure_of_the_node(tmp_path: Path) -> None:
     """An OSError while writing (here: the directory vanished) surfaces at the
     next step as exit 3's error; another exception as it is."""
-    tr = trainer_module
-    writer = tr.CheckpointWriter(tmp_path / "gone")
-    snap = tr.Snapshot({}, {}, "{}", {"step": 3, "epoch": 1})
+    writer = CheckpointWriter(tmp_path / "gone", LineWriter(io.StringIO()))
+    snap = Snapshot({}, {}, "{}", {"step": 3, "epoch": 1})
     (tmp_path / "gone").write_text("a file, not a directory")
     writer.submit(snap)
-    with pytest.raises(tr.EnvironmentFailureError, match="writing the checkpoint of step 3 into"):
+    with pytest.raises(EnvironmentFailureError, match="writing the checkpoint of step 3 into"):
         writer.wait()
     writer.wait()  # reported once
 
 
-def test_a_step_written_again_replaces_its_checkpoint_whole(
-    trainer_module: ModuleType, tmp_path: Path
-) -> None:
+def test_a_step_written_again_replaces_its_checkpoint_whole(tmp_path: Path) -> None:
     """A resumed run passing a step the lost run had checkpointed too: the new
     checkpoint takes the name, nothing of the old or of the temporary is left."""
     import torch
 
-    tr = trainer_module
-
     def snap(value: float) -> Any:
         meta = {"format": 1, "step": 7, "epoch": 2, "position": {"epoch": 2, "index": 3}}
-        return tr.Snapshot({"w": torch.full((2,), value)}, {}, "{}", {**meta, "progress": {}})
+        return Snapshot({"w": torch.full((2,), value)}, {}, "{}", {**meta, "progress": {}})
 
-    first = tr.write_checkpoint(tmp_path, snap(1.0))
+    first = write_checkpoint(tmp_path, snap(1.0))
     (first / "stale").write_text("only in the first")
-    again = tr.write_checkpoint(tmp_path, snap(2.0))
+    again = write_checkpoint(tmp_path, snap(2.0))
     assert again == first == tmp_path / "step-00000007"
     assert os.listdir(tmp_path) == ["step-00000007"]
     assert sorted(os.listdir(again)) == sorted(FILES)
-    assert tr.read_checkpoint_meta(again)["step"] == 7
+    assert read_checkpoint_meta(again)["step"] == 7
     from safetensors.torch import load_file
 
     assert load_file(str(again / "adapter_model.safetensors"))["w"].tolist() == [2.0, 2.0]
@@ -494,7 +500,5 @@ def test_a_step_written_again_replaces_its_checkpoint_whole(
         ("mat1 and mat2 shapes cannot be multiplied", False),
     ],
 )
-def test_card_and_driver_errors_are_the_nodes(
-    trainer_module: ModuleType, message: str, node: bool
-) -> None:
-    assert trainer_module.is_environment_failure(RuntimeError(message)) is node
+def test_card_and_driver_errors_are_the_nodes(message: str, node: bool) -> None:
+    assert is_environment_failure(RuntimeError(message)) is node

@@ -70,16 +70,23 @@ def test_eval_fraction_that_leaves_nothing_to_train_on(
 @pytest.mark.parametrize(
     ("line3", "named"),
     [
-        ('{"q": "no answer"', "data line 3 is not JSON"),
-        ('{"q": "a question"}', 'data line 3 must be {"q": string, "a": string}'),
-        ('{"q": "x", "a": 5}', "data line 3 must be"),
+        ('{"q": "no answer"', "data line 3: not valid JSON"),
+        ('{"q": "a question"}', 'data line 3: the record has no "a": each record is {"q"'),
+        ('{"q": "x", "a": 5}', 'data line 3: "a" must be a string'),
         ('{"q": "x", "a": ""}', 'data line 3: "a" is empty'),
-        ("[1, 2]", "data line 3 is not an object"),
-        ('{"messages": []}', "data line 3: messages must be a non-empty list"),
-        ('{"messages": [{"role": "bot", "content": "hi"}]}', "data line 3: messages[0]"),
+        ('{"q": " ", "a": "x"}', 'data line 3: "q" is empty'),
+        ("[1, 2]", "data line 3: expected a JSON object"),
+        ('{"messages": []}', 'data line 3: "messages" must be a non-empty list'),
+        ('{"messages": [{"role": "bot", "content": "hi"}]}', "data line 3: messages[0].role"),
         (
             '{"messages": [{"role": "system", "content": "a"}, {"role": "user", "content": "q"}]}',
-            "data line 3: messages has no assistant message",
+            'data line 3: "messages" has no assistant turn',
+        ),
+        ('{"messages": [{"role": "assistant", "content": "a"}]}', "has no user turn"),
+        (
+            '{"messages": [{"role": "user", "content": "q", "name": "x"}, '
+            '{"role": "assistant", "content": "a"}]}',
+            'data line 3: messages[0] has the unknown key "name"',
         ),
     ],
 )

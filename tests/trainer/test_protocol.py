@@ -6,12 +6,15 @@ import json
 import os
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 
 import msgspec
 import pytest
 
 from lorafleet_schemas.messages import TrainerLine, TrainerParams
+from lorafleet_trainer.budget import failure_message
+from lorafleet_trainer.jobfile import parse_params
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import is_environment_failure
 from tests.trainer.harness import TrainerRun, ndjson, qa_records, run_trainer, write_job
 
 
@@ -76,40 +79,28 @@ def test_a_schema_field_the_trainer_would_drop_fails_the_check() -> None:
         _decode_strictly(TrainerRun(0, [wrong], [json.loads(wrong)], ""))
 
 
-def test_the_trainers_parameters_are_the_schemas(trainer_module: ModuleType) -> None:
-    """Params (the script's copy: it cannot import the schemas) has every
+def test_the_trainers_parameters_are_the_schemas() -> None:
+    """Params (generated: the trainer cannot import the schemas) has every
     TrainerParams field with the same default, and accepts what it encodes."""
     import dataclasses
 
-    ours = {f.name: f.default for f in dataclasses.fields(trainer_module.Params)}
+    ours = {f.name: f.default for f in dataclasses.fields(Params)}
     theirs = msgspec.to_builtins(TrainerParams())
     assert ours == theirs
-    assert dataclasses.asdict(trainer_module.parse_params(theirs)) == theirs
+    assert dataclasses.asdict(parse_params(theirs)) == theirs
     bounded = TrainerParams(rank=1024, dropout=0.0, epochs=1000, max_seq_len=8, eval_fraction=0)
-    trainer_module.parse_params(msgspec.to_builtins(bounded))
+    parse_params(msgspec.to_builtins(bounded))
 
 
-def test_running_out_of_card_memory_says_what_to_change(
-    trainer_module: ModuleType, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
-) -> None:
-    import io
-
+def test_running_out_of_card_memory_says_what_to_change() -> None:
+    """What __main__ makes of torch's out-of-memory error raised before the
+    job file parsed: the job's own failure (exit 1), with what to change."""
     import torch
 
-    def oom(job_path: Path) -> int:
-        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
-
-    out = io.StringIO()
-    monkeypatch.setattr(trainer_module, "run", oom)
-    monkeypatch.setattr(trainer_module, "_own_stdout", lambda: None)
-    monkeypatch.setattr(trainer_module, "_out", out)
-    monkeypatch.setattr(trainer_module.signal, "signal", lambda *a: None)
-    monkeypatch.setattr(trainer_module.warnings, "filterwarnings", lambda *a, **k: None)
-    assert trainer_module.main(["script.py", str(tmp_path / "job.json")]) == 1
-    last = json.loads(out.getvalue().splitlines()[-1])
-    assert last == {
-        "event": "error",
-        "message": "the card ran out of memory, asking for 2.00 GiB more; lower batch_size "
+    oom = torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    assert not is_environment_failure(oom)  # so ExitCode.JOB_FAILED
+    assert failure_message(oom, None) == (
+        "the card ran out of memory, asking for 2.00 GiB more; lower batch_size "
         "or max_seq_len (raising gradient_accumulation keeps the batch), turn on "
-        "gradient_checkpointing, or give the job more gpu_memory_mib",
-    }
+        "gradient_checkpointing, or give the job more gpu_memory_mib"
+    )

@@ -14,7 +14,6 @@ from typing import Any
 import msgspec
 
 from lorafleet_schemas.messages import TrainerLine
-from lorafleet_services.trainer import STANDIN_PATH
 from tests.trainer.harness import TrainerRun
 
 
@@ -39,7 +38,7 @@ def _job(job_dir: Path, **overrides: Any) -> Path:
 
 def _run(job: Path, **env: str) -> TrainerRun:
     p = subprocess.run(
-        [sys.executable, str(STANDIN_PATH), str(job)],
+        [sys.executable, "-m", "lorafleet_trainer.standin", str(job)],
         capture_output=True,
         text=True,
         timeout=30,

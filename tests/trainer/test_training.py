@@ -1,4 +1,4 @@
-"""Real LoRA training of tiny Llama and Qwen2 models by the trainer script, on the CPU."""
+"""Real LoRA training of tiny Llama and Qwen2 models by the trainer, on the CPU."""
 
 from __future__ import annotations
 
@@ -10,11 +10,15 @@ import signal
 import warnings
 from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
+from lorafleet_trainer.batches import split_records
+from lorafleet_trainer.jobfile import JobFile
+from lorafleet_trainer.protocol import LineWriter
+from lorafleet_trainer.rendering import encode_conversation
+from lorafleet_trainer.run import load_records, run
 from tests.trainer.conftest import TRAIN_PARAMS
 from tests.trainer.harness import (
     TrainerRun,
@@ -87,7 +91,7 @@ def test_with_max_steps_only_the_records_the_steps_need_are_tokenized(
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_done_reports_the_base_dir_and_writes_the_summary(
-    trained: Trained, tiny_model: Callable[[str], Path], trainer_module: ModuleType, arch: str
+    trained: Trained, tiny_model: Callable[[str], Path], arch: str
 ) -> None:
     from transformers import AutoTokenizer
 
@@ -104,7 +108,7 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     ).read_text()
     summary = json.loads((adapter / "training_summary.json").read_text())
     assert summary == done["summary"]
-    # The keys the script's docstring lists.
+    # The keys lorafleet_trainer.run's docstring lists.
     assert set(summary) == {
         "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
         "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
@@ -124,14 +128,11 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     assert summary["params"]["rank"] == TRAIN_PARAMS["rank"]
     assert summary["device"] == "cpu" and summary["dtype"] == "fp32"
     # Every training record once an epoch, padding not counted.
-    records = trainer_module.load_records(Path(job["data_path"]), job["data_sha256"])
-    train_idx, _ = trainer_module.split_records(16, 0.125, TRAIN_PARAMS["seed"])
+    records = [c for _, c in load_records(Path(job["data_path"]), job["data_sha256"])]
+    train_idx, _ = split_records(16, 0.125, TRAIN_PARAMS["seed"])
     tok = AutoTokenizer.from_pretrained(done["base_dir"])
     template = (adapter / "chat_template.jinja").read_text()
-    lengths = [
-        len(trainer_module.encode_conversation(tok, template, records[i], 64).input_ids)
-        for i in train_idx
-    ]
+    lengths = [len(encode_conversation(tok, template, records[i], 64).input_ids) for i in train_idx]
     assert summary["tokens_seen"] == 6 * sum(lengths)
     assert summary["wall_time_s"] >= summary["train_time_s"] > 0
     assert set(summary["versions"]) >= {"torch", "transformers", "peft"}
@@ -139,7 +140,7 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     assert config["r"] == TRAIN_PARAMS["rank"] and config["peft_type"] == "LORA"
 
 
-def _reload(mod: ModuleType, run: TrainerRun, job_path: Path) -> tuple[Any, list[Any], Any]:
+def _reload(run: TrainerRun, job_path: Path) -> tuple[Any, list[Any], Any]:
     """The base with the saved adapter, and the held-out records encoded as trained."""
     import torch
     from peft import PeftModel
@@ -147,14 +148,12 @@ def _reload(mod: ModuleType, run: TrainerRun, job_path: Path) -> tuple[Any, list
 
     job = json.loads(job_path.read_text())
     (done,) = run.events("done")
-    records = mod.load_records(Path(job["data_path"]), job["data_sha256"])
-    _, eval_idx = mod.split_records(
-        len(records), TRAIN_PARAMS["eval_fraction"], TRAIN_PARAMS["seed"]
-    )
+    records = [c for _, c in load_records(Path(job["data_path"]), job["data_sha256"])]
+    _, eval_idx = split_records(len(records), TRAIN_PARAMS["eval_fraction"], TRAIN_PARAMS["seed"])
     tok = AutoTokenizer.from_pretrained(done["base_dir"])
     template = (Path(done["adapter_dir"]) / "chat_template.jinja").read_text()
     held = [
-        mod.encode_conversation(tok, template, records[i], TRAIN_PARAMS["max_seq_len"])
+        encode_conversation(tok, template, records[i], TRAIN_PARAMS["max_seq_len"])
         for i in eval_idx
     ]
     base = AutoModelForCausalLM.from_pretrained(done["base_dir"], dtype=torch.float32)
@@ -182,10 +181,10 @@ def _loss_and_logits(model: Any, held: list[Any], torch: Any) -> tuple[float, li
 
 @pytest.mark.parametrize("arch", ARCHS)
 def test_the_reloaded_adapter_reproduces_the_eval_loss_and_changes_outputs(
-    trained: Trained, trainer_module: ModuleType, arch: str
+    trained: Trained, arch: str
 ) -> None:
     run, job_path = trained(arch)
-    model, held, torch = _reload(trainer_module, run, job_path)
+    model, held, torch = _reload(run, job_path)
     assert len(held) == 2
     adapted_loss, adapted = _loss_and_logits(model, held, torch)
     reported = run.events("eval")[-1]["eval_loss"]
@@ -320,7 +319,6 @@ def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_
 
 def test_the_same_job_trains_the_same_way(
     tiny_model: Callable[[str], Path],
-    trainer_module: ModuleType,
     tmp_path: Path,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -338,10 +336,9 @@ def test_the_same_job_trains_the_same_way(
             params={"max_steps": 3, "batch_size": 4, "learning_rate": 0.01, "seed": seed},
         )
         out = io.StringIO()
-        monkeypatch.setattr(trainer_module, "_out", out)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
-            assert trainer_module.run(job) == 0
+            assert run(JobFile.read(job), LineWriter(out)) == 0
         lines = [json.loads(x) for x in out.getvalue().splitlines()]
         return [x["loss"] for x in lines if x["event"] == "step"] + [
             x["eval_loss"] for x in lines if x["event"] == "eval"

@@ -35,7 +35,7 @@ from lorafleet_services.agent.environment_protocol import (
 )
 from lorafleet_services.agent.overlay import ensure_overlay
 from lorafleet_services.agent.setup_runs import SYSTEM_PATH
-from lorafleet_services.trainer.standin import gguf_bytes
+from lorafleet_trainer.standin import gguf_bytes
 
 
 @dataclass(frozen=True)

@@ -38,7 +38,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import json
 import shutil
 import signal
 from dataclasses import dataclass
@@ -48,12 +47,12 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 
+import lorafleet_trainer
 from lorafleet import log, objects
 from lorafleet._process import die_with_parent
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, JobState, StartRequest, TrainerDone
-from lorafleet_services import trainer
 from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent import conversion, delivery, environment, resume
 from lorafleet_services.agent.card_memory import MemorySampler
@@ -66,6 +65,9 @@ from lorafleet_services.agent.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
 from lorafleet_services.agent.status_reports import Reporter
 from lorafleet_services.agent.trainer_lines import TrainerLines, job_estimate_mib
+from lorafleet_trainer.jobfile import Base, JobFile, parse_resume
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import ExitCode
 
 #: Seconds the final reports of a job may take to publish when the agent stops.
 STOP_DRAIN_TIMEOUT_S = 5.0
@@ -92,12 +94,6 @@ class JobStepError(Exception):
         self.retryable = retryable
 
 
-#: The trainer's exit code for a failure of the node's environment, not of the
-#: job (a CUDA or driver error that is not an out of memory, an OSError
-#: writing a checkpoint): another node, or another try, may well succeed.
-EXIT_ENVIRONMENT = 3
-#: The trainer's exit code after its SIGTERM handler ran (128 + 15).
-EXIT_SIGTERM = 128 + signal.SIGTERM
 #: Said of a retryable failure.
 RETRYABLE_NOTE = "not the job's own failure, so a job with attempts left runs again"
 
@@ -111,16 +107,17 @@ def signal_name(signum: int) -> str:
 
 def trainer_failure(result: ProcessResult, error_line: str | None) -> tuple[str, bool]:
     """The message of a trainer that ended without an adapter, and whether it
-    is retryable: exit 3 (the environment's failure), or a death by a signal
-    the agent did not send (the kernel's out-of-memory killer, an operator).
-    Exit 1 (the job's own failure) and 2 (bad input) are not."""
+    is retryable: ExitCode.NODE_FAILED (a failure of the node: another node,
+    or another try, may well succeed), or a death by a signal the agent did
+    not send (the kernel's out-of-memory killer, an operator). The job's own
+    failure and bad input are not."""
     tail = result.stderr_tail or "(no stderr)"
     rc = result.returncode
     said = f"the trainer failed: {error_line}" if error_line else ""
-    if rc == EXIT_ENVIRONMENT:
+    if rc == ExitCode.NODE_FAILED:
         what = said or f"the trainer exited with code {rc}: {tail}"
         return f"{what} (exit {rc}: a failure of the node's environment; {RETRYABLE_NOTE})", True
-    killed_by = -rc if rc < 0 else signal.SIGTERM if rc == EXIT_SIGTERM else None
+    killed_by = -rc if rc < 0 else signal.SIGTERM if rc == ExitCode.STOPPED else None
     if killed_by is not None and not result.stopped:
         cause = (
             "the out-of-memory killer, or an operator?"
@@ -139,11 +136,19 @@ def trainer_failure(result: ProcessResult, error_line: str | None) -> tuple[str,
     return f"the trainer exited with code {rc}: {tail}", False
 
 
-def trainer_argv(python: str, script: Path, job_json: Path) -> list[str]:
-    """The trainer's command line. With a parent-death SIGKILL: if the agent
-    dies (SIGKILL, OOM), the trainer does not train on as an orphan that
-    holds the card. The prelude runs in the engine's Python."""
-    return die_with_parent([python, str(script), str(job_json)], signal.SIGKILL, python=python)
+def trainer_argv(python: str, program: Path, job_json: Path) -> list[str]:
+    """The trainer's command line. `program`: a module of a package copied
+    into the job directory (the working directory), run as `python -m`
+    (package/__main__.py as `-m package`), or a script of one's own. With a
+    parent-death SIGKILL: if the agent dies (SIGKILL, OOM), the trainer does
+    not train on as an orphan that holds the card. The prelude runs in the
+    engine's Python."""
+    if (program.parent / "__init__.py").is_file():
+        package = program.parent.name
+        run = ["-m", package if program.stem == "__main__" else f"{package}.{program.stem}"]
+    else:
+        run = [str(program)]
+    return die_with_parent([python, *run, str(job_json)], signal.SIGKILL, python=python)
 
 
 def trainer_env(
@@ -161,32 +166,32 @@ def job_file(
     data_path: Path,
     choice: CardChoice,
     resume: dict[str, Any] | None = None,
-) -> dict[str, Any]:
-    """job.json for the trainer (its format: the docstring of trainer/script.py).
+) -> JobFile:
+    """job.json for the trainer (its format: lorafleet_trainer.jobfile).
 
     checkpoint_dir: where the trainer writes its checkpoints (the agent
     delivers and removes them: agent/checkpoints.py); resume: where it
-    starts from (agent/resume.py), or None.
+    starts from (agent/resume.py's entry {"dir", "mode"}), or None.
     """
-    return {
-        "job_id": req.job_id,
-        "base": {
-            "hf_repo": req.model.hf_repo,
-            "hf_revision": req.model.hf_revision,
-            "local_dir": req.model.local_dir,
-        },
-        "data_path": str(data_path),
-        "data_sha256": req.dataset_sha256,
-        "out_dir": str(job_dir / "out"),
-        "params": msgspec.to_builtins(req.params),
-        "device": choice.device,
-        "hf_offline": cfg.hf_offline,
+    return JobFile(
+        job_id=req.job_id,
+        base=Base(
+            hf_repo=req.model.hf_repo,
+            hf_revision=req.model.hf_revision,
+            local_dir=req.model.local_dir,
+        ),
+        data_path=data_path,
+        data_sha256=req.dataset_sha256,
+        out_dir=job_dir / "out",
+        params=Params(**msgspec.to_builtins(req.params)),
+        device=choice.device,
+        hf_offline=cfg.hf_offline,
         # On a card the trainer keeps the whole process within this (CUDA context included).
-        "gpu_memory_mib": req.gpu_memory_mib,
-        "estimate_mib": job_estimate_mib(req),
-        "checkpoint_dir": str(job_dir / CHECKPOINTS_DIR),
-        "resume": resume,
-    }
+        gpu_memory_mib=req.gpu_memory_mib,
+        estimate_mib=job_estimate_mib(req),
+        checkpoint_dir=job_dir / CHECKPOINTS_DIR,
+        resume=parse_resume(resume),
+    )
 
 
 def card_choice_text(choice: CardChoice, node: str) -> str:
@@ -424,15 +429,23 @@ class JobRun:
     def _write_files(
         self, data_path: Path, choice: CardChoice, resume: dict[str, Any] | None
     ) -> tuple[Path, Path]:
-        source = {"real": trainer.SCRIPT_PATH, "standin": trainer.STANDIN_PATH}.get(
-            self.cfg.trainer, Path(self.cfg.trainer)
+        # The package is copied, not run from where lorafleet is installed: the
+        # engines' user may not read lorafleet's environment.
+        package = self.job_dir / lorafleet_trainer.__name__
+        shutil.copytree(
+            Path(lorafleet_trainer.__file__).parent,
+            package,
+            ignore=shutil.ignore_patterns("__pycache__"),
         )
-        script = self.job_dir / "trainer.py"
-        shutil.copyfile(source, script)
+        programs = {"real": package / "__main__.py", "standin": package / "standin.py"}
+        program = programs.get(self.cfg.trainer)
+        if program is None:  # a script of one's own
+            program = self.job_dir / "trainer.py"
+            shutil.copyfile(self.cfg.trainer, program)
         job_json = self.job_dir / "job.json"
         spec = job_file(self.req, self.cfg, self.job_dir, data_path, choice, resume)
-        job_json.write_text(json.dumps(spec, indent=2))
-        return script, job_json
+        job_json.write_text(spec.to_json())
+        return program, job_json
 
     def _sampled(self) -> int:
         return self.sampler.peak_mib if self.sampler is not None else 0

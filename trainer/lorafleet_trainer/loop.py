@@ -1,0 +1,351 @@
+"""The training loop: LoRA on the base (peft), optimizer steps over the data
+plan, an eval after each epoch, a checkpoint when due.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import math
+import resource
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import Any, cast
+
+from lorafleet_trainer.batches import Batch, plan_grouped, to_batch
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import BadInputError, Event, LineWriter, TrainingFailureError
+from lorafleet_trainer.rendering import IGNORE, Tokens
+
+
+@dataclasses.dataclass
+class Loop:
+    """What the training loop needs, built by `prepare_training`."""
+
+    model: Any
+    optimizer: Any
+    scheduler: Any
+    scaler: Any
+    autocast: Callable[[], contextlib.AbstractContextManager[Any]]
+    device: Any
+
+
+@dataclasses.dataclass
+class Progress:
+    step: int = 0
+    tokens: int = 0
+    padding: int = 0
+    train_s: float = 0.0
+    last_loss: float | None = None
+    last_eval: float | None = None
+
+
+def peak_mib(device: Any) -> int:
+    """torch's peak reserved MiB on a card; the process's peak RSS MiB on the CPU."""
+    if device.type == "cuda":
+        import torch
+
+        return int(torch.cuda.max_memory_reserved(device) // (1 << 20))
+    # Linux reports ru_maxrss in KiB.
+    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+
+
+def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
+    """Forward and backward over one step's micro-batches; answers the step's
+    loss as a tensor (still on the card: reading it would wait for the card)."""
+    n = len(micro)
+    total = None
+    for b in micro:
+        with loop.autocast():
+            out = loop.model(
+                input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
+            )
+        loss = out.loss / n
+        if loop.scaler is not None:
+            loop.scaler.scale(loss).backward()
+        else:
+            loss.backward()
+        d = loss.detach()
+        total = d if total is None else total + d
+    if total is None:
+        raise TrainingFailureError("a step with no micro-batch: the data plan is empty")
+    return total
+
+
+def _optimizer_step(loop: Loop) -> None:
+    if loop.scaler is not None:
+        loop.scaler.step(loop.optimizer)
+        loop.scaler.update()
+    else:
+        loop.optimizer.step()
+    loop.scheduler.step()
+    loop.optimizer.zero_grad(set_to_none=True)
+
+
+def train_steps(
+    loop: Loop,
+    steps_plan: Iterator[tuple[int, list[Batch]]],
+    total_steps: int,
+    progress: Progress,
+    on_step: Callable[[dict[str, Any]], None],
+) -> None:
+    """Run optimizer steps from `steps_plan` ((epoch, micro-batches) per step).
+
+    The only host sync per step is the loss's .item(), after the optimizer step
+    and after the next step's batches are made (they overlap the card's work).
+    A step's time runs from the end of the one before, so that making its
+    batches and reporting count too (tokens/s is what the job really gets).
+    """
+    t0 = time.perf_counter()
+    upcoming = next(steps_plan, None)
+    while upcoming is not None:
+        epoch, micro = upcoming
+        lr = loop.scheduler.get_last_lr()[0]
+        total = _accumulate(loop, micro)
+        _optimizer_step(loop)
+        # On a card all of the above is only queued: make the next step's
+        # batches now, while it runs, then wait for the loss.
+        upcoming = next(steps_plan, None)
+        step_loss = float(total.item())
+        if not math.isfinite(step_loss):
+            raise TrainingFailureError(
+                f"the loss became {step_loss} at step {progress.step + 1}; "
+                "lower learning_rate, or train in bf16 or fp32"
+            )
+        now = time.perf_counter()
+        dt, t0 = now - t0, now
+        tokens = sum(b.tokens for b in micro)
+        progress.step += 1
+        progress.tokens += tokens
+        progress.padding += sum(b.padding for b in micro)
+        progress.train_s += dt
+        progress.last_loss = step_loss
+        on_step(
+            {
+                "step": progress.step,
+                "steps": total_steps,
+                "loss": step_loss,
+                "learning_rate": float(lr),
+                "tokens_per_s": round(tokens / dt, 1) if dt > 0 else 0.0,
+                "eta_s": round(progress.train_s / progress.step * (total_steps - progress.step), 2),
+                "peak_mib": peak_mib(loop.device),
+                "epoch": epoch,
+            }
+        )
+
+
+def eval_loss(loop: Loop, batches: Sequence[Batch]) -> float:
+    """Mean cross-entropy per answer token over `batches` (dropout off)."""
+    import torch
+    import torch.nn.functional as F
+
+    model = loop.model
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=loop.device)
+    count = 0
+    with torch.no_grad():
+        for b in batches:
+            with loop.autocast():
+                logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
+            shift_logits = logits[:, :-1, :].float()
+            shift_labels = b.labels[:, 1:]
+            total += F.cross_entropy(
+                shift_logits.reshape(-1, shift_logits.shape[-1]),
+                shift_labels.reshape(-1),
+                ignore_index=IGNORE,
+                reduction="sum",
+            ).double()
+            count += int((shift_labels != IGNORE).sum().item())
+    model.train()
+    return float(total.item()) / max(count, 1)
+
+
+def resolve_dtype(requested: str, device: str) -> str:
+    """The dtype to train in ("bf16", "fp16" or "fp32") on `device` ("cpu" or "cuda").
+
+    BadInputError when the device cannot train so. On the CPU this needs no
+    torch (it runs before anything is loaded).
+    """
+    if device == "cpu":
+        if requested == "fp16":
+            raise BadInputError(
+                'params.dtype "fp16" needs a card; on the CPU use "fp32", "bf16" or "auto"'
+            )
+        return "fp32" if requested == "auto" else requested
+    import torch
+
+    bf16_ok = bool(torch.cuda.is_bf16_supported())
+    if requested == "auto":
+        return "bf16" if bf16_ok else "fp16"
+    if requested == "bf16" and not bf16_ok:
+        raise BadInputError(
+            'params.dtype "bf16" is not supported by this card; use "fp16", "fp32" or "auto"'
+        )
+    return requested
+
+
+def torch_dtype(name: str) -> Any:
+    import torch
+
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_steps: int) -> Loop:
+    """Wrap `model` with LoRA (peft) and build the optimizer, scheduler and autocast."""
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import get_scheduler
+
+    if params.gradient_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        model.enable_input_require_grads()
+        model.config.use_cache = False
+    config = LoraConfig(
+        r=params.rank,
+        # peft annotates an int, but scales by alpha / r: a float alpha is fine.
+        lora_alpha=cast(Any, params.alpha),
+        lora_dropout=params.dropout,
+        target_modules=params.target_modules,
+        task_type="CAUSAL_LM",
+    )
+    # peft keeps the adapter's weights in fp32 under a bf16/fp16 base
+    # (autocast_adapter_dtype), which is what lets fp16 gradients be unscaled.
+    model = get_peft_model(model, config)
+    model.train()
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(trainable, lr=params.learning_rate)
+    sched = get_scheduler(
+        params.lr_scheduler,
+        optimizer=opt,
+        num_warmup_steps=params.warmup_steps,
+        num_training_steps=total_steps,
+    )
+    scaler = torch.amp.GradScaler("cuda") if dtype == "fp16" else None
+    if dtype == "fp32":
+
+        def autocast() -> contextlib.AbstractContextManager[Any]:
+            return contextlib.nullcontext()
+
+    else:
+        amp = torch_dtype(dtype)
+
+        def autocast() -> contextlib.AbstractContextManager[Any]:
+            return torch.autocast(device_type=device.type, dtype=amp)
+
+    return Loop(model, opt, sched, scaler, autocast, device)
+
+
+def plan_total_steps(tokens: Tokens, train: Sequence[int], p: Params) -> int:
+    """The job's optimizer steps: max_steps, else epochs of the records with an
+    answer token (which tokenizes them all: the count needs every length)."""
+    if p.max_steps > 0:
+        return p.max_steps
+    kept = sum(1 for n in tokens.lengths(train) if n > 0)
+    if not kept:
+        raise BadInputError(NO_ANSWER.format(p.max_seq_len))
+    per_epoch = math.ceil(math.ceil(kept / p.batch_size) / p.gradient_accumulation)
+    return per_epoch * p.epochs
+
+
+NO_ANSWER = "no record has an answer token within max_seq_len {}; raise it"
+
+
+def eval_batches_of(
+    tokens: Tokens, held: Sequence[int], p: Params, pad_id: int, device: Any
+) -> list[Batch]:
+    """The held-out records in length-sorted batches (the loss is a sum per
+    token: their order does not change it, and sorting spares the padding)."""
+    kept = sorted((e for e in tokens.get(held) if e.answer_tokens), key=lambda e: len(e.input_ids))
+    return [
+        to_batch(kept[i : i + p.batch_size], pad_id, device)
+        for i in range(0, len(kept), p.batch_size)
+    ]
+
+
+def epoch_plan(
+    train: Sequence[int],
+    p: Params,
+    epoch: int,
+    lengths_of: Callable[[Sequence[int]], list[int]],
+    steps_left: int,
+    done: int,
+) -> list[list[list[int]]]:
+    """`epoch`'s steps, planned with the steps left when it began; BadInputError
+    when there are none, or fewer than a resumed run's position says were done."""
+    plan = plan_grouped(
+        train, p.batch_size, p.gradient_accumulation, p.seed + epoch, lengths_of, steps_left
+    )
+    if not plan:
+        raise BadInputError(NO_ANSWER.format(p.max_seq_len))
+    if done > len(plan):
+        raise BadInputError(
+            f"the checkpoint's position, step {done} of epoch {epoch}, is past that "
+            f"epoch's {len(plan)} steps: the data is not the checkpoint's"
+        )
+    return plan
+
+
+#: Called after each optimizer step with the loop, the progress, the epoch
+#: and the steps done of that epoch's plan.
+AfterStep = Callable[[Loop, Progress, int, int], None]
+
+
+@dataclasses.dataclass
+class Start:
+    """Where training starts: `index` steps into `epoch`'s plan, with the
+    progress made by then (a fresh job: epoch 1, index 0)."""
+
+    progress: Progress = dataclasses.field(default_factory=lambda: Progress())
+    epoch: int = 1
+    index: int = 0
+
+
+def train_epochs(
+    loop: Loop,
+    tokens: Tokens,
+    split: tuple[list[int], list[int]],
+    p: Params,
+    total_steps: int,
+    pad_id: int,
+    lines: LineWriter,
+    start: Start | None = None,
+    after_step: AfterStep | None = None,
+) -> tuple[Progress, int]:
+    """Epochs of length-grouped batches until total_steps, an eval after each
+    (and so at the end), `after_step` after each step (the checkpointer's);
+    answers the progress and the epochs run.
+
+    An epoch's plan depends only on the seed, the epoch and the steps left
+    when it began (max_steps cuts the last one short): a resumed run rebuilds
+    its plan the same way and skips the steps done.
+    """
+    device = loop.device
+    eval_batches: list[Batch] | None = None
+    start = start or Start()
+    progress, epoch, skip = start.progress, start.epoch - 1, start.index
+
+    def steps_of(plan: list[list[list[int]]], epoch: int) -> Iterator[tuple[int, list[Batch]]]:
+        for step in plan:
+            yield epoch, [to_batch(tokens.get(mb), pad_id, device) for mb in step]
+
+    while progress.step < total_steps:
+        epoch += 1
+        epoch_start = progress.step - skip
+        plan = epoch_plan(split[0], p, epoch, tokens.lengths, total_steps - epoch_start, skip)
+
+        def on_step(s: dict[str, Any], epoch: int = epoch, epoch_start: int = epoch_start) -> None:
+            lines.emit(Event.STEP, **s)
+            if after_step is not None:
+                after_step(loop, progress, epoch, progress.step - epoch_start)
+
+        train_steps(loop, steps_of(plan[skip:], epoch), total_steps, progress, on_step)
+        skip = 0
+        if split[1]:
+            if eval_batches is None:
+                eval_batches = eval_batches_of(tokens, split[1], p, pad_id, device)
+            if eval_batches:
+                progress.last_eval = eval_loss(loop, eval_batches)
+                lines.emit(
+                    Event.EVAL, step=progress.step, epoch=epoch, eval_loss=progress.last_eval
+                )
+    return progress, epoch

@@ -1,0 +1,314 @@
+"""The job: the data read and tokenized, the base loaded, the training run,
+the adapter and its summary saved.
+
+What it writes: <out_dir>/adapter/{adapter_model.safetensors,
+adapter_config.json, chat_template.jinja, training_summary.json}. The summary
+(also the "done" line's) holds job_id, final_loss, eval_loss (null without a
+held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
+data_sha256, records, records_train, records_eval, records_cut,
+records_skipped (both of the records tokenized), records_tokenized (fewer than
+records when max_steps ends the job before the data does), token_lengths
+{min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
+steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
+wall_time_s, peak_mib, device, dtype, trainable_parameters, versions {python, torch,
+transformers, peft, accelerate, safetensors}, resumed_from (null, or {mode, dir,
+step}: the checkpoint's step, 0 for "weights") and checkpoints (written by this
+run). A resumed run's tokens_seen, train_time_s and steps count from step 1.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import os
+import random
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any, cast
+
+from lorafleet_trainer.base_model import (
+    check_target_modules,
+    library_versions,
+    load_for_training,
+    resolve_base,
+)
+from lorafleet_trainer.batches import plan_grouped, split_records
+from lorafleet_trainer.budget import cap_card_memory
+from lorafleet_trainer.checkpoints import Checkpointer, fingerprint_of, open_checkpoint_dir
+from lorafleet_trainer.jobfile import JobFile
+from lorafleet_trainer.layout import ADAPTER_DIR, CHAT_TEMPLATE, TRAINING_SUMMARY
+from lorafleet_trainer.loop import (
+    NO_ANSWER,
+    Progress,
+    peak_mib,
+    plan_total_steps,
+    resolve_dtype,
+    train_epochs,
+)
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import (
+    BadInputError,
+    EnvironmentFailureError,
+    Event,
+    ExitCode,
+    LineWriter,
+)
+from lorafleet_trainer.records import Conversation, RecordError, file_sha256, read_records
+from lorafleet_trainer.rendering import PLAIN_TEMPLATE, Tokens, chat_template_of
+from lorafleet_trainer.resume import apply_resume, check_resume, describe_resume, restore_rng
+
+
+def load_records(path: Path, want_sha256: str) -> list[tuple[int, Conversation]]:
+    """(line number, record) of each non-blank line of the data file, after
+    checking its sha256 against the job's."""
+    if not path.is_file():
+        raise BadInputError(f"the data file {path} does not exist")
+    got = file_sha256(path)
+    if got != want_sha256:
+        raise BadInputError(f"the data's sha256 is {got}, the job's is {want_sha256}")
+    try:
+        records = read_records(path)
+    except RecordError as e:
+        raise BadInputError(f"data {e}") from None
+    if not records:
+        raise BadInputError(f"the data file {path} holds no records")
+    return records
+
+
+def preparing_progress(total: int, lines: LineWriter) -> Callable[[int], None]:
+    """The progress of tokenizing, as "preparing" state lines (the agent shows them)."""
+
+    def report(done: int) -> None:
+        lines.emit(Event.STATE, state="preparing", message=f"tokenizing: {done} of {total} records")
+
+    return report
+
+
+def log_cuts(tokens: Tokens, max_seq_len: int, lines: LineWriter) -> None:
+    """Warn of the records cut or skipped among those tokenized so far."""
+    if tokens.cut:
+        lines.log(
+            f"{tokens.cut} of {tokens.done} records were longer than max_seq_len {max_seq_len} "
+            "tokens and were cut",
+            "warning",
+        )
+    if tokens.skipped:
+        lines.log(
+            f"{tokens.skipped} records have no answer token within max_seq_len {max_seq_len}; "
+            "they are skipped",
+            "warning",
+        )
+
+
+def run(job: JobFile, lines: LineWriter) -> int:
+    """The whole job, its lines written by `lines`; answers the exit status
+    (a failure raises the exception of its exit code)."""
+    started = time.time()
+    p = job.params
+    records = load_records(job.data_path, job.data_sha256)
+    split = split_records(len(records), p.eval_fraction, p.seed)
+    if job.device == "cpu":
+        resolve_dtype(p.dtype, "cpu")  # fp16 is refused before anything loads
+    versions = library_versions()
+    lines.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
+    lines.log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
+
+    if job.hf_offline:
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported
+    lines.emit(Event.STATE, state="preparing", message="loading the tokenizer and the base weights")
+    base_dir = resolve_base(job.base, job.hf_offline)
+    device, dtype = start_torch(job, lines)
+    inputs = prepare_inputs(base_dir, records, split, p, lines)
+    total_steps = inputs.total_steps
+    check_target_modules(base_dir, p.target_modules)
+    # Before the weights load too: a resume that cannot work fails in seconds.
+    resume = check_resume(job, total_steps)
+    if job.checkpoint_dir is not None:
+        open_checkpoint_dir(job.checkpoint_dir)
+    loop = load_for_training(job, base_dir, dtype, device, total_steps)
+    n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
+    lines.log(
+        f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}"
+    )
+    start, rng = apply_resume(loop, job, resume, total_steps, lines)
+    checkpointer = make_checkpointer(job, total_steps, lines)
+
+    done_steps = start.progress.step  # training moves start.progress on
+    lines.emit(Event.STATE, state="running", message=running_message(done_steps, total_steps))
+    if rng is not None:  # last: nothing may draw from them before the next step
+        restore_rng(rng, device)
+    progress, epochs = train_epochs(
+        loop, inputs.tokens, inputs.split, p, total_steps, inputs.pad_id, lines, start,
+        None if checkpointer is None else checkpointer.after_step,
+    )  # fmt: skip
+    if checkpointer is not None:
+        checkpointer.close()
+
+    lines.emit(Event.STATE, state="saving", message="saving the adapter")
+    adapter_dir = job.out_dir / ADAPTER_DIR
+    save_adapter(loop.model, adapter_dir, inputs.template)
+    summary = {
+        **describe_inputs(job, inputs, base_dir),
+        **describe_training(progress, epochs, device, dtype, started),
+        "trainable_parameters": n_trainable,
+        "versions": versions,
+        "resumed_from": describe_resume(job, resume, done_steps),
+        "checkpoints": 0 if checkpointer is None else checkpointer.writer.written,
+    }
+    (adapter_dir / TRAINING_SUMMARY).write_text(
+        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
+    )
+    lines.emit(Event.DONE, adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
+    return ExitCode.DONE
+
+
+def running_message(done_steps: int, total_steps: int) -> str:
+    """What the running line says: the steps ahead (a resumed run is past step 1)."""
+    if done_steps:
+        return f"training steps {done_steps + 1} to {total_steps}"
+    return f"training {total_steps} steps"
+
+
+def start_torch(job: JobFile, lines: LineWriter) -> tuple[Any, str]:
+    """Import torch, check the card the job asks for and keep to its budget,
+    seed; the torch device and the dtype name to train in."""
+    import torch
+
+    # Progress bars would fill the stderr tail the agent keeps for the reason of a failure.
+    with contextlib.suppress(Exception):
+        from transformers.utils import logging as hf_logging
+
+        cast(Any, hf_logging).disable_progress_bar()
+    if job.device == "cuda" and not torch.cuda.is_available():
+        raise EnvironmentFailureError(
+            "the job asks for a card but torch sees none (CUDA_VISIBLE_DEVICES?)"
+        )
+    dtype = resolve_dtype(job.params.dtype, job.device)
+    device = torch.device("cuda:0" if job.device == "cuda" else "cpu")
+    if device.type == "cuda" and job.gpu_memory_mib is not None:
+        lines.log(cap_card_memory(device, job.gpu_memory_mib))
+    random.seed(job.params.seed)
+    torch.manual_seed(job.params.seed)
+    return device, dtype
+
+
+@dataclasses.dataclass
+class Inputs:
+    """The records as training reads them, planned before the weights load."""
+
+    records: list[tuple[int, Conversation]]
+    split: tuple[list[int], list[int]]
+    template: str
+    pad_id: int
+    tokens: Tokens
+    total_steps: int
+
+
+def prepare_inputs(
+    base_dir: Path,
+    records: list[tuple[int, Conversation]],
+    split: tuple[list[int], list[int]],
+    p: Params,
+    lines: LineWriter,
+) -> Inputs:
+    """The tokenizer, its template and what step 1 needs tokenized (all the
+    training records without max_steps, else the first windows of epoch 1):
+    before the weights load, so a bad record or too short a max_seq_len fails
+    fast and the lengths are known early."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(str(base_dir), trust_remote_code=False)
+    template = chat_template_of(tokenizer)
+    if template is PLAIN_TEMPLATE:
+        lines.log("the tokenizer has no chat template; records are rendered with the plain one")
+    pad_id = tokenizer.pad_token_id
+    if pad_id is None:
+        pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
+    tokens = Tokens(
+        tokenizer, template, records, p.max_seq_len, preparing_progress(len(records), lines)
+    )
+    total_steps = plan_total_steps(tokens, split[0], p)
+    if p.max_steps > 0:
+        first = plan_grouped(
+            split[0], p.batch_size, p.gradient_accumulation, p.seed + 1, tokens.lengths, p.max_steps
+        )
+        if not first:
+            raise BadInputError(NO_ANSWER.format(p.max_seq_len))
+    log_cuts(tokens, p.max_seq_len, lines)
+    if tokens.done:  # always, past plan_total_steps and the first plan
+        lines.emit(
+            Event.LENGTHS,
+            records_tokenized=tokens.done,
+            records_cut=tokens.cut,
+            records_skipped=tokens.skipped,
+            **tokens.length_summary(),
+        )
+    tokens.on_progress = lambda done: None  # past preparing: no more state lines
+    return Inputs(records, split, template, pad_id, tokens, total_steps)
+
+
+def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, Any]:
+    """The training summary's account of what was trained on."""
+    tokens, (train, held_out) = inputs.tokens, inputs.split
+    return {
+        "job_id": job.job_id,
+        "params": dataclasses.asdict(job.params),
+        "base": {
+            "hf_repo": job.base.hf_repo,
+            "hf_revision": job.base.hf_revision if job.base.hf_repo else None,
+            "local_dir": job.base.local_dir,
+            "base_dir": str(base_dir),
+        },
+        "data_sha256": job.data_sha256,
+        "records": len(inputs.records),
+        "records_train": len(train),
+        "records_eval": len(held_out),
+        "records_cut": tokens.cut,
+        "records_skipped": tokens.skipped,
+        "records_tokenized": tokens.done,
+        "token_lengths": tokens.length_summary(),
+        "chat_template": "plain" if inputs.template is PLAIN_TEMPLATE else "tokenizer",
+    }
+
+
+def describe_training(
+    progress: Progress, epochs: int, device: Any, dtype: str, started: float
+) -> dict[str, Any]:
+    """The training summary's account of the run itself."""
+    return {
+        "final_loss": progress.last_loss,
+        "eval_loss": progress.last_eval,
+        "steps": progress.step,
+        "epochs": epochs,
+        "tokens_seen": progress.tokens,
+        "padding_tokens": progress.padding,
+        "train_time_s": round(progress.train_s, 3),
+        "wall_time_s": round(time.time() - started, 3),
+        "peak_mib": peak_mib(device),
+        "device": str(device),
+        "dtype": dtype,
+    }
+
+
+def make_checkpointer(job: JobFile, total_steps: int, lines: LineWriter) -> Checkpointer | None:
+    """The job's checkpointer; None without a checkpoint_dir or with both
+    triggers off."""
+    p = job.params
+    if job.checkpoint_dir is None or not (p.checkpoint_every_steps or p.checkpoint_every_s):
+        return None
+    meta = {"job_id": job.job_id, "fingerprint": fingerprint_of(job, total_steps)}
+    return Checkpointer(job.checkpoint_dir, p, total_steps, meta, lines)
+
+
+def save_adapter(model: Any, adapter_dir: Path, template: str) -> None:
+    """The trained adapter, as peft writes it, and the chat template it was trained with."""
+    try:
+        adapter_dir.mkdir(parents=True, exist_ok=True)
+        model.save_pretrained(str(adapter_dir), safe_serialization=True)
+        (adapter_dir / CHAT_TEMPLATE).write_text(template, encoding="utf-8")
+    except OSError as e:
+        raise EnvironmentFailureError(
+            f"saving the adapter into {adapter_dir} failed: {type(e).__name__}: {e}"
+        ) from e
