@@ -76,9 +76,15 @@ def module_pg(pg_template: str) -> Iterator[str]:
         yield url
 
 
+@pytest.fixture(scope="module")
+def gateway_env() -> dict[str, str]:
+    """More LORAFLEET_GATEWAY_* for the module's gateway (a module overrides this)."""
+    return {}
+
+
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
 async def gateway(
-    module_pg: str, tmp_path_factory: pytest.TempPathFactory
+    module_pg: str, tmp_path_factory: pytest.TempPathFactory, gateway_env: dict[str, str]
 ) -> AsyncIterator[Gateway]:
     tmp = tmp_path_factory.mktemp("gateway")
     nats = NatsServer(tmp / "nats-store")
@@ -93,7 +99,7 @@ async def gateway(
         ):
             await stack.add_model("tiny")
             await stack.agent("node-1")
-            proc = gateway_process(stack, engine, keys_file)
+            proc = gateway_process(stack, engine, keys_file, gateway_env)
             stack.procs.append(proc)
             await proc.start()
             url = (await proc.wait_for_event("gateway.listening"))["url"]
@@ -105,11 +111,14 @@ async def gateway(
         await nats.stop()
 
 
-def gateway_process(stack: Stack, engine: Engine, keys_file: Path) -> ServiceProcess:
+def gateway_process(
+    stack: Stack, engine: Engine, keys_file: Path, more: dict[str, str]
+) -> ServiceProcess:
     env = {
         "LORAFLEET_GATEWAY_ADDR": "127.0.0.1:0",
         "LORAFLEET_GATEWAY_API_KEYS_FILE": str(keys_file),
         "LORAFLEET_GATEWAY_ENGINES": engine.base_url,
         "LORAFLEET_GATEWAY_ENGINE_MODELS_TTL_S": "0.5",
+        **more,
     }
     return ServiceProcess("lorafleet_services.gateway", stack.settings, env=env)

@@ -27,8 +27,10 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 BASE = "tiny"
-#: Seconds between two streamed chunks (a first token that comes late shows).
+#: Seconds between two streamed chunks (a first token that comes late shows);
+#: SLOW_GAP_S when the prompt says "slowly" (a buffering relay shows).
 CHUNK_GAP_S = 0.005
+SLOW_GAP_S = 0.4
 models = [BASE]
 
 
@@ -48,7 +50,7 @@ async def load_adapter(request: Request) -> Response:
     return Response(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
 
 
-def _chunks(kind: str, model: str, text: str) -> AsyncIterator[bytes]:
+def _chunks(kind: str, model: str, text: str, gap_s: float) -> AsyncIterator[bytes]:
     async def gen() -> AsyncIterator[bytes]:
         for i, word in enumerate(text.split(" ")):
             piece = word if i == 0 else " " + word
@@ -61,7 +63,7 @@ def _chunks(kind: str, model: str, text: str) -> AsyncIterator[bytes]:
             chunk = {"id": "cmpl-1", "object": obj, "created": int(time.time()),
                      "model": model, "choices": [choice]}  # fmt: skip
             yield f"data: {json.dumps(chunk)}\n\n".encode()
-            await asyncio.sleep(CHUNK_GAP_S)
+            await asyncio.sleep(gap_s)
         yield b"data: [DONE]\n\n"
 
     return gen()
@@ -80,7 +82,9 @@ def completion(kind: str) -> Any:
         prompt = body["messages"][-1]["content"] if kind == "chat" else body["prompt"]
         text = answer_of(model, prompt)
         if body.get("stream"):
-            return StreamingResponse(_chunks(kind, model, text), media_type="text/event-stream")
+            gap_s = SLOW_GAP_S if "slowly" in prompt else CHUNK_GAP_S
+            chunks = _chunks(kind, model, text, gap_s)
+            return StreamingResponse(chunks, media_type="text/event-stream")
         if kind == "chat":
             message = {"role": "assistant", "content": text}
             choice: dict[str, Any] = {"index": 0, "finish_reason": "stop", "message": message}

@@ -13,7 +13,7 @@ from openai import AsyncOpenAI
 from openai.types.fine_tuning import FineTuningJob
 
 from tests.gateway.conftest import Gateway
-from tests.gateway.engine import answer_of
+from tests.gateway.engine import SLOW_GAP_S, answer_of
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
@@ -130,3 +130,14 @@ async def paginate_and_cancel(sdk: AsyncOpenAI, alice: AsyncOpenAI) -> None:
     assert (await sdk.fine_tuning.jobs.retrieve(made[0])).status == "cancelled"
     for job_id in made[1:]:
         await sdk.fine_tuning.jobs.cancel(job_id)
+
+
+async def test_a_stream_is_relayed_as_the_engine_sends_it(gateway: Gateway) -> None:
+    """The engine waits SLOW_GAP_S between chunks: the first must arrive long
+    before the last (a relay that buffered would deliver them together)."""
+    async with gateway.sdk() as sdk:
+        started = time.monotonic()
+        stream = await sdk.completions.create(model="tiny", prompt="answer me slowly", stream=True)
+        arrivals = [time.monotonic() - started async for _ in stream]
+    assert len(arrivals) >= 3
+    assert arrivals[-1] - arrivals[0] >= 2 * SLOW_GAP_S
