@@ -43,15 +43,15 @@ class Gateway:
     url: str
     keys: dict[str, str]
 
-    def sdk(self, client: str = "alice", **options: object) -> AsyncOpenAI:
-        """The SDK as a user makes it: base_url and api_key; no retries, so
-        that each error shows as the SDK raises it."""
-        return AsyncOpenAI(
-            base_url=f"{self.url}/v1",
-            api_key=self.keys.get(client, client),
-            max_retries=0,
-            **options,  # type: ignore[arg-type]
-        )
+    def sdk(self, client: str = "alice") -> AsyncOpenAI:
+        """The SDK for `client`'s key (a name without a key is sent as the key)."""
+        return sdk_for(self.url, self.keys.get(client, client))
+
+
+def sdk_for(url: str, key: str) -> AsyncOpenAI:
+    """The SDK as a user makes it: base_url and api_key; no retries, so that
+    each error shows as the SDK raises it."""
+    return AsyncOpenAI(base_url=f"{url}/v1", api_key=key, max_retries=0)
 
 
 @contextlib.asynccontextmanager
