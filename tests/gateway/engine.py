@@ -110,7 +110,7 @@ app = Starlette(
 
 
 def main() -> None:
-    sock = socket.socket()
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP_NODELAY
     sock.bind(("127.0.0.1", 0))
     print(f"listening http://127.0.0.1:{sock.getsockname()[1]}", flush=True)
     config = uvicorn.Config(app, log_level="warning", access_log=False, lifespan="off")

@@ -38,7 +38,11 @@ STARTED_POLL_S = 0.01
 def _bind(addr: str) -> socket.socket:
     """The listening socket of `addr`; a port in use is a SettingsError (exit 2)."""
     host, port = parse_host_port(addr, "LORAFLEET_GATEWAY_ADDR")
-    sock = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    # IPPROTO_TCP named: asyncio sets TCP_NODELAY only on sockets whose proto
+    # says TCP, and an accepted socket inherits proto 0 from socket.socket()'s
+    # default; without it every answer waits out a delayed ACK (~40 ms).
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host or "0.0.0.0", port))
