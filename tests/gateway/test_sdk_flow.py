@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import time
+from pathlib import Path
 
 import httpx2
 import pytest
@@ -141,3 +142,29 @@ async def test_a_stream_is_relayed_as_the_engine_sends_it(gateway: Gateway) -> N
         arrivals = [time.monotonic() - started async for _ in stream]
     assert len(arrivals) >= 3
     assert arrivals[-1] - arrivals[0] >= 2 * SLOW_GAP_S
+
+
+async def test_pause_keeps_the_checkpoint_and_resume_finishes_from_it(gateway: Gateway) -> None:
+    trainer = Path(__file__).resolve().parents[1] / "agent" / "checkpointing_trainer.py"
+    knobs = {"LORAFLEET_STANDIN_TEST_STEPS": "60", "LORAFLEET_STANDIN_TEST_STEP_S": "0.1",
+             "LORAFLEET_STANDIN_TEST_EVERY": "2"}  # fmt: skip
+    await gateway.stack.agent("node-ckpt", env=knobs, trainer=str(trainer))
+    async with gateway.sdk() as sdk:
+        uploaded = await sdk.files.create(file=("pairs.jsonl", DATA), purpose="fine-tune")
+        job = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=uploaded.id,
+            extra_body={"lorafleet": {"node": "node-ckpt", "gpu_memory_mib": 1000,
+                                      "checkpoint_every_steps": 2}},
+        )  # fmt: skip
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not [c async for c in sdk.fine_tuning.jobs.checkpoints.list(job.id)]:
+            assert time.monotonic() < deadline, "no checkpoint was stored"
+            await asyncio.sleep(0.2)
+        paused = await sdk.fine_tuning.jobs.pause(job.id)
+        assert paused.status == "paused"
+        assert (await wait_status(sdk, job.id, "paused")).lorafleet["state"] == "cancelled"  # type: ignore[attr-defined]
+        resumed = await sdk.fine_tuning.jobs.resume(job.id)
+        assert resumed.status in ("queued", "running")
+        done = await wait_status(sdk, job.id, "succeeded", "failed")
+        assert done.status == "succeeded", done
+        assert done.lorafleet["attempt"] == 2  # type: ignore[attr-defined]
