@@ -8,6 +8,7 @@ import json
 import openai
 import pytest
 
+from tests.eventually import eventually
 from tests.gateway.conftest import Gateway
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
@@ -45,6 +46,9 @@ async def test_what_does_not_exist_is_not_found(gateway: Gateway) -> None:
         assert caught.value.code == "model_not_found" and "served by no engine" in str(
             caught.value.message
         )
+        with pytest.raises(openai.NotFoundError) as caught:
+            await sdk.get("/assistants", cast_to=object)
+        assert caught.value.code == "unknown_route"
         # Another key's file is not found, not forbidden: it is not there for this key.
         uploaded = await sdk.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
     async with gateway.sdk("bob") as bob:
@@ -108,7 +112,12 @@ async def test_a_key_with_too_many_requests_in_flight_is_rate_limited(gateway: G
             await sdk.files.list()  # while the stream holds this key's one slot
         assert caught.value.status_code == 429
         await stream.close()
-        assert (await sdk.files.list()).object == "list"
+        # The slot is free once the gateway's relay of the stream has ended.
+        listed = await eventually(
+            sdk.files.list, "the key's slot to be free", retry_on=(openai.RateLimitError,),
+            timeout_s=5.0,
+        )  # fmt: skip
+        assert listed.object == "list"
 
 
 async def test_a_control_plane_that_does_not_answer_is_unavailable(gateway: Gateway) -> None:

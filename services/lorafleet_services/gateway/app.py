@@ -24,6 +24,7 @@ import msgspec
 import nats.errors
 from starlette.applications import Starlette
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 from starlette.routing import Route
@@ -114,6 +115,13 @@ def _log_refused(error: GatewayHttpError, path: str, owner: str | None) -> None:
 async def _on_error(request: Request, exc: Exception) -> Response:
     if isinstance(exc, GatewayHttpError):
         error = exc
+    elif isinstance(exc, HTTPException):  # Starlette's own: no route, wrong method
+        error = GatewayHttpError(
+            exc.status_code,
+            f"{request.method} {request.url.path}: {exc.detail}; docs/gateway.md lists "
+            "what the gateway serves",
+            code="unknown_route",
+        )
     elif isinstance(exc, ApiError):
         error = from_lorafleet(exc)
     else:
@@ -215,6 +223,7 @@ def make_app(ctx: GatewayContext, keys: KeyRing) -> ASGIApp:
         Route("/v1/completions", Inference("completions").handle, methods=["POST"]),
     ]
     errors: dict[Any, Any] = {
+        HTTPException: _on_error,
         GatewayHttpError: _on_error,
         ApiError: _on_error,
         nats.errors.NoRespondersError: _on_error,
