@@ -7,8 +7,8 @@ OpenAI's shape (http_errors.py), logged once as `gateway.refused`.
 
 Inference (`/v1/chat/completions`, `/v1/completions`) reads only `model`
 from the body, asks `ModelRoutes` where it is served and forwards the body
-unchanged; the engine's answer is passed through as it arrives (a stream's
-server-sent events are relayed chunk by chunk, never buffered).
+unchanged; a stream's server-sent events are relayed chunk by chunk as
+they arrive, never buffered, and a whole answer is passed on whole.
 """
 
 from __future__ import annotations
@@ -194,11 +194,19 @@ class Inference:
                 503, f"the engine at {route.base_url} did not answer ({e!r}): retry, or "
                 "check the engine", code="engine_unavailable",
             ) from None  # fmt: skip
-        kept: dict[str, Any] = {"content-type": reply.headers.get("content-type", "")}
+        media_type = reply.headers.get("content-type", "")
+        if not media_type.startswith("text/event-stream"):
+            # A whole answer (JSON, an error): read and sent in one piece,
+            # which saves chunked encoding's extra writes.
+            try:
+                body = await reply.aread()
+            finally:
+                await reply.aclose()
+            return Response(body, status_code=reply.status_code, media_type=media_type or None)
         return StreamingResponse(
             reply.aiter_raw(),
             status_code=reply.status_code,
-            headers={k: v for k, v in kept.items() if v},
+            media_type=media_type,
             background=BackgroundTask(reply.aclose),
         )
 
