@@ -62,10 +62,9 @@ def artifact_store_cmd() -> None:
 def gateway_cmd() -> None:
     """Run the HTTP gateway (OpenAI's fine-tuning API, inference routed to the
     engines) until SIGTERM; its settings are LORAFLEET_GATEWAY_* (docs/gateway.md)."""
-    from lorafleet import _runtime as runtime
-    from lorafleet_services.gateway.service import PROGRAM
+    from lorafleet_services.gateway.service import main
 
-    runtime.main(PROGRAM)
+    main()
 
 
 @app.command("agent", rich_help_panel="Services")

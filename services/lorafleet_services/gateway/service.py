@@ -113,8 +113,16 @@ class Gateway:
         await self.http.aclose()
 
 
-async def make(nc: Nats, settings: Settings) -> Gateway:
-    return Gateway(nc, settings, GatewayConfig.from_env())
+def program(config: GatewayConfig) -> runtime.Program:
+    """The gateway with `config` as a process (`runtime.main(program(config))`);
+    the config is read before, so that a bad setting stops it before it connects."""
+
+    async def make(nc: Nats, settings: Settings) -> Gateway:
+        return Gateway(nc, settings, config)
+
+    return runtime.Program("gateway", make)
 
 
-PROGRAM = runtime.Program("gateway", make)
+def main() -> None:
+    """`lorafleet gateway`: LORAFLEET_* and LORAFLEET_GATEWAY_* from the environment."""
+    runtime.main(program(runtime.read_or_exit("gateway", GatewayConfig.from_env)))
