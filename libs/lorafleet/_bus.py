@@ -324,6 +324,17 @@ class Layout:
             description="lorafleet scheduler leadership",
         )
 
+    def gateway_kv(self) -> KeyValueConfig:
+        # Values live until deleted: a file object or a job's OpenAI fields
+        # must survive a gateway restart (lorafleet_services.gateway.state).
+        return KeyValueConfig(
+            bucket=self.names.gateway_bucket,
+            history=1,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            description="lorafleet gateway: file objects, jobs' OpenAI fields",
+        )
+
     def datasets_store(self) -> ObjectStoreConfig:
         return ObjectStoreConfig(
             bucket=self.names.datasets_bucket,
@@ -359,7 +370,7 @@ async def ensure_layout(
                 await js.add_stream(cfg)
             except nats.js.errors.BadRequestError:
                 await js.update_stream(cfg)
-    for part in ("nodes_kv", "leader_kv"):
+    for part in ("nodes_kv", "leader_kv", "gateway_kv"):
         if wanted(part):
             await js.create_key_value(getattr(layout, part)())
     for part in ("datasets_store", "artifacts_store"):
