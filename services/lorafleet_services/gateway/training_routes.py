@@ -22,6 +22,7 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lorafleet import log
+from lorafleet.training_data import DataError, validate
 from lorafleet_schemas.messages import JobRecord
 from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
@@ -31,7 +32,6 @@ from lorafleet_services.gateway.openai_shapes import (
     FileObject,
     JobCreate,
 )
-from lorafleet_services.gateway.records import DataError, validate
 from lorafleet_services.gateway.state import FileRecord, JobFields
 
 #: The only purpose lorafleet keeps files for.

@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from lorafleet import estimate, log, metrics
+from lorafleet import estimate, log, metrics, training_data
 from lorafleet._bus import encode
 from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
@@ -44,7 +44,7 @@ from lorafleet_schemas.messages import (
     TransitionReply,
     TransitionRequest,
 )
-from lorafleet_services.recorder import data, job_writes, store
+from lorafleet_services.recorder import job_writes, store
 from lorafleet_services.recorder.db import Sessions
 from lorafleet_services.recorder.fold import Move
 from lorafleet_services.recorder.job_writes import JobChange, StatusResult
@@ -222,8 +222,8 @@ class RecorderApi:
     @staticmethod
     def _check_data(content: bytes, where: str) -> tuple[int, str]:
         try:
-            return data.validate(content)
-        except data.DataError as e:
+            return training_data.validate(content)
+        except training_data.DataError as e:
             raise BadRequestError(f"the training data: {e}", where) from None
 
     async def jobs_get(self, req: JobGetRequest) -> JobRecord:
