@@ -2,7 +2,7 @@
 
 Profiles (LORAFLEET_FUZZ_PROFILE): "default" (random, with hypothesis's
 example database under .hypothesis/) and "ci" (derandomized: the same
-examples every run, no database). LORAFLEET_FUZZ_EXAMPLES sets
+examples every run, no database), the default where CI is set. LORAFLEET_FUZZ_EXAMPLES sets
 `max_examples` per test (default 12; each endpoint has a valid and an
 invalid test, so about 340 requests in all).
 """
@@ -26,4 +26,6 @@ settings.register_profile(
 settings.register_profile(
     "ci", parent=settings.get_profile("default"), derandomize=True, database=None
 )
-settings.load_profile(os.environ.get("LORAFLEET_FUZZ_PROFILE", "default"))
+settings.load_profile(
+    os.environ.get("LORAFLEET_FUZZ_PROFILE", "ci" if os.environ.get("CI") else "default")
+)

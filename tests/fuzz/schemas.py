@@ -91,7 +91,8 @@ def _numbers(schema: Schema) -> st.SearchStrategy[float]:
 def _strings(schema: Schema) -> st.SearchStrategy[str]:
     _check_known(schema, {"type", "pattern", "minLength", "maxLength"})
     if "pattern" in schema:
-        return st.from_regex(schema["pattern"], fullmatch=True)
+        pattern: str = schema["pattern"]  # a str pattern draws str
+        return st.from_regex(pattern, fullmatch=True)
     return st.text(min_size=schema.get("minLength", 0), max_size=schema.get("maxLength", 40))
 
 
