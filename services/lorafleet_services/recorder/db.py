@@ -113,7 +113,17 @@ def sessions(engine: AsyncEngine) -> Sessions:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+def _quiet_alembic() -> None:
+    """Alembic's INFO lines (on import, "setup plugin ...", and as it
+    migrates) are plain text; the services log JSON lines only. Called
+    before each import of Alembic: it is imported only when it is used."""
+    alembic_log = logging.getLogger("alembic")
+    if alembic_log.level == logging.NOTSET:
+        alembic_log.setLevel(logging.WARNING)
+
+
 def alembic_config(url: str) -> Config:
+    _quiet_alembic()
     from alembic.config import Config
 
     cfg = Config()
@@ -147,10 +157,7 @@ def migrate(url: str) -> None:
         _sqlite_parent(url)
     if revision(url) == HEAD_REVISION:
         return
+    _quiet_alembic()
     from alembic import command
 
-    # Alembic's INFO lines are plain text; the services log JSON lines only.
-    alembic_log = logging.getLogger("alembic")
-    if alembic_log.level == logging.NOTSET:
-        alembic_log.setLevel(logging.WARNING)
     command.upgrade(alembic_config(url), "head")
