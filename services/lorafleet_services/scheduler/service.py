@@ -99,7 +99,12 @@ class Scheduler:
             self.js, self.names, self.instance, self.logger, clock, on_acquired=self._wake.set
         )
         self.dispatcher = Dispatcher(
-            RecorderClient(nc, self.names, settings.request_timeout_s),
+            RecorderClient(
+                nc,
+                self.names,
+                settings.request_timeout_s,
+                no_responders_retry_s=settings.no_responders_retry_s,
+            ),
             AgentRequests(nc, self.names, settings.request_timeout_s),
             self.nodes.table,
             clock,
