@@ -1,0 +1,165 @@
+"""An async client for one vLLM server's OpenAI-compatible API: the calls the
+agent makes to serve adapters, nothing more.
+
+`VllmClient(url, api_key=None)`: `models()`, `load_lora_adapter(name, path)`,
+`unload_lora_adapter(name)`, `prompt_logprobs(model, token_ids)` (a
+completion with `echo` and `logprobs`), `health()`. The API key goes as
+`Authorization: Bearer <key>` when given. Every failure is a `VllmError`
+naming the engine's URL: `VllmUnreachableError` (no answer: connection
+refused, timeout) or `VllmRequestError` (the engine answered an error status,
+with its message). Responses are decoded with msgspec into the wire shapes
+below, tolerant of fields this client does not read.
+"""
+
+from __future__ import annotations
+
+from types import TracebackType
+from typing import Any
+
+import httpx
+import msgspec
+
+#: One request's bound; a load reads the adapter from disk, a few seconds at most.
+REQUEST_TIMEOUT_S = 30.0
+
+
+class VllmError(Exception):
+    """A call to a vLLM server failed; `url` is the server's."""
+
+    def __init__(self, url: str, message: str) -> None:
+        super().__init__(f"vLLM at {url}: {message}")
+        self.url = url
+
+
+class VllmUnreachableError(VllmError):
+    """The server did not answer (refused, reset, timed out)."""
+
+
+class VllmRequestError(VllmError):
+    """The server answered with an error status; `status` and `detail` are its."""
+
+    def __init__(self, url: str, status: int, detail: str) -> None:
+        super().__init__(url, f"HTTP {status}: {detail}")
+        self.status = status
+        self.detail = detail
+
+
+class ModelCard(msgspec.Struct):
+    """One entry of `GET /v1/models`: a base model (parent None) or a LoRA
+    adapter (parent: the base's served name; root: the adapter's path)."""
+
+    id: str
+    root: str | None = None
+    parent: str | None = None
+    max_model_len: int | None = None
+
+
+class _ModelList(msgspec.Struct):
+    data: list[ModelCard]
+
+
+class _Logprobs(msgspec.Struct):
+    token_logprobs: list[float | None]
+
+
+class _Choice(msgspec.Struct):
+    text: str
+    logprobs: _Logprobs | None = None
+
+
+class _Completion(msgspec.Struct):
+    choices: list[_Choice]
+
+
+class VllmClient:
+    """One server's API. Use as an async context manager, or `aclose()`."""
+
+    def __init__(
+        self, url: str, api_key: str | None = None, timeout_s: float = REQUEST_TIMEOUT_S
+    ) -> None:
+        self.url = url.rstrip("/")
+        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._http = httpx.AsyncClient(base_url=self.url, headers=headers, timeout=timeout_s)
+
+    async def __aenter__(self) -> VllmClient:
+        return self
+
+    async def __aexit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        await self.aclose()
+
+    async def aclose(self) -> None:
+        await self._http.aclose()
+
+    async def health(self) -> bool:
+        """The server answers /health with 200 (it has finished starting)."""
+        try:
+            return (await self._http.get("/health")).status_code == 200
+        except httpx.TransportError:
+            return False
+
+    async def models(self) -> list[ModelCard]:
+        """What the server serves: its base model(s) and the adapters loaded."""
+        body = await self._call("GET", "/v1/models")
+        return msgspec.json.decode(body, type=_ModelList).data
+
+    async def load_lora_adapter(self, name: str, path: str) -> None:
+        """Load the adapter directory `path` (read by the server) as model `name`."""
+        await self._call("POST", "/v1/load_lora_adapter", {"lora_name": name, "lora_path": path})
+
+    async def unload_lora_adapter(self, name: str) -> None:
+        await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
+
+    async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
+        """The log-probability `model` gives each prompt token after the ones
+        before it (len(token_ids) - 1 values: the first token has none)."""
+        request = {
+            "model": model,
+            "prompt": token_ids,
+            "max_tokens": 1,
+            "temperature": 0.0,
+            "echo": True,
+            "logprobs": 0,
+        }
+        body = await self._call("POST", "/v1/completions", request)
+        choice = msgspec.json.decode(body, type=_Completion).choices[0]
+        if choice.logprobs is None:
+            raise VllmError(self.url, "the completion came back without logprobs")
+        # Echoed: one entry per prompt token (the first None), then the generated one.
+        values = choice.logprobs.token_logprobs[1 : len(token_ids)]
+        return [float(v) if v is not None else float("nan") for v in values]
+
+    async def complete(self, model: str, prompt: str, max_tokens: int = 16) -> str:
+        """A greedy completion's text (the tests' requests in flight)."""
+        request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
+        body = await self._call("POST", "/v1/completions", request)
+        return msgspec.json.decode(body, type=_Completion).choices[0].text
+
+    async def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> bytes:
+        try:
+            response = await self._http.request(method, path, json=payload)
+        except httpx.TransportError as exc:
+            raise VllmUnreachableError(self.url, f"{method} {path}: {exc!r}") from exc
+        if response.status_code >= 400:
+            raise VllmRequestError(self.url, response.status_code, _detail(response))
+        return response.content
+
+
+def _detail(response: httpx.Response) -> str:
+    """The server's error message: {"error": {"message"}} (newer) or
+    {"message"} (older), else the body's start."""
+    try:
+        body = response.json()
+    except ValueError:
+        return response.text[:500]
+    if isinstance(body, dict):
+        inner = body.get("error")
+        if isinstance(inner, dict) and "message" in inner:
+            return str(inner["message"])
+        if "message" in body:
+            return str(body["message"])
+    return response.text[:500]
