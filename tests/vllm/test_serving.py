@@ -12,6 +12,7 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -28,7 +29,11 @@ from lorafleet_services.agent.adapter_serving import (
     serve_adapter,
     unserve_adapter,
 )
-from lorafleet_services.agent.running_engines import VllmServer, scan_vllm_processes
+from lorafleet_services.agent.running_engines import (
+    VllmServer,
+    running_vllm_servers,
+    scan_vllm_processes,
+)
 from lorafleet_services.agent.vllm_client import (
     VllmClient,
     VllmRequestError,
@@ -95,6 +100,11 @@ def test_the_scan_reads_the_running_server(vllm_server: RunningVllm, engine: Vll
     assert (engine.enable_lora, engine.max_lora_rank) == (True, MAX_LORA_RANK)
     assert (engine.max_loras, engine.max_cpu_loras) == (MAX_LORAS, MAX_LORAS)
     assert engine.runtime_updating is True
+
+    # Configured: the scan's flags where it finds the port on this host, the key kept.
+    local, remote = running_vllm_servers([f"{vllm_server.url}|k", "http://10.9.9.9:8000"])
+    assert local == replace(engine, api_key="k")
+    assert remote == VllmServer(url="http://10.9.9.9:8000")
 
 
 async def test_served_matches_peft_then_unserved(

@@ -123,7 +123,7 @@ class VllmClient:
             "max_tokens": 1,
             "temperature": 0.0,
             "echo": True,
-            "logprobs": 0,
+            "logprobs": 1,
         }
         body = await self._call("POST", "/v1/completions", request)
         choice = msgspec.json.decode(body, type=_Completion).choices[0]
