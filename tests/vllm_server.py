@@ -5,8 +5,9 @@
 `python -m vllm.entrypoints.openai.api_server` with LoRA on (rank 16, two
 adapters, runtime loading allowed), on a free port, in its own session and
 dying with the test process; it is ready when /health answers 200 (about
-40 s on two cores), and stopped by its process group (SIGTERM, then SIGKILL
-after `STOP_GRACE_S`). A server that exits or never gets ready fails with
+40 s on two cores) and a first completion (tens of seconds more) is done;
+it is stopped by its process group (SIGTERM, then SIGKILL after
+`STOP_GRACE_S`). A server that exits or never gets ready fails with
 the end of its log. The session fixture `vllm_server` (tests/conftest.py)
 starts one per test session; tests share it and leave it as they found it.
 """
@@ -14,6 +15,7 @@ starts one per test session; tests share it and leave it as they found it.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -77,6 +79,7 @@ def running_vllm(python: Path, model_dir: Path, log_path: Path) -> Iterator[Runn
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log_path)
+        _warm_up(url, model_dir)
         yield RunningVllm(url, python, model_dir, proc.pid, log_path)
     finally:
         _stop(proc)
@@ -95,6 +98,17 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> No
             pass
         time.sleep(0.5)
     raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
+
+
+def _warm_up(url: str, model_dir: Path) -> None:
+    """One completion: the engine's first request takes tens of seconds on a
+    busy CPU (later ones a tenth of a second), more than a test's request bound."""
+    body = json.dumps({"model": str(model_dir), "prompt": "Hello", "max_tokens": 1}).encode()
+    request = urllib.request.Request(
+        f"{url}/v1/completions", body, {"Content-Type": "application/json"}
+    )
+    with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
+        response.read()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:

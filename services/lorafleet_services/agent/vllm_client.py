@@ -2,8 +2,8 @@
 agent makes to serve adapters, nothing more.
 
 `VllmClient(url, api_key=None)`: `models()`, `load_lora_adapter(name, path)`,
-`unload_lora_adapter(name)`, `prompt_logprobs(model, token_ids)` (a
-completion with `echo` and `logprobs`), `health()`. The API key goes as
+`unload_lora_adapter(name)`, `greedy_logprobs(model, token_ids, n)` (a
+greedy completion's token ids and logprobs), `complete()`, `health()`. The API key goes as
 `Authorization: Bearer <key>` when given. Every failure is a `VllmError`
 naming the engine's URL: `VllmUnreachableError` (no answer: connection
 refused, timeout) or `VllmRequestError` (the engine answered an error status,
@@ -21,6 +21,9 @@ import msgspec
 
 #: One request's bound; a load reads the adapter from disk, a few seconds at most.
 REQUEST_TIMEOUT_S = 30.0
+#: The first request with an adapter after the engine's start took over 30 s
+#: on the CPU build (later ones a tenth of a second): the probe's bound.
+PROBE_REQUEST_TIMEOUT_S = 300.0
 
 
 class VllmError(Exception):
@@ -59,6 +62,7 @@ class _ModelList(msgspec.Struct):
 
 
 class _Logprobs(msgspec.Struct):
+    tokens: list[str]
     token_logprobs: list[float | None]
 
 
@@ -114,24 +118,30 @@ class VllmClient:
     async def unload_lora_adapter(self, name: str) -> None:
         await self._call("POST", "/v1/unload_lora_adapter", {"lora_name": name})
 
-    async def prompt_logprobs(self, model: str, token_ids: list[int]) -> list[float]:
-        """The log-probability `model` gives each prompt token after the ones
-        before it (len(token_ids) - 1 values: the first token has none)."""
+    async def greedy_logprobs(
+        self, model: str, token_ids: list[int], max_tokens: int
+    ) -> tuple[list[int], list[float]]:
+        """`model`'s greedy continuation of the prompt `token_ids`: exactly
+        `max_tokens` token ids (end of sequence ignored) and the log-probability
+        of each. (Not the prompt's own logprobs: see peft_probe.py.)"""
         request = {
             "model": model,
             "prompt": token_ids,
-            "max_tokens": 1,
+            "max_tokens": max_tokens,
             "temperature": 0.0,
-            "echo": True,
+            "ignore_eos": True,
             "logprobs": 1,
+            "return_tokens_as_token_ids": True,
         }
-        body = await self._call("POST", "/v1/completions", request)
+        body = await self._call("POST", "/v1/completions", request, PROBE_REQUEST_TIMEOUT_S)
         choice = msgspec.json.decode(body, type=_Completion).choices[0]
         if choice.logprobs is None:
             raise VllmError(self.url, "the completion came back without logprobs")
-        # Echoed: one entry per prompt token (the first None), then the generated one.
-        values = choice.logprobs.token_logprobs[1 : len(token_ids)]
-        return [float(v) if v is not None else float("nan") for v in values]
+        ids = [int(t.rpartition(":")[2]) for t in choice.logprobs.tokens]
+        values = [
+            float(v) if v is not None else float("nan") for v in choice.logprobs.token_logprobs
+        ]
+        return ids, values
 
     async def complete(self, model: str, prompt: str, max_tokens: int = 16) -> str:
         """A greedy completion's text (the tests' requests in flight)."""
@@ -139,9 +149,16 @@ class VllmClient:
         body = await self._call("POST", "/v1/completions", request)
         return msgspec.json.decode(body, type=_Completion).choices[0].text
 
-    async def _call(self, method: str, path: str, payload: dict[str, Any] | None = None) -> bytes:
+    async def _call(
+        self,
+        method: str,
+        path: str,
+        payload: dict[str, Any] | None = None,
+        timeout_s: float | None = None,
+    ) -> bytes:
+        bound = httpx.USE_CLIENT_DEFAULT if timeout_s is None else httpx.Timeout(timeout_s)
         try:
-            response = await self._http.request(method, path, json=payload)
+            response = await self._http.request(method, path, json=payload, timeout=bound)
         except httpx.TransportError as exc:
             raise VllmUnreachableError(self.url, f"{method} {path}: {exc!r}") from exc
         if response.status_code >= 400:
