@@ -39,8 +39,10 @@ Entry = dict[str, Any]
 #: The job states that end a job (lorafleet.states.FINAL, as the wire spells them).
 FINAL_STATES = frozenset({"done", "failed", "cancelled"})
 #: Seconds an attempt may take beyond its training and the node timeout: a
-#: start on a loaded 2-core machine, dispatch, delivery, a retry's requeue.
-ATTEMPT_SLACK_S = 30.0
+#: start request the agent did not answer is sent again by the scheduler's
+#: reconcile some 30 s later (seen in runs: a link cut as it was sent), then
+#: the start on a loaded 2-core machine, the delivery, a retry's requeue.
+ATTEMPT_SLACK_S = 40.0
 #: Seconds after its node was last touched that a lost node is still explained.
 LOSS_SLACK_S = 3.0
 #: Seconds a trainer may outlive its job (beyond node timeout and cancel grace):

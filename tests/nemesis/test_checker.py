@@ -70,13 +70,13 @@ def test_a_job_ending_past_its_bound_is_caught() -> None:
     h.add("job.submitted", 1.0, job="a", node="node-1", max_attempts=1, steps=10, cancel=False)
     # queued behind other jobs on node-1 until 20 s: its clock starts there
     h.add("job.state", 20.0, job="a", state="starting", node="node-1", attempt=1)
-    # bound: 1 x (10 x 0.1 + 3 + 30) = 34 s with no fault meanwhile
-    h.add("job.state", 60.0, job="a", state="failed", node="node-1", attempt=1)
+    # bound: 1 x (10 x 0.1 + 3 + 40) = 44 s with no fault meanwhile
+    h.add("job.state", 70.0, job="a", state="failed", node="node-1", attempt=1)
     h.end(a={"state": "failed", "curve_steps": [], "artifacts": []})
     violations = check(h.entries)
     assert [v.rule for v in violations] == ["final-state"]
-    assert "bound is 34.0 s" in violations[0].message
-    assert "took 40.0 s from its dispatch" in violations[0].message
+    assert "bound is 44.0 s" in violations[0].message
+    assert "took 50.0 s from its dispatch" in violations[0].message
 
 
 def test_a_job_waiting_its_turn_is_within_its_bound() -> None:
@@ -93,7 +93,7 @@ def test_faults_under_way_extend_the_bound() -> None:
     h.add("job.submitted", 1.0, job="a", node=None, max_attempts=1, steps=10, cancel=False)
     h.add("fault.start", 2.0, id=1, fault="nats.kill", target="nats-1", node=None)
     h.add("fault.end", 12.0, id=1)
-    h.add("job.state", 40.0, job="a", state="failed", node="node-1", attempt=1)
+    h.add("job.state", 50.0, job="a", state="failed", node="node-1", attempt=1)
     h.end(a={"state": "failed", "curve_steps": [], "artifacts": []})
     assert check(h.entries) == []
 
@@ -191,7 +191,7 @@ def test_the_report_names_the_seed_and_quotes_the_window() -> None:
     h.add("fault.start", 2.5, id=1, fault="recorder.sigkill", target="recorder-1", node=None)
     h.add("fault.end", 3.0, id=1)
     h.add("trainer.alive", 3.5, job="c", node="node-2", pid=41)  # another job: left out
-    h.add("job.state", 50.0, job="b", state="failed", node="node-1", attempt=1)
+    h.add("job.state", 60.0, job="b", state="failed", node="node-1", attempt=1)
     h.end(a={}, b={"state": "failed", "curve_steps": [], "artifacts": []})
     violations = check(h.entries)
     [v] = violations
