@@ -19,6 +19,9 @@ runner (bench/nemesis.py) writes these kinds:
 - `final.orphan`: subject, newest_wall (an object chunk no object refers to).
 - `final.trainers`: alive [pids] (trainer processes left at the end).
 - `store.started`: the artifact-store (re)started (it sweeps at start).
+- `fault.error`: fault, target, error (a fault's do or undo failed: a
+  restarted service did not start, the cluster did not become ready).
+- `heal`: target (a service found not running once the faults were over).
 
 `check(history)` returns every violation of the rules below, each with the
 indices of the entries that show it; `window()` the smallest stretch of the
@@ -117,6 +120,7 @@ def check(history: list[Entry]) -> list[Violation]:
         *no_false_node_loss(history),
         *no_trainer_outlives_its_job(history),
         *no_orphans_after_sweep(history),
+        *everything_comes_back(history),
     ]
 
 
@@ -286,6 +290,18 @@ def no_orphans_after_sweep(history: list[Entry]) -> Iterator[Violation]:
                 "artifact-store's last sweep",
                 (i,),
             )
+
+
+def everything_comes_back(history: list[Entry]) -> Iterator[Violation]:
+    """Every fault is undone (a killed service starts again, a member rejoins)
+    and no service is found down once the faults are over (it died by itself,
+    or its restart failed)."""
+    for i, e in _of(history, "fault.error"):
+        yield Violation(
+            "comes-back", f"{e['fault']} of {e['target']} was not undone: {e['error'][-300:]}", (i,)
+        )
+    for i, e in _of(history, "heal"):
+        yield Violation("comes-back", f"{e['target']} was down after the faults", (i,))
 
 
 def window(history: list[Entry], violation: Violation) -> list[tuple[int, Entry]]:

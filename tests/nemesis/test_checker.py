@@ -183,6 +183,21 @@ def test_an_orphan_the_last_sweep_should_have_taken_is_caught() -> None:
     assert rules(h) == ["orphan"]
 
 
+def test_a_service_that_did_not_come_back_is_caught() -> None:
+    h = History()
+    h.job("a")
+    h.add("fault.start", 2.0, id=1, fault="process.sigterm", target="scheduler-2", node=None)
+    h.add("fault.error", 9.0, fault="process.sigterm", target="scheduler-2",
+          error="ServiceStartError('... nats: timeout')")  # fmt: skip
+    h.add("fault.end", 9.0, id=1)
+    h.add("heal", 10.0, target="scheduler-2")
+    h.end(a={})
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["comes-back", "comes-back"]
+    assert "was not undone" in violations[0].message
+    assert "down after the faults" in violations[1].message
+
+
 def test_the_report_names_the_seed_and_quotes_the_window() -> None:
     h = History()
     h.job("a")
