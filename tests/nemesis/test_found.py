@@ -5,13 +5,20 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
 from pathlib import Path
 
 from lorafleet import _bus as bus
 from lorafleet.natscluster import NatsCluster
+from lorafleet_schemas.messages import JobState
 from tests.procs import ServiceProcess
-from tests.system.conftest import system_settings
+from tests.system.conftest import Stack, system_settings
 
+#: Seconds the scheduler stays paused: past the node timeout (3 s).
+PAUSED_S = 4.0
+#: Seconds after it resumes in which a false loss would show.
+AFTER_S = 3.0
 #: Seconds the member stays cut off: longer than a JetStream request's
 #: timeout, so a start that does not try again has failed by then.
 CUT_OFF_S = 8.0
@@ -45,3 +52,22 @@ async def test_a_service_started_on_a_cut_off_member_starts_once_it_is_back(
             with contextlib.suppress(Exception):
                 await proc.stop()
         await cluster.stop()
+
+
+async def test_a_scheduler_paused_past_the_node_timeout_loses_no_node(stack: Stack) -> None:
+    """Seed 3: a scheduler SIGSTOPped for 3.2 s judged two live nodes lost the
+    moment it resumed: its sweep ran before its watch handed it the beats
+    that had come meanwhile. The silence was its own, and is forgiven."""
+    await stack.add_model()
+    await stack.agent("node-1", {"LORAFLEET_STANDIN_STEP_S": "0.1"})
+    job = await stack.submit("node-1", params={"max_steps": 120})
+    await stack.wait_state(job.id, JobState.RUNNING)
+    [scheduler] = stack.schedulers
+    os.kill(scheduler.pid, signal.SIGSTOP)
+    try:
+        await asyncio.sleep(PAUSED_S)
+    finally:
+        os.kill(scheduler.pid, signal.SIGCONT)
+    await asyncio.sleep(AFTER_S)
+    assert scheduler.events("node.lost") == [], scheduler.events("node.lost")
+    assert (await stack.get(job.id)).state is JobState.RUNNING
