@@ -51,6 +51,8 @@ LOSS_SLACK_S = 3.0
 #: Seconds a trainer may outlive its job (beyond node timeout and cancel grace):
 #: the agent's fence and the process group's kill.
 TRAINER_SLACK_S = 5.0
+#: Seconds before its first evidence whose faults a window quotes too.
+WINDOW_LOOKBACK_S = 10.0
 #: Entries quoted at most in a window.
 WINDOW_MAX_ENTRIES = 40
 
@@ -307,10 +309,18 @@ def everything_comes_back(history: list[Entry]) -> Iterator[Violation]:
 def window(history: list[Entry], violation: Violation) -> list[tuple[int, Entry]]:
     """The smallest stretch of the history that shows `violation`: from its first
     to its last evidence, keeping the evidence, the faults and what concerns the
-    same jobs and nodes (at most WINDOW_MAX_ENTRIES, the evidence kept first)."""
+    same jobs and nodes, and the faults of the WINDOW_LOOKBACK_S before (at
+    most WINDOW_MAX_ENTRIES, the evidence kept first)."""
     lo, hi = min(violation.evidence), max(violation.evidence)
     about = {history[i].get(k) for i in violation.evidence for k in ("job", "node")} - {None}
-    kept = [
+    # The faults of the moments before: what a lone entry (a loss) came after.
+    since = history[lo]["mono"] - WINDOW_LOOKBACK_S
+    before = [
+        (i, history[i])
+        for i in range(lo)
+        if history[i]["mono"] >= since and history[i]["kind"].startswith("fault.")
+    ]
+    kept = before + [
         (i, history[i])
         for i in range(lo, hi + 1)
         if i in violation.evidence

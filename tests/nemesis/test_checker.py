@@ -143,6 +143,9 @@ def test_a_node_lost_untouched_is_caught() -> None:
     violations = check(h.entries)
     assert [v.rule for v in violations] == ["false-loss"]
     assert "node node-1" in violations[0].message
+    # the lone loss is quoted with the faults just before it
+    shown = [e.get("fault", e["kind"]) for _, e in window(h.entries, violations[0])]
+    assert shown == ["nats.kill", "agent.pause", "node.lost"]
 
 
 def test_a_trainer_outliving_its_job_is_caught() -> None:
