@@ -40,7 +40,7 @@ from tests.scheduler.test_logic import T0, hb, job
 
 class MemoryRecorder(RecorderClient):
     def __init__(self, *jobs: JobRecord) -> None:
-        super().__init__(None, Names(), 1.0)  # type: ignore[arg-type]
+        super().__init__(None, Names(), 1.0, no_responders_retry_s=0.0)  # type: ignore[arg-type]
         self.jobs = {j.id: j for j in jobs}
         self.catalog = [
             ModelRecord(
