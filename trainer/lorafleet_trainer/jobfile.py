@@ -286,6 +286,10 @@ def _check_param(name: str, v: Any) -> Any:
         return _choice(name, v, bounds["values"])
     if kind == "modules":
         return _modules(name, v, bounds["word"])
+    if kind == "switch" and v == bounds["word"]:
+        return v
+    if kind == "switch" and not isinstance(v, bool):
+        raise BadInputError(f'params.{name} is {v!r}; it must be true, false or "{bounds["word"]}"')
     return _bool(name, v)
 
 
