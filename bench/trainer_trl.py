@@ -4,7 +4,8 @@
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/trlenv/lib/python3.11/site-packages/lorafleet.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
-    /tmp/trlenv/bin/python bench/trainer_trl.py [--records 512] [--epochs 1]
+    /tmp/trlenv/bin/python bench/trainer_trl.py [--case small|large] [--records N]
+        [--epochs 1] [--budget-mib MIB] [--checkpointing auto|true|false] [--lorafleet-only]
 
 The .pth lends the bench's environment lorafleet's (torch, transformers,
 the editable install of the three import roots): `site.addsitedir` also
@@ -13,25 +14,36 @@ puts the roots on the path; a .pth naming the directory alone adds it but
 runs none of them (`No module named 'lorafleet_services'`).
 
 Both train, each in a fresh process (peak memory is its own), one torch
-thread each:
+thread each, TRL first:
 
-- the same model: a Llama-shaped model of about 29M parameters built on the
-  spot with random weights (hidden 512, 10 layers, 8 heads, 4 key/value heads,
-  intermediate 1376) and the tests' byte-level tokenizer and chat template;
-- the same data: Q/A records with a long-tailed length distribution from 16
-  to 512 tokens (most short, a few long), the same 10% held out;
+- the same model: a Llama-shaped model built on the spot with random weights
+  (hidden 512, 10 layers, 8 heads, 4 key/value heads, intermediate 1376) and
+  the tests' byte-level tokenizer and chat template. Case "small" (default):
+  the tokenizer's vocabulary, about 29M parameters, Q/A records with a
+  long-tailed length distribution from 16 to 512 tokens (most short, a few
+  long); case "large": Qwen2's 152,064-token vocabulary (about 185M
+  parameters, the rows past the tokenizer's never seen as input but each in
+  every softmax), records of about 512 tokens, so batches of 8 x 512;
+- the same data, the same 10% held out;
 - the same epochs, the same LoRA (rank 16, alpha 32, dropout 0.05,
   all-linear), learning rate 2e-4, batch size 8, records cut at 512 tokens,
   loss on the answers only, fp32.
 
+lorafleet's job gets a memory budget, `--budget-mib` (default: TRL's peak
+RSS less lorafleet's own baseline, what a process holds before any tensor:
+the same memory TRL took), by which its gradient_checkpointing "auto"
+(the default) chooses; `--checkpointing` sets it instead (for the cost
+table), `--lorafleet-only` skips TRL (then give --budget-mib).
+
 Everything else is each one's default: lorafleet's length-grouped batches,
-cosine schedule, no gradient checkpointing; SFTTrainer's (TRL 1.16) padded
+cosine schedule, its loss over chunks; SFTTrainer's (TRL 1.16) padded
 batches in data order, linear schedule, gradient checkpointing on, gradient
 clipping at 1.0, fused AdamW. Measured: real (non-padding) tokens per second
 of training (lorafleet: tokens_seen / train_time_s of its summary; TRL: the
 tokens of its tokenized training set times the epochs / train_runtime), the
 held-out loss of each (mean cross-entropy per answer token; TRL's is the mean
-of its eval batches' means), the final training loss, and the peak RSS.
+of its eval batches' means), the final training loss, the peak RSS, and
+lorafleet's checkpointing choice (its log line).
 """
 
 from __future__ import annotations
@@ -60,9 +72,14 @@ SIZES = {
 }
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05}
 BATCH, LR, MAX_LEN, SEED = 8, 2e-4, 512, 42
+#: Qwen2's vocabulary, for the "large" case.
+LARGE_VOCAB = 152_064
+#: The RSS of a trainer process before any tensor, MiB: what a budget for the
+#: tensors leaves out (torch, transformers and peft imported: 347 MiB here).
+BASELINE_RSS_MIB = 400
 
 
-def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
+def build(work: Path, n: int, case: str) -> tuple[list[dict[str, str]], int]:
     """The model directory and the records; answers them and the parameter count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,7 +89,7 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
     tok = build_tokenizer()
     config = LlamaConfig(
         **SIZES,
-        vocab_size=len(tok),
+        vocab_size=LARGE_VOCAB if case == "large" else len(tok),
         max_position_embeddings=1024,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -87,18 +104,25 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
     rng = random.Random(0)
     records = []
     for i in range(n):
-        # About 1.6 tokens a word with this tokenizer: 8 to 320 words, most short.
-        answer_words = min(300, 4 + int(rng.paretovariate(1.1) * 6))
+        # About 1.6 tokens a word with this tokenizer: 8 to 320 words, most
+        # short; in the large case all about 320 (cut at 512 tokens).
+        answer_words = 330 if case == "large" else min(300, 4 + int(rng.paretovariate(1.1) * 6))
         q = f"Question {i}: " + " ".join(rng.choices(words, k=rng.randint(3, 12))) + "?"
         records.append({"q": q, "a": " ".join(rng.choices(words, k=answer_words))})
+    (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return records, int(sum(p.numel() for p in model.parameters()))
 
 
-def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dict[str, Any]:
+def run_lorafleet(
+    work: Path,
+    records: list[dict[str, str]],
+    epochs: int,
+    budget_mib: int | None,
+    checkpointing: Any,
+) -> dict[str, Any]:
     from tests.trainer.harness import TRAINER_ARGV
 
-    data = "".join(json.dumps(r) + "\n" for r in records)
-    (work / "data.jsonl").write_text(data)
+    data = (work / "data.jsonl").read_text()
     job = {
         "job_id": "bench",
         "base": {"hf_repo": None, "local_dir": str(work / "base")},
@@ -114,8 +138,10 @@ def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dic
             "eval_fraction": 0.1,
             "seed": SEED,
             "dtype": "fp32",
+            "gradient_checkpointing": checkpointing,
         },
         "device": "cpu",
+        "gpu_memory_mib": budget_mib,
     }
     (work / "job.json").write_text(json.dumps(job))
     p = subprocess.run(
@@ -130,7 +156,9 @@ def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dic
         raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{p.stderr[-2000:]}")
     s = next(x for x in lines if x["event"] == "done")["summary"]
     steps = [x["loss"] for x in lines if x["event"] == "step"]
+    logs = [x["message"] for x in lines if x["event"] == "log"]
     return {
+        "checkpointing": next(m for m in logs if "checkpointing" in m),
         "real_tokens_per_s": round(s["tokens_seen"] / s["train_time_s"], 1),
         "tokens_seen": s["tokens_seen"],
         "padding_tokens": s["padding_tokens"],
@@ -227,10 +255,32 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _switch(v: str) -> bool | str:
+    return {"true": True, "false": False}.get(v, v)
+
+
+def _trl(work: Path, epochs: int) -> dict[str, Any]:
+    p = subprocess.run(
+        [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(epochs)],
+        capture_output=True,
+        text=True,
+        env=_env(),
+        check=False,
+    )
+    if p.returncode != 0:
+        raise SystemExit(f"TRL failed:\n{p.stderr[-3000:]}")
+    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=["small", "large"], default="small", help="default small")
     ap.add_argument("--records", type=int, default=512, help="records; default 512")
     ap.add_argument("--epochs", type=int, default=1, help="epochs of each; default 1")
+    ap.add_argument("--budget-mib", type=int, help="lorafleet's budget; default TRL's peak")
+    ap.add_argument("--checkpointing", type=_switch, default="auto", help="lorafleet's; auto")
+    ap.add_argument("--lorafleet-only", action="store_true", help="skip TRL")
     ap.add_argument("--trl-only-in", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_only_in is not None:
@@ -238,34 +288,28 @@ def main() -> None:
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        records, n_params = build(work, args.records)
-        ours = run_lorafleet(work, records, args.epochs)
-        print(json.dumps({"lorafleet": ours}), file=sys.stderr, flush=True)
-        p = subprocess.run(
-            [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(args.epochs)],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            check=False,
+        records, n_params = build(work, args.records, args.case)
+        theirs = None if args.lorafleet_only else _trl(work, args.epochs)
+        print(json.dumps({"trl_sft": theirs}), file=sys.stderr, flush=True)
+        budget = args.budget_mib
+        if budget is None and theirs is not None:
+            budget = theirs["peak_rss_mib"] - BASELINE_RSS_MIB
+        ours = run_lorafleet(work, records, args.epochs, budget, args.checkpointing)
+    out: dict[str, Any] = {
+        "case": args.case,
+        "model_parameters": n_params,
+        "records": args.records,
+        "epochs": args.epochs,
+        "lorafleet_budget_mib": budget,
+        "lorafleet": ours,
+        "trl_sft": theirs,
+    }
+    if theirs is not None:
+        out["ratio_real_tokens_per_s"] = round(
+            ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
         )
-        if p.returncode != 0:
-            raise SystemExit(f"TRL failed:\n{p.stderr[-3000:]}")
-        theirs = json.loads(p.stdout.strip().splitlines()[-1])
-    print(
-        json.dumps(
-            {
-                "model_parameters": n_params,
-                "records": args.records,
-                "epochs": args.epochs,
-                "lorafleet": ours,
-                "trl_sft": theirs,
-                "ratio_real_tokens_per_s": round(
-                    ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
-                ),
-            },
-            indent=2,
-        )
-    )
+        out["ratio_peak_rss"] = round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 2)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -98,8 +98,8 @@ def shortfall_message(estimate: MemoryEstimate, gpu_memory_mib: int) -> str:
         f"{estimate.total_mib} MiB ({estimate.recommended_mib} MiB with the "
         f"{estimate.margin_fraction:.0%} margin); give at least {estimate.total_mib}, "
         "or lower params.batch_size or params.max_seq_len (raising "
-        "gradient_accumulation keeps the batch), or turn on "
-        "params.gradient_checkpointing; or submit anyway with ignore_estimate"
+        "gradient_accumulation keeps the batch), or set params.gradient_checkpointing "
+        'to "auto" or true; or submit anyway with ignore_estimate'
     )
 
 

@@ -20,7 +20,9 @@ unless a default is given:
     gpu_memory_mib  int | null (default null): on a card, what the whole process
                  may use, CUDA context included: torch's allocator is capped at
                  it less the context, so going over is an out-of-memory of this
-                 process alone, reported with the budget.
+                 process alone, reported with the budget. On either device
+                 params.gradient_checkpointing "auto" chooses by it
+                 (lorafleet_trainer.memory); on the CPU nothing caps the process.
     estimate_mib int | null (default null): the job's memory estimate, named in
                  that report.
     hf_offline   bool (default true): read the Hugging Face cache only.
