@@ -4,8 +4,8 @@
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/trlenv/lib/python3.11/site-packages/lorafleet.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
-    /tmp/trlenv/bin/python bench/trainer_trl.py [--case small|large] [--records N]
-        [--epochs 1] [--budget-mib MIB] [--checkpointing auto|true|false] [--lorafleet-only]
+    /tmp/trlenv/bin/python bench/trainer_trl.py [--case large] [--records N] \\
+        [--epochs 1] [--budget-mib MIB] [--checkpointing true] [--lorafleet-only]
 
 The .pth lends the bench's environment lorafleet's (torch, transformers,
 the editable install of the three import roots): `site.addsitedir` also

@@ -46,7 +46,9 @@ from lorafleet_schemas.messages import (
     TrainerParams,
 )
 from lorafleet_trainer import memory
-from lorafleet_trainer.memory import EstimateError
+
+# The error this module raises is the arithmetic's own, exported for its callers.
+from lorafleet_trainer.memory import EstimateError as EstimateError
 
 MIB = memory.MIB
 

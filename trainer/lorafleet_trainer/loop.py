@@ -191,7 +191,11 @@ def enable_checkpointing(model: Any, every: int) -> None:
         return
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
     model.enable_input_require_grads()
     model.config.use_cache = False
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]

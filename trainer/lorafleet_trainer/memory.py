@@ -336,18 +336,19 @@ def choose_checkpointing(
         return Checkpointing(
             0, layers, none, f"the estimate of {none} MiB fits the budget of {budget_mib} MiB"
         )
-    for every in sorted({math.ceil(layers / m) for m in range(1, layers + 1)}, reverse=True):
-        mib = _total_mib(arch, params, device, seq_len, every)
-        if mib <= budget_mib or every == 1:
-            fits = "fits" if mib <= budget_mib else "is the least, still over"
-            return Checkpointing(
-                every,
-                layers,
-                mib,
-                f"without it the estimate is {none} MiB, over the budget of {budget_mib} MiB; "
-                f"with it {mib} MiB, which {fits} it",
-            )
-    raise AssertionError("every == 1 always returns")
+    # Every k-th layer for k from the layer count down: each k that
+    # checkpoints one more layer than the one before, and last every layer.
+    candidates = sorted({math.ceil(layers / m) for m in range(1, layers + 1)}, reverse=True)
+    totals = [(k, _total_mib(arch, params, device, seq_len, k)) for k in candidates]
+    every, mib = next(((k, t) for k, t in totals if t <= budget_mib), totals[-1])
+    fits = "fits" if mib <= budget_mib else "is the least, still over"
+    return Checkpointing(
+        every,
+        layers,
+        mib,
+        f"without it the estimate is {none} MiB, over the budget of {budget_mib} MiB; "
+        f"with it {mib} MiB, which {fits} it",
+    )
 
 
 def architecture_from_config(config: dict[str, Any]) -> Architecture:

@@ -125,8 +125,7 @@ def run(job: JobFile, lines: LineWriter) -> int:
     inputs = prepare_inputs(base_dir, records, split, p, lines)
     total_steps = inputs.total_steps
     check_target_modules(base_dir, p.target_modules)
-    # Before the weights load too: a resume that cannot work fails in seconds.
-    resume = check_resume(job, total_steps)
+    resume = check_resume(job, total_steps)  # before the weights load: it fails in seconds
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
     checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
