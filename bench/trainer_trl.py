@@ -1,11 +1,12 @@
-"""lorafleet's trainer against TRL's SFTTrainer with PEFT on the CPU: real tokens/s, loss, peak RSS.
+"""lorafleet's trainer against TRL's SFTTrainer with PEFT: real tokens/s, loss, peak memory.
 
     python -m venv /tmp/trlenv
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/trlenv/lib/python3.11/site-packages/lorafleet.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
     /tmp/trlenv/bin/python bench/trainer_trl.py [--case large] [--records N] \\
-        [--epochs 1] [--budget-mib MIB] [--checkpointing true] [--lorafleet-only]
+        [--epochs 1] [--budget-mib MIB] [--checkpointing true] [--lorafleet-only] \\
+        [--device cuda]
 
 The .pth lends the bench's environment lorafleet's (torch, transformers,
 the editable install of the three import roots): `site.addsitedir` also
@@ -27,12 +28,17 @@ thread each, TRL first:
 - the same data, the same 10% held out;
 - the same epochs, the same LoRA (rank 16, alpha 32, dropout 0.05,
   all-linear), learning rate 2e-4, batch size 8, records cut at 512 tokens,
-  loss on the answers only, fp32.
+  loss on the answers only.
+
+On the CPU (the default) both train in fp32 and the peak is the RSS; with
+`--device cuda` both in bf16 on the first card, the peak is NVML's for the
+process (sampled every 50 ms), and lorafleet's estimate is set against it
+(`estimate_over_peak`; the target is within 15%).
 
 lorafleet's job gets a memory budget, `--budget-mib` (default: TRL's peak
-RSS less lorafleet's own baseline, what a process holds before any tensor:
-the same memory TRL took), by which its gradient_checkpointing "auto"
-(the default) chooses; `--checkpointing` sets it instead (for the cost
+RSS less lorafleet's own baseline, what a process holds before any tensor;
+on a card TRL's NVML peak: the same memory TRL took), by which its
+gradient_checkpointing "auto" (the default) chooses; `--checkpointing` sets it instead (for the cost
 table), `--lorafleet-only` skips TRL (then give --budget-mib).
 
 Everything else is each one's default: lorafleet's length-grouped batches,
@@ -42,8 +48,8 @@ clipping at 1.0, fused AdamW. Measured: real (non-padding) tokens per second
 of training (lorafleet: tokens_seen / train_time_s of its summary; TRL: the
 tokens of its tokenized training set times the epochs / train_runtime), the
 held-out loss of each (mean cross-entropy per answer token; TRL's is the mean
-of its eval batches' means), the final training loss, the peak RSS, and
-lorafleet's checkpointing choice (its log line).
+of its eval batches' means), the final training loss, the peak, and
+lorafleet's checkpointing choice (its log line) and estimate.
 """
 
 from __future__ import annotations
@@ -119,8 +125,11 @@ def run_lorafleet(
     epochs: int,
     budget_mib: int | None,
     checkpointing: Any,
+    device: str,
 ) -> dict[str, Any]:
     from tests.trainer.harness import TRAINER_ARGV
+
+    from lorafleet.estimate import read_architecture
 
     data = (work / "data.jsonl").read_text()
     job = {
@@ -137,23 +146,17 @@ def run_lorafleet(
             "max_seq_len": MAX_LEN,
             "eval_fraction": 0.1,
             "seed": SEED,
-            "dtype": "fp32",
+            "dtype": _DTYPES[device],
             "gradient_checkpointing": checkpointing,
         },
-        "device": "cpu",
+        "device": device,
         "gpu_memory_mib": budget_mib,
     }
     (work / "job.json").write_text(json.dumps(job))
-    p = subprocess.run(
-        [*TRAINER_ARGV, str(work / "job.json")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        check=False,
-    )
-    lines = [json.loads(x) for x in p.stdout.splitlines()]
-    if p.returncode != 0:
-        raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{p.stderr[-2000:]}")
+    rc, out, err, nvml_mib = _run([*TRAINER_ARGV, str(work / "job.json")], device)
+    lines = [json.loads(x) for x in out.splitlines()]
+    if rc != 0:
+        raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{err[-2000:]}")
     s = next(x for x in lines if x["event"] == "done")["summary"]
     steps = [x["loss"] for x in lines if x["event"] == "step"]
     logs = [x["message"] for x in lines if x["event"] == "log"]
@@ -165,11 +168,52 @@ def run_lorafleet(
         "train_time_s": s["train_time_s"],
         "eval_loss": round(s["eval_loss"], 4),
         "final_train_loss_last10": round(sum(steps[-10:]) / len(steps[-10:]), 4),
-        "peak_rss_mib": s["peak_mib"],
+        "peak_mib": s["peak_mib"] if nvml_mib is None else nvml_mib,
+        "estimate_mib": _estimate_mib(
+            read_architecture(local_dir=str(work / "base")),
+            job["params"],
+            device,
+            s["token_lengths"]["max"],
+            budget_mib,
+        ),
     }
 
 
-def run_trl(work: Path, epochs: int) -> None:
+#: Each device's dtype, for both trainers: fp32 on the CPU, bf16 on a card.
+_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
+
+
+def _estimate_mib(
+    arch: Any, params: dict[str, Any], device: str, longest: int, budget_mib: int | None
+) -> int:
+    """The estimate of the job as the trainer chose for it (its longest row)."""
+    from lorafleet.estimate import estimate_memory
+    from lorafleet_schemas.messages import TrainerParams
+
+    p = TrainerParams(**params)
+    return estimate_memory(arch, p, device=device, seq_len=longest, budget_mib=budget_mib).total_mib
+
+
+def _run(argv: list[str], device: str) -> tuple[int, str, str, int | None]:
+    """Run `argv`; its exit status, stdout, stderr and, on a card, its NVML peak MiB."""
+    sampler = None
+    if device == "cuda":
+        from trainer_estimate import NvmlPeak  # the bench folder, beside this file
+
+        sampler = NvmlPeak()
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    if sampler is not None:
+        sampler.pid = proc.pid
+        sampler.start()
+    out, err = proc.communicate()
+    if sampler is not None:
+        sampler.stop()
+    return proc.returncode, out, err, None if sampler is None else sampler.peak_mib
+
+
+def run_trl(work: Path, epochs: int, device: str) -> None:
     """In its own process: TRL's SFTTrainer on the same records and split; prints JSON."""
     import warnings
 
@@ -198,11 +242,12 @@ def run_trl(work: Path, epochs: int) -> None:
         )
 
     tok = AutoTokenizer.from_pretrained(work / "base")
-    model = AutoModelForCausalLM.from_pretrained(work / "base", dtype=torch.float32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(work / "base", dtype=dtype)
     args = SFTConfig(
         output_dir=str(work / "trl"),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
         num_train_epochs=epochs,
         per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=BATCH,
@@ -238,7 +283,7 @@ def run_trl(work: Path, epochs: int) -> None:
         "train_time_s": round(out.metrics["train_runtime"], 2),
         "eval_loss": round(trainer.evaluate()["eval_loss"], 4),
         "final_train_loss_last_log": round(losses[-1], 4) if losses else None,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "gradient_checkpointing": args.gradient_checkpointing,
     }
     print(json.dumps(result))
@@ -259,17 +304,14 @@ def _switch(v: str) -> bool | str:
     return {"true": True, "false": False}.get(v, v)
 
 
-def _trl(work: Path, epochs: int) -> dict[str, Any]:
-    p = subprocess.run(
-        [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(epochs)],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        check=False,
-    )
-    if p.returncode != 0:
-        raise SystemExit(f"TRL failed:\n{p.stderr[-3000:]}")
-    result: dict[str, Any] = json.loads(p.stdout.strip().splitlines()[-1])
+def _trl(work: Path, epochs: int, device: str) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(epochs)]
+    rc, out, err, nvml_mib = _run([*argv, "--device", device], device)
+    if rc != 0:
+        raise SystemExit(f"TRL failed:\n{err[-3000:]}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    if nvml_mib is not None:
+        result["peak_mib"] = nvml_mib
     return result
 
 
@@ -281,22 +323,27 @@ def main() -> None:
     ap.add_argument("--budget-mib", type=int, help="lorafleet's budget; default TRL's peak")
     ap.add_argument("--checkpointing", type=_switch, default="auto", help="lorafleet's; auto")
     ap.add_argument("--lorafleet-only", action="store_true", help="skip TRL")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     ap.add_argument("--trl-only-in", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_only_in is not None:
-        run_trl(args.trl_only_in, args.epochs)
+        run_trl(args.trl_only_in, args.epochs, args.device)
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         records, n_params = build(work, args.records, args.case)
-        theirs = None if args.lorafleet_only else _trl(work, args.epochs)
+        theirs = None if args.lorafleet_only else _trl(work, args.epochs, args.device)
         print(json.dumps({"trl_sft": theirs}), file=sys.stderr, flush=True)
         budget = args.budget_mib
         if budget is None and theirs is not None:
-            budget = theirs["peak_rss_mib"] - BASELINE_RSS_MIB
-        ours = run_lorafleet(work, records, args.epochs, budget, args.checkpointing)
+            # On a card NVML's peak and the estimate both count the CUDA context.
+            baseline = BASELINE_RSS_MIB if args.device == "cpu" else 0
+            budget = theirs["peak_mib"] - baseline
+        ours = run_lorafleet(work, records, args.epochs, budget, args.checkpointing, args.device)
     out: dict[str, Any] = {
         "case": args.case,
+        "device": args.device,
+        "peak_by": "nvml" if args.device == "cuda" else "rss",
         "model_parameters": n_params,
         "records": args.records,
         "epochs": args.epochs,
@@ -308,7 +355,10 @@ def main() -> None:
         out["ratio_real_tokens_per_s"] = round(
             ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
         )
-        out["ratio_peak_rss"] = round(ours["peak_rss_mib"] / theirs["peak_rss_mib"], 2)
+        out["ratio_peak"] = round(ours["peak_mib"] / theirs["peak_mib"], 2)
+        out["eval_loss_difference"] = round(ours["eval_loss"] - theirs["eval_loss"], 4)
+    if args.device == "cuda":
+        out["estimate_over_peak"] = round(ours["estimate_mib"] / ours["peak_mib"], 3)
     print(json.dumps(out, indent=2))
 
 
