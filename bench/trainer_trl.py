@@ -37,8 +37,9 @@ process (sampled every 50 ms), and lorafleet's estimate is set against it
 
 lorafleet's job gets a memory budget, `--budget-mib` (default: TRL's peak
 RSS less lorafleet's own baseline, what a process holds before any tensor;
-on a card TRL's NVML peak: the same memory TRL took), by which its
-gradient_checkpointing "auto" (the default) chooses; `--checkpointing` sets it instead (for the cost
+on a card TRL's NVML peak: the same memory TRL took; `--budget-share 0.5`
+half of it), by which its gradient_checkpointing "auto" (the default)
+chooses; `--checkpointing` sets it instead (for the cost
 table), `--lorafleet-only` skips TRL (then give --budget-mib).
 
 Everything else is each one's default: lorafleet's length-grouped batches,
@@ -321,6 +322,7 @@ def main() -> None:
     ap.add_argument("--records", type=int, default=512, help="records; default 512")
     ap.add_argument("--epochs", type=int, default=1, help="epochs of each; default 1")
     ap.add_argument("--budget-mib", type=int, help="lorafleet's budget; default TRL's peak")
+    ap.add_argument("--budget-share", type=float, default=1.0, help="of TRL's peak; default 1")
     ap.add_argument("--checkpointing", type=_switch, default="auto", help="lorafleet's; auto")
     ap.add_argument("--lorafleet-only", action="store_true", help="skip TRL")
     ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
@@ -338,7 +340,7 @@ def main() -> None:
         if budget is None and theirs is not None:
             # On a card NVML's peak and the estimate both count the CUDA context.
             baseline = BASELINE_RSS_MIB if args.device == "cpu" else 0
-            budget = theirs["peak_mib"] - baseline
+            budget = int(args.budget_share * theirs["peak_mib"]) - baseline
         ours = run_lorafleet(work, records, args.epochs, budget, args.checkpointing, args.device)
     out: dict[str, Any] = {
         "case": args.case,

@@ -1,8 +1,9 @@
-"""The loss, without the whole logits: the mean cross-entropy per answer token
-of a batch, from the last hidden state and the output projection.
+"""The loss, without the whole logits: a batch's cross-entropy from the last
+hidden state and the output projection.
 
-`answer_loss(model, batch)` answers the loss summed over the answer tokens.
-Only the answer positions' hidden states are projected, and only
+`answer_loss(model, batch)` answers it summed over the answer tokens (the
+loop divides by `Batch.answer_tokens`: the mean per answer token, as a
+causal LM's own loss). Only the answer positions' hidden states are projected, and only
 `chunk_rows(vocab)` of them at a time (lorafleet_trainer.memory.LOSS_CHUNK_BYTES
 of fp32 logits); the backward pass recomputes each chunk's logits instead of
 keeping them. On a card with cut-cross-entropy or liger-kernel importable
