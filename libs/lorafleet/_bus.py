@@ -324,6 +324,17 @@ class Layout:
             description="lorafleet scheduler leadership",
         )
 
+    def gateway_kv(self) -> KeyValueConfig:
+        # Values live until deleted: a file object or a job's OpenAI fields
+        # must survive a gateway restart (lorafleet_services.gateway.state).
+        return KeyValueConfig(
+            bucket=self.names.gateway_bucket,
+            history=1,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            description="lorafleet gateway: file objects, jobs' OpenAI fields",
+        )
+
     def datasets_store(self) -> ObjectStoreConfig:
         return ObjectStoreConfig(
             bucket=self.names.datasets_bucket,
@@ -359,7 +370,7 @@ async def ensure_layout(
                 await js.add_stream(cfg)
             except nats.js.errors.BadRequestError:
                 await js.update_stream(cfg)
-    for part in ("nodes_kv", "leader_kv"):
+    for part in ("nodes_kv", "leader_kv", "gateway_kv"):
         if wanted(part):
             await js.create_key_value(getattr(layout, part)())
     for part in ("datasets_store", "artifacts_store"):
@@ -391,13 +402,34 @@ async def request(
     reply_type: type[T],
     timeout_s: float = 5.0,
     no_responders_retry_s: float = 2.0,
+    *,
+    idempotent: bool = False,
 ) -> T:
     """Send `message` and decode the reply as `reply_type`; an error reply
     raises its lorafleet.errors.ApiError.
 
-    A responder that has just reconnected can be missed for a moment (a
-    spurious no-responders); the request is retried for `no_responders_retry_s`.
+    A responder that has just reconnected or restarted can be missed for a
+    moment (no responders); the request is retried for `no_responders_retry_s`.
+    An `idempotent` request (one whose repeat changes nothing: a read) that
+    got no reply within `timeout_s` is sent once more: a responder killed
+    while it held the request never answers, and another one will.
     """
+    if idempotent:
+        with contextlib.suppress(TimeoutError):
+            return await _request_once(
+                nc, subject, message, reply_type, timeout_s, no_responders_retry_s
+            )
+    return await _request_once(nc, subject, message, reply_type, timeout_s, no_responders_retry_s)
+
+
+async def _request_once(
+    nc: Client,
+    subject: str,
+    message: Any,
+    reply_type: type[T],
+    timeout_s: float,
+    no_responders_retry_s: float,
+) -> T:
     payload = message if isinstance(message, bytes) else encode(message)
     retries = stamina.retry_context(
         on=nats.errors.NoRespondersError,

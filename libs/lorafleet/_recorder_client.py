@@ -58,15 +58,27 @@ class RecorderClient:
     """Requests to the recorder on an open connection.
 
     timeout_s: seconds one request waits for its reply.
+    no_responders_retry_s: seconds a request no recorder answers is sent
+    again (`Settings.no_responders_retry_s`): a recorder's restart is no error.
     """
 
-    def __init__(self, nc: Client, names: Names, timeout_s: float) -> None:
+    def __init__(
+        self, nc: Client, names: Names, timeout_s: float, *, no_responders_retry_s: float
+    ) -> None:
         self.nc = nc
         self.names = names
         self.timeout_s = timeout_s
+        self.no_responders_retry_s = no_responders_retry_s
 
     async def _request(self, subject: str, message: Any, reply_type: type[T]) -> T:
-        return await bus.request(self.nc, subject, message, reply_type, timeout_s=self.timeout_s)
+        return await bus.request(
+            self.nc,
+            subject,
+            message,
+            reply_type,
+            timeout_s=self.timeout_s,
+            no_responders_retry_s=self.no_responders_retry_s,
+        )
 
     async def get_job(self, job_id: str) -> JobRecord | None:
         """The job, or None when the recorder has no job of that id."""

@@ -16,9 +16,10 @@ logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
 2. connects to NATS (`bus.connect`, client name `lorafleet-<name>` unless
    `program.client_name` says otherwise);
 3. ensures the JetStream layout: `layout="ensure"` (the services: a
-   failure ends the process) or `layout="if_allowed"` (the agent: a node's
-   credentials may not create streams; the refusal is logged and the agent
-   goes on);
+   request that times out, meets no responders or finds JetStream
+   unavailable is tried again for LAYOUT_RETRY_S, then ends the process)
+   or `layout="if_allowed"` (the agent: a node's credentials may not create
+   streams; the refusal is logged and the agent goes on);
 4. `service = await program.make(nc, settings)`, then `await service.start()`
    and logs `service.started` (with `version`, `metrics` (the endpoint's
    URL, when one is served) and `program.started_fields`): `start()`
@@ -48,6 +49,9 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
+import nats.errors
+import nats.js.errors
+import stamina
 from nats.aio.client import Client
 
 import lorafleet
@@ -67,6 +71,13 @@ T = TypeVar("T")
 EXIT_SETTINGS = 2
 #: Exit code of a process that found no NATS server to connect to.
 EXIT_CONNECT = 1
+#: Seconds a service keeps asking for its layout at start: the member it is
+#: on may be cut off from the others (a minority partition answers no
+#: JetStream request until it is back) or electing a leader. Found by
+#: bench/nemesis.py (seed 3): a scheduler restarted then exited.
+LAYOUT_RETRY_S = 30.0
+#: Seconds between those tries.
+LAYOUT_RETRY_PAUSE_S = 1.0
 
 
 class Service(Protocol):
@@ -163,8 +174,7 @@ async def _serve(
     )
     try:
         if program.layout == "ensure":
-            parts = owned_layout_parts(settings.nats_nkey_seed, program.name)
-            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
+            await _ensure_owned_layout(nc, settings, program.name)
         else:
             await ensure_layout_if_allowed(nc, settings, layout_refusal)
         service = await program.make(nc, settings)
@@ -183,6 +193,26 @@ async def _serve(
     finally:
         await bus.drain_quietly(nc)
         logger.info(Event.SERVICE_STOPPED)
+
+
+async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> None:
+    """The parts of the layout this service owns, tried for LAYOUT_RETRY_S."""
+    parts = owned_layout_parts(settings.nats_nkey_seed, name)
+    retries = stamina.retry_context(
+        on=(
+            nats.errors.TimeoutError,
+            nats.errors.NoRespondersError,
+            nats.js.errors.ServiceUnavailableError,  # "temporarily unavailable": catching up
+        ),
+        attempts=None,
+        timeout=LAYOUT_RETRY_S,
+        wait_initial=LAYOUT_RETRY_PAUSE_S,
+        wait_max=LAYOUT_RETRY_PAUSE_S,
+        wait_jitter=0,
+    )
+    async for attempt in retries:
+        with attempt:
+            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
 
 
 class LayoutRefusal:

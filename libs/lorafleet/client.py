@@ -18,8 +18,14 @@ the message and the field at fault, so callers catch by class:
 `BadRequestError` (change the request as the message says), `NotFoundError`
 (the job, model or artifact named does not exist), `ConflictError` (it does
 not fit the current state), `UnavailableError` (try again later),
-`InternalError` (the service failed; its log says why). No service answering
-at all raises nats-py's `nats.errors.NoRespondersError` or `TimeoutError`.
+`InternalError` (the service failed; its log says why). A request nobody
+answers is sent again for `settings.no_responders_retry_s` (default 5 s),
+so a restarting recorder, or one of two, goes unseen; a read (get, list,
+curve, estimate, nodes, artifacts) that timed out is sent once more, as the
+recorder that held it may have been killed. No service answering after
+that raises nats-py's `nats.errors.NoRespondersError`, and none replying
+within `request_timeout_s` `TimeoutError` (a write is never sent twice: a
+submit that timed out may or may not have queued its job).
 """
 
 from __future__ import annotations
@@ -117,10 +123,22 @@ class Client:
     ) -> None:
         await self.close()
 
-    async def _req(self, subject: str, message: object, reply_type: type[T]) -> T:
+    async def _req(
+        self, subject: str, message: object, reply_type: type[T], *, idempotent: bool = False
+    ) -> T:
         return await bus.request(
-            self.nc, subject, message, reply_type, timeout_s=self.settings.request_timeout_s
+            self.nc,
+            subject,
+            message,
+            reply_type,
+            timeout_s=self.settings.request_timeout_s,
+            no_responders_retry_s=self.settings.no_responders_retry_s,
+            idempotent=idempotent,
         )
+
+    async def _read(self, subject: str, message: object, reply_type: type[T]) -> T:
+        """A request that changes nothing: sent again once when it times out."""
+        return await self._req(subject, message, reply_type, idempotent=True)
 
     # --- catalog ---
     async def add_model(self, spec: ModelSpec, *, read_architecture: bool = True) -> ModelRecord:
@@ -136,7 +154,7 @@ class Client:
         return await self._req(self.names.models_add, spec, ModelRecord)
 
     async def models(self) -> list[ModelRecord]:
-        return (await self._req(self.names.models_list, ModelListRequest(), ModelList)).models
+        return (await self._read(self.names.models_list, ModelListRequest(), ModelList)).models
 
     # --- data ---
     async def upload_dataset(self, data: bytes) -> str:
@@ -163,18 +181,18 @@ class Client:
         """The memory estimate of a job, nothing queued: its lines, or the reason
         there is none (`estimate` None), and whether gpu_memory_mib fits it.
         NotFoundError for an unknown model."""
-        return await self._req(self.names.jobs_estimate, request, JobEstimate)
+        return await self._read(self.names.jobs_estimate, request, JobEstimate)
 
     async def get(self, job_id: str) -> JobRecord:
         """The job as the recorder holds it; NotFoundError for an unknown id."""
-        return await self._req(self.names.jobs_get, JobGetRequest(id=job_id), JobRecord)
+        return await self._read(self.names.jobs_get, JobGetRequest(id=job_id), JobRecord)
 
     async def jobs(self, request: JobListRequest | None = None) -> list[JobRecord]:
-        return (await self._req(self.names.jobs_list, request or JobListRequest(), JobList)).jobs
+        return (await self._read(self.names.jobs_list, request or JobListRequest(), JobList)).jobs
 
     async def curve(self, job_id: str) -> JobCurve:
         """The job's loss curve; NotFoundError for an unknown id."""
-        return await self._req(self.names.jobs_curve, JobCurveRequest(id=job_id), JobCurve)
+        return await self._read(self.names.jobs_curve, JobCurveRequest(id=job_id), JobCurve)
 
     async def cancel(self, job_id: str, reason: str = "") -> JobRecord:
         """Cancel the job (a final one is returned as it is). NotFoundError
@@ -258,18 +276,18 @@ class Client:
 
     # --- nodes ---
     async def nodes(self) -> NodeList:
-        return await self._req(self.names.nodes_list, NodeListRequest(), NodeList)
+        return await self._read(self.names.nodes_list, NodeListRequest(), NodeList)
 
     # --- artifacts ---
     async def artifacts(self, job_id: str) -> list[ArtifactRecord]:
-        reply = await self._req(
+        reply = await self._read(
             self.names.artifacts_list, ArtifactListRequest(job_id=job_id), ArtifactList
         )
         return reply.artifacts
 
     async def artifact(self, job_id: str, kind: ArtifactKind) -> ArtifactRecord:
         """One stored artifact; NotFoundError when the job has none of `kind`."""
-        return await self._req(
+        return await self._read(
             self.names.artifacts_get, ArtifactGetRequest(job_id=job_id, kind=kind), ArtifactRecord
         )
 

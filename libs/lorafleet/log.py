@@ -110,6 +110,14 @@ class Event:
     WATCH_BLIND: Final = "watch.blind"
     #: The scheduler sees the nodes bucket again (`blind_s`: for how long it did not).
     WATCH_RESTORED: Final = "watch.restored"
+    #: The gateway's HTTP port is bound and answering (`url`, `engines`).
+    GATEWAY_LISTENING: Final = "gateway.listening"
+    #: The gateway answered an HTTP request with an error (`status`, `path`, `client`).
+    GATEWAY_REFUSED: Final = "gateway.refused"
+    #: An engine the gateway routes to did not list its models (`engine`, `error`).
+    GATEWAY_ENGINE_UNAVAILABLE: Final = "gateway.engine_unavailable"
+    #: The gateway took a file (`file_id`, `bytes`, `records`, `client`).
+    GATEWAY_FILE_STORED: Final = "gateway.file_stored"
 
 
 #: The environment variable that picks the log format: "json" or "console".

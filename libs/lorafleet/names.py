@@ -183,6 +183,11 @@ class Names:
     def artifacts_bucket(self) -> str:
         return f"{self.prefix}_artifacts"
 
+    @property
+    def gateway_bucket(self) -> str:
+        """The HTTP gateway's own KV: its file objects and jobs' OpenAI fields."""
+        return f"{self.prefix}_gateway"
+
     # --- durable consumers ---
     @property
     def recorder_consumer(self) -> str:

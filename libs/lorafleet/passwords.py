@@ -42,9 +42,9 @@ SERVICE_USER = "lorafleet"
 
 
 def service_permissions(names: Names) -> Permissions:
-    """What the recorder, scheduler and artifact-store may do (see the module doc)."""
+    """What the recorder, scheduler, artifact-store and gateway may do (see the module doc)."""
     p = names.prefix
-    buckets_kv = [names.nodes_bucket, names.leader_bucket]
+    buckets_kv = [names.nodes_bucket, names.leader_bucket, names.gateway_bucket]
     buckets_obj = [names.datasets_bucket, names.artifacts_bucket]
     return {
         "publish": {

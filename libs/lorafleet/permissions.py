@@ -41,7 +41,9 @@ JetStream pieces it owns (`LAYOUT_OWNERS`):
   `store.jobs.artifact`; owns the ARTIFACTS stream (its durable consumer,
   message gets and purges) and the artifacts bucket;
 - a client (operators, the CLI): `<prefix>.api.>`, puts datasets, reads
-  artifacts and hears `events.jobs.*`; nothing internal.
+  artifacts and hears `events.jobs.*`; nothing internal;
+- gateway (the OpenAI-shaped HTTP service): a client's rights and its own
+  KV bucket (file objects, jobs' OpenAI fields), which it owns.
 Each reads replies on its own inboxes (`identity_inbox_prefix`). The
 older password form, one user for every service, is `lorafleet.passwords`
 (why it is kept is written there).
@@ -108,7 +110,7 @@ def agent_permissions(names: Names, node: str) -> Permissions:
 # --- one identity per service and client (nkeys) ------------------------------
 
 #: The services that get an identity of their own, in start order.
-SERVICES = ("recorder", "scheduler", "artifact-store")
+SERVICES = ("recorder", "scheduler", "artifact-store", "gateway")
 
 #: Which service creates (and updates) which JetStream piece at its start
 #: (bus.Layout's part names); no other identity may.
@@ -116,6 +118,7 @@ LAYOUT_OWNERS: dict[str, tuple[str, ...]] = {
     "recorder": ("status_stream", "datasets_store"),
     "scheduler": ("nodes_kv", "leader_kv"),
     "artifact-store": ("artifacts_stream", "artifacts_store"),
+    "gateway": ("gateway_kv",),
 }
 
 
@@ -299,12 +302,33 @@ def client_permissions(names: Names, client: str) -> Permissions:
     )
 
 
+def gateway_permissions(names: Names) -> Permissions:
+    """The gateway's block: a client's (which reads datasets back by message
+    gets), on the gateway's own inboxes, and owning its KV bucket."""
+    client = client_permissions(names, "gateway")
+    gateway_kv = kv_stream(names.gateway_bucket)
+    return _block(
+        [
+            *client["publish"]["allow"],
+            js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits
+            *_stream_owner(gateway_kv),
+            *_reader(gateway_kv),
+            kv_subjects(names.gateway_bucket),
+        ],
+        [
+            *(s for s in client["subscribe"]["allow"] if s != _inbox("client", "gateway")),
+            _inbox("service", "gateway"),
+        ],
+    )
+
+
 def service_block(names: Names, service: str) -> Permissions:
     """The block of one of `SERVICES`."""
     makers = {
         "recorder": recorder_permissions,
         "scheduler": scheduler_permissions,
         "artifact-store": artifact_store_permissions,
+        "gateway": gateway_permissions,
     }
     if service not in makers:
         raise PermissionsError(f"service {service!r}: use one of {', '.join(SERVICES)}")

@@ -64,6 +64,11 @@ class Settings:
     connect_timeout_s: float = 5.0
     #: Seconds a request waits for its reply; default 5.
     request_timeout_s: float = 5.0
+    #: Seconds a request nobody answers ("no responders") is sent again, every
+    #: 0.1 s, before NoRespondersError; default 5, 0 = once. A service
+    #: restarting (a recorder answers within about a second of its spawn:
+    #: bench/recorder_start.py), or its last replica, is then no error.
+    no_responders_retry_s: float = 5.0
     #: JetStream replicas for streams, KV and object stores (3 on a cluster).
     replicas: int = 1
     #: "debug", "info", "warning" or "error".
@@ -119,6 +124,8 @@ class Settings:
                 f"LORAFLEET_NATS_INBOX_PREFIX={self.nats_inbox_prefix!r}: use dot-separated "
                 "tokens of letters, digits, '-', '_' or '$' (no wildcards), e.g. _INBOX_node-1"
             )
+        if self.no_responders_retry_s < 0:
+            raise SettingsError("LORAFLEET_NO_RESPONDERS_RETRY_S must be >= 0 seconds")
         if self.replicas not in (1, 3, 5):
             raise SettingsError("LORAFLEET_REPLICAS must be 1, 3 or 5")
         if self.recorder_ack_wait_s <= 0:

@@ -1,8 +1,9 @@
 """The embedded default: one machine running all of lorafleet.
 
 `lorafleet up` and `lorafleet demo` use `EmbeddedStack`: a nats-server from
-the pinned wheel, SQLite, the recorder, scheduler and artifact-store, and one
-local agent that may train on the CPU — each service a child process, as in
+the pinned wheel, SQLite, the recorder, scheduler and artifact-store, the
+HTTP gateway when asked (`lorafleet up` asks), and one local agent that may
+train on the CPU — each service a child process, as in
 production. The local agent's config is `local_agent_config` here, for both
 commands. The tests use `ServiceProcess` the same way (tests/procs.py adds
 their waits).
@@ -30,6 +31,7 @@ from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import local_conversion_source
+from lorafleet_services.gateway.config import GatewayConfig
 
 #: Seconds a child service has to log `service.started`.
 START_TIMEOUT_S = 60.0
@@ -258,6 +260,9 @@ CONTROL_PLANE = (
     "lorafleet_services.artifact_store",
 )
 
+#: The HTTP gateway's module (started after the control plane, when asked).
+GATEWAY = "lorafleet_services.gateway"
+
 
 @dataclass
 class EmbeddedStack:
@@ -267,6 +272,7 @@ class EmbeddedStack:
     nats_port: 0 picks a free port; `lorafleet up` uses 4250 by default so
         that a NATS on 4222 is left alone.
     agent: the local agent's config; None runs no agent.
+    gateway: the HTTP gateway's config; None (default) runs no gateway.
     metrics_addr: where the children serve /metrics: "" none; "host:port"
         the first child's, each next one the next port (port 0: each a free
         one). `metrics_urls()` says where they are.
@@ -275,6 +281,7 @@ class EmbeddedStack:
     data_dir: Path
     nats_port: int = 0
     agent: AgentConfig | None = None
+    gateway: GatewayConfig | None = None
     echo: Echo | None = None
     settings: Settings | None = None
     nats: NatsServer | None = None
@@ -302,6 +309,8 @@ class EmbeddedStack:
         try:
             for module in CONTROL_PLANE:
                 await self._spawn(module, self.settings, {})
+            if self.gateway is not None:
+                await self._spawn(GATEWAY, self.settings, self.gateway.to_env())
             if self.agent is not None:
                 await self._spawn("lorafleet_services.agent", self.settings, self.agent.to_env())
         except BaseException:
@@ -334,6 +343,13 @@ class EmbeddedStack:
             if started and started[-1].get("metrics"):
                 urls[child.module.rsplit(".", 1)[-1].replace("_", "-")] = started[-1]["metrics"]
         return urls
+
+    def gateway_url(self) -> str | None:
+        """The running gateway's URL (its `gateway.listening` line), if one runs."""
+        for child in self.children:
+            if child.module == GATEWAY and child.events("gateway.listening"):
+                return str(child.events("gateway.listening")[-1]["url"])
+        return None
 
     def crashed(self) -> list[str]:
         """Modules of children that have exited on their own."""

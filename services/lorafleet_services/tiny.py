@@ -22,6 +22,7 @@ Other areas (conversion, system tests) import this module: keep
 from __future__ import annotations
 
 import functools
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -66,6 +67,10 @@ TINY_SIZES: dict[str, Any] = {
     "initializer_range": 0.2,
 }
 
+#: `sizes` for a tiny model vLLM's CPU build serves: its attention takes head
+#: dimensions of 32 and up (32, 64, 80, ...), and TINY_SIZES' is 16.
+VLLM_CPU_SIZES: dict[str, Any] = {"num_attention_heads": 2, "num_key_value_heads": 1}
+
 #: BPE merges on top of the 256 byte symbols and the special tokens.
 VOCAB_SIZE = 420
 
@@ -104,12 +109,15 @@ def build_tokenizer() -> Any:
     return tok
 
 
-def build_tiny_model(arch: Arch, out_dir: Path, *, seed: int = 0) -> Path:
+def build_tiny_model(
+    arch: Arch, out_dir: Path, *, seed: int = 0, sizes: Mapping[str, Any] | None = None
+) -> Path:
     """Write a tiny random `arch` model with its tokenizer into `out_dir`.
 
     arch: "llama" (LlamaForCausalLM) or "qwen2" (Qwen2ForCausalLM).
     out_dir: created if missing; the files are (over)written there.
     seed: the weights' seed; default 0.
+    sizes: what differs from TINY_SIZES (e.g. VLLM_CPU_SIZES); default none.
     Answers `out_dir`.
     """
     import torch
@@ -118,6 +126,7 @@ def build_tiny_model(arch: Arch, out_dir: Path, *, seed: int = 0) -> Path:
     tok = build_tokenizer()
     common: dict[str, Any] = dict(
         TINY_SIZES,
+        **(sizes or {}),
         vocab_size=len(tok),
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,

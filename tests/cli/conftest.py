@@ -109,6 +109,7 @@ def up_env(tmp: Path) -> dict[str, str]:
         # Each child picks a free port: `up`'s default 9460 and on may be taken
         # (an operator's own `lorafleet up` on this machine failed every test).
         "LORAFLEET_METRICS_ADDR": "127.0.0.1:0",
+        "LORAFLEET_GATEWAY_ADDR": "127.0.0.1:0",
         "COLUMNS": "120",
     }
     for name in ("LORAFLEET_NATS_URL", "LORAFLEET_LOG_FORMAT", "NO_COLOR"):

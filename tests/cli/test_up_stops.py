@@ -18,8 +18,8 @@ import pytest
 from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, free_port, up_env
 from tests.eventually import eventually
 
-#: nats-server, recorder, scheduler, artifact-store, agent.
-CHILDREN = 5
+#: nats-server, recorder, scheduler, artifact-store, gateway, agent.
+CHILDREN = 6
 #: Seconds the children have to stop once `up` is gone (each drains on SIGTERM).
 GONE_TIMEOUT_S = 30.0
 

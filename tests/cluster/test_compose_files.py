@@ -131,5 +131,5 @@ def test_the_control_plane_runs_on_three_routed_nats_servers() -> None:
         assert sorted(env["LORAFLEET_NATS_URL"].split(",")) == [
             f"nats://{n}:4222" for n in sorted(members)
         ], name
-    schedulers = doc["services"]["scheduler"]["deploy"]["replicas"]
-    assert schedulers == 2
+    for twice in ("scheduler", "recorder"):
+        assert doc["services"][twice]["deploy"]["replicas"] == 2, twice

@@ -25,8 +25,8 @@ ALPHA = 8
 LORA_B_STD = 0.1
 
 
-def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1) -> Path:
-    """A rank-RANK LoRA (alpha ALPHA) on every TARGETS module of the model in
+def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1, rank: int = RANK) -> Path:
+    """A rank-`rank` LoRA (alpha ALPHA; default rank RANK) on every TARGETS module of the model in
     `base_dir`, with non-zero random lora_B, saved as safetensors in
     `out_dir`. Deterministic for a seed; leaves the global random state alone."""
     import torch
@@ -35,7 +35,7 @@ def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1) -> Path:
 
     model = AutoModelForCausalLM.from_pretrained(base_dir, dtype=torch.float32)
     config = LoraConfig(
-        r=RANK,
+        r=rank,
         lora_alpha=ALPHA,
         lora_dropout=0.0,
         target_modules=list(TARGETS),

@@ -29,7 +29,7 @@ class Racing(RecorderClient):
     """A recorder whose job moves on `races` times before a CAS lands."""
 
     def __init__(self, state: JobState, races: int) -> None:
-        super().__init__(None, Names(), 1.0)  # type: ignore[arg-type]
+        super().__init__(None, Names(), 1.0, no_responders_retry_s=0)  # type: ignore[arg-type]
         self.job = job("j1", node="a", state=state)
         self.races = races
         self.sent: list[TransitionRequest] = []
@@ -112,7 +112,7 @@ async def test_requests_and_typed_errors_through_a_stand_in_recorder(
 
     await nc.subscribe(names.jobs_get, cb=on_get)
     await nc.subscribe(names.store_transition, cb=on_transition)
-    rec = RecorderClient(nc, names, timeout_s=2.0)
+    rec = RecorderClient(nc, names, timeout_s=2.0, no_responders_retry_s=2.0)
     assert await rec.get_job("j1") == held
     assert await rec.get_job("nope") is None  # NotFoundError means "no such job"
     with pytest.raises(ConflictError, match="a final state never changes"):

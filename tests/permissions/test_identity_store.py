@@ -39,7 +39,7 @@ def test_seeds_are_0600_and_the_config_holds_public_keys_only(tmp_path: Path) ->
     made = seeds(root)
     assert set(made) == {
         "service/recorder.nk", "service/scheduler.nk", "service/artifact-store.nk",
-        "client/cli.nk", "node/gpu-1.nk",
+        "service/gateway.nk", "client/cli.nk", "node/gpu-1.nk",
     }  # fmt: skip
     for rel in made:
         assert stat.S_IMODE((root / rel).stat().st_mode) == 0o600, rel
@@ -47,7 +47,7 @@ def test_seeds_are_0600_and_the_config_holds_public_keys_only(tmp_path: Path) ->
     config = (root / "nats-server.conf").read_text()
     for seed in made.values():
         assert seed.strip().decode() not in config
-    assert re.findall(r'"nkey": "(U[A-Z0-9]{55})"', config).__len__() == 5
+    assert re.findall(r'"nkey": "(U[A-Z0-9]{55})"', config).__len__() == 6
     env = (root / "env" / "node-gpu-1.env").read_text()
     assert f"LORAFLEET_NATS_NKEY_SEED={root.resolve() / 'node' / 'gpu-1.nk'}" in env
     assert "LORAFLEET_NATS_INBOX_PREFIX=_INBOX_gpu-1" in env
@@ -56,7 +56,7 @@ def test_seeds_are_0600_and_the_config_holds_public_keys_only(tmp_path: Path) ->
 def test_adding_a_node_later_changes_no_other_identity(tmp_path: Path) -> None:
     store = IdentityStore(tmp_path)
     first, made = ensure_fleet(store, ["gpu-1"])
-    assert len(made) == len(first) == 5
+    assert len(made) == len(first) == 6
     before = seeds(tmp_path)
     again, made = ensure_fleet(store, ["gpu-2"])
     assert [i.label for i in made] == ["node/gpu-2"]
@@ -118,7 +118,7 @@ def test_the_client_block_reaches_the_api_and_nothing_internal() -> None:
 def test_each_service_creates_only_the_layout_it_owns() -> None:
     owned = [part for service in SERVICES for part in LAYOUT_OWNERS[service]]
     assert sorted(owned) == sorted(set(owned))  # one owner each
-    assert len(owned) == 6
+    assert len(owned) == 7
     assert owned_layout_parts(None, "recorder") is None  # no identity: everything
     assert owned_layout_parts("/s.nk", "recorder") == ("status_stream", "datasets_store")
     creators = {
@@ -127,7 +127,8 @@ def test_each_service_creates_only_the_layout_it_owns() -> None:
             if allows(identity_block(N, "service", s), "publish", f"$JS.API.STREAM.CREATE.{stream}")
         ]
         for stream in ("LORAFLEET_STATUS", "LORAFLEET_ARTIFACTS", "KV_lorafleet_nodes",
-                       "KV_lorafleet_leader", "OBJ_lorafleet_datasets", "OBJ_lorafleet_artifacts")
+                       "KV_lorafleet_leader", "OBJ_lorafleet_datasets", "OBJ_lorafleet_artifacts",
+                       "KV_lorafleet_gateway")
     }  # fmt: skip
     assert creators == {
         "LORAFLEET_STATUS": ["recorder"],
@@ -136,6 +137,7 @@ def test_each_service_creates_only_the_layout_it_owns() -> None:
         "KV_lorafleet_leader": ["scheduler"],
         "OBJ_lorafleet_datasets": ["recorder"],
         "OBJ_lorafleet_artifacts": ["artifact-store"],
+        "KV_lorafleet_gateway": ["gateway"],
     }
 
 

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from lorafleet_services.recorder.data import DataError, validate
+from lorafleet.training_data import DataError, validate
 
 
 def turn(role: str, content: object = "x") -> dict[str, object]:

@@ -94,3 +94,34 @@ def test_0004_keeps_the_jobs_and_points_from_before_and_goes_back(tmp_path: Path
             assert conn.execute(text("SELECT step, loss FROM loss_points")).all() == [(3, 1.5)]
     finally:
         engine.dispose()
+
+
+def test_head_revision_is_alembics_head_and_a_database_at_it_is_left_alone(
+    tmp_path: Path,
+) -> None:
+    from alembic import command
+    from alembic.script import ScriptDirectory
+
+    from lorafleet_services.recorder.db import HEAD_REVISION, alembic_config, revision
+
+    url = f"sqlite+aiosqlite:///{tmp_path / 'head.db'}"
+    config = alembic_config(url)
+    assert ScriptDirectory.from_config(config).get_current_head() == HEAD_REVISION, (
+        "a new migration: set db.HEAD_REVISION to its revision"
+    )
+    assert revision(url) is None
+    command.upgrade(config, "0003")
+    assert revision(url) == "0003"
+    migrate(url)
+    assert revision(url) == HEAD_REVISION
+    # At head, migrate runs nothing: a schema of 0003 stamped as head stays 0003.
+    command.downgrade(config, "0003")
+    command.stamp(config, HEAD_REVISION)
+    migrate(url)
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            columns = [row[1] for row in conn.exec_driver_sql("PRAGMA table_info(jobs)")]
+    finally:
+        engine.dispose()
+    assert "max_attempts" not in columns

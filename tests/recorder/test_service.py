@@ -325,3 +325,30 @@ async def test_deleted_consumer_is_recreated_and_replay_changes_nothing(running:
     assert [p["step"] for p in curve["points"]] == [1, 2, 3, 4, 5, 6]
     # The replayed "running" report made no second state change.
     assert [e["to_state"] for e in curve["events"]] == ["queued", "starting", "running"]
+
+
+async def test_a_report_holding_a_nul_is_poison_and_the_rest_of_its_batch_applies(
+    running: Running,
+) -> None:
+    """Found by tests/fuzz: PostgreSQL refuses a NUL in text, so a report
+    with one failed its whole batch, redelivered for ever."""
+    nc = running.nc
+    await add_model(nc)
+    job, _ = await raw(nc, N.jobs_submit, _spec())
+    moved, _ = await raw(
+        nc,
+        N.store_transition,
+        {"id": job["id"], "from_state": "queued", "to_state": "starting", "node": "n1"},
+    )
+    assert moved["applied"]
+    js = nc.jetstream()
+    await js.publish(N.status("n1", job["id"]), report(job["id"], 1, message="bad\u0000"))
+    await js.publish(N.status("n1", job["id"]), report(job["id"], 2, state="running", step=3))
+    got = await wait_job(nc, job["id"], lambda j: j["state"] == "running")
+    assert got["step"] == 3 and "\x00" not in got["message"]
+    info = await eventually(
+        lambda: js.consumer_info(N.status_stream, N.recorder_consumer),
+        "both reports acked",
+        until=lambda i: i.num_pending == 0 and i.num_ack_pending == 0,
+    )
+    assert info.delivered.stream_seq >= 2

@@ -82,6 +82,13 @@ class Stack:
         self.procs.append(proc)
         return await proc.start()
 
+    async def recorder_replica(self) -> ServiceProcess:
+        """One more recorder on the stack's settings: it shares the API queue
+        group and the status consumer with `recorder`."""
+        proc = ServiceProcess("lorafleet_services.recorder", self.settings)
+        self.procs.append(proc)
+        return await proc.start()
+
     async def agent(
         self,
         node: str = "node-1",

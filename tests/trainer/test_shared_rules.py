@@ -12,8 +12,8 @@ from pathlib import Path
 import msgspec
 import pytest
 
+from lorafleet.training_data import DataError, validate
 from lorafleet_schemas.messages import TrainerLine, TrainerParams
-from lorafleet_services.recorder.data import DataError, validate
 from lorafleet_trainer.jobfile import Base, JobFile, Resume
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import BadInputError, Event, ExitCode

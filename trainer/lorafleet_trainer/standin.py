@@ -23,16 +23,8 @@ depend only on the step, so a resumed run prints the uninterrupted one's.
 starts from step 1. A dir holding step-* directories means its newest
 complete one.
 
-Knobs (environment of the job):
-    LORAFLEET_STANDIN_STEPS    optimizer steps; default: params.max_steps, else 5.
-    LORAFLEET_STANDIN_STEP_S   seconds per step; default 0.02.
-    LORAFLEET_STANDIN_FAIL_AT  at this step print an error line and exit 1.
-    LORAFLEET_STANDIN_FAIL_EXIT  the exit status of that failure; default 1
-                               (3: a failure of the node, retryable; ExitCode).
-    LORAFLEET_STANDIN_HANG     "1": once running, ignore SIGTERM and sleep
-                               forever (the agent's SIGKILL path).
-    LORAFLEET_STANDIN_CHILD    "1": start a child process that sleeps too
-                               (the agent must kill the whole group).
+Knobs: the LORAFLEET_STANDIN_* settings in the job's environment, listed
+once in docs/operations.md ("A dry run: the stand-in trainer").
 Its first log line names its pids: "pid=<pid> child_pid=<pid or 0>"; the
 next stdout line is not JSON (as library chatter would be), for the agent to skip.
 """

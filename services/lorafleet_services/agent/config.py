@@ -61,6 +61,9 @@ class AgentConfig:
     cancel_grace_s: seconds between SIGTERM and SIGKILL of the trainer's
         process group; default 5.
     chunk_bytes: artifact chunk body size; default 512 KiB.
+    vllm_servers: the vLLM servers on this node that serve adapters, each
+        `URL` or `URL|API_KEY` (comma separated in the environment); default
+        none: the agent scans the processes (`running_engines`).
     """
 
     node: str
@@ -78,6 +81,7 @@ class AgentConfig:
     cancel_grace_s: float = 5.0
     chunk_bytes: int = 512 * 1024
     overlay_packages: tuple[str, ...] = field(default=OVERLAY_PACKAGES)
+    vllm_servers: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")

@@ -190,7 +190,13 @@ class Heartbeater:
             self.last_error = repr(e)
             self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e), nats_reachable=reached)
             if reached:
-                await self._move()
+                await self._move("the server answered but stored no beat")
+            elif client_of(self.js).is_connected:
+                # Connected, yet no PONG: our link is cut, or the server is
+                # frozen (a paused process looks the same from here). Only
+                # another member can tell: reached, it was the server (found
+                # by bench/nemesis.py, seed 3); not, the fence goes on as it was.
+                await self._move("the server does not answer")
             return False
         self.last_ack = self.last_reached = asyncio.get_running_loop().time()
         self.last_error = ""
@@ -209,7 +215,7 @@ class Heartbeater:
         self.last_reached = asyncio.get_running_loop().time()
         return True
 
-    async def _move(self) -> None:
+    async def _move(self, why: str) -> None:
         """To another server of the cluster, unless moved lately or there is none."""
         nc = client_of(self.js)
         now = asyncio.get_running_loop().time()
@@ -225,7 +231,7 @@ class Heartbeater:
             Event.NATS_MOVED,
             left=left,
             server=nc.connected_url.netloc if nc.connected_url else "",
-            message="the server answered but stored no beat",
+            message=why,
         )
 
     async def run(self, stop: asyncio.Event) -> None:

@@ -3,7 +3,7 @@
     preparing  fetch the dataset into work_dir/jobs/<job>/, check its sha256,
                fetch what it resumes from (agent/resume.py), prepare the
                trainer's environment, choose the card, write job.json and
-               the trainer script
+               copy the trainer package (lorafleet_trainer) beside it
     running    the trainer in its own session (as the engines' user when
                there is one); each stdout JSON line becomes a StatusReport,
                each checkpoint line goes to the CheckpointSender, which

@@ -75,7 +75,12 @@ class ArtifactStore:
         self.settings = settings
         self.names: Names = settings.names
         self.logger = log.get()
-        recorder = RecorderClient(nc, self.names, settings.request_timeout_s)
+        recorder = RecorderClient(
+            nc,
+            self.names,
+            settings.request_timeout_s,
+            no_responders_retry_s=settings.no_responders_retry_s,
+        )
         clock = asyncio.get_running_loop().time
         self._pub = AsyncPublisher(nc)
         self.deliveries = Deliveries(Streams(self.js, self.names), self._pub, recorder, clock)

@@ -62,10 +62,29 @@ def write_outputs(
     return config
 
 
-@app.command("auth", rich_help_panel="Access")
+#: `lorafleet auth`'s help (one paragraph: the help wraps it to the terminal).
+AUTH_HELP = (
+    "Make the nkey identities that are missing — one per service (recorder, scheduler, "
+    "artifact-store, gateway), per client and per node, each seed a 0600 file — and write "
+    "DIR/nats-server.conf (public keys and permissions only) (and its authorization block "
+    "alone, DIR/authorization.conf, for a config of one's own to include) and "
+    "DIR/env/<kind>-<name>.env (the LORAFLEET_* settings of each process). "
+    "`lorafleet auth api-key NAME` makes an API key of the HTTP gateway instead."
+)
+auth_app = typer.Typer(
+    invoke_without_command=True,
+    help=AUTH_HELP,
+    short_help="Make the installation's nkey identities and server config (--dir), "
+    "or an API key of the HTTP gateway (api-key).",
+)
+app.add_typer(auth_app, name="auth", rich_help_panel="Access")
+
+
+@auth_app.callback()
 def auth_cmd(
-    directory: Path = typer.Option(
-        ..., "--dir", help="The identity directory (seeds, config, env files); made 0700."
+    ctx: typer.Context,
+    directory: Path | None = typer.Option(
+        None, "--dir", help="The identity directory (seeds, config, env files); made 0700."
     ),
     node: list[str] = typer.Option(
         [], "--node", metavar="NODE", help="A node's name; repeat for each node."
@@ -91,13 +110,13 @@ def auth_cmd(
         "process (each then needs LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY).",
     ),
 ) -> None:
-    """Make the nkey identities that are missing — one per service (recorder,
-    scheduler, artifact-store), per client and per node, each seed a 0600
-    file — and write DIR/nats-server.conf (public keys and permissions only)
-    (and its authorization block alone, DIR/authorization.conf, for a config of
-    one's own to include) and DIR/env/<kind>-<name>.env (the LORAFLEET_*
-    settings of each process)."""
+    """See AUTH_HELP."""
     err = typer.echo
+    if ctx.invoked_subcommand is not None:
+        return
+    if directory is None:
+        err("error: give --dir DIR (the identity directory), or a command (api-key)", err=True)
+        raise typer.Exit(2)
     try:
         if (tls_cert is None) != (tls_key is None):
             raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
@@ -121,3 +140,29 @@ def auth_cmd(
         sys.stdout.write(f"{state}  {ident.label:<28} {ident.public_key}  {ident.seed_file}\n")
     err(f"server config: {config}   env files: {store.root / ENV_DIR}/", err=True)
     err("give each process only its own seed and env file; the config holds no secret", err=True)
+
+
+@auth_app.command("api-key")
+def api_key_cmd(
+    name: str = typer.Argument(..., help="The client the key is for (letters, digits, - and _)."),
+    keys_file: Path | None = typer.Option(
+        None,
+        "--file",
+        help="The gateway's keys file. Default: LORAFLEET_GATEWAY_API_KEYS_FILE, else "
+        "gateway-api-keys.json in LORAFLEET_DATA_DIR.",
+    ),
+) -> None:
+    """Make an API key of the HTTP gateway (`lorafleet gateway`) for client
+    NAME: printed once on stdout, only its sha256 is kept (in the keys file
+    the gateway reads; it takes a new key at once)."""
+    from lorafleet_services.gateway.api_keys import ApiKeysError, make_key
+    from lorafleet_services.gateway.config import GatewayConfig
+
+    try:
+        path = keys_file or GatewayConfig.from_env().keys_file(Settings.from_env().data_dir)
+        key = make_key(path, name)
+    except (ApiKeysError, ValueError) as e:
+        typer.echo(f"error: {e}", err=True)
+        raise typer.Exit(1) from None
+    sys.stdout.write(key + "\n")
+    typer.echo(f"API key of {name!r} (shown this once; its hash is in {path})", err=True)

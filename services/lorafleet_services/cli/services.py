@@ -16,6 +16,7 @@ from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
 from lorafleet_services.cli._app import EMBEDDED_NATS_PORT, app, err
+from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
     ConversionPreparer,
@@ -57,6 +58,15 @@ def artifact_store_cmd() -> None:
     runtime.main(PROGRAM)
 
 
+@app.command("gateway", rich_help_panel="Services")
+def gateway_cmd() -> None:
+    """Run the HTTP gateway (OpenAI's fine-tuning API, inference routed to the
+    engines) until SIGTERM; its settings are LORAFLEET_GATEWAY_* (docs/gateway.md)."""
+    from lorafleet_services.gateway.service import main
+
+    main()
+
+
 @app.command("agent", rich_help_panel="Services")
 def agent_cmd(
     node: str = typer.Option(..., help="This node's name (letters, digits, - and _)."),
@@ -91,6 +101,11 @@ def up_cmd(
     nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
     node: str = typer.Option(LOCAL_NODE, help="The local agent's node name."),
     agent: bool = typer.Option(True, help="Run a local agent."),
+    gateway: bool = typer.Option(
+        True,
+        help="Run the HTTP gateway (OpenAI's API) on LORAFLEET_GATEWAY_ADDR, "
+        "default 127.0.0.1:8090.",
+    ),
     metrics_addr: str | None = typer.Option(
         None,
         help="Where the first process serves /metrics, the others on the next ports; "
@@ -110,6 +125,7 @@ def up_cmd(
     async def main() -> None:
         config = await up_agent_config(directory, node) if agent else None
         stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, agent=config, echo=echo)
+        stack.gateway = runtime.read_or_exit("up", GatewayConfig.from_env) if gateway else None
         stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
         if metrics_addr is not None:
             stack.metrics_addr = metrics_addr
@@ -119,6 +135,12 @@ def up_cmd(
             f"database {settings.effective_database_url}; Ctrl-C stops it",
             soft_wrap=True,
         )
+        gateway_url = stack.gateway_url()
+        if gateway_url:
+            err.print(
+                f"OpenAI API: {gateway_url}/v1 (a key: lorafleet auth api-key NAME)",
+                highlight=False, soft_wrap=True, markup=False,
+            )  # fmt: skip
         hints = "\n".join(next_steps(directory, node if agent else None))
         err.print(hints, highlight=False, soft_wrap=True, markup=False)
         err.print(endpoints_text(stack.metrics_urls()), highlight=False, markup=False)

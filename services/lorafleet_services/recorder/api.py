@@ -14,7 +14,7 @@ from typing import Any, Protocol
 
 import msgspec
 
-from lorafleet import estimate, log, metrics
+from lorafleet import estimate, log, metrics, training_data
 from lorafleet._bus import encode
 from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
@@ -44,7 +44,7 @@ from lorafleet_schemas.messages import (
     TransitionReply,
     TransitionRequest,
 )
-from lorafleet_services.recorder import data, job_writes, store
+from lorafleet_services.recorder import job_writes, store
 from lorafleet_services.recorder.db import Sessions
 from lorafleet_services.recorder.fold import Move
 from lorafleet_services.recorder.job_writes import JobChange, StatusResult
@@ -62,6 +62,50 @@ class Datasets(Protocol):
 
 Publish = Callable[[str, bytes], Awaitable[None]]
 
+#: The largest number an integer column holds (32 bits, on both backends).
+MAX_STORED_INT = 2**31 - 1
+
+
+def nul_at(value: Any, path: str = "$") -> str | None:
+    """The JSON path of the first text in `value` (a decoded message) that
+    holds a NUL character, or None. PostgreSQL cannot store one in a text
+    column, or take one as a query parameter."""
+    if isinstance(value, str):
+        return path if "\x00" in value else None
+    if isinstance(value, msgspec.Struct):
+        # The class attributes, not msgspec.structs.fields: that one inspects
+        # the type on every call (0.3 ms a status report).
+        items: Sequence[tuple[str, Any]] = [
+            (f".{encoded}", getattr(value, name))
+            for name, encoded in zip(
+                value.__struct_fields__, value.__struct_encode_fields__, strict=True
+            )
+        ]
+    elif isinstance(value, dict):
+        items = [(f".{k}", k) for k in value] + [(f".{k}", v) for k, v in value.items()]
+    elif isinstance(value, list | tuple):
+        items = [(f"[{i}]", v) for i, v in enumerate(value)]
+    else:
+        return None
+    for step, item in items:
+        found = nul_at(item, path + step)
+        if found is not None:
+            return found
+    return None
+
+
+def refusing_nul(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitable[Any]]:
+    """`fn`, refusing a request with a NUL in any text as a bad request naming
+    where (the same on SQLite, so both backends answer alike)."""
+
+    async def checked(request: Any) -> Any:
+        path = nul_at(request)
+        if path is not None:
+            raise BadRequestError(f"{path} holds a NUL character (U+0000): remove it", path)
+        return await fn(request)
+
+    return checked
+
 
 class RecorderApi:
     """Everything the recorder answers and applies, without a bus of its own."""
@@ -75,18 +119,19 @@ class RecorderApi:
 
     def routes(self) -> list[Route]:
         n = self.names
-        return [
-            Route(n.models_add, ModelSpec, self.models_add),
-            Route(n.models_list, ModelListRequest, self.models_list),
-            Route(n.jobs_submit, JobSpec, self.jobs_submit),
-            Route(n.jobs_get, JobGetRequest, self.jobs_get),
-            Route(n.jobs_list, JobListRequest, self.jobs_list),
-            Route(n.jobs_curve, JobCurveRequest, self.jobs_curve),
-            Route(n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
-            Route(n.jobs_resume, JobResumeRequest, self.jobs_resume),
-            Route(n.store_transition, TransitionRequest, self.transition),
-            Route(n.store_artifact, ArtifactStoredRequest, self.artifact),
+        handlers: list[tuple[str, type, Callable[[Any], Awaitable[Any]]]] = [
+            (n.models_add, ModelSpec, self.models_add),
+            (n.models_list, ModelListRequest, self.models_list),
+            (n.jobs_submit, JobSpec, self.jobs_submit),
+            (n.jobs_get, JobGetRequest, self.jobs_get),
+            (n.jobs_list, JobListRequest, self.jobs_list),
+            (n.jobs_curve, JobCurveRequest, self.jobs_curve),
+            (n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
+            (n.jobs_resume, JobResumeRequest, self.jobs_resume),
+            (n.store_transition, TransitionRequest, self.transition),
+            (n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
+        return [Route(subject, typ, refusing_nul(fn)) for subject, typ, fn in handlers]
 
     # --- the catalog ---
 
@@ -222,8 +267,8 @@ class RecorderApi:
     @staticmethod
     def _check_data(content: bytes, where: str) -> tuple[int, str]:
         try:
-            return data.validate(content)
-        except data.DataError as e:
+            return training_data.validate(content)
+        except training_data.DataError as e:
             raise BadRequestError(f"the training data: {e}", where) from None
 
     async def jobs_get(self, req: JobGetRequest) -> JobRecord:
@@ -434,7 +479,13 @@ def memory_checked(model: ModelRecord, spec: JobSpec) -> JobSpec:
     if spec.gpu_memory_mib is None:
         if answer.estimate is None:
             raise BadRequestError(f"give gpu_memory_mib: {answer.reason}", "$.gpu_memory_mib")
-        return msgspec.structs.replace(spec, gpu_memory_mib=answer.estimate.recommended_mib)
-    if not answer.fits and not spec.ignore_estimate:
+        spec = msgspec.structs.replace(spec, gpu_memory_mib=answer.estimate.recommended_mib)
+    elif not answer.fits and not spec.ignore_estimate:
         raise BadRequestError(answer.reason, "$.gpu_memory_mib")
+    if spec.gpu_memory_mib is not None and spec.gpu_memory_mib > MAX_STORED_INT:
+        raise BadRequestError(
+            f"gpu_memory_mib {spec.gpu_memory_mib} is more than the recorder stores "
+            f"({MAX_STORED_INT} MiB at most)",
+            "$.gpu_memory_mib",
+        )
     return spec

@@ -12,18 +12,20 @@ front instead of failing a reader that later wants to write
 behave the same on both backends.
 
 `migrate(url)` runs Alembic's `upgrade head` from the migrations shipped in
-this package; there is no hand-written DDL.
+this package; there is no hand-written DDL. A database already at
+`HEAD_REVISION` is left alone without importing Alembic: a restarted
+recorder answers sooner (bench/recorder_start.py).
 """
 
 from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from alembic import command
-from alembic.config import Config
-from sqlalchemy import event
+import sqlalchemy
+import sqlalchemy.exc
+from sqlalchemy import event, pool
 from sqlalchemy.engine import make_url
 from sqlalchemy.ext.asyncio import (
     AsyncEngine,
@@ -32,8 +34,15 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+if TYPE_CHECKING:
+    from alembic.config import Config
+
 #: Milliseconds a SQLite connection waits for the write lock before failing.
 SQLITE_BUSY_TIMEOUT_MS = 30_000
+
+#: The newest migration's revision (tests/recorder/test_migrations.py holds
+#: it to Alembic's head): bump it with each new file in migrations/versions.
+HEAD_REVISION = "0004"
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
@@ -104,7 +113,19 @@ def sessions(engine: AsyncEngine) -> Sessions:
     return async_sessionmaker(engine, expire_on_commit=False)
 
 
+def _quiet_alembic() -> None:
+    """Alembic's INFO lines (on import, "setup plugin ...", and as it
+    migrates) are plain text; the services log JSON lines only. Called
+    before each import of Alembic: it is imported only when it is used."""
+    alembic_log = logging.getLogger("alembic")
+    if alembic_log.level == logging.NOTSET:
+        alembic_log.setLevel(logging.WARNING)
+
+
 def alembic_config(url: str) -> Config:
+    _quiet_alembic()
+    from alembic.config import Config
+
     cfg = Config()
     cfg.set_main_option("script_location", str(_MIGRATIONS))
     # ConfigParser interpolates '%': a password with one must survive.
@@ -112,16 +133,31 @@ def alembic_config(url: str) -> Config:
     return cfg
 
 
+def revision(url: str) -> str | None:
+    """The revision the database at `url` is at; None before its first migration."""
+    engine = sqlalchemy.create_engine(sync_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            rows = conn.exec_driver_sql("SELECT version_num FROM alembic_version").all()
+    except (sqlalchemy.exc.ProgrammingError, sqlalchemy.exc.OperationalError):
+        return None  # no alembic_version table yet (OperationalError on SQLite)
+    finally:
+        engine.dispose()
+    return rows[0][0] if len(rows) == 1 else None
+
+
 def migrate(url: str) -> None:
     """Bring the database at `url` to the newest schema (Alembic `upgrade head`).
 
     Synchronous; call it through `asyncio.to_thread` from async code. The
-    SQLite file's directory is created when missing.
+    SQLite file's directory is created when missing. A database at
+    `HEAD_REVISION` is not touched (Alembic is imported only to migrate).
     """
     if _check(url) == "sqlite":
         _sqlite_parent(url)
-    # Alembic's INFO lines are plain text; the services log JSON lines only.
-    alembic_log = logging.getLogger("alembic")
-    if alembic_log.level == logging.NOTSET:
-        alembic_log.setLevel(logging.WARNING)
+    if revision(url) == HEAD_REVISION:
+        return
+    _quiet_alembic()
+    from alembic import command
+
     command.upgrade(alembic_config(url), "head")

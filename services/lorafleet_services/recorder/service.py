@@ -6,8 +6,9 @@ loop of lorafleet._consumer (`names.recorder_consumer` on
 which are applied in one transaction, acked after commit, and the job
 events published after that. A crash between commit and ack redelivers
 reports that the store then applies as no-ops, so a SIGKILL at any point
-has no double effect. A message that does not decode (poison) is logged
-and acked: redelivering it would never help.
+has no double effect. A message that does not decode, or holds a NUL in a
+text (which PostgreSQL cannot store), is poison: logged and acked, as
+redelivering it would never help.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import StatusReport
 from lorafleet_services.recorder import db, store
-from lorafleet_services.recorder.api import RecorderApi
+from lorafleet_services.recorder.api import RecorderApi, nul_at
 from lorafleet_services.recorder.metric_views import JobCounts
 
 #: Reports fetched and applied in one transaction, at most.
@@ -161,13 +162,27 @@ class Recorder:
         good: list[Msg] = []
         for m in msgs:
             try:
-                reports.append(_report_decoder.decode(m.data))
-                good.append(m)
+                report = _report_decoder.decode(m.data)
             except msgspec.DecodeError as e:
                 self.logger.warning(
                     Event.STATUS_REFUSED, subject=m.subject, error=str(e), message="poison"
                 )
                 await m.ack()
+                continue
+            # JSON carries a NUL only escaped: most reports skip the walk.
+            nul = nul_at(report) if b"\\u0000" in m.data else None
+            if nul is not None:
+                # PostgreSQL would refuse the whole batch, every redelivery.
+                self.logger.warning(
+                    Event.STATUS_REFUSED,
+                    subject=m.subject,
+                    error=f"a NUL at {nul}",
+                    message="poison",
+                )
+                await m.ack()
+                continue
+            reports.append(report)
+            good.append(m)
         if not reports:
             return
         result = await self.api.apply_status(reports)

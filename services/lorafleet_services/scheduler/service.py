@@ -62,6 +62,14 @@ from lorafleet_services.scheduler.nodes import NodeWatcher
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
 #: behind the event triggers); default 1.
 SWEEP_S = 1.0
+#: Seconds without a round, as a share of the node timeout, beyond which
+#: the scheduler was not looking (its process paused or starved): the nodes'
+#: silence since is its own and is forgiven, as after a reconnect, before
+#: the sweep. Found by bench/nemesis.py (seed 3): a scheduler SIGSTOPped for
+#: 3.2 s swept before its watch handed it the beats that had come meanwhile,
+#: and judged two live nodes lost. Half the timeout: a shorter stall cannot
+#: age a beat past it (beats come every third of the timeout or oftener).
+STALL_SHARE = 0.5
 #: Seconds between probes of the node watch (is it alive, can it see?):
 #: blindness is noticed within about this plus the probe's 0.5 s timeout,
 #: well before a 3 s node timeout could lose anybody.
@@ -94,12 +102,19 @@ class Scheduler:
         self.instance = instance or instance_id()
         self.logger = log.get(instance=self.instance)
         self._wake = asyncio.Event()
+        #: When the rounds last ran (STALL_SHARE).
+        self._last_round = clock()
         self.nodes = NodeWatcher(settings.node_timeout_s, clock, self.logger, self._wake.set)
         self.leadership = Leadership(
             self.js, self.names, self.instance, self.logger, clock, on_acquired=self._wake.set
         )
         self.dispatcher = Dispatcher(
-            RecorderClient(nc, self.names, settings.request_timeout_s),
+            RecorderClient(
+                nc,
+                self.names,
+                settings.request_timeout_s,
+                no_responders_retry_s=settings.no_responders_retry_s,
+            ),
             AgentRequests(nc, self.names, settings.request_timeout_s),
             self.nodes.table,
             clock,
@@ -200,6 +215,9 @@ class Scheduler:
             if not self.nc.is_connected:
                 continue
             now = self.clock()
+            if now - self._last_round > STALL_SHARE * self.settings.node_timeout_s:
+                self.nodes.reconnected()
+            self._last_round = now
             self.nodes.sweep(now)
             if not self.is_leader():
                 # The leader fails lost nodes' jobs; reconcile catches any it missed.

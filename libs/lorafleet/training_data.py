@@ -1,4 +1,5 @@
-"""Checking training data at submit: NDJSON records, one JSON object a line.
+"""Checking training data on its way in (the recorder at submit, the gateway
+at upload): NDJSON records, one JSON object a line.
 
 The records' format is lorafleet_trainer.records (one rule, the trainer's
 too); this answers an upload's record count and sha256, or a DataError

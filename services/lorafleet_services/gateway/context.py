@@ -1,0 +1,60 @@
+"""What every gateway handler works with, and the few helpers they share."""
+
+from __future__ import annotations
+
+import io
+from dataclasses import dataclass
+from typing import Any
+
+import httpx2
+import msgspec
+from nats.js import JetStreamContext
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lorafleet.client import Client
+from lorafleet.objects import ObjectNotFoundError, read_object
+from lorafleet_services.gateway.config import GatewayConfig
+from lorafleet_services.gateway.http_errors import not_found
+from lorafleet_services.gateway.routing import ModelRoutes
+from lorafleet_services.gateway.state import GatewayState
+
+_encoder = msgspec.json.Encoder()
+
+
+@dataclass
+class GatewayContext:
+    """The gateway's connections: lorafleet, its own state, the engines."""
+
+    config: GatewayConfig
+    client: Client
+    state: GatewayState
+    routes: ModelRoutes
+    http: httpx2.AsyncClient
+
+    @staticmethod
+    def of(request: Request) -> GatewayContext:
+        ctx: GatewayContext = request.app.state.ctx
+        return ctx
+
+    async def read_dataset(self, name: str) -> bytes:
+        """The bytes of a dataset object (by message gets: a client's right)."""
+        js: JetStreamContext = self.client.js
+        out = io.BytesIO()
+        try:
+            await read_object(js, self.client.names.datasets_bucket, name, out)
+        except ObjectNotFoundError:
+            raise not_found(
+                f"the data of this file ({name}) is gone from the datasets bucket"
+            ) from None
+        return out.getvalue()
+
+
+def owner_of(request: Request) -> str:
+    """The API key's name the request came with (set by the auth middleware)."""
+    owner: str = request.scope["state"]["owner"]
+    return owner
+
+
+def json_response(body: Any, status: int = 200) -> Response:
+    return Response(_encoder.encode(body), status_code=status, media_type="application/json")

@@ -1,0 +1,315 @@
+"""lorafleet's jobs in OpenAI's shapes, and back: pure code, no bus, no HTTP.
+
+Ids: OpenAI's job id is `ftjob-<lorafleet job id>`; a fine-tuned model is
+named `ft:<base>:<suffix>:<lorafleet job id>` (suffix empty when none was
+given, as OpenAI's `ft:base:org::id`), the name an engine serves its
+adapter under.
+
+Status, from lorafleet's state (docs/gateway.md has the table):
+queued -> `queued`; starting, preparing, running, converting, uploading
+-> `running`; done -> `succeeded`; failed -> `failed`; cancelled ->
+`cancelled`, or `paused` when the gateway's pause cancelled it.
+`validating_files` is never reported: a file is checked whole when it is
+uploaded and the job's data again when it is submitted, both before the
+create call returns.
+
+Hyperparameters: `n_epochs` is the trainer's `epochs`, `batch_size` its
+`batch_size`, `learning_rate_multiplier` scales its default learning rate
+(2e-4); "auto" (or none) keeps the trainer's default. A job reports the
+values it trains with.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+from collections.abc import Callable, Sequence
+from typing import Any, TypeVar
+
+import msgspec
+
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    ArtifactRecord,
+    CheckpointRef,
+    JobCurve,
+    JobRecord,
+    JobSpec,
+    JobState,
+    TrainerParams,
+)
+from lorafleet_services.gateway.http_errors import GatewayHttpError, bad_request
+from lorafleet_services.gateway.openai_shapes import (
+    Checkpoint,
+    CheckpointMetrics,
+    FineTuningJob,
+    Hyperparameters,
+    JobCreate,
+    JobError,
+    JobEvent,
+    Method,
+    Page,
+    Supervised,
+)
+from lorafleet_services.gateway.state import FileRecord, JobFields
+
+T = TypeVar("T")
+
+JOB_ID_PREFIX = "ftjob-"
+#: Page sizes OpenAI allows, and its default.
+MAX_PAGE = 100
+DEFAULT_PAGE = 20
+
+_RUNNING = frozenset(
+    {JobState.STARTING, JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING,
+     JobState.UPLOADING}
+)  # fmt: skip
+_STATUS = {JobState.QUEUED: "queued", JobState.DONE: "succeeded", JobState.FAILED: "failed"}
+_DEFAULTS = TrainerParams()
+
+
+def openai_job_id(job_id: str) -> str:
+    return JOB_ID_PREFIX + job_id
+
+
+def lorafleet_job_id(openai_id: str) -> str:
+    """The lorafleet id inside `ftjob-<id>` ("" when it is not one)."""
+    return openai_id.removeprefix(JOB_ID_PREFIX) if openai_id.startswith(JOB_ID_PREFIX) else ""
+
+
+def fine_tuned_model_name(base: str, suffix: str | None, job_id: str) -> str:
+    return f"ft:{base}:{suffix or ''}:{job_id}"
+
+
+def status_of(job: JobRecord, fields: JobFields) -> str:
+    if job.state in _RUNNING:
+        return "running"
+    if job.state is JobState.CANCELLED:
+        return "paused" if fields.paused else "cancelled"
+    return _STATUS[job.state]
+
+
+def requested_hyperparameters(create: JobCreate) -> Hyperparameters:
+    """`method.supervised.hyperparameters`, or the older top-level ones (not both)."""
+    if create.method is not None and create.method.type != "supervised":
+        raise bad_request(
+            f"method.type {create.method.type!r}: lorafleet trains supervised LoRA "
+            'adapters only; use "supervised"',
+            "method.type",
+        )
+    method_hp = (
+        create.method.supervised.hyperparameters
+        if create.method and create.method.supervised
+        else None
+    )
+    if method_hp is not None and create.hyperparameters is not None:
+        raise bad_request(
+            "give the hyperparameters once: in method.supervised.hyperparameters "
+            "(the top-level hyperparameters are the older form of the same)",
+            "hyperparameters",
+        )
+    return method_hp or create.hyperparameters or Hyperparameters()
+
+
+def trainer_params(create: JobCreate, hp: Hyperparameters) -> TrainerParams:
+    """The trainer's parameters for `create`; a value out of range is a 400."""
+    values: dict[str, Any] = {}
+    if isinstance(hp.n_epochs, int):
+        values["epochs"] = hp.n_epochs
+    if isinstance(hp.batch_size, int):
+        values["batch_size"] = hp.batch_size
+    if isinstance(hp.learning_rate_multiplier, float | int):
+        values["learning_rate"] = _DEFAULTS.learning_rate * hp.learning_rate_multiplier
+    if create.seed is not None:
+        values["seed"] = create.seed
+    ext = create.lorafleet
+    if ext is not None:
+        for name in ("rank", "max_steps", "checkpoint_every_steps"):
+            if getattr(ext, name) is not None:
+                values[name] = getattr(ext, name)
+    try:
+        return msgspec.convert(values, TrainerParams)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"a hyperparameter is out of range: {e}", "hyperparameters") from None
+
+
+def job_spec(create: JobCreate, file: FileRecord, params: TrainerParams) -> JobSpec:
+    ext = create.lorafleet
+    return JobSpec(
+        model=create.model,
+        name=create.suffix or "",
+        dataset=file.dataset,
+        params=params,
+        node=ext.node if ext else None,
+        gpu_memory_mib=ext.gpu_memory_mib if ext else None,
+        max_attempts=(ext.max_attempts or 1) if ext else 1,
+    )
+
+
+def job_fields(create: JobCreate, job: JobRecord, now: dt.datetime) -> JobFields:
+    params = job.params
+    return JobFields(
+        job_id=job.id,
+        model=create.model,
+        training_file=create.training_file,
+        suffix=create.suffix,
+        seed=params.seed,
+        metadata=create.metadata,
+        hyperparameters=Hyperparameters(
+            n_epochs=params.epochs,
+            batch_size=params.batch_size,
+            learning_rate_multiplier=params.learning_rate / _DEFAULTS.learning_rate,
+        ),
+        lorafleet=create.lorafleet,
+        created_at=now,
+    )
+
+
+def unix(t: dt.datetime | None) -> int | None:
+    return None if t is None else int(t.timestamp())
+
+
+def estimated_finish(job: JobRecord, now: dt.datetime) -> int | None:
+    """When a running job will end at its pace so far (None: not running, or no step yet)."""
+    if job.state not in _RUNNING or not job.started_at or job.step <= 0 or job.steps <= 0:
+        return None
+    spent_s = (now - job.started_at).total_seconds()
+    return int(job.started_at.timestamp() + spent_s * job.steps / job.step)
+
+
+def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -> FineTuningJob:
+    status = status_of(job, fields)
+    method = Method(
+        type="supervised", supervised=Supervised(hyperparameters=fields.hyperparameters)
+    )
+    return FineTuningJob(
+        id=openai_job_id(job.id),
+        created_at=unix(job.created_at) or 0,
+        error=JobError(code="training_failed", message=job.message) if status == "failed" else None,
+        fine_tuned_model=(
+            fine_tuned_model_name(fields.model, fields.suffix, job.id)
+            if status == "succeeded"
+            else None
+        ),
+        finished_at=unix(job.finished_at) if job.state not in _RUNNING else None,
+        hyperparameters=fields.hyperparameters,
+        model=fields.model,
+        organization_id=owner,
+        result_files=[],
+        seed=fields.seed,
+        status=status,
+        # lorafleet's trainer reports tokens per second, not a total: none to give.
+        trained_tokens=None,
+        training_file=fields.training_file,
+        validation_file=fields.validation_file,
+        estimated_finish=estimated_finish(job, now),
+        metadata=fields.metadata,
+        method=method,
+        lorafleet={
+            "state": job.state.value, "message": job.message, "node": job.node,
+            "step": job.step, "steps": job.steps, "attempt": job.attempt,
+            "loss": job.loss, "eval_loss": job.eval_loss,
+        },
+    )  # fmt: skip
+
+
+def paginate(items: Sequence[T], id_of: Callable[[T], str], after: str | None, limit: int) -> Page:
+    """The page of `items` (newest first) after the one with id `after`."""
+    if not 1 <= limit <= MAX_PAGE:
+        raise bad_request(f"limit {limit}: give 1 to {MAX_PAGE}", "limit")
+    start = 0
+    if after:
+        ids = [id_of(i) for i in items]
+        if after not in ids:
+            raise GatewayHttpError(
+                400, f"after={after!r} is not in this list: pass the id of an item "
+                "a previous page returned", param="after", code="invalid_cursor",
+            )  # fmt: skip
+        start = ids.index(after) + 1
+    data = list(items[start : start + limit])
+    return Page(
+        data=data,
+        has_more=start + limit < len(items),
+        first_id=id_of(data[0]) if data else None,
+        last_id=id_of(data[-1]) if data else None,
+    )
+
+
+def _level(to_state: JobState) -> str:
+    return {JobState.FAILED: "error", JobState.CANCELLED: "warn"}.get(to_state, "info")
+
+
+def _step_times(job: JobRecord, curve: JobCurve, now: dt.datetime) -> Callable[[int], dt.datetime]:
+    """A loss point has no time of its own: it is placed between the run's
+    start and its end (or now) by its step."""
+    start = job.started_at or job.created_at
+    end = job.finished_at or now
+    steps = max(job.steps, max((p.step for p in curve.points), default=1), 1)
+    return lambda step: start + (end - start) * (min(step, steps) / steps)
+
+
+def events(job: JobRecord, curve: JobCurve, now: dt.datetime) -> list[JobEvent]:
+    """The job's events, newest first: its state changes (type "message") and
+    one "metrics" event per logged step (train loss; valid loss where the
+    trainer evaluated at that step)."""
+    time_of = _step_times(job, curve, now)
+    valid = {(e.attempt, e.step): e.eval_loss for e in curve.evals}
+    timeline: list[tuple[dt.datetime, int, JobEvent]] = []
+    for n, change in enumerate(curve.events):
+        text = f"{change.from_state or 'new'} -> {change.to_state}"
+        message = f"{text}: {change.message}" if change.message else text
+        timeline.append((change.time, n, JobEvent(
+            id=f"ftevent-{job.id}-s{n}", created_at=unix(change.time) or 0,
+            level=_level(change.to_state), message=message, type="message",
+            data={"state": change.to_state.value},
+        )))  # fmt: skip
+    for n, point in enumerate(curve.points):
+        data: dict[str, Any] = {"step": point.step, "train_loss": point.loss,
+                                "total_steps": job.steps, "attempt": point.attempt}  # fmt: skip
+        if (point.attempt, point.step) in valid:
+            data["valid_loss"] = valid[point.attempt, point.step]
+        if point.learning_rate is not None:
+            data["learning_rate"] = point.learning_rate
+        at = time_of(point.step)
+        timeline.append((at, len(curve.events) + n, JobEvent(
+            id=f"ftevent-{job.id}-m{point.attempt}-{point.step}", created_at=unix(at) or 0,
+            level="info", message=f"Step {point.step}/{job.steps}: training loss={point.loss:.4f}",
+            type="metrics", data=data,
+        )))  # fmt: skip
+    timeline.sort(key=lambda t: (t[0], t[1]))
+    return [event for _, _, event in reversed(timeline)]
+
+
+def _metrics_at(curve: JobCurve, step: int) -> CheckpointMetrics:
+    losses = [p for p in curve.points if p.step <= step]
+    evals = [e for e in curve.evals if e.step <= step]
+    return CheckpointMetrics(
+        step=float(step),
+        train_loss=losses[-1].loss if losses else None,
+        valid_loss=evals[-1].eval_loss if evals else None,
+    )
+
+
+def checkpoints(
+    job: JobRecord, fields: JobFields, curve: JobCurve, stored: list[ArtifactRecord]
+) -> list[Checkpoint]:
+    """Newest first: the final adapter (once stored) and the newest
+    training checkpoint (lorafleet keeps one, each superseding the last)."""
+    model = fine_tuned_model_name(fields.model, fields.suffix, job.id)
+    stored_at = {a.kind: a.stored_at for a in stored}
+    found: list[tuple[CheckpointRef, str, int]] = []
+    if job.adapter is not None and ArtifactKind.PEFT in stored_at:
+        found.append((job.adapter, model, job.steps or job.step))
+    if job.checkpoint is not None and ArtifactKind.CHECKPOINT in stored_at:
+        step = job.checkpoint.step
+        found.append((job.checkpoint, f"{model}:ckpt-step-{step}", step))
+    return [
+        Checkpoint(
+            id=f"ftckpt-{job.id}-{ref.kind.value}-{step}",
+            created_at=unix(stored_at[ref.kind]) or 0,
+            fine_tuned_model_checkpoint=name,
+            fine_tuning_job_id=openai_job_id(job.id),
+            metrics=_metrics_at(curve, step),
+            step_number=step,
+        )
+        for ref, name, step in found
+    ]

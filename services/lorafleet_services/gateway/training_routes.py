@@ -1,0 +1,258 @@
+"""`/v1/files` and `/v1/fine_tuning/jobs`: OpenAI's fine-tuning API over lorafleet.
+
+Each handler reads the request, asks lorafleet (`lorafleet.client.Client`)
+and the gateway's state, and answers in OpenAI's shape; the mapping is
+job_mapping's, the errors http_errors'. A file is checked whole with the
+training records' rules before anything is stored (the error names the
+line), then put into the datasets bucket under its sha256 (two uploads of
+the same bytes share one object; deleting a file object leaves the data,
+which jobs may still name).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import datetime as dt
+import uuid
+from typing import Any
+
+import msgspec
+from starlette.datastructures import UploadFile
+from starlette.requests import Request
+from starlette.responses import Response
+
+from lorafleet import log
+from lorafleet.training_data import DataError, validate
+from lorafleet_schemas.messages import JobRecord
+from lorafleet_services.gateway import job_mapping as jm
+from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
+from lorafleet_services.gateway.http_errors import bad_request, conflict, not_found
+from lorafleet_services.gateway.openai_shapes import (
+    FileDeleted,
+    FileObject,
+    JobCreate,
+)
+from lorafleet_services.gateway.state import FileRecord, JobFields
+
+#: The only purpose lorafleet keeps files for.
+FINE_TUNE = "fine-tune"
+
+
+def _file_object(f: FileRecord) -> FileObject:
+    return FileObject(
+        id=f.id, bytes=f.bytes, created_at=jm.unix(f.created_at) or 0,
+        filename=f.filename, purpose=f.purpose,
+    )  # fmt: skip
+
+
+def _limit(request: Request, default: int = jm.DEFAULT_PAGE) -> int:
+    raw = request.query_params.get("limit")
+    if raw is None:
+        return default
+    if not raw.isdigit():
+        raise bad_request(f"limit={raw!r}: give a whole number from 1 to {jm.MAX_PAGE}", "limit")
+    return int(raw)
+
+
+async def create_file(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    form = await request.form()
+    purpose, upload = form.get("purpose"), form.get("file")
+    if purpose != FINE_TUNE:
+        raise bad_request(
+            f"purpose {purpose!r}: lorafleet keeps files for fine-tuning only; "
+            f'give purpose="{FINE_TUNE}"',
+            "purpose",
+        )
+    if not isinstance(upload, UploadFile):
+        raise bad_request("no file: send the JSONL as the multipart field `file`", "file")
+    data = await upload.read()
+    try:
+        records, _ = await asyncio.to_thread(validate, data)
+    except DataError as e:
+        raise bad_request(f"{upload.filename or 'the file'}: {e}", "file") from None
+    dataset = await ctx.client.upload_dataset(data)
+    record = FileRecord(
+        id=f"file-{uuid.uuid4().hex[:24]}", filename=upload.filename or "data.jsonl",
+        bytes=len(data), created_at=dt.datetime.now(dt.UTC), purpose=FINE_TUNE,
+        dataset=dataset, records=records,
+    )  # fmt: skip
+    await ctx.state.put_file(owner, record)
+    log.get().info(
+        log.Event.GATEWAY_FILE_STORED,
+        file_id=record.id, bytes=record.bytes, records=records, client=owner,
+    )  # fmt: skip
+    return json_response(_file_object(record))
+
+
+async def _file_or_404(request: Request, param: str = "file_id") -> FileRecord:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    file_id = request.path_params["file_id"]
+    found = await ctx.state.file(owner, file_id)
+    if found is None:
+        raise not_found(f"no file {file_id!r}: upload one with POST /v1/files", param)
+    return found
+
+
+async def list_files(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    files = sorted(await ctx.state.files(owner), key=lambda f: f.created_at, reverse=True)
+    if request.query_params.get("order") == "asc":
+        files.reverse()
+    purpose = request.query_params.get("purpose")
+    if purpose:
+        files = [f for f in files if f.purpose == purpose]
+    page = jm.paginate(
+        [_file_object(f) for f in files],
+        lambda f: f.id,
+        request.query_params.get("after"),
+        _limit(request, default=jm.MAX_PAGE),
+    )
+    return json_response(page)
+
+
+async def retrieve_file(request: Request) -> Response:
+    return json_response(_file_object(await _file_or_404(request)))
+
+
+async def file_content(request: Request) -> Response:
+    ctx = GatewayContext.of(request)
+    found = await _file_or_404(request)
+    data = await ctx.read_dataset(found.dataset)
+    return Response(data, media_type="application/octet-stream")
+
+
+async def delete_file(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    found = await _file_or_404(request)
+    await ctx.state.delete_file(owner, found.id)
+    return json_response(FileDeleted(id=found.id, deleted=True))
+
+
+# --- jobs -----------------------------------------------------------------------
+
+
+async def _decode_json(request: Request, typ: type[Any]) -> Any:
+    try:
+        return msgspec.json.decode(await request.body(), type=typ)
+    except msgspec.ValidationError as e:
+        raise bad_request(f"the request body: {e}") from None
+    except msgspec.DecodeError as e:
+        raise bad_request(f"the request body is not JSON: {e}") from None
+
+
+async def create_job(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    create: JobCreate = await _decode_json(request, JobCreate)
+    if create.validation_file is not None:
+        raise bad_request(
+            "validation_file: lorafleet's trainer evaluates on a held-out share of the "
+            "training file (its eval_fraction, default 10%); leave validation_file out",
+            "validation_file",
+        )
+    file = await ctx.state.file(owner, create.training_file)
+    if file is None:
+        raise not_found(
+            f"no file {create.training_file!r}: upload the training data with "
+            'POST /v1/files (purpose="fine-tune") and pass its id',
+            "training_file",
+        )
+    hp = jm.requested_hyperparameters(create)
+    job = await ctx.client.submit(jm.job_spec(create, file, jm.trainer_params(create, hp)))
+    fields = jm.job_fields(create, job, dt.datetime.now(dt.UTC))
+    await ctx.state.put_job(owner, fields)
+    return json_response(jm.to_openai(job, fields, owner, dt.datetime.now(dt.UTC)))
+
+
+async def _job(request: Request) -> tuple[JobRecord, JobFields]:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    openai_id = request.path_params["job_id"]
+    fields = await ctx.state.job(owner, jm.lorafleet_job_id(openai_id))
+    if fields is None:
+        raise not_found(
+            f"no fine-tuning job {openai_id!r}: list yours with GET /v1/fine_tuning/jobs",
+            "fine_tuning_job_id",
+        )
+    return await ctx.client.get(fields.job_id), fields
+
+
+def _job_response(request: Request, job: JobRecord, fields: JobFields) -> Response:
+    return json_response(jm.to_openai(job, fields, owner_of(request), dt.datetime.now(dt.UTC)))
+
+
+async def list_jobs(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    every = sorted(await ctx.state.jobs(owner), key=lambda j: j.created_at, reverse=True)
+    page = jm.paginate(
+        every,
+        lambda j: jm.openai_job_id(j.job_id),
+        request.query_params.get("after"),
+        _limit(request),
+    )
+    records = await asyncio.gather(*(ctx.client.get(f.job_id) for f in page.data))
+    now = dt.datetime.now(dt.UTC)
+    page.data = [jm.to_openai(r, f, owner, now) for r, f in zip(records, page.data, strict=True)]
+    return json_response(page)
+
+
+async def retrieve_job(request: Request) -> Response:
+    return _job_response(request, *await _job(request))
+
+
+async def cancel_job(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    job, fields = await _job(request)
+    if fields.paused:
+        fields.paused = False  # lorafleet cancelled it when it was paused
+        await ctx.state.put_job(owner, fields)
+    else:
+        job = await ctx.client.cancel(
+            fields.job_id, reason=f"cancelled through the gateway by {owner}"
+        )
+    return _job_response(request, job, fields)
+
+
+async def pause_job(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    job, fields = await _job(request)
+    status = jm.status_of(job, fields)
+    if status not in ("running", "queued"):
+        raise conflict(f"the job is {status}: only a queued or running job can be paused")
+    if job.checkpoint is None:
+        raise conflict(
+            "the job has stored no checkpoint yet, so a pause would lose its training: "
+            "wait for one (set lorafleet.checkpoint_every_steps at create), or cancel it"
+        )
+    fields.paused = True
+    await ctx.state.put_job(owner, fields)
+    job = await ctx.client.cancel(fields.job_id, reason=f"paused through the gateway by {owner}")
+    return _job_response(request, job, fields)
+
+
+async def resume_job(request: Request) -> Response:
+    ctx, owner = GatewayContext.of(request), owner_of(request)
+    job, fields = await _job(request)
+    if not fields.paused:
+        raise conflict(f"the job is {jm.status_of(job, fields)}, not paused: nothing to resume")
+    job = await ctx.client.resume(fields.job_id, reason=f"resumed through the gateway by {owner}")
+    fields.paused = False
+    await ctx.state.put_job(owner, fields)
+    return _job_response(request, job, fields)
+
+
+async def job_events(request: Request) -> Response:
+    ctx = GatewayContext.of(request)
+    job, _ = await _job(request)
+    curve = await ctx.client.curve(job.id)
+    events = jm.events(job, curve, dt.datetime.now(dt.UTC))
+    page = jm.paginate(events, lambda e: e.id, request.query_params.get("after"), _limit(request))
+    return json_response(page)
+
+
+async def job_checkpoints(request: Request) -> Response:
+    ctx = GatewayContext.of(request)
+    job, fields = await _job(request)
+    curve, stored = await asyncio.gather(ctx.client.curve(job.id), ctx.client.artifacts(job.id))
+    found = jm.checkpoints(job, fields, curve, stored)
+    after = request.query_params.get("after")
+    return json_response(jm.paginate(found, lambda c: c.id, after, _limit(request, default=10)))

@@ -1,0 +1,71 @@
+"""The vLLM client against a small real HTTP server (not vLLM: the session's
+vLLM runs without a key): the API key goes as a bearer token, and an error
+body in either of vLLM's shapes becomes the VllmRequestError's detail."""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import ClassVar
+
+import pytest
+
+from lorafleet_services.agent.vllm_client import VllmClient, VllmRequestError
+
+ERRORS = {
+    "/v1/load_lora_adapter": {"error": {"message": "rank 32 is over 16", "code": 400}},
+    "/v1/unload_lora_adapter": {"object": "error", "message": "adapter x not found"},
+}
+
+
+class _Recorder(BaseHTTPRequestHandler):
+    seen: ClassVar[list[str | None]] = []
+
+    def do_GET(self) -> None:
+        self._answer(200, {"data": [{"id": "base", "root": "/m"}, {"id": "a", "parent": "base"}]})
+
+    def do_POST(self) -> None:
+        self.rfile.read(int(self.headers["Content-Length"]))
+        self._answer(400, ERRORS[self.path])
+
+    def _answer(self, status: int, body: object) -> None:
+        type(self).seen.append(self.headers.get("Authorization"))
+        data = json.dumps(body).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, format: str, *args: object) -> None:
+        pass  # the test reads `seen`, not stderr
+
+
+@pytest.fixture
+def http_url() -> Iterator[str]:
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _Recorder)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield f"http://127.0.0.1:{server.server_address[1]}"
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+async def test_bearer_key_and_error_shapes(http_url: str) -> None:
+    _Recorder.seen = []
+    async with VllmClient(http_url, api_key="s3cret") as client:
+        cards = await client.models()
+        assert [(c.id, c.parent) for c in cards] == [("base", None), ("a", "base")]
+        with pytest.raises(VllmRequestError, match="rank 32 is over 16") as new_shape:
+            await client.load_lora_adapter("a", "/x")
+        with pytest.raises(VllmRequestError, match="adapter x not found"):
+            await client.unload_lora_adapter("x")
+    assert new_shape.value.status == 400 and http_url in str(new_shape.value)
+    assert _Recorder.seen == ["Bearer s3cret"] * 3
+    async with VllmClient(http_url) as keyless:
+        await keyless.models()
+    assert _Recorder.seen[-1] is None

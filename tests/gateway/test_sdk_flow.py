@@ -1,0 +1,170 @@
+"""The fine-tuning flow through the official openai SDK, end to end: upload,
+create, poll, events, checkpoints, then chat with the fine-tuned model."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from pathlib import Path
+
+import httpx2
+import pytest
+from openai import AsyncOpenAI
+from openai.types.fine_tuning import FineTuningJob
+
+from tests.gateway.conftest import Gateway
+from tests.gateway.engine import SLOW_GAP_S, answer_of
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+DATA = "".join(
+    json.dumps({"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
+                             {"role": "assistant", "content": str(2 * i)}]}) + "\n"
+    for i in range(20)
+).encode()  # fmt: skip
+#: Seconds a stand-in job has to succeed.
+JOB_TIMEOUT_S = 60.0
+
+
+async def wait_status(sdk: AsyncOpenAI, job_id: str, *statuses: str) -> FineTuningJob:
+    deadline = time.monotonic() + JOB_TIMEOUT_S
+    while True:
+        job = await sdk.fine_tuning.jobs.retrieve(job_id)
+        if job.status in statuses:
+            return job
+        assert time.monotonic() < deadline, f"job {job_id} is {job.status}: {job}"
+        await asyncio.sleep(0.2)
+
+
+async def test_upload_train_and_chat_with_the_fine_tuned_model(gateway: Gateway) -> None:
+    async with gateway.sdk() as sdk:
+        await upload_train_and_chat(gateway, sdk)
+
+
+async def upload_train_and_chat(gateway: Gateway, sdk: AsyncOpenAI) -> None:
+    uploaded = await sdk.files.create(file=("pairs.jsonl", DATA), purpose="fine-tune")
+    assert (uploaded.filename, uploaded.bytes, uploaded.purpose) == (
+        "pairs.jsonl", len(DATA), "fine-tune"
+    )  # fmt: skip
+    assert (await sdk.files.retrieve(uploaded.id)).id == uploaded.id
+    assert (await sdk.files.content(uploaded.id)).content == DATA
+
+    created = await sdk.fine_tuning.jobs.create(
+        model="tiny",
+        training_file=uploaded.id,
+        suffix="sums",
+        seed=7,
+        metadata={"team": "qa"},
+        method={"type": "supervised",
+                "supervised": {"hyperparameters": {"n_epochs": 2, "batch_size": "auto"}}},
+        extra_body={"lorafleet": {"node": "node-1", "gpu_memory_mib": 1000}},
+    )  # fmt: skip
+    assert created.status in ("queued", "running")
+    assert created.hyperparameters.n_epochs == 2 and created.seed == 7
+    done = await wait_status(sdk, created.id, "succeeded", "failed")
+    assert done.status == "succeeded", done
+    job_id = created.id.removeprefix("ftjob-")
+    assert done.fine_tuned_model == f"ft:tiny:sums:{job_id}"
+    assert done.metadata == {"team": "qa"}
+
+    events = [e async for e in sdk.fine_tuning.jobs.list_events(created.id, limit=3)]
+    metrics = [e for e in events if e.type == "metrics"]
+    assert metrics, events
+    steps = sorted(e.data["step"] for e in metrics)  # type: ignore[index]
+    assert steps == list(range(1, len(steps) + 1))
+    assert all(isinstance(e.data["train_loss"], float) for e in metrics)  # type: ignore[index]
+    assert any(e.type == "message" and "done" in e.message for e in events)
+
+    checkpoints = [c async for c in sdk.fine_tuning.jobs.checkpoints.list(created.id)]
+    assert checkpoints and checkpoints[0].fine_tuned_model_checkpoint == done.fine_tuned_model
+
+    # What the serving side will do once the job succeeded: the engine loads
+    # the adapter under the fine-tuned name (vLLM's runtime LoRA API).
+    model = done.fine_tuned_model
+    async with httpx2.AsyncClient() as http:
+        loaded = await http.post(
+            f"{gateway.engine.base_url}/load_lora_adapter",
+            json={"lora_name": model, "lora_path": "/adapters/x"},
+        )
+        assert loaded.status_code == 200
+    listed = {m.id: m for m in (await sdk.models.list()).data}
+    assert model in listed and "tiny" in listed
+
+    chat = await sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "what is 2+2?"}]
+    )
+    assert chat.choices[0].message.content == answer_of(model, "what is 2+2?")
+    stream = await sdk.chat.completions.create(
+        model=model, messages=[{"role": "user", "content": "what is 3+3?"}], stream=True
+    )
+    pieces = [c.choices[0].delta.content async for c in stream if c.choices]
+    assert "".join(p or "" for p in pieces) == answer_of(model, "what is 3+3?")
+    assert len(pieces) > 1  # relayed as chunks, not one buffered answer
+    text = await sdk.completions.create(model="tiny", prompt="say one two")
+    assert text.choices[0].text == answer_of("tiny", "say one two")
+
+
+async def test_pagination_over_25_jobs(gateway: Gateway) -> None:
+    async with gateway.sdk("bob") as sdk, gateway.sdk("alice") as alice:
+        await paginate_and_cancel(sdk, alice)
+
+
+async def paginate_and_cancel(sdk: AsyncOpenAI, alice: AsyncOpenAI) -> None:
+    uploaded = await sdk.files.create(file=("pairs.jsonl", DATA), purpose="fine-tune")
+    made = []
+    for n in range(25):
+        job = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=uploaded.id, suffix=f"n{n}",
+            extra_body={"lorafleet": {"node": "node-2", "gpu_memory_mib": 1000}},
+        )  # fmt: skip
+        made.append(job.id)
+    first = await sdk.fine_tuning.jobs.list(limit=10)
+    assert [j.id for j in first.data] == made[::-1][:10] and first.has_more
+    every = [j.id async for j in sdk.fine_tuning.jobs.list(limit=10)]
+    assert every == made[::-1]
+    # Another key sees none of them.
+    assert not {j.id async for j in alice.fine_tuning.jobs.list()} & set(every)
+
+    cancelled = await sdk.fine_tuning.jobs.cancel(made[0])
+    assert cancelled.status == "cancelled"
+    assert (await sdk.fine_tuning.jobs.retrieve(made[0])).status == "cancelled"
+    for job_id in made[1:]:
+        await sdk.fine_tuning.jobs.cancel(job_id)
+
+
+async def test_a_stream_is_relayed_as_the_engine_sends_it(gateway: Gateway) -> None:
+    """The engine waits SLOW_GAP_S between chunks: the first must arrive long
+    before the last (a relay that buffered would deliver them together)."""
+    async with gateway.sdk() as sdk:
+        started = time.monotonic()
+        stream = await sdk.completions.create(model="tiny", prompt="answer me slowly", stream=True)
+        arrivals = [time.monotonic() - started async for _ in stream]
+    assert len(arrivals) >= 3
+    assert arrivals[-1] - arrivals[0] >= 2 * SLOW_GAP_S
+
+
+async def test_pause_keeps_the_checkpoint_and_resume_finishes_from_it(gateway: Gateway) -> None:
+    trainer = Path(__file__).resolve().parents[1] / "agent" / "checkpointing_trainer.py"
+    knobs = {"LORAFLEET_STANDIN_TEST_STEPS": "60", "LORAFLEET_STANDIN_TEST_STEP_S": "0.1",
+             "LORAFLEET_STANDIN_TEST_EVERY": "2"}  # fmt: skip
+    await gateway.stack.agent("node-ckpt", env=knobs, trainer=str(trainer))
+    async with gateway.sdk() as sdk:
+        uploaded = await sdk.files.create(file=("pairs.jsonl", DATA), purpose="fine-tune")
+        job = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=uploaded.id,
+            extra_body={"lorafleet": {"node": "node-ckpt", "gpu_memory_mib": 1000,
+                                      "checkpoint_every_steps": 2}},
+        )  # fmt: skip
+        deadline = time.monotonic() + JOB_TIMEOUT_S
+        while not [c async for c in sdk.fine_tuning.jobs.checkpoints.list(job.id)]:
+            assert time.monotonic() < deadline, "no checkpoint was stored"
+            await asyncio.sleep(0.2)
+        paused = await sdk.fine_tuning.jobs.pause(job.id)
+        assert paused.status == "paused"
+        assert (await wait_status(sdk, job.id, "paused")).lorafleet["state"] == "cancelled"  # type: ignore[attr-defined]
+        resumed = await sdk.fine_tuning.jobs.resume(job.id)
+        assert resumed.status in ("queued", "running")
+        done = await wait_status(sdk, job.id, "succeeded", "failed")
+        assert done.status == "succeeded", done
+        assert done.lorafleet["attempt"] == 2  # type: ignore[attr-defined]

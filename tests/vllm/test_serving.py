@@ -1,0 +1,258 @@
+"""Adapters loaded into a real vLLM (the session's, tests/vllm_server.py):
+found by the process scan, preflighted, loaded under a per-version name,
+confirmed against PEFT's log-probabilities, refused with a clear result,
+unloaded, and loaded while the engine is busy without failing a request.
+
+Every test leaves the engine serving no adapter (the session shares it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import sys
+from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from lorafleet_services.agent.adapter_serving import (
+    PROBE_TOLERANCE,
+    AdapterToServe,
+    Continuation,
+    ProbeReference,
+    Served,
+    ServeFailed,
+    ServeRefused,
+    loaded_adapters,
+    peft_reference,
+    serve_adapter,
+    unserve_adapter,
+)
+from lorafleet_services.agent.running_engines import (
+    VllmServer,
+    running_vllm_servers,
+    scan_vllm_processes,
+)
+from lorafleet_services.agent.vllm_client import (
+    VllmClient,
+    VllmRequestError,
+    VllmUnreachableError,
+)
+from tests.conversion.adapters import make_adapter
+from tests.vllm_server import MAX_LORA_RANK, MAX_LORAS, RunningVllm, free_port
+
+# The first test also pays for the server's start (about 40 s, more on a busy machine).
+pytestmark = pytest.mark.timeout(900)
+
+MakeAdapter = Callable[[str, int, int], Path]
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(vllm_server: RunningVllm, tmp_path_factory: pytest.TempPathFactory) -> MakeAdapter:
+    made: dict[tuple[str, int, int], Path] = {}
+
+    def get(name: str, rank: int = 8, seed: int = 1) -> Path:
+        key = (name, rank, seed)
+        if key not in made:
+            out = tmp_path_factory.mktemp(name)
+            made[key] = make_adapter(vllm_server.model_dir, out, seed=seed, rank=rank)
+        return made[key]
+
+    return get
+
+
+def sha256_of(adapter_dir: Path) -> str:
+    with (adapter_dir / "adapter_model.safetensors").open("rb") as f:
+        return hashlib.file_digest(f, "sha256").hexdigest()
+
+
+def to_serve(vllm_server: RunningVllm, job_id: str, adapter_dir: Path) -> AdapterToServe:
+    return AdapterToServe.read(
+        job_id, sha256_of(adapter_dir), adapter_dir, str(vllm_server.model_dir), "llama"
+    )
+
+
+@pytest.fixture
+def engine(vllm_server: RunningVllm) -> VllmServer:
+    """The session's server as the agent's scan finds it."""
+    found = [s for s in scan_vllm_processes() if s.url == vllm_server.url]
+    assert len(found) == 1, f"the scan found {scan_vllm_processes()}"
+    return found[0]
+
+
+@pytest.fixture
+async def client(vllm_server: RunningVllm) -> AsyncIterator[VllmClient]:
+    async with VllmClient(vllm_server.url) as c:
+        yield c
+        for name in loaded_adapters(VllmServer(url=c.url), await c.models()):
+            await c.unload_lora_adapter(name)
+
+
+async def reference_for(vllm_server: RunningVllm, adapter_dir: Path) -> ProbeReference:
+    return await peft_reference(sys.executable, vllm_server.model_dir, adapter_dir)
+
+
+def test_the_scan_reads_the_running_server(vllm_server: RunningVllm, engine: VllmServer) -> None:
+    assert engine.pid == vllm_server.pid
+    assert engine.model == str(vllm_server.model_dir)
+    assert engine.base_name == str(vllm_server.model_dir)
+    assert (engine.enable_lora, engine.max_lora_rank) == (True, MAX_LORA_RANK)
+    assert (engine.max_loras, engine.max_cpu_loras) == (MAX_LORAS, MAX_LORAS)
+    assert engine.runtime_updating is True
+
+    # Configured: the scan's flags where it finds the port on this host, the key kept.
+    local, remote = running_vllm_servers([f"{vllm_server.url}|k", "http://10.9.9.9:8000"])
+    assert local == replace(engine, api_key="k")
+    assert remote == VllmServer(url="http://10.9.9.9:8000")
+
+
+async def test_served_matches_peft_then_unserved(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> None:
+    adapter = to_serve(vllm_server, "job-a", adapter_dirs("v1"))
+    reference = await reference_for(vllm_server, adapter.directory)
+    result = await serve_adapter(client, engine, adapter, reference, tmp_path)
+    assert isinstance(result, Served), result
+    assert result.name == adapter.served_name
+    assert result.probe_error <= PROBE_TOLERANCE
+    print(f"probe |vLLM - PEFT| max: {result.probe_error:.3g}")
+    assert loaded_adapters(engine, await client.models()) == [result.name]
+    assert (result.path / "adapter_config.json").stat().st_mode & 0o004
+
+    # The adapter changes the answer; the base still answers as PEFT's base.
+    probe = (reference.token_ids, len(reference.base.ids))
+    base = Continuation(*await client.greedy_logprobs(str(engine.base_name), *probe))
+    assert base.distance(reference.base) <= PROBE_TOLERANCE
+    assert base.distance(reference.adapter) > 0.1
+
+    await unserve_adapter(client, result.name, tmp_path)
+    assert loaded_adapters(engine, await client.models()) == []
+    assert not result.path.exists()
+
+
+async def test_versions_get_new_names_until_no_slot_is_left(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> None:
+    names = []
+    for seed in (1, 2):
+        adapter = to_serve(vllm_server, "job-b", adapter_dirs(f"v{seed}", 8, seed))
+        reference = await reference_for(vllm_server, adapter.directory)
+        result = await serve_adapter(client, engine, adapter, reference, tmp_path)
+        assert isinstance(result, Served), result
+        names.append(result.name)
+    assert names[0] != names[1]
+    assert sorted(loaded_adapters(engine, await client.models())) == sorted(names)
+
+    third = to_serve(vllm_server, "job-c", adapter_dirs("v3", 8, 3))
+    refused = await serve_adapter(client, engine, third, reference, tmp_path)
+    assert refused == ServeRefused(
+        "max_cpu_loras",
+        "2 adapters are loaded, the engine holds 2",
+        "--max-cpu-loras 3, or unserve one",
+    )
+    assert not (tmp_path / "served" / third.served_name).exists()
+
+
+async def test_refusals_before_and_by_the_engine(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> None:
+    wide = to_serve(vllm_server, "job-d", adapter_dirs("r32", 32, 1))
+    reference = await reference_for(vllm_server, wide.directory)
+    refused = await serve_adapter(client, engine, wide, reference, tmp_path)
+    assert isinstance(refused, ServeRefused)
+    assert (refused.limit, refused.lift) == ("max_lora_rank", "--max-lora-rank 32")
+
+    other_base = AdapterToServe.read(
+        "job-e", wide.sha256, wide.directory, "Qwen/Qwen2.5-0.5B", "llama"
+    )
+    refused = await serve_adapter(client, engine, other_base, reference, tmp_path)
+    assert isinstance(refused, ServeRefused) and refused.limit == "base model"
+
+    # A configured engine whose flags the agent does not know: vLLM itself refuses.
+    unknown = VllmServer(url=vllm_server.url, model=str(vllm_server.model_dir))
+    failed = await serve_adapter(client, unknown, wide, reference, tmp_path)
+    assert isinstance(failed, ServeFailed)
+    assert vllm_server.url in failed.reason and "rank" in failed.reason.lower()
+    assert loaded_adapters(engine, await client.models()) == []
+
+
+async def test_an_adapter_that_answers_unlike_peft_is_not_served(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> None:
+    adapter = to_serve(vllm_server, "job-f", adapter_dirs("v1"))
+    wrong = await reference_for(vllm_server, adapter_dirs("v2", 8, 2))
+    failed = await serve_adapter(client, engine, adapter, wrong, tmp_path)
+    assert isinstance(failed, ServeFailed)
+    assert "away from PEFT" in failed.reason and vllm_server.url in failed.reason
+    assert loaded_adapters(engine, await client.models()) == []
+    assert not (tmp_path / "served" / adapter.served_name).exists()
+
+
+async def test_loads_while_generating_break_no_request(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> None:
+    base = str(engine.base_name)
+    expected = await client.complete(base, "The capital of France is")
+    loading = True
+    answers: list[str] = []
+
+    async def generate() -> None:
+        while loading:
+            answers.append(await client.complete(base, "The capital of France is"))
+
+    # PEFT's references first: computed beside four busy workers, they took
+    # most of the test's minutes and tested nothing of the engine.
+    adapters = [
+        to_serve(vllm_server, f"job-g{n}", adapter_dirs(f"v{n + 1}", 8, n + 1)) for n in range(2)
+    ]
+    references = [await reference_for(vllm_server, a.directory) for a in adapters]
+    workers = [asyncio.create_task(generate()) for _ in range(4)]
+    try:
+        for adapter, reference in zip(adapters, references, strict=True):
+            result = await serve_adapter(client, engine, adapter, reference, tmp_path)
+            assert isinstance(result, Served), result
+            await unserve_adapter(client, result.name, tmp_path)
+    finally:
+        loading = False
+        await asyncio.gather(*workers)
+    # Every request in flight succeeded (a failed one raised in its worker).
+    # Their text is not checked: under these loads the base's greedy answers
+    # varied from the first token on (seen once, 2026-12-01; not yet known
+    # whether concurrency alone does it on this random tiny model, or the
+    # loads do: see docs/serving.md). Alone again, the base answers as before.
+    assert len(answers) >= 4
+    assert await client.complete(base, "The capital of France is") == expected
+
+
+async def test_client_errors_name_the_engine(vllm_server: RunningVllm, client: VllmClient) -> None:
+    with pytest.raises(VllmRequestError) as refused:
+        await client.load_lora_adapter("missing", "/nonexistent/adapter")
+    assert refused.value.status >= 400 and vllm_server.url in str(refused.value)
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    async with VllmClient(nobody) as gone:
+        with pytest.raises(VllmUnreachableError, match=nobody):
+            await gone.models()
+        assert not await gone.health()
