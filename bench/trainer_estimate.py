@@ -9,9 +9,9 @@ download): Qwen2.5-0.5B's shapes (24 layers, hidden 896, intermediate 4864,
 byte-level tokenizer (its ids fit the vocabulary). Three configurations of
 the trainer (`python -m lorafleet_trainer job.json`, in a fresh process each):
 
-- batch 4 x 512 tokens;
-- batch 8 x 1024 tokens;
-- batch 8 x 1024 tokens with gradient checkpointing.
+- batch 4 x 512 tokens, no gradient checkpointing;
+- batch 8 x 1024 tokens, no gradient checkpointing;
+- batch 8 x 1024 tokens with gradient checkpointing of every layer.
 
 Each record is cut to exactly max_seq_len, so the estimate's rows are the
 real ones. For each: `lorafleet.estimate.estimate_memory(...)` (its total,
@@ -22,7 +22,10 @@ estimate within 15% of the NVML peak.
 
 Then the budget: the second configuration again with gpu_memory_mib at 60%
 of its estimate. Expected: exit 1 with the "ran out of its budget" error
-line, and an NVML peak that stays within the budget.
+line, and an NVML peak that stays within the budget. And once more with
+gradient_checkpointing "auto": the trainer checkpoints what it must (its
+log line says what), exits 0, its NVML peak within the budget and within
+15% of the estimate of its choice.
 
 One JSON summary on stdout; without CUDA (and --device cuda) it prints
 {"skipped": true, "reason": ...}.
@@ -58,9 +61,9 @@ QWEN25_05B: dict[str, Any] = {
     "rope_theta": 1000000.0,
 }
 
-CONFIGS = [
-    {"batch_size": 4, "max_seq_len": 512},
-    {"batch_size": 8, "max_seq_len": 1024},
+CONFIGS: list[dict[str, Any]] = [
+    {"batch_size": 4, "max_seq_len": 512, "gradient_checkpointing": False},
+    {"batch_size": 8, "max_seq_len": 1024, "gradient_checkpointing": False},
     {"batch_size": 8, "max_seq_len": 1024, "gradient_checkpointing": True},
 ]
 
@@ -205,12 +208,26 @@ def main() -> None:
                 }
             )
         budget: dict[str, Any] | None = None
+        auto: dict[str, Any] | None = None
         if args.device == "cuda":
             est = estimate_memory(arch, TrainerParams(**CONFIGS[1]))
             cap = int(est.total_mib * 0.6)
             got = run_trainer(work, CONFIGS[1], "cuda", gpu_memory_mib=cap)
             budget = {"gpu_memory_mib": cap, "estimate_mib": est.total_mib, **got}
-    print(json.dumps({"estimates": results, "budget": budget}, indent=2))
+            params = {**CONFIGS[1], "gradient_checkpointing": "auto"}
+            chosen = estimate_memory(arch, TrainerParams(**params), budget_mib=cap)
+            got = run_trainer(work, params, "cuda", gpu_memory_mib=cap)
+            measured = got["nvml_peak_mib"]
+            auto = {
+                "gpu_memory_mib": cap,
+                "estimate_mib": chosen.total_mib,
+                "activations": chosen.lines[4].note,
+                **got,
+                "estimate_over_measured": round(chosen.total_mib / measured, 3)
+                if measured
+                else None,
+            }
+    print(json.dumps({"estimates": results, "budget": budget, "auto": auto}, indent=2))
 
 
 if __name__ == "__main__":

@@ -1,10 +1,12 @@
-"""lorafleet's trainer against TRL's SFTTrainer with PEFT on the CPU: real tokens/s, loss, peak RSS.
+"""lorafleet's trainer against TRL's SFTTrainer with PEFT: real tokens/s, loss, peak memory.
 
     python -m venv /tmp/trlenv
     echo "import site; site.addsitedir('$PWD/.venv/lib/python3.11/site-packages')" \\
         > /tmp/trlenv/lib/python3.11/site-packages/lorafleet.pth
     /tmp/trlenv/bin/pip install trl==1.16.0      # TRL in the bench's environment only
-    /tmp/trlenv/bin/python bench/trainer_trl.py [--records 512] [--epochs 1]
+    /tmp/trlenv/bin/python bench/trainer_trl.py [--case large] [--records N] \\
+        [--epochs 1] [--budget-mib MIB] [--checkpointing true] [--lorafleet-only] \\
+        [--device cuda]
 
 The .pth lends the bench's environment lorafleet's (torch, transformers,
 the editable install of the three import roots): `site.addsitedir` also
@@ -13,25 +15,42 @@ puts the roots on the path; a .pth naming the directory alone adds it but
 runs none of them (`No module named 'lorafleet_services'`).
 
 Both train, each in a fresh process (peak memory is its own), one torch
-thread each:
+thread each, TRL first:
 
-- the same model: a Llama-shaped model of about 29M parameters built on the
-  spot with random weights (hidden 512, 10 layers, 8 heads, 4 key/value heads,
-  intermediate 1376) and the tests' byte-level tokenizer and chat template;
-- the same data: Q/A records with a long-tailed length distribution from 16
-  to 512 tokens (most short, a few long), the same 10% held out;
+- the same model: a Llama-shaped model built on the spot with random weights
+  (hidden 512, 10 layers, 8 heads, 4 key/value heads, intermediate 1376) and
+  the tests' byte-level tokenizer and chat template. Case "small" (default):
+  the tokenizer's vocabulary, about 29M parameters, Q/A records with a
+  long-tailed length distribution from 16 to 512 tokens (most short, a few
+  long); case "large": Qwen2's 152,064-token vocabulary (about 185M
+  parameters, the rows past the tokenizer's never seen as input but each in
+  every softmax), records of about 512 tokens, so batches of 8 x 512;
+- the same data, the same 10% held out;
 - the same epochs, the same LoRA (rank 16, alpha 32, dropout 0.05,
   all-linear), learning rate 2e-4, batch size 8, records cut at 512 tokens,
-  loss on the answers only, fp32.
+  loss on the answers only.
+
+On the CPU (the default) both train in fp32 and the peak is the RSS; with
+`--device cuda` both in bf16 on the first card, the peak is NVML's for the
+process (sampled every 50 ms), and lorafleet's estimate is set against it
+(`estimate_over_peak`; the target is within 15%).
+
+lorafleet's job gets a memory budget, `--budget-mib` (default: TRL's peak
+RSS less lorafleet's own baseline, what a process holds before any tensor;
+on a card TRL's NVML peak: the same memory TRL took; `--budget-share 0.5`
+half of it), by which its gradient_checkpointing "auto" (the default)
+chooses; `--checkpointing` sets it instead (for the cost
+table), `--lorafleet-only` skips TRL (then give --budget-mib).
 
 Everything else is each one's default: lorafleet's length-grouped batches,
-cosine schedule, no gradient checkpointing; SFTTrainer's (TRL 1.16) padded
+cosine schedule, its loss over chunks; SFTTrainer's (TRL 1.16) padded
 batches in data order, linear schedule, gradient checkpointing on, gradient
 clipping at 1.0, fused AdamW. Measured: real (non-padding) tokens per second
 of training (lorafleet: tokens_seen / train_time_s of its summary; TRL: the
 tokens of its tokenized training set times the epochs / train_runtime), the
 held-out loss of each (mean cross-entropy per answer token; TRL's is the mean
-of its eval batches' means), the final training loss, and the peak RSS.
+of its eval batches' means), the final training loss, the peak, and
+lorafleet's checkpointing choice (its log line) and estimate.
 """
 
 from __future__ import annotations
@@ -60,9 +79,14 @@ SIZES = {
 }
 LORA = {"rank": 16, "alpha": 32, "dropout": 0.05}
 BATCH, LR, MAX_LEN, SEED = 8, 2e-4, 512, 42
+#: Qwen2's vocabulary, for the "large" case.
+LARGE_VOCAB = 152_064
+#: The RSS of a trainer process before any tensor, MiB: what a budget for the
+#: tensors leaves out (torch, transformers and peft imported: 347 MiB here).
+BASELINE_RSS_MIB = 400
 
 
-def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
+def build(work: Path, n: int, case: str) -> tuple[list[dict[str, str]], int]:
     """The model directory and the records; answers them and the parameter count."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
@@ -72,7 +96,7 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
     tok = build_tokenizer()
     config = LlamaConfig(
         **SIZES,
-        vocab_size=len(tok),
+        vocab_size=LARGE_VOCAB if case == "large" else len(tok),
         max_position_embeddings=1024,
         bos_token_id=tok.bos_token_id,
         eos_token_id=tok.eos_token_id,
@@ -87,18 +111,28 @@ def build(work: Path, n: int) -> tuple[list[dict[str, str]], int]:
     rng = random.Random(0)
     records = []
     for i in range(n):
-        # About 1.6 tokens a word with this tokenizer: 8 to 320 words, most short.
-        answer_words = min(300, 4 + int(rng.paretovariate(1.1) * 6))
+        # About 1.6 tokens a word with this tokenizer: 8 to 320 words, most
+        # short; in the large case all about 320 (cut at 512 tokens).
+        answer_words = 330 if case == "large" else min(300, 4 + int(rng.paretovariate(1.1) * 6))
         q = f"Question {i}: " + " ".join(rng.choices(words, k=rng.randint(3, 12))) + "?"
         records.append({"q": q, "a": " ".join(rng.choices(words, k=answer_words))})
+    (work / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records))
     return records, int(sum(p.numel() for p in model.parameters()))
 
 
-def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dict[str, Any]:
+def run_lorafleet(
+    work: Path,
+    records: list[dict[str, str]],
+    epochs: int,
+    budget_mib: int | None,
+    checkpointing: Any,
+    device: str,
+) -> dict[str, Any]:
     from tests.trainer.harness import TRAINER_ARGV
 
-    data = "".join(json.dumps(r) + "\n" for r in records)
-    (work / "data.jsonl").write_text(data)
+    from lorafleet.estimate import read_architecture
+
+    data = (work / "data.jsonl").read_text()
     job = {
         "job_id": "bench",
         "base": {"hf_repo": None, "local_dir": str(work / "base")},
@@ -113,35 +147,74 @@ def run_lorafleet(work: Path, records: list[dict[str, str]], epochs: int) -> dic
             "max_seq_len": MAX_LEN,
             "eval_fraction": 0.1,
             "seed": SEED,
-            "dtype": "fp32",
+            "dtype": _DTYPES[device],
+            "gradient_checkpointing": checkpointing,
         },
-        "device": "cpu",
+        "device": device,
+        "gpu_memory_mib": budget_mib,
     }
     (work / "job.json").write_text(json.dumps(job))
-    p = subprocess.run(
-        [*TRAINER_ARGV, str(work / "job.json")],
-        capture_output=True,
-        text=True,
-        env=_env(),
-        check=False,
-    )
-    lines = [json.loads(x) for x in p.stdout.splitlines()]
-    if p.returncode != 0:
-        raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{p.stderr[-2000:]}")
+    rc, out, err, nvml_mib = _run([*TRAINER_ARGV, str(work / "job.json")], device)
+    lines = [json.loads(x) for x in out.splitlines()]
+    if rc != 0:
+        raise SystemExit(f"lorafleet failed: {lines[-1:]}\n{err[-2000:]}")
     s = next(x for x in lines if x["event"] == "done")["summary"]
     steps = [x["loss"] for x in lines if x["event"] == "step"]
+    logs = [x["message"] for x in lines if x["event"] == "log"]
     return {
+        "checkpointing": next(m for m in logs if "checkpointing" in m),
         "real_tokens_per_s": round(s["tokens_seen"] / s["train_time_s"], 1),
         "tokens_seen": s["tokens_seen"],
         "padding_tokens": s["padding_tokens"],
         "train_time_s": s["train_time_s"],
         "eval_loss": round(s["eval_loss"], 4),
         "final_train_loss_last10": round(sum(steps[-10:]) / len(steps[-10:]), 4),
-        "peak_rss_mib": s["peak_mib"],
+        "peak_mib": s["peak_mib"] if nvml_mib is None else nvml_mib,
+        "estimate_mib": _estimate_mib(
+            read_architecture(local_dir=str(work / "base")),
+            job["params"],
+            device,
+            s["token_lengths"]["max"],
+            budget_mib,
+        ),
     }
 
 
-def run_trl(work: Path, epochs: int) -> None:
+#: Each device's dtype, for both trainers: fp32 on the CPU, bf16 on a card.
+_DTYPES = {"cpu": "fp32", "cuda": "bf16"}
+
+
+def _estimate_mib(
+    arch: Any, params: dict[str, Any], device: str, longest: int, budget_mib: int | None
+) -> int:
+    """The estimate of the job as the trainer chose for it (its longest row)."""
+    from lorafleet.estimate import estimate_memory
+    from lorafleet_schemas.messages import TrainerParams
+
+    p = TrainerParams(**params)
+    return estimate_memory(arch, p, device=device, seq_len=longest, budget_mib=budget_mib).total_mib
+
+
+def _run(argv: list[str], device: str) -> tuple[int, str, str, int | None]:
+    """Run `argv`; its exit status, stdout, stderr and, on a card, its NVML peak MiB."""
+    sampler = None
+    if device == "cuda":
+        from trainer_estimate import NvmlPeak  # the bench folder, beside this file
+
+        sampler = NvmlPeak()
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env()
+    )
+    if sampler is not None:
+        sampler.pid = proc.pid
+        sampler.start()
+    out, err = proc.communicate()
+    if sampler is not None:
+        sampler.stop()
+    return proc.returncode, out, err, None if sampler is None else sampler.peak_mib
+
+
+def run_trl(work: Path, epochs: int, device: str) -> None:
     """In its own process: TRL's SFTTrainer on the same records and split; prints JSON."""
     import warnings
 
@@ -170,11 +243,12 @@ def run_trl(work: Path, epochs: int) -> None:
         )
 
     tok = AutoTokenizer.from_pretrained(work / "base")
-    model = AutoModelForCausalLM.from_pretrained(work / "base", dtype=torch.float32)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    model = AutoModelForCausalLM.from_pretrained(work / "base", dtype=dtype)
     args = SFTConfig(
         output_dir=str(work / "trl"),
-        use_cpu=True,
-        bf16=False,
+        use_cpu=device == "cpu",
+        bf16=device == "cuda",
         num_train_epochs=epochs,
         per_device_train_batch_size=BATCH,
         per_device_eval_batch_size=BATCH,
@@ -210,7 +284,7 @@ def run_trl(work: Path, epochs: int) -> None:
         "train_time_s": round(out.metrics["train_runtime"], 2),
         "eval_loss": round(trainer.evaluate()["eval_loss"], 4),
         "final_train_loss_last_log": round(losses[-1], 4) if losses else None,
-        "peak_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
+        "peak_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024,
         "gradient_checkpointing": args.gradient_checkpointing,
     }
     print(json.dumps(result))
@@ -227,45 +301,67 @@ def _env() -> dict[str, str]:
     return env
 
 
+def _switch(v: str) -> bool | str:
+    return {"true": True, "false": False}.get(v, v)
+
+
+def _trl(work: Path, epochs: int, device: str) -> dict[str, Any]:
+    argv = [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(epochs)]
+    rc, out, err, nvml_mib = _run([*argv, "--device", device], device)
+    if rc != 0:
+        raise SystemExit(f"TRL failed:\n{err[-3000:]}")
+    result: dict[str, Any] = json.loads(out.strip().splitlines()[-1])
+    if nvml_mib is not None:
+        result["peak_mib"] = nvml_mib
+    return result
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--case", choices=["small", "large"], default="small", help="default small")
     ap.add_argument("--records", type=int, default=512, help="records; default 512")
     ap.add_argument("--epochs", type=int, default=1, help="epochs of each; default 1")
+    ap.add_argument("--budget-mib", type=int, help="lorafleet's budget; default TRL's peak")
+    ap.add_argument("--budget-share", type=float, default=1.0, help="of TRL's peak; default 1")
+    ap.add_argument("--checkpointing", type=_switch, default="auto", help="lorafleet's; auto")
+    ap.add_argument("--lorafleet-only", action="store_true", help="skip TRL")
+    ap.add_argument("--device", choices=["cpu", "cuda"], default="cpu", help="default cpu")
     ap.add_argument("--trl-only-in", type=Path, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.trl_only_in is not None:
-        run_trl(args.trl_only_in, args.epochs)
+        run_trl(args.trl_only_in, args.epochs, args.device)
         return
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
-        records, n_params = build(work, args.records)
-        ours = run_lorafleet(work, records, args.epochs)
-        print(json.dumps({"lorafleet": ours}), file=sys.stderr, flush=True)
-        p = subprocess.run(
-            [sys.executable, __file__, "--trl-only-in", str(work), "--epochs", str(args.epochs)],
-            capture_output=True,
-            text=True,
-            env=_env(),
-            check=False,
+        records, n_params = build(work, args.records, args.case)
+        theirs = None if args.lorafleet_only else _trl(work, args.epochs, args.device)
+        print(json.dumps({"trl_sft": theirs}), file=sys.stderr, flush=True)
+        budget = args.budget_mib
+        if budget is None and theirs is not None:
+            # On a card NVML's peak and the estimate both count the CUDA context.
+            baseline = BASELINE_RSS_MIB if args.device == "cpu" else 0
+            budget = int(args.budget_share * theirs["peak_mib"]) - baseline
+        ours = run_lorafleet(work, records, args.epochs, budget, args.checkpointing, args.device)
+    out: dict[str, Any] = {
+        "case": args.case,
+        "device": args.device,
+        "peak_by": "nvml" if args.device == "cuda" else "rss",
+        "model_parameters": n_params,
+        "records": args.records,
+        "epochs": args.epochs,
+        "lorafleet_budget_mib": budget,
+        "lorafleet": ours,
+        "trl_sft": theirs,
+    }
+    if theirs is not None:
+        out["ratio_real_tokens_per_s"] = round(
+            ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
         )
-        if p.returncode != 0:
-            raise SystemExit(f"TRL failed:\n{p.stderr[-3000:]}")
-        theirs = json.loads(p.stdout.strip().splitlines()[-1])
-    print(
-        json.dumps(
-            {
-                "model_parameters": n_params,
-                "records": args.records,
-                "epochs": args.epochs,
-                "lorafleet": ours,
-                "trl_sft": theirs,
-                "ratio_real_tokens_per_s": round(
-                    ours["real_tokens_per_s"] / theirs["real_tokens_per_s"], 2
-                ),
-            },
-            indent=2,
-        )
-    )
+        out["ratio_peak"] = round(ours["peak_mib"] / theirs["peak_mib"], 2)
+        out["eval_loss_difference"] = round(ours["eval_loss"] - theirs["eval_loss"], 4)
+    if args.device == "cuda":
+        out["estimate_over_peak"] = round(ours["estimate_mib"] / ours["peak_mib"], 3)
+    print(json.dumps(out, indent=2))
 
 
 if __name__ == "__main__":

@@ -61,8 +61,9 @@ def _model(arch: ModelArchitecture | None) -> ModelRecord:
 
 
 def test_a_submit_below_the_estimate_is_refused_with_both_numbers_and_what_to_change() -> None:
-    total = estimate_memory(ARCH, PARAMS).total_mib
-    spec = JobSpec(model="m8b", gpu_memory_mib=total - 1, data=QA, params=PARAMS)
+    fixed = msgspec.structs.replace(PARAMS, gradient_checkpointing=False)
+    total = estimate_memory(ARCH, fixed).total_mib
+    spec = JobSpec(model="m8b", gpu_memory_mib=total - 1, data=QA, params=fixed)
     with pytest.raises(BadRequestError) as e:
         memory_checked(_model(ARCH), spec)
     message = str(e.value)
@@ -73,6 +74,15 @@ def test_a_submit_below_the_estimate_is_refused_with_both_numbers_and_what_to_ch
     assert memory_checked(_model(ARCH), msgspec.structs.replace(spec, gpu_memory_mib=total))
     forced = msgspec.structs.replace(spec, ignore_estimate=True)
     assert memory_checked(_model(ARCH), forced).gpu_memory_mib == total - 1
+    # With "auto" the same budget takes gradient checkpointing instead.
+    auto = msgspec.structs.replace(spec, params=PARAMS)
+    assert (
+        PARAMS.gradient_checkpointing == "auto" and estimate_memory(ARCH, PARAMS).total_mib == total
+    )
+    assert memory_checked(_model(ARCH), auto).gpu_memory_mib == total - 1
+    checkpointed = estimate_memory(ARCH, PARAMS, budget_mib=total - 1)
+    assert checkpointed.total_mib <= total - 1
+    assert "gradient checkpointing every" in checkpointed.lines[4].note
 
 
 def test_a_submit_without_memory_asks_for_the_estimate_and_its_margin() -> None:
@@ -131,9 +141,13 @@ async def test_estimate_and_submit_through_the_recorder(running: Running, tmp_pa
 
     answer = await client.estimate(JobEstimateRequest(model="tiny", gpu_memory_mib=10))
     assert answer.estimate is not None and not answer.fits
-    total, recommended = answer.estimate.total_mib, answer.estimate.recommended_mib
+    # Within 10 MiB "auto" checkpoints every layer, and that does not fit either.
+    total = answer.estimate.total_mib
+    unbudgeted = await client.estimate(JobEstimateRequest(model="tiny"))
+    assert unbudgeted.estimate is not None and unbudgeted.fits
+    assert unbudgeted.estimate.total_mib > total
     job = await client.submit(JobSpec(model="tiny", data=QA))
-    assert job.gpu_memory_mib == recommended
+    assert job.gpu_memory_mib == unbudgeted.estimate.recommended_mib
     with pytest.raises(BadRequestError, match=f"below the memory estimate of {total} MiB"):
         await client.submit(JobSpec(model="tiny", data=QA, gpu_memory_mib=10))
     forced = await client.submit(
@@ -155,6 +169,8 @@ def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
     from lorafleet_schemas.messages import StartRequest, TrainerLengths
     from lorafleet_services.agent.trainer_lines import job_estimate_mib, lengths_note
 
+    # Checkpointing fixed: with "auto" shorter rows may take less of it instead.
+    every_layer = msgspec.structs.replace(PARAMS, gradient_checkpointing=True)
     req = StartRequest(
         job_id="j1",
         attempt=1,
@@ -162,16 +178,20 @@ def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
         gpu_memory_mib=60000,
         dataset="d",
         dataset_sha256="0" * 64,
-        params=PARAMS,
+        params=every_layer,
         artifacts=[],
     )
     line = TrainerLengths(
         records_tokenized=900, records_cut=3, records_skipped=0,
         min=20, p50=180, p95=700, max=1200, mean=240,
     )  # fmt: skip
-    refined = estimate_memory(ARCH, PARAMS, seq_len=1200).total_mib
+    refined = estimate_memory(ARCH, every_layer, seq_len=1200, budget_mib=60000).total_mib
     was = job_estimate_mib(req)
-    assert was == estimate_memory(ARCH, PARAMS).total_mib and refined < was
+    assert was == estimate_memory(ARCH, every_layer, budget_mib=60000).total_mib and refined < was
+    # With "auto" the note says what the trainer will do: shorter rows, less checkpointing.
+    auto = msgspec.structs.replace(req, params=PARAMS)
+    assert job_estimate_mib(auto) == estimate_memory(ARCH, PARAMS, budget_mib=60000).total_mib
+    assert job_estimate_mib(auto) < estimate_memory(ARCH, PARAMS, seq_len=1200).total_mib
     assert lengths_note(line, req) == (
         "tokenized 900 records: 180 tokens at the median, 700 at p95, 1200 the longest; "
         f"3 cut at max_seq_len 2048; memory estimate for rows of 1200 tokens {refined} MiB "

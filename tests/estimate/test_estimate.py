@@ -16,6 +16,7 @@ from lorafleet import estimate
 from lorafleet.estimate import EstimateError, architecture_from_config, estimate_memory
 from lorafleet_schemas.messages import ModelArchitecture, ModelSpec, TrainerParams
 from lorafleet_services.tiny import build_tiny_model
+from lorafleet_trainer import memory
 from tests.estimate.measure import measure_step
 from tests.trainer.harness import fake_hf_cache
 
@@ -28,14 +29,20 @@ SMALL = {
     "num_key_value_heads": 2,
 }
 
-#: (architecture, trainer parameters): dropout or none, checkpointing, a few
+#: (architecture, trainer parameters, budget MiB): dropout or none,
+#: checkpointing of every layer or (auto, within the budget) every 2nd, a few
 #: target modules, Qwen2's attention biases.
 CASES = [
-    ("llama", {"batch_size": 4, "max_seq_len": 64, "rank": 8}),
-    ("llama", {"batch_size": 2, "max_seq_len": 128, "rank": 4, "dropout": 0.0}),
-    ("llama", {"batch_size": 2, "max_seq_len": 128, "rank": 16, "gradient_checkpointing": True}),
-    ("qwen2", {"batch_size": 2, "max_seq_len": 96, "target_modules": ["q_proj", "v_proj"]}),
-    ("qwen2", {"batch_size": 3, "max_seq_len": 64, "gradient_checkpointing": True, "dropout": 0}),
+    ("llama", {"batch_size": 4, "max_seq_len": 64, "rank": 8}, None),
+    ("llama", {"batch_size": 2, "max_seq_len": 128, "rank": 4, "dropout": 0.0}, None),
+    ("llama", {"batch_size": 2, "max_seq_len": 128, "gradient_checkpointing": True}, None),
+    ("llama", {"batch_size": 4, "max_seq_len": 128, "rank": 8}, 22),
+    ("qwen2", {"batch_size": 2, "max_seq_len": 96, "target_modules": ["q_proj", "v_proj"]}, None),
+    (
+        "qwen2",
+        {"batch_size": 3, "max_seq_len": 64, "gradient_checkpointing": True, "dropout": 0},
+        None,
+    ),
 ]
 
 
@@ -49,20 +56,20 @@ def _model(arch: str) -> Any:
     return Qwen2ForCausalLM(Qwen2Config(**SMALL))
 
 
-@pytest.mark.parametrize(("arch", "params"), CASES)
+@pytest.mark.parametrize(("arch", "params", "budget_mib"), CASES)
 def test_the_lines_match_the_real_tensors_and_the_activations_are_close(
-    arch: str, params: dict[str, Any]
+    arch: str, params: dict[str, Any], budget_mib: int | None
 ) -> None:
     p = TrainerParams(dtype="fp32", **params)
     model = _model(arch)
     rng = random.Random(0)
     rows = [[rng.randrange(SMALL["vocab_size"]) for _ in range(p.max_seq_len)]] * p.batch_size
-    config = model.config.to_dict()
-    measured = measure_step(model, p, rows)
-    est = {
-        x.name: x.bytes
-        for x in estimate_memory(architecture_from_config(config), p, device="cpu").lines
-    }
+    shapes = architecture_from_config(model.config.to_dict())
+    every = memory.choose_checkpointing(shapes, p, "cpu", p.max_seq_len, budget_mib).every
+    assert every == (2 if budget_mib else int(p.gradient_checkpointing is True))
+    measured = measure_step(model, p, rows, every)
+    lines = estimate_memory(shapes, p, device="cpu", budget_mib=budget_mib).lines
+    est = {x.name: x.bytes for x in lines}
     for line in ("weights", "adapter", "gradients", "optimizer states"):
         assert est[line] == measured[line], line
     assert est["activations"] == pytest.approx(measured["activations"], rel=0.25)
@@ -107,7 +114,7 @@ def test_config_json_gives_the_real_parameter_count(arch: str, tmp_path: Path) -
     base = build_tiny_model(arch, tmp_path)  # type: ignore[arg-type]
     got = estimate.read_architecture(local_dir=str(base))
     model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-    assert estimate.parameter_count(got) == sum(p.numel() for p in model.parameters())
+    assert memory.parameter_count(got) == sum(p.numel() for p in model.parameters())
     assert got.attention_bias is (arch == "qwen2")
     assert got.num_key_value_heads == 2 and got.weight_dtype == "fp32"
 

@@ -58,6 +58,9 @@ def test_training_lowers_the_loss(trained: Trained, arch: str) -> None:
     assert evals[-1]["eval_loss"] < 0.5 * evals[0]["eval_loss"]
     assert run.states() == ["preparing", "running", "saving"]
     assert run.lines[-1]["event"] == "done"
+    # "auto" without a budget: none, and the job's events say so.
+    messages = [x["message"] for x in run.events("log")]
+    assert any(m.startswith("no gradient checkpointing: no memory budget") for m in messages)
 
 
 def test_the_token_lengths_are_reported_before_the_weights_load(trained: Trained) -> None:
@@ -245,6 +248,8 @@ def test_messages_records_accumulation_max_steps_and_no_eval(
     assert summary["records_skipped"] == 0
     cut_logs = [x for x in run.events("log") if "were cut" in x["message"]]
     assert cut_logs and cut_logs[0]["level"] == "warning"
+    messages = [x["message"] for x in run.events("log")]
+    assert "gradient checkpointing every layer: params.gradient_checkpointing is true" in messages
     config = json.loads((Path(done["adapter_dir"]) / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
 
@@ -348,3 +353,44 @@ def test_the_same_job_trains_the_same_way(
     assert len(first) == 4
     assert losses("b", 1) == first
     assert losses("c", 2) != first
+
+
+def test_auto_checkpoints_every_kth_layer_to_fit_the_budget_and_trains_the_same(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    import re
+
+    base = tiny_model("llama")
+    # Rows of about 200 tokens: enough MiB for the choices to differ.
+    records = [{"q": r["q"], "a": " ".join([r["a"]] * 6)} for r in qa_records()]
+    params = {**TRAIN_PARAMS, "epochs": 1, "eval_fraction": 0.25, "max_seq_len": 256}
+    runs: dict[str, TrainerRun] = {}
+    chose: dict[str, str] = {}
+    budget = None
+    for name in ("none", "half"):
+        job = write_job(
+            tmp_path / name, base, data=ndjson(records), params=params, gpu_memory_mib=budget
+        )
+        runs[name] = run_trainer(job)
+        assert runs[name].rc == 0, runs[name].stderr[-3000:]
+        (chose[name],) = [
+            x["message"] for x in runs[name].events("log") if "checkpointing" in x["message"]
+        ]
+        if budget is None:
+            # Just below the estimate without checkpointing (of the records' longest row).
+            m = re.fullmatch(
+                r"no gradient checkpointing: no memory budget; the estimate is (\d+) MiB",
+                chose[name],
+            )
+            assert m, chose[name]
+            budget = int(m.group(1)) - 1
+    assert re.fullmatch(
+        rf"gradient checkpointing every 2nd layer \(1 of 2\): without it the estimate is "
+        rf"{budget + 1} MiB, over the budget of {budget} MiB; with it \d+ MiB, which fits it",
+        chose["half"],
+    ), chose["half"]
+    # Recomputing a layer changes no number (its dropout draws are replayed).
+    losses = {k: [s["loss"] for s in r.events("step")] for k, r in runs.items()}
+    assert losses["half"] == pytest.approx(losses["none"], rel=1e-5)
+    evals = {k: r.events("eval")[-1]["eval_loss"] for k, r in runs.items()}
+    assert evals["half"] == pytest.approx(evals["none"], rel=1e-5)

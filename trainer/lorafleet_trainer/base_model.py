@@ -10,8 +10,10 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
+from lorafleet_trainer import memory
 from lorafleet_trainer.jobfile import Base, JobFile
 from lorafleet_trainer.loop import Loop, prepare_training, torch_dtype
+from lorafleet_trainer.memory import Checkpointing
 from lorafleet_trainer.protocol import BadInputError, EnvironmentFailureError, TrainingFailureError
 
 HF_PATTERNS = [
@@ -98,6 +100,31 @@ def check_target_modules(base_dir: Path, target_modules: list[str] | str) -> Non
         )
 
 
+def choose_checkpointing(job: JobFile, base_dir: Path, device: Any, longest: int) -> Checkpointing:
+    """The job's gradient checkpointing (lorafleet_trainer.memory), by the
+    estimate of the base's config.json for rows of `longest` tokens, within
+    gpu_memory_mib. A base the estimate does not know gets every layer when
+    the job has a budget (the safe side), none without."""
+    import json
+
+    p = job.params
+    try:
+        config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
+        arch = memory.architecture_from_config(config)
+        return memory.choose_checkpointing(arch, p, device.type, longest, job.gpu_memory_mib)
+    except memory.EstimateError as e:
+        if isinstance(p.gradient_checkpointing, bool):
+            every = 1 if p.gradient_checkpointing else 0
+            return Checkpointing(
+                every,
+                0,
+                0,
+                f"params.gradient_checkpointing is {str(p.gradient_checkpointing).lower()}",
+            )
+        every = 0 if job.gpu_memory_mib is None else 1
+        return Checkpointing(every, 0, 0, f"no memory estimate ({e})")
+
+
 def library_versions() -> dict[str, str]:
     from importlib import metadata
 
@@ -120,9 +147,10 @@ def _load_kwargs(dtype: Any) -> dict[str, Any]:
 
 
 def load_for_training(
-    job: JobFile, base_dir: Path, dtype: str, device: Any, total_steps: int
+    job: JobFile, base_dir: Path, dtype: str, device: Any, total_steps: int, checkpoint_every: int
 ) -> Loop:
-    """The base weights with a fresh LoRA adapter, its optimizer and schedule."""
+    """The base weights with a fresh LoRA adapter, its optimizer and schedule,
+    gradient checkpointing every `checkpoint_every`-th layer (0: none)."""
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(
@@ -134,7 +162,7 @@ def load_for_training(
         **({"device_map": {"": str(device)}} if device.type == "cuda" else {}),
     )
     model.config.use_cache = False
-    loop = prepare_training(model, job.params, dtype, device, total_steps)
+    loop = prepare_training(model, job.params, dtype, device, total_steps, checkpoint_every)
     # The adapter (and each checkpoint's) names its base as the catalog does,
     # not by this node's path.
     loop.model.peft_config["default"].base_model_name_or_path = (

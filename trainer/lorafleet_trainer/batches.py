@@ -137,6 +137,12 @@ class Batch:
     tokens: int
     #: Padding tokens the batch computes on for nothing.
     padding: int = 0
+    #: The answer tokens' flat positions in the (rows, length - 1) grid of
+    #: next-token predictions, and the tokens predicted there: made on the
+    #: host, so that picking them out on a card never waits for it.
+    answer_positions: Any = None
+    answer_targets: Any = None
+    answer_tokens: int = 0
 
 
 def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
@@ -147,11 +153,18 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
     import torch
 
     ids, mask, labels = collate(encoded, pad_id)
-    t_ids, t_mask, t_labels = (torch.tensor(x, dtype=torch.long) for x in (ids, mask, labels))
+    width = len(ids[0]) - 1
+    answer = [
+        (r * width + i, t)
+        for r, row in enumerate(labels)
+        for i, t in enumerate(row[1:])
+        if t != IGNORE
+    ]
+    tensors = [torch.tensor(x, dtype=torch.long) for x in (ids, mask, labels)]
+    tensors += [torch.tensor([x[k] for x in answer], dtype=torch.long) for k in (0, 1)]
     if device.type == "cuda":
-        t_ids, t_mask, t_labels = (
-            t.pin_memory().to(device, non_blocking=True) for t in (t_ids, t_mask, t_labels)
-        )
+        tensors = [t.pin_memory().to(device, non_blocking=True) for t in tensors]
+    t_ids, t_mask, t_labels, positions, targets = tensors
     # Without padding no mask is needed, and none spares transformers a check of
     # the mask's values that would wait for the card on every forward.
     no_padding = len({len(e.input_ids) for e in encoded}) == 1
@@ -161,4 +174,7 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
         t_labels,
         tokens=sum(len(e.input_ids) for e in encoded),
         padding=len(ids) * len(ids[0]) - sum(len(e.input_ids) for e in encoded),
+        answer_positions=positions,
+        answer_targets=targets,
+        answer_tokens=len(answer),
     )

@@ -10,14 +10,8 @@ import re
 from typing import Any
 
 from lorafleet_trainer.jobfile import JobFile
+from lorafleet_trainer.memory import CUDA_CONTEXT_MIB, MIB
 from lorafleet_trainer.protocol import BadInputError
-
-MIB = 1 << 20
-
-#: The least the CUDA context is taken to be (lorafleet.estimate.CUDA_CONTEXT_MIB,
-#: the same figure): measured right after start it is smaller, but kernels
-#: loaded lazily on first use grow it during the first steps.
-CUDA_CONTEXT_MIB = 512
 
 
 def memory_fraction(budget_mib: int, context_mib: int, total_bytes: int) -> float:
@@ -56,6 +50,8 @@ def cap_card_memory(device: Any, budget_mib: int) -> str:
     index = device.index or 0
     used = process_card_mib(index, os.getpid())
     reserved = int(torch.cuda.memory_reserved(device) // MIB)
+    # At least CUDA_CONTEXT_MIB: measured right after start the context is
+    # smaller, but kernels loaded lazily on first use grow it in the first steps.
     context = max(CUDA_CONTEXT_MIB, used - reserved if used is not None else 0)
     total = int(torch.cuda.get_device_properties(device).total_memory)
     fraction = memory_fraction(budget_mib, context, total)

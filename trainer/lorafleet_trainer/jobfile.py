@@ -20,7 +20,9 @@ unless a default is given:
     gpu_memory_mib  int | null (default null): on a card, what the whole process
                  may use, CUDA context included: torch's allocator is capped at
                  it less the context, so going over is an out-of-memory of this
-                 process alone, reported with the budget.
+                 process alone, reported with the budget. On either device
+                 params.gradient_checkpointing "auto" chooses by it
+                 (lorafleet_trainer.memory); on the CPU nothing caps the process.
     estimate_mib int | null (default null): the job's memory estimate, named in
                  that report.
     hf_offline   bool (default true): read the Hugging Face cache only.
@@ -286,6 +288,10 @@ def _check_param(name: str, v: Any) -> Any:
         return _choice(name, v, bounds["values"])
     if kind == "modules":
         return _modules(name, v, bounds["word"])
+    if kind == "switch" and v == bounds["word"]:
+        return v
+    if kind == "switch" and not isinstance(v, bool):
+        raise BadInputError(f'params.{name} is {v!r}; it must be true, false or "{bounds["word"]}"')
     return _bool(name, v)
 
 

@@ -13,9 +13,10 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
 from lorafleet_trainer.batches import Batch, plan_grouped, to_batch
+from lorafleet_trainer.loss import answer_loss, kernel_name
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import BadInputError, Event, LineWriter, TrainingFailureError
-from lorafleet_trainer.rendering import IGNORE, Tokens
+from lorafleet_trainer.rendering import Tokens
 
 
 @dataclasses.dataclass
@@ -28,6 +29,8 @@ class Loop:
     scaler: Any
     autocast: Callable[[], contextlib.AbstractContextManager[Any]]
     device: Any
+    #: The loss's kernel (lorafleet_trainer.loss.kernel_name).
+    loss_kernel: str = "torch"
 
 
 @dataclasses.dataclass
@@ -57,10 +60,8 @@ def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
     total = None
     for b in micro:
         with loop.autocast():
-            out = loop.model(
-                input_ids=b.input_ids, attention_mask=b.attention_mask, labels=b.labels
-            )
-        loss = out.loss / n
+            # The mean per answer token of each micro-batch, as a causal LM's own loss.
+            loss = answer_loss(loop.model, b, loop.loss_kernel) / (max(b.answer_tokens, 1) * n)
         if loop.scaler is not None:
             loop.scaler.scale(loss).backward()
         else:
@@ -137,7 +138,6 @@ def train_steps(
 def eval_loss(loop: Loop, batches: Sequence[Batch]) -> float:
     """Mean cross-entropy per answer token over `batches` (dropout off)."""
     import torch
-    import torch.nn.functional as F
 
     model = loop.model
     model.eval()
@@ -146,16 +146,8 @@ def eval_loss(loop: Loop, batches: Sequence[Batch]) -> float:
     with torch.no_grad():
         for b in batches:
             with loop.autocast():
-                logits = model(input_ids=b.input_ids, attention_mask=b.attention_mask).logits
-            shift_logits = logits[:, :-1, :].float()
-            shift_labels = b.labels[:, 1:]
-            total += F.cross_entropy(
-                shift_logits.reshape(-1, shift_logits.shape[-1]),
-                shift_labels.reshape(-1),
-                ignore_index=IGNORE,
-                reduction="sum",
-            ).double()
-            count += int((shift_labels != IGNORE).sum().item())
+                total += answer_loss(model, b, loop.loss_kernel).double()
+            count += b.answer_tokens
     model.train()
     return float(total.item()) / max(count, 1)
 
@@ -190,16 +182,38 @@ def torch_dtype(name: str) -> Any:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_steps: int) -> Loop:
-    """Wrap `model` with LoRA (peft) and build the optimizer, scheduler and autocast."""
+def enable_checkpointing(model: Any, every: int) -> None:
+    """Gradient checkpointing of every `every`-th decoder layer from the first
+    (0: none; lorafleet_trainer.memory chooses it). transformers turns it on
+    for every layer; the flag of those between is turned off again (newer
+    transformers' every_n_layers does the same, which 4.57 lacks)."""
+    if every == 0:
+        return
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    kwargs = {"use_reentrant": False}
+    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x
+        model.activation_checkpointing_enable(kwargs)
+    else:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    model.enable_input_require_grads()
+    model.config.use_cache = False
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for i, layer in enumerate(layers):
+        layer.gradient_checkpointing = i % every == 0
+
+
+def prepare_training(
+    model: Any, params: Params, dtype: str, device: Any, total_steps: int, checkpoint_every: int = 0
+) -> Loop:
+    """Wrap `model` with LoRA (peft) and build the optimizer, scheduler and
+    autocast; checkpoint_every: gradient checkpointing of every so many
+    decoder layers (0: none)."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import get_scheduler
 
-    if params.gradient_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        model.enable_input_require_grads()
-        model.config.use_cache = False
+    enable_checkpointing(model, checkpoint_every)
     config = LoraConfig(
         r=params.rank,
         # peft annotates an int, but scales by alpha / r: a float alpha is fine.
@@ -232,7 +246,7 @@ def prepare_training(model: Any, params: Params, dtype: str, device: Any, total_
         def autocast() -> contextlib.AbstractContextManager[Any]:
             return torch.autocast(device_type=device.type, dtype=amp)
 
-    return Loop(model, opt, sched, scaler, autocast, device)
+    return Loop(model, opt, sched, scaler, autocast, device, kernel_name(device))
 
 
 def plan_total_steps(tokens: Tokens, train: Sequence[int], p: Params) -> int:

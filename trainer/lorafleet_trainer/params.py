@@ -26,7 +26,7 @@ class Params:
     batch_size: int = 4
     gradient_accumulation: int = 1
     max_seq_len: int = 1024
-    gradient_checkpointing: bool = False
+    gradient_checkpointing: bool | str = "auto"
     dtype: str = "auto"
     seed: int = 42
     eval_fraction: float = 0.1
@@ -35,8 +35,8 @@ class Params:
 
 
 #: Each parameter's check: (kind, bounds). kind: int and float (bounds gt, ge,
-#: lt, le), bool, choice (bounds: the values) or modules (a non-empty list of
-#: module names, or the one word).
+#: lt, le), bool, choice (bounds: the values), modules (a non-empty list of
+#: module names, or the one word) or switch (true, false or the one word).
 PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {
     "rank": ("int", {"ge": 1, "le": 1024}),
     "alpha": ("float", {"gt": 0}),
@@ -50,7 +50,7 @@ PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {
     "batch_size": ("int", {"ge": 1, "le": 4096}),
     "gradient_accumulation": ("int", {"ge": 1, "le": 4096}),
     "max_seq_len": ("int", {"ge": 8, "le": 1048576}),
-    "gradient_checkpointing": ("bool", {}),
+    "gradient_checkpointing": ("switch", {"word": "auto"}),
     "dtype": ("choice", {"values": ("auto", "bf16", "fp16", "fp32")}),
     "seed": ("int", {}),
     "eval_fraction": ("float", {"ge": 0, "lt": 1}),

@@ -30,6 +30,7 @@ from typing import Any, cast
 
 from lorafleet_trainer.base_model import (
     check_target_modules,
+    choose_checkpointing,
     library_versions,
     load_for_training,
     resolve_base,
@@ -47,6 +48,7 @@ from lorafleet_trainer.loop import (
     resolve_dtype,
     train_epochs,
 )
+from lorafleet_trainer.memory import Checkpointing
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import (
     BadInputError,
@@ -123,11 +125,11 @@ def run(job: JobFile, lines: LineWriter) -> int:
     inputs = prepare_inputs(base_dir, records, split, p, lines)
     total_steps = inputs.total_steps
     check_target_modules(base_dir, p.target_modules)
-    # Before the weights load too: a resume that cannot work fails in seconds.
-    resume = check_resume(job, total_steps)
+    resume = check_resume(job, total_steps)  # before the weights load: it fails in seconds
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
-    loop = load_for_training(job, base_dir, dtype, device, total_steps)
+    checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
+    loop = load_for_training(job, base_dir, dtype, device, total_steps, checkpointing.every)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
         f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}"
@@ -162,6 +164,19 @@ def run(job: JobFile, lines: LineWriter) -> int:
     )
     lines.emit(Event.DONE, adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
     return ExitCode.DONE
+
+
+def checkpointing_of(
+    job: JobFile, inputs: Inputs, base_dir: Path, device: Any, lines: LineWriter
+) -> Checkpointing:
+    """The gradient checkpointing chosen, logged with why. Rows are as wide
+    as the longest training record: known when every one was tokenized to
+    plan the steps (no max_steps), else max_seq_len."""
+    p = job.params
+    longest = inputs.tokens.length_summary()["max"] if p.max_steps == 0 else p.max_seq_len
+    choice = choose_checkpointing(job, base_dir, device, longest)
+    lines.log(choice.message)
+    return choice
 
 
 def running_message(done_steps: int, total_steps: int) -> str:

@@ -55,7 +55,11 @@ class TrainerParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     gradient_accumulation: Annotated[int, Meta(ge=1, le=4096)] = 1
     #: Tokens per record; longer records are cut (and counted). Default 1024.
     max_seq_len: Annotated[int, Meta(ge=8, le=1_048_576)] = 1024
-    gradient_checkpointing: bool = False
+    #: Recompute decoder layers' activations in the backward pass instead of
+    #: keeping them: true every layer, false none; "auto" (the default) the
+    #: least (none, every k-th layer, every layer) whose memory estimate fits
+    #: the job's gpu_memory_mib, none without one (lorafleet_trainer.memory).
+    gradient_checkpointing: bool | Literal["auto"] = "auto"
     #: "auto" is bf16 on cards that have it, fp16 on other cards, fp32 on the CPU.
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     seed: int = 42

@@ -48,7 +48,9 @@ def lengths_note(line: TrainerLengths, req: StartRequest) -> str:
     if req.model.architecture is None:
         return text
     try:
-        refined = estimate_memory(req.model.architecture, req.params, seq_len=line.max)
+        refined = estimate_memory(
+            req.model.architecture, req.params, seq_len=line.max, budget_mib=req.gpu_memory_mib
+        )
     except EstimateError:
         return text
     return (
@@ -63,7 +65,9 @@ def job_estimate_mib(req: StartRequest) -> int | None:
     if req.model.architecture is None:
         return None
     try:
-        return estimate_memory(req.model.architecture, req.params).total_mib
+        return estimate_memory(
+            req.model.architecture, req.params, budget_mib=req.gpu_memory_mib
+        ).total_mib
     except EstimateError:
         return None
 

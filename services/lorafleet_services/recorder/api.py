@@ -456,7 +456,9 @@ def job_estimate(model: ModelRecord, req: JobEstimateRequest) -> JobEstimate:
             ),
         )
     try:
-        est = estimate.estimate_memory(model.architecture, req.params)
+        est = estimate.estimate_memory(
+            model.architecture, req.params, budget_mib=req.gpu_memory_mib
+        )
     except estimate.EstimateError as e:
         return JobEstimate(model=model.name, reason=str(e))
     fits = req.gpu_memory_mib is None or req.gpu_memory_mib >= est.total_mib

@@ -71,6 +71,9 @@ def _rule(name: str, info: Any) -> tuple[str, str, dict[str, Any]]:
     if isinstance(info, mi.UnionType):
         lists = [t for t in info.types if isinstance(t, mi.ListType)]
         words = [t for t in info.types if isinstance(t, mi.LiteralType)]
+        flags = [t for t in info.types if isinstance(t, mi.BoolType)]
+        if len(flags) == 1 and len(words) == 1 and len(info.types) == 2:
+            return "bool | str", "switch", {"word": words[0].values[0]}
         if len(lists) == 1 and len(words) == 1 and isinstance(lists[0].item_type, mi.StrType):
             return "list[str] | str", "modules", {"word": words[0].values[0]}
     raise UnsupportedParamError(f"TrainerParams.{name}: the trainer cannot check {info!r}")
@@ -114,8 +117,8 @@ def render() -> str:
         "",
         "",
         "#: Each parameter's check: (kind, bounds). kind: int and float (bounds gt, ge,",
-        "#: lt, le), bool, choice (bounds: the values) or modules (a non-empty list of",
-        "#: module names, or the one word).",
+        "#: lt, le), bool, choice (bounds: the values), modules (a non-empty list of",
+        "#: module names, or the one word) or switch (true, false or the one word).",
         "PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {",
         *rules,
         "}",
