@@ -102,6 +102,18 @@ class Names:
     def artifacts_get(self) -> str:
         return self.api("artifacts", "get")
 
+    @property
+    def adapters_serve(self) -> str:
+        return self.api("adapters", "serve")
+
+    @property
+    def adapters_unserve(self) -> str:
+        return self.api("adapters", "unserve")
+
+    @property
+    def adapters_list(self) -> str:
+        return self.api("adapters", "list")
+
     # --- internal request/reply (services -> recorder) ---
     @property
     def store_transition(self) -> str:
@@ -117,6 +129,12 @@ class Names:
 
     def node_cancel(self, node: str) -> str:
         return f"{self.prefix}.node.{check_token(node, 'node name')}.cancel"
+
+    def node_serve(self, node: str) -> str:
+        return f"{self.prefix}.node.{check_token(node, 'node name')}.serve"
+
+    def node_unserve(self, node: str) -> str:
+        return f"{self.prefix}.node.{check_token(node, 'node name')}.unserve"
 
     def node_status_subjects(self, node: str) -> str:
         """Every status subject of one node (`<prefix>.status.<node>.>`)."""
@@ -146,6 +164,11 @@ class Names:
 
     def status(self, node: str, job_id: str) -> str:
         return f"{self.prefix}.status.{node}.{job_id}"
+
+    def serving_report(self, node: str, job_id: str) -> str:
+        """Where the agent reports a serving change (ServingReport): in the
+        status stream, beside the job's status reports."""
+        return f"{self.prefix}.status.{node}.{job_id}.serving"
 
     @property
     def artifacts_stream(self) -> str:

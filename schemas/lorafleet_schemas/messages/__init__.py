@@ -1,6 +1,6 @@
 """Every message lorafleet puts on NATS, as msgspec Structs, one module per
 domain: fields (constrained types), errors, catalog, jobs, job_store (the
-recorder's internal API), nodes, status, trainer_lines, artifacts. Import
+recorder's internal API), nodes, status, trainer_lines, artifacts, serving. Import
 them from here: `from lorafleet_schemas.messages import JobSpec`.
 
 These are the wire shapes. The JSON Schemas in schemas/json/ are generated
@@ -79,6 +79,19 @@ from lorafleet_schemas.messages.nodes import (
     StartReply,
     StartRequest,
 )
+from lorafleet_schemas.messages.serving import (
+    AdapterList,
+    AdapterListRequest,
+    AdapterServeRequest,
+    AdapterUnserveRequest,
+    EngineRef,
+    NodeServeReply,
+    NodeServeRequest,
+    NodeUnserveRequest,
+    ServingRecord,
+    ServingReport,
+    ServingState,
+)
 from lorafleet_schemas.messages.status import (
     StatusReport,
 )
@@ -96,6 +109,10 @@ from lorafleet_schemas.messages.trainer_lines import (
 
 __all__ = [
     "PUBLISHED",
+    "AdapterList",
+    "AdapterListRequest",
+    "AdapterServeRequest",
+    "AdapterUnserveRequest",
     "ArtifactChunkHeader",
     "ArtifactGetRequest",
     "ArtifactKind",
@@ -106,6 +123,7 @@ __all__ = [
     "Card",
     "CheckpointRef",
     "Engine",
+    "EngineRef",
     "EnginesInstalled",
     "ErrorBody",
     "ErrorCode",
@@ -139,7 +157,13 @@ __all__ = [
     "NodeInfo",
     "NodeList",
     "NodeListRequest",
+    "NodeServeReply",
+    "NodeServeRequest",
+    "NodeUnserveRequest",
     "PositiveMiB",
+    "ServingRecord",
+    "ServingReport",
+    "ServingState",
     "Sha256Hex",
     "StartReply",
     "StartRequest",
@@ -197,4 +221,14 @@ PUBLISHED: dict[str, object] = {
     "artifact-list-request": ArtifactListRequest,
     "artifact-list": ArtifactList,
     "artifact-get-request": ArtifactGetRequest,
+    "engine-ref": EngineRef,
+    "serving-record": ServingRecord,
+    "serving-report": ServingReport,
+    "adapter-serve-request": AdapterServeRequest,
+    "adapter-unserve-request": AdapterUnserveRequest,
+    "adapter-list-request": AdapterListRequest,
+    "adapter-list": AdapterList,
+    "node-serve-request": NodeServeRequest,
+    "node-unserve-request": NodeUnserveRequest,
+    "node-serve-reply": NodeServeReply,
 }

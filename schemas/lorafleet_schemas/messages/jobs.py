@@ -13,6 +13,7 @@ from msgspec import Meta
 from lorafleet_schemas.messages.artifacts import ArtifactKind
 from lorafleet_schemas.messages.catalog import Engine
 from lorafleet_schemas.messages.fields import PositiveMiB, Sha256Hex, SubjectToken
+from lorafleet_schemas.messages.serving import ServingRecord
 
 
 class JobState(enum.StrEnum):
@@ -106,6 +107,11 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: Start from another job's newest checkpoint (else its adapter): continue
     #: training, on this job's data.
     resume_from: str | None = None
+    #: Load the adapter into the node's running engines that serve the
+    #: model once the job is done. None (the default): yes when such an
+    #: engine runs on the node; False: never; True: yes, and a node with no
+    #: such engine records why.
+    serve: bool | None = None
 
 
 class EstimateLine(msgspec.Struct, kw_only=True):
@@ -215,6 +221,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     #: row, so a change can commit after another yet carry an earlier time.
     #: 0 from a recorder older than this field.
     version: int = 0
+    #: See JobSpec.serve.
+    serve: bool | None = None
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -295,10 +303,12 @@ class JobEventRecord(msgspec.Struct, kw_only=True):
 class JobEvent(msgspec.Struct, kw_only=True):
     """Published on `lorafleet.events.jobs.<id>` after each commit that changed the job."""
 
-    #: "state" when the state changed, "progress" otherwise.
-    kind: Literal["state", "progress"]
+    #: "state" when the state changed, "serving" when one of its serving
+    #: records did (`serving` holds it), "progress" otherwise.
+    kind: Literal["state", "progress", "serving"]
     job: JobRecord
     #: The trainer's latest throughput and time-to-go, when the change came
     #: from its status reports (they are not kept on the job).
     tokens_per_s: float | None = None
     eta_s: float | None = None
+    serving: ServingRecord | None = None

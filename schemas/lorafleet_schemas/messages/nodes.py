@@ -11,6 +11,7 @@ from lorafleet_schemas.messages.artifacts import ArtifactKind
 from lorafleet_schemas.messages.catalog import ModelRecord
 from lorafleet_schemas.messages.fields import Sha256Hex
 from lorafleet_schemas.messages.jobs import CheckpointRef, TrainerParams
+from lorafleet_schemas.messages.serving import EngineRef
 
 
 class StartRequest(msgspec.Struct, kw_only=True):
@@ -28,6 +29,8 @@ class StartRequest(msgspec.Struct, kw_only=True):
     #: Start from this checkpoint (the job's own newest, or another job's
     #: checkpoint or adapter); None: from the base weights.
     resume: CheckpointRef | None = None
+    #: JobSpec.serve: load the adapter into the node's engines when done.
+    serve: bool | None = None
 
 
 class StartReply(msgspec.Struct, kw_only=True):
@@ -78,6 +81,8 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     cpu_training: bool = False
     heartbeat_s: float = 1.0
     ttl_s: int = 3
+    #: The engines running on the node, each with the adapters it has loaded.
+    serving: list[EngineRef] = msgspec.field(default_factory=list)
 
 
 class NodeInfo(msgspec.Struct, kw_only=True):
