@@ -186,6 +186,7 @@ async def create_job(
         "checkpoint": None,
         "artifact_refs": None,
         "attempt_starts": None,
+        "serve": spec.serve,
     }
     async with sm() as s, s.begin():
         await s.execute(insert(jobs).values(**row))

@@ -440,4 +440,5 @@ def start_request(
         dataset_sha256=job.dataset_sha256,
         params=job.params,
         artifacts=list(job.artifacts_expected),
+        serve=job.serve,
     )
