@@ -58,7 +58,14 @@ def test_an_agent_may_do_its_own_nodes_work() -> None:
         msg_get_subject(N.artifacts_bucket),
     ):
         assert allows(p, "publish", subject), subject
-    for subject in (N.node_start("node-1"), N.node_cancel("node-1"), "_INBOX_node-1.abc.1"):
+    assert allows(p, "publish", N.serving_report("node-1", "job-a"))
+    for subject in (
+        N.node_start("node-1"),
+        N.node_cancel("node-1"),
+        N.node_serve("node-1"),
+        N.node_unserve("node-1"),
+        "_INBOX_node-1.abc.1",
+    ):
         assert allows(p, "subscribe", subject), subject
     assert p["allow_responses"] is True
 
@@ -72,7 +79,14 @@ def test_an_agent_may_not_do_another_nodes_work(other: str) -> None:
         N.artifact_chunks(other, "job-a", "peft"),
     ):
         assert not allows(p, "publish", subject), subject
-    for subject in (N.node_start(other), N.node_cancel(other), f"_INBOX_{other}.x"):
+    assert not allows(p, "publish", N.serving_report(other, "job-a"))
+    for subject in (
+        N.node_start(other),
+        N.node_cancel(other),
+        N.node_serve(other),
+        N.node_unserve(other),
+        f"_INBOX_{other}.x",
+    ):
         assert not allows(p, "subscribe", subject), subject
 
 
