@@ -72,9 +72,19 @@ def _values(report: ServingReport) -> dict[str, Any]:
 
 async def apply_reports(sm: Sessions, reports: Sequence[ServingReport]) -> ServingResult:
     """Apply a batch of serving reports in one transaction; the result lists
-    each record changed (its last change in the batch), for publishing after commit."""
-    ordered = sorted(reports, key=lambda r: (_key(r), r.seq))
-    return await until_unraced(partial(_apply_once, sm, ordered))
+    each record changed, for publishing after commit. Each report says the
+    whole record, so of one record's reports in a batch only the newest is
+    written: the others are stale already."""
+    newest: dict[tuple[str, str, str], ServingReport] = {}
+    superseded: list[ServingReport] = []
+    for r in sorted(reports, key=lambda r: r.seq, reverse=True):
+        if _key(r) in newest:
+            superseded.append(r)
+        else:
+            newest[_key(r)] = r
+    result = await until_unraced(partial(_apply_once, sm, [newest[k] for k in sorted(newest)]))
+    result.stale.extend(superseded)
+    return result
 
 
 async def _apply_once(sm: Sessions, reports: list[ServingReport]) -> ServingResult:
