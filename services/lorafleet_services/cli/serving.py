@@ -91,7 +91,9 @@ def unserve(
 
 @app.command("adapters", rich_help_panel="Serving")
 def adapters(
-    job: list[str] = typer.Option([], "--job", help="Repeatable: these jobs only."),
+    job: list[str] = typer.Option(
+        [], "--job", metavar="JOB", help="This job only; repeat for several."
+    ),
     node: str | None = typer.Option(None, "--node"),
     model: str | None = typer.Option(None, "--model"),
     state: ServingState | None = typer.Option(None, "--state"),
