@@ -290,6 +290,7 @@ class RecorderApi:
             model=req.model,
             limit=req.limit,
             oldest_first=req.oldest_first,
+            ids=req.ids,
         )
         return JobList(jobs=jobs)
 
