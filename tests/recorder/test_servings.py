@@ -125,3 +125,10 @@ async def test_a_job_keeps_its_serve_wish(models: Sessions) -> None:
         job = await store.create_job(models, spec, m, f"sha256/{SHA}", SHA, 3)
         got = await store.get_job(models, job.id)
         assert job.serve is wish and got is not None and got.serve is wish
+
+
+async def test_the_job_list_takes_many_ids_at_once(models: Sessions) -> None:
+    a, b, c = [await new_job(models) for _ in range(3)]
+    listed = await store.list_jobs(models, ids=[a.id, c.id, "nope"])
+    assert sorted(j.id for j in listed) == sorted([a.id, c.id])
+    assert b.id not in {j.id for j in listed} and len(await store.list_jobs(models)) == 3
