@@ -22,7 +22,6 @@ from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.states import FINAL, IllegalTransitionError, is_final
 from lorafleet_schemas.messages import (
-    AdapterList,
     AdapterListRequest,
     ArtifactKind,
     ArtifactStoredRequest,
@@ -42,15 +41,15 @@ from lorafleet_schemas.messages import (
     ModelListRequest,
     ModelRecord,
     ModelSpec,
-    ServingReport,
     StatusReport,
     TransitionReply,
     TransitionRequest,
 )
-from lorafleet_services.recorder import job_writes, servings, store
+from lorafleet_services.recorder import job_writes, store
 from lorafleet_services.recorder.db import Sessions
 from lorafleet_services.recorder.fold import Move
 from lorafleet_services.recorder.job_writes import JobChange, StatusResult
+from lorafleet_services.recorder.serving_api import ServingApi
 
 
 class Datasets(Protocol):
@@ -119,6 +118,8 @@ class RecorderApi:
         self.datasets = datasets
         self.publish = publish
         self.logger = log.get()
+        #: The serving records' list and reports (serving_api.py).
+        self.serving = ServingApi(sm, self._send_event)
 
     def routes(self) -> list[Route]:
         n = self.names
@@ -131,7 +132,7 @@ class RecorderApi:
             (n.jobs_curve, JobCurveRequest, self.jobs_curve),
             (n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
             (n.jobs_resume, JobResumeRequest, self.jobs_resume),
-            (n.adapters_list, AdapterListRequest, self.adapters_list),
+            (n.adapters_list, AdapterListRequest, self.serving.adapters_list),
             (n.store_transition, TransitionRequest, self.transition),
             (n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
@@ -300,14 +301,6 @@ class RecorderApi:
         except store.NoSuchJobError:
             raise NotFoundError(f"no job {req.id}: list jobs with jobs.list", "$.id") from None
 
-    async def adapters_list(self, req: AdapterListRequest) -> AdapterList:
-        job_ids = [*req.job_ids, *([req.job_id] if req.job_id is not None else [])]
-        records = await servings.list_records(
-            self.sm, job_ids=job_ids, node=req.node, model=req.model, state=req.state,
-            limit=req.limit,
-        )  # fmt: skip
-        return AdapterList(adapters=records)
-
     # --- internal ---
 
     async def transition(self, req: TransitionRequest) -> TransitionReply:
@@ -392,44 +385,6 @@ class RecorderApi:
             )
             self._log_moves(change)
             await self._publish(change)
-
-    # --- serving reports (the consumer calls these) ---
-
-    async def apply_serving(self, reports: Sequence[ServingReport]) -> servings.ServingResult:
-        """Apply a batch in one transaction; log refusals. Publish with `after_serving`."""
-        result = await servings.apply_reports(self.sm, reports)
-        for report, why in result.refused:
-            self.logger.warning(
-                Event.STATUS_REFUSED,
-                job_id=report.job_id,
-                node=report.node,
-                seq=report.seq,
-                message=f"serving report: {why}",
-            )
-        for report in result.stale:
-            self.logger.info(
-                Event.STATUS_STALE,
-                job_id=report.job_id,
-                node=report.node,
-                seq=report.seq,
-                message="serving report older than the record",
-            )
-        return result
-
-    async def after_serving(self, result: servings.ServingResult) -> None:
-        """Log and publish each serving record a committed batch changed."""
-        for change in result.changes:
-            record = change.serving
-            self.logger.info(
-                Event.SERVING_CHANGED,
-                job_id=record.job_id,
-                node=record.node,
-                engine=record.engine,
-                state=record.state.value,
-                message=record.reason,
-            )
-            event = JobEvent(kind="serving", job=change.job, serving=record)
-            await self._send_event(change.job.id, event)
 
     def _log_moves(self, change: JobChange) -> None:
         job = change.job

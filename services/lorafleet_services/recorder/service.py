@@ -179,13 +179,13 @@ class Recorder:
         if not good:
             return
         result = await self.api.apply_status(reports) if reports else None
-        serving_result = await self.api.apply_serving(served) if served else None
+        serving_result = await self.api.serving.apply(served) if served else None
         for m in good:
             await m.ack()
         if result is not None:
             await self.api.after_status(result)
         if serving_result is not None:
-            await self.api.after_serving(serving_result)
+            await self.api.serving.after(serving_result)
 
     async def _decoded(self, m: Msg, decoder: _Decoder) -> StatusReport | ServingReport | None:
         """The report `m` holds; None for poison (logged and acked here)."""

@@ -163,8 +163,15 @@ class Serving:
             raise node_refusal(name, node) or UnavailableError(name)
         return node
 
+    async def _job(self, job_id: str) -> JobRecord | None:
+        """The job, as the recorder has it; a refusal of the id is this request's `$.job_id`."""
+        try:
+            return await self.recorder.get_job(job_id)
+        except BadRequestError as e:
+            raise BadRequestError(e.message, "$.job_id") from None
+
     async def serve(self, req: AdapterServeRequest) -> NodeServeReply:
-        job = await self.recorder.get_job(req.job_id)
+        job = await self._job(req.job_id)
         try:
             refusal = job_refusal(req.job_id, job)
             if refusal is not None or job is None or job.adapter is None:
@@ -192,7 +199,7 @@ class Serving:
         return await self._ask("serve", name, job.id, self.agents.serve(name, ask))
 
     async def unserve(self, req: AdapterUnserveRequest) -> AdapterUnserveReply:
-        job = await self.recorder.get_job(req.job_id)
+        job = await self._job(req.job_id)
         if job is None:
             raise self._refused("unserve", req.job_id, req.node, no_job(req.job_id))
         records = await self.recorder.adapters(
