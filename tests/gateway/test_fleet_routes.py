@@ -16,12 +16,14 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.gateway.app import with_model
 from lorafleet_services.gateway.fleet_routes import (
+    OverrideRoutes,
     engine_base_url,
     fine_tuned_parts,
     fleet_view,
     routes_in,
 )
 from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
+from lorafleet_services.gateway.routing import EngineRoute
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000/v1"
@@ -89,3 +91,29 @@ def test_names_and_bodies() -> None:
     assert with_model(body, "j1-0123456789ab") == (
         b'{"model":"j1-0123456789ab","messages":[{"role":"user","content":"hi"}],"n":1}'
     )
+
+
+class Listed:
+    """A ModelRoutes that counts its asks: `served` is its cached list, `where` asks anew."""
+
+    def __init__(self, served: dict[str, list[EngineRoute]], fresh: dict[str, list[EngineRoute]]):
+        self._served, self._fresh, self.asked = served, fresh, 0
+
+    async def where(self, model: str) -> list[EngineRoute]:
+        self.asked += 1
+        return self._fresh.get(model, [])
+
+    async def served(self) -> dict[str, list[EngineRoute]]:
+        return self._served
+
+
+async def test_the_configured_engines_come_first_and_are_asked_only_after_the_fleet() -> None:
+    env, fleet = EngineRoute("http://env/v1"), EngineRoute("http://fleet/v1", served_name="x")
+    first = Listed({"tiny": [env]}, {"tiny": [env], "just-loaded": [env]})
+    then = Listed({}, {"tiny": [fleet], "ft:tiny::j1": [fleet]})
+    routes = OverrideRoutes(first, then)
+    assert await routes.where("tiny") == [env]  # the override, from its list as read
+    assert await routes.where("ft:tiny::j1") == [fleet]
+    assert first.asked == 0  # a model the fleet serves asks the configured engines nothing
+    assert await routes.where("just-loaded") == [env] and first.asked == 1
+    assert await routes.where("nowhere") == []

@@ -145,14 +145,22 @@ class FleetRoutes:
 
 
 class OverrideRoutes:
-    """`first` (the configured engines) where it serves the model, else `then`."""
+    """`first` (the configured engines) where it serves the model, else `then`.
+
+    `first`'s list as last read is looked at before `then`, and asked again
+    only when `then` has no route either: a model the fleet serves costs no
+    request to the configured engines (which a miss in their list would
+    make every time), one they just loaded is still found."""
 
     def __init__(self, first: ModelRoutes, then: ModelRoutes) -> None:
         self.first = first
         self.then = then
 
     async def where(self, model: str) -> list[EngineRoute]:
-        return await self.first.where(model) or await self.then.where(model)
+        listed = (await self.first.served()).get(model)
+        if listed:
+            return listed
+        return await self.then.where(model) or await self.first.where(model)
 
     async def served(self) -> dict[str, list[EngineRoute]]:
         mine, theirs = await asyncio.gather(self.first.served(), self.then.served())
