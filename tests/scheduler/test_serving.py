@@ -10,6 +10,8 @@ import asyncio
 import contextlib
 import datetime as dt
 import json
+import os
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +22,7 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 
 from lorafleet import _bus as bus
+from lorafleet.client import Client as Lorafleet
 from lorafleet.errors import ConflictError, NotFoundError
 from lorafleet.names import Names
 from lorafleet.settings import Settings
@@ -275,3 +278,43 @@ async def test_an_agent_that_does_not_answer_is_a_clear_error(fleet: Fleet) -> N
     assert reply["error"]["code"] == "unavailable", reply
     assert "the agent on node n1 did not answer in time" in reply["error"]["message"], reply
     assert json.loads(json.dumps(reply))["error"]["field"] == "$.node"
+
+
+async def cli(fleet: Fleet, *args: str) -> tuple[int, str, str]:
+    """`lorafleet ARGS` as a person runs it, against this fleet."""
+    env = {**os.environ, **fleet.settings.to_env(), "COLUMNS": "200"}
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorafleet_services.cli", *args, env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_the_client_and_the_cli_serve_list_and_refuse(fleet: Fleet) -> None:
+    nc = fleet.nc
+    await add_model(nc, "tiny")
+    job = await done_job(nc)
+    await agent_side(fleet, "n1", [ENGINE])
+    await alive(fleet, "n1")
+    async with await Lorafleet.connect(fleet.settings) as lf:
+        reply = await lf.serve(job["id"])
+        assert (reply.node, reply.engines) == ("n1", [ENGINE])
+        assert await lf.adapters([job["id"]]) == []
+        with pytest.raises(NotFoundError, match="is served nowhere"):
+            await lf.unserve(job["id"])
+    code, out, _ = await cli(fleet, "serve", job["id"])
+    assert code == 0 and out.strip() == f"{job['id']}: node n1 loads into {ENGINE}", out
+    refused = report(job["id"], 1, ServingState.REFUSED, node="n1", model="tiny",
+                     reason="rank 32 is over 16", lift="--max-lora-rank 32")  # fmt: skip
+    await nc.jetstream().publish(N.serving_report("n1", job["id"]), bus.encode(refused))
+    async with await Lorafleet.connect(fleet.settings) as lf:
+        await eventually(lambda: lf.adapters([job["id"]]), "the record", until=bool)
+    code, out, _ = await cli(fleet, "adapters", "--job", job["id"])
+    assert code == 0 and "adapters (1)" in out, out
+    assert "refused" in out and "rank 32 is over 16" in out and "--max-lora-rank 32" in out, out
+    code, out, _ = await cli(fleet, "adapters", "--node", "n2")
+    assert code == 0 and "adapters (0)" in out, out
+    code, _, err = await cli(fleet, "serve", job["id"], "--node", "n9")
+    assert code == 1 and "node n9 has sent no heartbeat" in err and len(err.splitlines()) == 1
