@@ -14,6 +14,7 @@ import os
 import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import msgspec
@@ -35,6 +36,7 @@ from lorafleet_schemas.messages import (
     EngineRef,
     Heartbeat,
     JobState,
+    ModelRecord,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
@@ -43,6 +45,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder
+from lorafleet_services.scheduler.dispatch import start_request
 from lorafleet_services.scheduler.logic import Node
 from lorafleet_services.scheduler.service import Scheduler
 from lorafleet_services.scheduler.serving import (
@@ -290,6 +293,24 @@ async def cli(fleet: Fleet, *args: str) -> tuple[int, str, str]:
     out, err = await proc.communicate()
     assert proc.returncode is not None
     return proc.returncode, out.decode(), err.decode()
+
+
+async def test_a_job_keeps_its_serve_wish_from_the_cli_to_the_start_request(
+    fleet: Fleet, tmp_path: Path
+) -> None:
+    await add_model(fleet.nc, "tiny")
+    data = tmp_path / "pairs.jsonl"
+    data.write_text(QA)
+    wishes = {}
+    for flag in ("--serve", "--no-serve", None):
+        argv = ["submit", "--model", "tiny", "--gpu-mib", "100", "--data", str(data)]
+        code, out, err = await cli(fleet, *argv, *([flag] if flag else []))
+        assert code == 0, err
+        wishes[flag] = json.loads(out)
+    assert [w["serve"] for w in wishes.values()] == [True, False, None]
+    model = msgspec.convert(await add_model(fleet.nc, "tiny-2"), type=ModelRecord)
+    for wish in (True, False, None):
+        assert start_request(job_record(serve=wish), model).serve is wish
 
 
 async def test_the_client_and_the_cli_serve_list_and_refuse(fleet: Fleet) -> None:
