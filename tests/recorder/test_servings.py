@@ -132,3 +132,17 @@ async def test_the_job_list_takes_many_ids_at_once(models: Sessions) -> None:
     listed = await store.list_jobs(models, ids=[a.id, c.id, "nope"])
     assert sorted(j.id for j in listed) == sorted([a.id, c.id])
     assert b.id not in {j.id for j in listed} and len(await store.list_jobs(models)) == 3
+
+
+async def test_a_report_wider_than_its_columns_is_refused_not_redelivered(
+    models: Sessions,
+) -> None:
+    job = await new_job(models)
+    wide = [
+        report(job, 1, node="n" * 65),
+        report(job, 2, engine="http://" + "e" * 600),
+        report(job, 3, model="m" * 65, engine="http://other:1"),
+    ]
+    result = await servings.apply_reports(models, [*wide, report(job, 4)])
+    assert sorted(why.split(" is ")[0] for _, why in result.refused) == ["engine", "model", "node"]
+    assert [c.serving.state for c in result.changes] == [ServingState.LOADING]

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from sqlalchemy import func, insert, select, update
+from sqlalchemy import String, func, insert, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -57,6 +57,19 @@ class ServingResult:
     stale: list[ServingReport] = field(default_factory=list)
     #: Reports that cannot apply, and why (no such job).
     refused: list[tuple[ServingReport, str]] = field(default_factory=list)
+
+
+def too_long(report: ServingReport) -> str | None:
+    """Why `report` cannot be stored (a text wider than its column), or None.
+    PostgreSQL would refuse the whole batch, every redelivery; SQLite would
+    take it: refused alike on both."""
+    for name in ("node", "engine", "model"):
+        column = servings.c[name].type
+        width = column.length if isinstance(column, String) else None
+        value = getattr(report, name)
+        if width is not None and len(value) > width:
+            return f"{name} is {len(value)} characters; the recorder stores {width} at most"
+    return None
 
 
 def _key(r: ServingReport | ServingRecord) -> tuple[str, str, str]:
@@ -100,8 +113,11 @@ async def _apply_once(sm: Sessions, reports: list[ServingReport]) -> ServingResu
             rows = await _rows(s, job_ids)
             changed: dict[tuple[str, str, str], dict[str, Any]] = {}
             for report in reports:
-                if report.job_id not in job_rows:
-                    result.refused.append((report, f"no job {report.job_id}"))
+                why = too_long(report) or (
+                    f"no job {report.job_id}" if report.job_id not in job_rows else None
+                )
+                if why is not None:
+                    result.refused.append((report, why))
                     continue
                 row = rows.get(_key(report))
                 if row is not None and report.seq <= row["last_seq"]:
