@@ -1,7 +1,8 @@
 """The control plane's client of the recorder: jobs read and moved over NATS.
 
 The scheduler and the artifact-store never touch the database; they ask the
-recorder, which owns it (`api.jobs.get/list`, `api.models.list`, the
+recorder, which owns it (`api.jobs.get/list`, `api.models.list`,
+`api.adapters.list`, the
 internal `store.jobs.transition` and `store.jobs.artifact`). Every state
 change is a compare-and-set (`from_state` -> `to_state`); `end_job` is the
 one loop that retries one when the job moved on under it, and `lose_job`
@@ -22,6 +23,8 @@ from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
 from lorafleet.states import FINAL, ON_NODE, loss_outcome
 from lorafleet_schemas.messages import (
+    AdapterList,
+    AdapterListRequest,
     ArtifactStoredRequest,
     JobGetRequest,
     JobList,
@@ -31,6 +34,7 @@ from lorafleet_schemas.messages import (
     ModelList,
     ModelListRequest,
     ModelRecord,
+    ServingRecord,
     TransitionReply,
     TransitionRequest,
 )
@@ -92,6 +96,9 @@ class RecorderClient:
 
     async def models(self) -> list[ModelRecord]:
         return (await self._request(self.names.models_list, ModelListRequest(), ModelList)).models
+
+    async def adapters(self, req: AdapterListRequest) -> list[ServingRecord]:
+        return (await self._request(self.names.adapters_list, req, AdapterList)).adapters
 
     async def transition(self, req: TransitionRequest) -> TransitionReply:
         """One compare-and-set; `applied` is false when the job had moved on."""

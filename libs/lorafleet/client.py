@@ -21,7 +21,7 @@ not fit the current state), `UnavailableError` (try again later),
 `InternalError` (the service failed; its log says why). A request nobody
 answers is sent again for `settings.no_responders_retry_s` (default 5 s),
 so a restarting recorder, or one of two, goes unseen; a read (get, list,
-curve, estimate, nodes, artifacts) that timed out is sent once more, as the
+curve, estimate, nodes, artifacts, adapters) that timed out is sent once more, as the
 recorder that held it may have been killed. No service answering after
 that raises nats-py's `nats.errors.NoRespondersError`, and none replying
 within `request_timeout_s` `TimeoutError` (a write is never sent twice: a
@@ -49,6 +49,11 @@ from lorafleet.names import Names, dataset_object_name
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
+    AdapterList,
+    AdapterListRequest,
+    AdapterServeRequest,
+    AdapterUnserveReply,
+    AdapterUnserveRequest,
     ArtifactGetRequest,
     ArtifactKind,
     ArtifactList,
@@ -73,6 +78,9 @@ from lorafleet_schemas.messages import (
     ModelSpec,
     NodeList,
     NodeListRequest,
+    NodeServeReply,
+    ServingRecord,
+    ServingState,
 )
 
 T = TypeVar("T")
@@ -277,6 +285,42 @@ class Client:
     # --- nodes ---
     async def nodes(self) -> NodeList:
         return await self._read(self.names.nodes_list, NodeListRequest(), NodeList)
+
+    # --- serving ---
+    async def serve(
+        self, job_id: str, node: str | None = None, engine: str | None = None
+    ) -> NodeServeReply:
+        """Load a done job's adapter into the engines of `node` (None: the node
+        it trained on) that serve its model, or into the one at `engine`. The
+        reply says which engines the agent took it on for (or why none); each
+        outcome follows as a serving record (`adapters`, and a job event of
+        kind "serving"). ConflictError for a job not done or without its
+        adapter; UnavailableError for a node not alive or not answering."""
+        req = AdapterServeRequest(job_id=job_id, node=node, engine=engine)
+        return await self._req(self.names.adapters_serve, req, NodeServeReply)
+
+    async def unserve(
+        self, job_id: str, node: str | None = None, engine: str | None = None
+    ) -> AdapterUnserveReply:
+        """Take the job's adapter out of `node`'s engines (None: of every node
+        serving it). NotFoundError when it is served nowhere."""
+        req = AdapterUnserveRequest(job_id=job_id, node=node, engine=engine)
+        return await self._req(self.names.adapters_unserve, req, AdapterUnserveReply)
+
+    async def adapters(
+        self,
+        job_ids: list[str] | None = None,
+        *,
+        node: str | None = None,
+        model: str | None = None,
+        state: ServingState | None = None,
+        limit: int = 200,
+    ) -> list[ServingRecord]:
+        """Serving records matching every filter given, newest change first."""
+        req = AdapterListRequest(
+            job_ids=job_ids or [], node=node, model=model, state=state, limit=limit
+        )
+        return (await self._read(self.names.adapters_list, req, AdapterList)).adapters
 
     # --- artifacts ---
     async def artifacts(self, job_id: str) -> list[ArtifactRecord]:

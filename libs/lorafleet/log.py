@@ -118,6 +118,12 @@ class Event:
     GATEWAY_ENGINE_UNAVAILABLE: Final = "gateway.engine_unavailable"
     #: The gateway took a file (`file_id`, `bytes`, `records`, `client`).
     GATEWAY_FILE_STORED: Final = "gateway.file_stored"
+    #: The recorder committed a serving record (`job_id`, `node`, `engine`,
+    #: `state`, `message`: its reason).
+    SERVING_CHANGED: Final = "serving.changed"
+    #: The scheduler answered `adapters.serve`/`unserve` (`job_id`, `node`,
+    #: `outcome`: sent, refused, unanswered; `message`).
+    SERVE_REQUESTED: Final = "serve.requested"
 
 
 #: The environment variable that picks the log format: "json" or "console".

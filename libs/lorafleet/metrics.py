@@ -119,6 +119,16 @@ NODES_LOST = Counter(
     registry=None,
 )
 NODES_LEFT = Counter("lorafleet_nodes_left", "Nodes whose agent stopped cleanly", registry=None)
+#: The outcomes of `api.adapters.serve`/`unserve`: sent to the node and
+#: answered, refused before sending (not done, no adapter, node not alive,
+#: ...), or the node did not answer.
+SERVE_OUTCOMES = ("sent", "refused", "unanswered")
+SERVE_REQUESTS = Counter(
+    "lorafleet_serve_requests",
+    "adapters.serve and adapters.unserve requests the scheduler answered, by outcome",
+    ["request", "outcome"],
+    registry=None,
+)
 
 # --- artifact-store ---------------------------------------------------------
 
@@ -151,6 +161,9 @@ def _preset() -> None:
         JOBS_FINISHED.labels(state.value)
     for reason in ("expired", "silent"):
         NODES_LOST.labels(reason)
+    for request in ("serve", "unserve"):
+        for outcome in SERVE_OUTCOMES:
+            SERVE_REQUESTS.labels(request, outcome)
     for kind in ArtifactKind:
         ARTIFACTS_STORED.labels(kind.value)
         ARTIFACT_BYTES.labels(kind.value)
@@ -240,12 +253,20 @@ JOB_PEAK = LiveGauge(
     "lorafleet_job_peak_memory_bytes", "A running job's peak card memory (RSS on the CPU)", _JOB
 )
 JOB_ETA = LiveGauge("lorafleet_job_eta_seconds", "Seconds a running job expects to need", _JOB)
+SERVINGS = LiveGauge(
+    "lorafleet_servings", "Serving records in the recorder's database, by state", ("state",)
+)
+NODE_ADAPTERS = LiveGauge(
+    "lorafleet_node_adapters_loaded",
+    "Adapters a live node's engines have loaded, as its heartbeat says",
+    ("node",),
+)
 
 #: Every live gauge, in exposition order.
 LIVE_GAUGES = (
     JOBS, QUEUE_DEPTH, QUEUE_OLDEST_AGE, NODES_ALIVE, NODE_UP, NODE_BUSY, HEARTBEAT_AGE,
     CARD_TOTAL, CARD_FREE, LEADER, JOB_STEP, JOB_STEPS, JOB_LOSS, JOB_EVAL_LOSS, JOB_TOKENS,
-    JOB_PEAK, JOB_ETA,
+    JOB_PEAK, JOB_ETA, SERVINGS, NODE_ADAPTERS,
 )  # fmt: skip
 
 #: One live sample: its gauge, its label values (in the gauge's order), its value.
@@ -312,7 +333,14 @@ LIVE = LiveCollector()
 _COMMON = (BUILD_INFO, API_REQUESTS, API_ERRORS, API_DURATION)
 SERVICE_METRICS: dict[str, tuple[Any, ...]] = {
     "recorder": (JOBS_SUBMITTED, JOBS_FINISHED, STATUS_APPLIED, STATUS_REFUSED, STATUS_LAG),
-    "scheduler": (JOB_START_LATENCY, JOBS_DISPATCHED, DISPATCH_ROUND, NODES_LOST, NODES_LEFT),
+    "scheduler": (
+        JOB_START_LATENCY,
+        JOBS_DISPATCHED,
+        DISPATCH_ROUND,
+        NODES_LOST,
+        NODES_LEFT,
+        SERVE_REQUESTS,
+    ),
     "artifact-store": (ARTIFACTS_STORED, ARTIFACT_BYTES, ARTIFACTS_REJECTED, ARTIFACT_DELIVERY),
     "agent": (),
 }

@@ -170,6 +170,12 @@ class Names:
         status stream, beside the job's status reports."""
         return f"{self.prefix}.status.{node}.{job_id}.serving"
 
+    def is_serving_report(self, subject: str) -> bool:
+        """True for a `serving_report` subject (the status stream holds both kinds)."""
+        head = f"{self.prefix}.status."
+        rest = subject[len(head) :].split(".") if subject.startswith(head) else []
+        return len(rest) == 3 and rest[-1] == "serving"
+
     @property
     def artifacts_stream(self) -> str:
         return f"{self.prefix.upper()}_ARTIFACTS"

@@ -17,8 +17,10 @@ An agent of node N may only:
   bucket>`: a job that resumes fetches the checkpoint (or adapter) it
   starts from (agent/resume.py). A message get reads; it cannot write,
   purge or delete, so the artifact-store stays the bucket's only writer;
-- receive its own start and cancel requests, `<prefix>.node.N.{start,cancel}`,
-  and answer them (`allow_responses`: one reply to each request received);
+- receive its own start, cancel, serve and unserve requests,
+  `<prefix>.node.N.{start,cancel,serve,unserve}`, and answer them
+  (`allow_responses`: one reply to each request received); its serving
+  reports go on its status subjects (`<prefix>.status.N.<job>.serving`);
 - receive replies on its own inboxes, `_INBOX_N.>` (the agent runs with
   LORAFLEET_NATS_INBOX_PREFIX=_INBOX_N), so it reads no one else's replies.
 
@@ -29,12 +31,13 @@ another node's start or cancel, call the recorder's internal
 With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
 has its own block, allowed only what it uses, and creates only the
 JetStream pieces it owns (`LAYOUT_OWNERS`):
-- recorder: answers `api.jobs.{submit,get,list,curve,estimate,resume}`, `api.models.*` and
-  `store.jobs.*`; publishes `events.jobs.*`; owns the STATUS stream and
+- recorder: answers `api.jobs.{submit,get,list,curve,estimate,resume}`, `api.models.*`,
+  `api.adapters.list` and `store.jobs.*`; publishes `events.jobs.*`; owns the STATUS stream and
   reads it through its durable consumer alone; owns the datasets bucket;
-- scheduler: answers `api.jobs.cancel` and `api.nodes.list`; asks the
-  recorder (`api.jobs.{get,list}`, `api.models.list`,
-  `store.jobs.transition`) and the nodes (`node.*.{start,cancel}`); hears
+- scheduler: answers `api.jobs.cancel`, `api.nodes.list` and
+  `api.adapters.{serve,unserve}`; asks the recorder (`api.jobs.{get,list}`,
+  `api.models.list`, `api.adapters.list`, `store.jobs.transition`) and the
+  nodes (`node.*.{start,cancel,serve,unserve}`); hears
   `events.jobs.*`; owns and reads the nodes and leader KV buckets and
   writes only the leader's;
 - artifact-store: answers `api.artifacts.*`; reports to
@@ -100,6 +103,8 @@ def agent_permissions(names: Names, node: str) -> Permissions:
             "allow": [
                 names.node_start(node),
                 names.node_cancel(node),
+                names.node_serve(node),
+                names.node_unserve(node),
                 f"{node_inbox_prefix(node)}.>",
             ]
         },
@@ -224,6 +229,7 @@ def recorder_permissions(names: Names) -> Permissions:
                 for verb in ("submit", "get", "list", "curve", "estimate", "resume")
             ),
             names.api("models", "*"),
+            names.adapters_list,
             f"{p}.store.jobs.*",
             SERVICE_DISCOVERY_SUBJECTS,
             _inbox("service", "recorder"),
@@ -240,9 +246,12 @@ def scheduler_permissions(names: Names) -> Permissions:
             names.jobs_get,
             names.jobs_list,
             names.models_list,
+            names.adapters_list,
             names.store_transition,
             f"{p}.node.*.start",
             f"{p}.node.*.cancel",
+            f"{p}.node.*.serve",
+            f"{p}.node.*.unserve",
             js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits
             *_stream_owner(nodes_kv),
             *_reader(nodes_kv),
@@ -254,6 +263,8 @@ def scheduler_permissions(names: Names) -> Permissions:
             names.all_job_events,
             names.jobs_cancel,
             names.nodes_list,
+            names.adapters_serve,
+            names.adapters_unserve,
             SERVICE_DISCOVERY_SUBJECTS,
             _inbox("service", "scheduler"),
         ],

@@ -40,6 +40,11 @@ from lorafleet import log
 from lorafleet.names import Names, kv_stream
 from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import (
+    AdapterList,
+    AdapterListRequest,
+    AdapterServeRequest,
+    AdapterUnserveReply,
+    AdapterUnserveRequest,
     ArtifactGetRequest,
     ArtifactList,
     ArtifactListRequest,
@@ -64,6 +69,7 @@ from lorafleet_schemas.messages import (
     ModelSpec,
     NodeList,
     NodeListRequest,
+    NodeServeReply,
     TransitionReply,
     TransitionRequest,
 )
@@ -96,6 +102,9 @@ ENDPOINTS: dict[str, tuple[type, type]] = {
     N.nodes_list: (NodeListRequest, NodeList),
     N.artifacts_list: (ArtifactListRequest, ArtifactList),
     N.artifacts_get: (ArtifactGetRequest, ArtifactRecord),
+    N.adapters_serve: (AdapterServeRequest, NodeServeReply),
+    N.adapters_unserve: (AdapterUnserveRequest, AdapterUnserveReply),
+    N.adapters_list: (AdapterListRequest, AdapterList),
 }
 
 

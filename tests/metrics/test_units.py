@@ -14,7 +14,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from lorafleet import metrics
 from lorafleet._metrics_http import MetricsServer, child_addr, endpoints_text, exposition
 from lorafleet.settings import Settings, SettingsError, parse_host_port
-from lorafleet_schemas.messages import Card, Heartbeat
+from lorafleet_schemas.messages import Card, Engine, EngineRef, Heartbeat
 from lorafleet_services.agent.metric_views import RunningJobs
 from lorafleet_services.recorder.metric_views import JobCounts
 from lorafleet_services.scheduler.metric_views import node_samples
@@ -101,6 +101,35 @@ def test_job_counts_name_every_state() -> None:
     assert got[("lorafleet_jobs", ("running",))] == 0.0
     assert got[("lorafleet_queue_depth", ())] == 2.0
     assert got[("lorafleet_queue_oldest_age_seconds", ())] == 0.0
+
+
+def test_serving_records_by_state_and_each_live_nodes_adapters() -> None:
+    counts = JobCounts()
+    counts.set({"done": 1}, 0.0, {"served": 3, "refused": 1})
+    got = samples(counts.samples)
+    assert got[("lorafleet_servings", ("served",))] == 3.0
+    assert got[("lorafleet_servings", ("refused",))] == 1.0
+    assert got[("lorafleet_servings", ("loading",))] == 0.0  # every state, at zero too
+    loaded = beat("a", [])
+    loaded.serving = [
+        EngineRef(kind=Engine.VLLM, url="http://h:1", adapters=["j1-x", "j2-y"]),
+        EngineRef(kind=Engine.VLLM, url="http://h:2", adapters=["j3-z"]),
+    ]
+    lost = beat("b", [])
+    lost.serving = [EngineRef(kind=Engine.VLLM, url="http://h:3", adapters=["j4-w"])]
+    got = samples(lambda: node_samples([(loaded, True, 0.1), (lost, False, 9.0)]))
+    assert got[("lorafleet_node_adapters_loaded", ("a",))] == 3.0
+    assert ("lorafleet_node_adapters_loaded", ("b",)) not in got
+
+
+def test_serve_requests_count_by_request_and_outcome_from_zero() -> None:
+    metrics.register("scheduler")
+    text = exposition().decode()
+    for request in ("serve", "unserve"):
+        for outcome in metrics.SERVE_OUTCOMES:
+            assert (
+                f'lorafleet_serve_requests_total{{outcome="{outcome}",request="{request}"}}' in text
+            )
 
 
 def test_live_collector_adds_and_removes_views() -> None:

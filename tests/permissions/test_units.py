@@ -23,6 +23,7 @@ from lorafleet.permissions import (
     PermissionsError,
     agent_permissions,
     allows,
+    identity_block,
     subject_matches,
 )
 from lorafleet.settings import Settings, SettingsError
@@ -58,7 +59,14 @@ def test_an_agent_may_do_its_own_nodes_work() -> None:
         msg_get_subject(N.artifacts_bucket),
     ):
         assert allows(p, "publish", subject), subject
-    for subject in (N.node_start("node-1"), N.node_cancel("node-1"), "_INBOX_node-1.abc.1"):
+    assert allows(p, "publish", N.serving_report("node-1", "job-a"))
+    for subject in (
+        N.node_start("node-1"),
+        N.node_cancel("node-1"),
+        N.node_serve("node-1"),
+        N.node_unserve("node-1"),
+        "_INBOX_node-1.abc.1",
+    ):
         assert allows(p, "subscribe", subject), subject
     assert p["allow_responses"] is True
 
@@ -72,7 +80,14 @@ def test_an_agent_may_not_do_another_nodes_work(other: str) -> None:
         N.artifact_chunks(other, "job-a", "peft"),
     ):
         assert not allows(p, "publish", subject), subject
-    for subject in (N.node_start(other), N.node_cancel(other), f"_INBOX_{other}.x"):
+    assert not allows(p, "publish", N.serving_report(other, "job-a"))
+    for subject in (
+        N.node_start(other),
+        N.node_cancel(other),
+        N.node_serve(other),
+        N.node_unserve(other),
+        f"_INBOX_{other}.x",
+    ):
         assert not allows(p, "subscribe", subject), subject
 
 
@@ -190,3 +205,17 @@ def test_refusal_and_redaction() -> None:
     assert permissions_violation_message(Exception("nats: stale connection")) is None
     assert redact_url("nats://u:p@h:1,nats://h2:2") == "nats://u:***@h:1,nats://h2:2"
     assert redact_url("nats://h:1") == "nats://h:1"
+
+
+def test_the_serving_requests_go_from_the_scheduler_to_the_nodes_only() -> None:
+    scheduler = identity_block(N, "service", "scheduler")
+    recorder = identity_block(N, "service", "recorder")
+    client = identity_block(N, "client", "cli")
+    for subject in (N.node_serve("gpu-3"), N.node_unserve("gpu-3"), N.adapters_list):
+        assert allows(scheduler, "publish", subject), subject
+    for subject in (N.adapters_serve, N.adapters_unserve):
+        assert allows(scheduler, "subscribe", subject) and allows(client, "publish", subject)
+    assert allows(recorder, "subscribe", N.adapters_list)
+    assert allows(client, "publish", N.adapters_list)
+    for block in (recorder, client):
+        assert not allows(block, "publish", N.node_serve("gpu-3")), block

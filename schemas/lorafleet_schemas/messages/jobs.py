@@ -239,6 +239,9 @@ class JobListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     model: str | None = None
     limit: Annotated[int, Meta(ge=1, le=1000)] = 50
     oldest_first: bool = False
+    #: These jobs only (empty: any): many jobs in one request (the gateway's
+    #: model list asks for its caller's jobs at once).
+    ids: list[str] = msgspec.field(default_factory=list)
 
 
 class JobList(msgspec.Struct, kw_only=True):

@@ -167,9 +167,18 @@ class NodeUnserveRequest(msgspec.Struct, kw_only=True):
 
 
 class NodeServeReply(msgspec.Struct, kw_only=True):
-    """What the agent took on; each engine's outcome follows as ServingReports."""
+    """What the agent took on; each engine's outcome follows as ServingReports.
+    `api.adapters.serve` answers with it too, `node` filled in."""
 
     #: The engines it will load into (or unload from), by url.
     engines: list[str] = msgspec.field(default_factory=list)
     #: Why none, when none (no engine on the node serves the model, ...).
     reason: str = ""
+    #: The node that answered (the scheduler sets it; an agent may leave it empty).
+    node: str = ""
+
+
+class AdapterUnserveReply(msgspec.Struct, kw_only=True):
+    """`lorafleet.api.adapters.unserve`'s answer: each node asked, as it answered."""
+
+    replies: list[NodeServeReply] = msgspec.field(default_factory=list)

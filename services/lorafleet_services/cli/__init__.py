@@ -12,13 +12,15 @@ Jobs:       lorafleet submit --model M [--gpu-mib N] --data FILE [--dry-run]
             lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
             lorafleet resume ID [--attempts N]
 Fleet:      lorafleet top,  lorafleet nodes
+Serving:    lorafleet serve ID [--node N] [--engine URL],  lorafleet unserve ID [--node N]
+            lorafleet adapters [--job J ...] [--node N] [--model M] [--state S]
 Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
 NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]
             lorafleet nats-config --node N [--node N ...] [--blocks]   (passwords; older)
 
 One module per command group: services.py (the services, up, demo),
 catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
-plots), nodes.py, top.py, artifacts.py, auth.py (nkey identities),
+plots), nodes.py, top.py, serving.py, artifacts.py, auth.py (nkey identities),
 nats_config.py (the older passwords); _app.py holds the Typer apps and
 what they share, _help.py tidies what --help shows. A new command goes in its group's module.
 
@@ -33,7 +35,7 @@ from __future__ import annotations
 from lorafleet_services.cli import services
 
 # isort: split
-from lorafleet_services.cli import estimate, jobs, top
+from lorafleet_services.cli import estimate, jobs, serving, top
 
 # isort: split
 from lorafleet_services.cli import artifacts, auth, catalog, nats_config, nodes
@@ -52,6 +54,7 @@ __all__ = [
     "nats_config",
     "nodes",
     "services",
+    "serving",
     "top",
     "up_agent_config",
 ]

@@ -56,6 +56,11 @@ _RESUME_FROM = typer.Option(
     metavar="JOB",
     help="Start from that job's newest checkpoint (else its adapter) and train on this data.",
 )
+_SERVE = typer.Option(
+    None,
+    "--serve/--no-serve",
+    help="Load the adapter into the node's engines once done (default: where one runs the model).",
+)
 
 
 @app.command("submit", rich_help_panel="Jobs")
@@ -82,6 +87,7 @@ def submit(
     ),
     max_attempts: int = _MAX_ATTEMPTS,
     resume_from: str | None = _RESUME_FROM,
+    serve: bool | None = _SERVE,
 ) -> None:
     """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
     body = data.read_bytes()
@@ -98,6 +104,7 @@ def submit(
         ignore_estimate=ignore_estimate,
         max_attempts=max_attempts,
         resume_from=resume_from,
+        serve=serve,
     )
 
     async def go(c: Client) -> JobRecord:
@@ -112,7 +119,12 @@ def submit(
         return job
 
     job = run_client(go, interrupted="stopped watching; the job goes on (`lorafleet jobs list`)")
-    if not watch_:
+    _submitted(job, watch_, as_json)
+
+
+def _submitted(job: JobRecord, watched: bool, as_json: bool) -> None:
+    """The job's record on stdout; after a watch, the exit code says how it ended."""
+    if not watched:
         print_json(job)
         return
     # After the summary, the record is for a program reading stdout (`> job.json`).

@@ -1,8 +1,10 @@
-"""`lorafleet top`: the fleet's htop — nodes, running jobs, the queue.
+"""`lorafleet top`: the fleet's htop — nodes, what their engines serve,
+running jobs, the queue.
 
 A snapshot is three requests (nodes, jobs on nodes, queued jobs), plus the
 trainers' tokens/s taken from the job events meanwhile (`Rates`); the
-table is a plain function of it (`fleet_view`). On a
+table is a plain function of it (`fleet_view`); what the engines serve
+comes from the nodes' heartbeats (`Heartbeat.serving`). On a
 terminal the view is redrawn in place every `--interval-s`; piped or with
 `--once` it is printed once.
 """
@@ -72,8 +74,27 @@ def with_rates(snap: FleetSnapshot, rates: Rates) -> FleetSnapshot:
 
 
 def fleet_view(snap: FleetSnapshot) -> RenderableType:
-    """Three tables: nodes, running jobs, queue."""
-    return Group(_nodes_table(snap), _running_table(snap), _queue_table(snap))
+    """Four tables: nodes, engines (what each serves), running jobs, queue."""
+    return Group(_nodes_table(snap), _engines_table(snap), _running_table(snap), _queue_table(snap))
+
+
+def _engines_table(snap: FleetSnapshot) -> Table:
+    """Each live node's engines, each with its base model and the adapters it has loaded."""
+    live = sorted((n.heartbeat for n in snap.nodes if n.alive), key=lambda hb: hb.node)
+    engines = [(hb.node, e) for hb in live for e in hb.serving]
+    table = Table(title=f"engines ({len(engines)})", title_justify="left", expand=True)
+    for column in ("node", "engine", "kind", "model", "adapters loaded"):
+        table.add_column(column)
+    for node, e in engines:
+        slots = f" ({len(e.adapters)}/{e.max_loras})" if e.max_loras else ""
+        table.add_row(
+            node,
+            e.url,
+            e.kind.value,
+            e.model or "?",
+            (", ".join(e.adapters) or "none") + slots,
+        )
+    return table
 
 
 def _nodes_table(snap: FleetSnapshot) -> Table:
@@ -139,8 +160,9 @@ def top(
     once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
 ) -> None:
     """The fleet at a glance, redrawn in place: nodes (alive, cards, what each
-    trains, heartbeat age), running jobs with their progress, and the queue
-    with what each job waits for. Ctrl-C leaves."""
+    trains, heartbeat age), their engines and the adapters each has loaded,
+    running jobs with their progress, and the queue with what each job waits
+    for. Ctrl-C leaves."""
 
     async def go(client: Client) -> None:
         if once or not console.is_terminal:

@@ -6,9 +6,16 @@ Starlette (docs/architecture.md says why): every route needs an API key
 OpenAI's shape (http_errors.py), logged once as `gateway.refused`.
 
 Inference (`/v1/chat/completions`, `/v1/completions`) reads only `model`
-from the body, asks `ModelRoutes` where it is served and forwards the body
-unchanged; a stream's server-sent events are relayed chunk by chunk as
-they arrive, never buffered, and a whole answer is passed on whole.
+from the body, asks `ModelRoutes` where it is served and forwards the body,
+unchanged unless the engine knows the model by another name (a served
+adapter's lora_name, an engine's name for its base: `model` is replaced,
+the rest kept); a stream's server-sent events are relayed chunk by chunk
+as they arrive, never buffered, and a whole answer is passed on whole.
+
+`GET /v1/models`: the catalog bases, and the caller's succeeded jobs'
+fine-tuned names, each with the engines serving it; a constant number of
+requests however many jobs (the jobs and their served records are asked
+for all at once).
 """
 
 from __future__ import annotations
@@ -32,11 +39,12 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet import log
 from lorafleet.errors import ApiError
-from lorafleet_schemas.messages import JobState
+from lorafleet_schemas.messages import JobListRequest, JobState, ServingState
 from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway import training_routes as tr
 from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
+from lorafleet_services.gateway.fleet_routes import engine_base_url
 from lorafleet_services.gateway.http_errors import (
     GatewayHttpError,
     bad_request,
@@ -52,8 +60,19 @@ from lorafleet_services.gateway.routing import EngineRoute
 ENGINE_CONNECT_TIMEOUT_S = 5.0
 
 
+#: Most jobs of one caller `GET /v1/models` lists (its newest; the recorder's cap).
+LISTED_JOBS_LIMIT = 1000
+
+
 class _ModelOnly(msgspec.Struct):
     model: str
+
+
+def with_model(body: bytes, model: str) -> bytes:
+    """The request `body` (a JSON object) with its `model` replaced, the rest as sent."""
+    fields = msgspec.json.decode(body)
+    fields["model"] = model
+    return msgspec.json.encode(fields)
 
 
 class Authenticate:
@@ -138,18 +157,24 @@ async def list_models(request: Request) -> Response:
     catalog, served, jobs = await asyncio.gather(
         ctx.client.models(), ctx.routes.served(), ctx.state.jobs(owner)
     )
-    records = await asyncio.gather(*(ctx.client.get(f.job_id) for f in jobs))
+    ids = [f.job_id for f in jobs][-LISTED_JOBS_LIMIT:]
+    done, serving = await asyncio.gather(
+        ctx.client.jobs(JobListRequest(ids=ids, state=JobState.DONE, limit=LISTED_JOBS_LIMIT)),
+        ctx.client.adapters(ids, state=ServingState.SERVED, limit=LISTED_JOBS_LIMIT),
+    )
+    fields_of = {f.job_id: f for f in jobs}
     models: dict[str, Model] = {}
     for m in catalog:
         models[m.name] = Model(id=m.name, created=jm.unix(m.created_at) or 0, owned_by="lorafleet")
-    for job, fields in zip(records, jobs, strict=True):
-        if job.state is JobState.DONE:
-            name = jm.fine_tuned_model_name(fields.model, fields.suffix, job.id)
-            models[name] = Model(id=name, created=jm.unix(job.finished_at) or 0, owned_by=owner)
+    for job in sorted(done, key=lambda j: j.created_at):
+        fields = fields_of[job.id]
+        name = jm.fine_tuned_model_name(fields.model, fields.suffix, job.id)
+        models[name] = Model(id=name, created=jm.unix(job.finished_at) or 0, owned_by=owner)
+        models[name].served_by = [engine_base_url(r.engine) for r in serving if r.job_id == job.id]
     now = int(dt.datetime.now(dt.UTC).timestamp())
     for name, routes in served.items():
         model = models.setdefault(name, Model(id=name, created=now, owned_by="engine"))
-        model.served_by = [r.base_url for r in routes]
+        model.served_by = list(dict.fromkeys([*model.served_by, *(r.base_url for r in routes)]))
     return json_response(Page(data=list(models.values())))
 
 
@@ -172,11 +197,15 @@ class Inference:
             raise not_found(
                 f"the model {model!r} is served by no engine: GET /v1/models lists what "
                 "is; a fine-tuned model is served once its job has succeeded and an engine "
-                "has loaded its adapter; a base needs an engine in LORAFLEET_GATEWAY_ENGINES",
+                "has loaded its adapter (`lorafleet serve JOB`, `lorafleet adapters`); a base "
+                "needs an engine serving it on a live node (`lorafleet top`) or one in "
+                "LORAFLEET_GATEWAY_ENGINES",
                 "model",
                 code="model_not_found",
             )
         route = routes[next(self._turn) % len(routes)]
+        if route.served_name is not None and route.served_name != model:
+            body = with_model(body, route.served_name)
         return await self._forward(ctx.http, route, body)
 
     async def _forward(self, http: httpx2.AsyncClient, route: EngineRoute, body: bytes) -> Response:

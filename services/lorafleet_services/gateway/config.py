@@ -29,16 +29,17 @@ class GatewayConfig:
         `service.started` as `url`); default 127.0.0.1:8090.
     engines: base URLs of OpenAI-compatible engines (vLLM's `/v1`), comma
         separated, that the completions are routed to by the models each
-        lists (`GET <url>/models`); default none (every completion is a 404
-        that says to set this).
+        lists (`GET <url>/models`), before the fleet's (the serving records
+        and the nodes' heartbeats: fleet_routes.py); default none (the
+        fleet's only).
     engine_api_key: the Bearer key the engines want; default none.
     api_keys_file: the hashed API keys (`lorafleet auth api-key`); default
         `<data dir>/gateway-api-keys.json`.
     max_requests_per_key: requests one key may have in flight; one more is
         a 429; default 64.
-    engine_models_ttl_s: seconds the engines' model lists are reused
-        before they are asked again (a model not found asks at once);
-        default 2.
+    engine_models_ttl_s: seconds the engines' model lists (and the fleet's
+        serving view) are reused before they are asked again (a model not
+        found asks at once); default 2.
     """
 
     addr: str = "127.0.0.1:8090"

@@ -9,9 +9,9 @@ catalog base or a fine-tuned adapter (`ft:<base>:<suffix>:<job>`);
 `LORAFLEET_GATEWAY_ENGINES`, each asked `GET <url>/models` (vLLM lists
 its base and every adapter it has loaded), the answers reused for
 `ttl_s` seconds; a model not in them asks again at once, so an adapter
-loaded a moment ago is found. The serving record (which node's engine
-serves which adapter, kept by the control plane) will implement the same
-interface; nothing else changes then.
+loaded a moment ago is found. `fleet_routes.FleetRoutes` implements the
+same interface from the serving records (which node's engine serves which
+adapter, kept by the control plane) and the nodes' heartbeats.
 """
 
 from __future__ import annotations
@@ -32,10 +32,13 @@ ENGINE_LIST_TIMEOUT_S = 2.0
 
 @dataclass(frozen=True, slots=True)
 class EngineRoute:
-    """An engine's OpenAI base URL (`http://host:port/v1`) and the Bearer key it wants."""
+    """An engine's OpenAI base URL (`http://host:port/v1`) and the Bearer key
+    it wants; `served_name`: the name the engine knows the model by, sent as
+    the request's `model` (None: the name the client gave)."""
 
     base_url: str
     api_key: str | None = None
+    served_name: str | None = None
 
 
 class ModelRoutes(Protocol):

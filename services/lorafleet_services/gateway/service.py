@@ -26,7 +26,8 @@ from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.app import make_app
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.context import GatewayContext
-from lorafleet_services.gateway.routing import EngineModels, EngineRoute
+from lorafleet_services.gateway.fleet_routes import FleetRoutes, OverrideRoutes
+from lorafleet_services.gateway.routing import EngineModels, EngineRoute, ModelRoutes
 from lorafleet_services.gateway.state import GatewayState
 
 #: Seconds requests in flight get to end at a stop.
@@ -77,14 +78,11 @@ class Gateway:
 
     async def start(self) -> None:
         state = await GatewayState.open(self.client.js, self.settings.names.gateway_bucket)
-        routes = EngineModels(
-            [
-                EngineRoute(url.rstrip("/"), self.config.engine_api_key)
-                for url in self.config.engines
-            ],
-            self.http,
-            self.config.engine_models_ttl_s,
-        )
+        ttl_s, key = self.config.engine_models_ttl_s, self.config.engine_api_key
+        routes: ModelRoutes = FleetRoutes(self.client, key, ttl_s)
+        if self.config.engines:
+            configured = [EngineRoute(url.rstrip("/"), key) for url in self.config.engines]
+            routes = OverrideRoutes(EngineModels(configured, self.http, ttl_s), routes)
         ctx = GatewayContext(self.config, self.client, state, routes, self.http)
         keys = KeyRing(self.config.keys_file(self.settings.data_dir))
         sock = _bind(self.config.addr)

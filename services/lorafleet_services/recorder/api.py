@@ -22,6 +22,7 @@ from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.states import FINAL, IllegalTransitionError, is_final
 from lorafleet_schemas.messages import (
+    AdapterListRequest,
     ArtifactKind,
     ArtifactStoredRequest,
     JobCurve,
@@ -48,6 +49,7 @@ from lorafleet_services.recorder import job_writes, store
 from lorafleet_services.recorder.db import Sessions
 from lorafleet_services.recorder.fold import Move
 from lorafleet_services.recorder.job_writes import JobChange, StatusResult
+from lorafleet_services.recorder.serving_api import ServingApi
 
 
 class Datasets(Protocol):
@@ -116,6 +118,8 @@ class RecorderApi:
         self.datasets = datasets
         self.publish = publish
         self.logger = log.get()
+        #: The serving records' list and reports (serving_api.py).
+        self.serving = ServingApi(sm, self._send_event)
 
     def routes(self) -> list[Route]:
         n = self.names
@@ -128,6 +132,7 @@ class RecorderApi:
             (n.jobs_curve, JobCurveRequest, self.jobs_curve),
             (n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
             (n.jobs_resume, JobResumeRequest, self.jobs_resume),
+            (n.adapters_list, AdapterListRequest, self.serving.adapters_list),
             (n.store_transition, TransitionRequest, self.transition),
             (n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
@@ -286,6 +291,7 @@ class RecorderApi:
             model=req.model,
             limit=req.limit,
             oldest_first=req.oldest_first,
+            ids=req.ids,
         )
         return JobList(jobs=jobs)
 
@@ -422,10 +428,13 @@ class RecorderApi:
             tokens_per_s=change.tokens_per_s,
             eta_s=change.eta_s,
         )
+        await self._send_event(change.job.id, event)
+
+    async def _send_event(self, job_id: str, event: JobEvent) -> None:
         try:
-            await self.publish(self.names.job_events(change.job.id), encode(event))
+            await self.publish(self.names.job_events(job_id), encode(event))
         except Exception as e:
-            self.logger.warning(Event.NATS_ERROR, job_id=change.job.id, error=repr(e))
+            self.logger.warning(Event.NATS_ERROR, job_id=job_id, error=repr(e))
 
 
 def _check_named_by_content(dataset: str, sha: str) -> None:

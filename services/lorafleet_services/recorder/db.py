@@ -42,7 +42,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 #: The newest migration's revision (tests/recorder/test_migrations.py holds
 #: it to Alembic's head): bump it with each new file in migrations/versions.
-HEAD_REVISION = "0004"
+HEAD_REVISION = "0005"
 
 _MIGRATIONS = Path(__file__).parent / "migrations"
 

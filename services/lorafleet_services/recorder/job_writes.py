@@ -4,7 +4,7 @@ Each is load -> compute -> write in one short transaction: read the row,
 decide in memory (a status batch by `fold.fold`, pure), then
 `UPDATE jobs ... WHERE id = ? AND version = ?`. A write that matches no row
 lost to another writer: its transaction is rolled back and the whole read,
-decision and write redone from a fresh read by `_until_unraced`, the one
+decision and write redone from a fresh read by `until_unraced`, the one
 retry loop (at most GUARD_RETRIES times, then the miss propagates). No
 network call happens inside; the caller publishes the changes after commit.
 """
@@ -43,24 +43,24 @@ GUARD_RETRIES = 8
 T = TypeVar("T")
 
 
-class _GuardMissedError(Exception):
+class GuardMissedError(Exception):
     """A guarded UPDATE matched no row: another writer changed the job first."""
 
 
-async def _until_unraced(once: Callable[[], Awaitable[T]]) -> T:
-    """`once()` (one transaction that raises _GuardMissedError when it lost a
+async def until_unraced(once: Callable[[], Awaitable[T]]) -> T:
+    """`once()` (one transaction that raises GuardMissedError when it lost a
     race), redone until it wins; after GUARD_RETRIES misses the next one propagates."""
     for _ in range(GUARD_RETRIES):
         try:
             return await once()
-        except _GuardMissedError:
+        except GuardMissedError:
             continue
     return await once()
 
 
 async def _guarded_update(s: AsyncSession, row: dict[str, Any], values: dict[str, Any]) -> None:
     """Write `values` to the job of `row` if no one has since `row` was read
-    (else _GuardMissedError), and bring `row` up to what was written."""
+    (else GuardMissedError), and bring `row` up to what was written."""
     version = row["version"] + 1
     result = await s.execute(
         update(jobs)
@@ -68,7 +68,7 @@ async def _guarded_update(s: AsyncSession, row: dict[str, Any], values: dict[str
         .values(**values, version=version)
     )
     if result.rowcount != 1:  # type: ignore[attr-defined]
-        raise _GuardMissedError(row["id"])
+        raise GuardMissedError(row["id"])
     row.update(values, version=version)
 
 
@@ -117,7 +117,7 @@ async def apply_status(sm: Sessions, reports: Sequence[StatusReport]) -> StatusR
     by_job: dict[str, list[StatusReport]] = {}
     for r in reports:
         by_job.setdefault(r.job_id, []).append(r)
-    return await _until_unraced(partial(_apply_status_once, sm, by_job))
+    return await until_unraced(partial(_apply_status_once, sm, by_job))
 
 
 async def _apply_status_once(sm: Sessions, by_job: dict[str, list[StatusReport]]) -> StatusResult:
@@ -195,13 +195,13 @@ async def record_artifact(
     """
     if kind is ArtifactKind.CHECKPOINT:
         cp = _checkpoint_ref(job_id, size, sha256, step, attempt, object_name)
-        return await _until_unraced(partial(_record_checkpoint_once, sm, job_id, cp))
+        return await until_unraced(partial(_record_checkpoint_once, sm, job_id, cp))
     ref: dict[str, Any] = {
         "object": object_name or artifact_object_name(job_id, kind.value),
         "size": size,
         "sha256": sha256,
     }
-    return await _until_unraced(partial(_record_artifact_once, sm, job_id, kind, ref))
+    return await until_unraced(partial(_record_artifact_once, sm, job_id, kind, ref))
 
 
 def _checkpoint_ref(
@@ -291,7 +291,7 @@ async def resume_job(
     `attempts` more attempts (api.jobs.resume). NoSuchJobError for an unknown
     job, NotResumableError (saying why, nothing changed) for one not failed or
     cancelled or with no checkpoint (both of store.py)."""
-    return await _until_unraced(partial(_resume_once, sm, job_id, attempts, reason))
+    return await until_unraced(partial(_resume_once, sm, job_id, attempts, reason))
 
 
 async def _resume_once(

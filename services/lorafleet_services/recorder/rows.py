@@ -25,6 +25,7 @@ from lorafleet_schemas.messages import (
     JobState,
     LossPoint,
     ModelRecord,
+    ServingRecord,
     StatusReport,
 )
 
@@ -48,6 +49,11 @@ def job_record(row: Row) -> JobRecord:
     adapter = artifact_ref(row, ArtifactKind.PEFT)
     fields = {**plain(row), "adapter": None if adapter is None else msgspec.to_builtins(adapter)}
     return msgspec.convert(fields, JobRecord)
+
+
+def serving_record(row: Row) -> ServingRecord:
+    """A `servings` row as the wire's ServingRecord (its `last_seq` stays behind)."""
+    return msgspec.convert(plain(row), ServingRecord)
 
 
 def artifact_ref(row: Row, kind: ArtifactKind) -> CheckpointRef | None:

@@ -37,8 +37,8 @@ from lorafleet._natspy import download_object
 from lorafleet.log import Event
 from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import StatusReport
-from lorafleet_services.recorder import db, store
+from lorafleet_schemas.messages import ServingReport, StatusReport
+from lorafleet_services.recorder import db, servings, store
 from lorafleet_services.recorder.api import RecorderApi, nul_at
 from lorafleet_services.recorder.metric_views import JobCounts
 
@@ -52,6 +52,8 @@ FETCH_WAIT_S = 0.25
 MAX_ACK_PENDING = 20_000
 
 _report_decoder = msgspec.json.Decoder(StatusReport)
+_serving_decoder = msgspec.json.Decoder(ServingReport)
+_Decoder = msgspec.json.Decoder[StatusReport] | msgspec.json.Decoder[ServingReport]
 
 
 class ObjectStoreDatasets:
@@ -152,43 +154,59 @@ class Recorder:
         await self.engine.dispose()
 
     async def _count_jobs(self) -> None:
-        """Jobs by state for the metrics endpoint (one query per scrape)."""
+        """Jobs and serving records by state for the metrics endpoint (a query each per scrape)."""
         counts, oldest = await store.job_counts(self.api.sm)
         age_s = (dt.datetime.now(dt.UTC) - oldest).total_seconds() if oldest else 0.0
-        self.job_counts.set(counts, age_s)
+        self.job_counts.set(counts, age_s, await servings.state_counts(self.api.sm))
 
     async def _apply(self, msgs: list[Msg]) -> None:
+        """Apply a batch: status reports and serving reports (told apart by
+        subject), each kind in one transaction; ack after both commit, then
+        publish."""
         reports: list[StatusReport] = []
+        served: list[ServingReport] = []
         good: list[Msg] = []
         for m in msgs:
-            try:
-                report = _report_decoder.decode(m.data)
-            except msgspec.DecodeError as e:
-                self.logger.warning(
-                    Event.STATUS_REFUSED, subject=m.subject, error=str(e), message="poison"
-                )
-                await m.ack()
+            serving = self.names.is_serving_report(m.subject)
+            decoded = await self._decoded(m, _serving_decoder if serving else _report_decoder)
+            if isinstance(decoded, ServingReport):
+                served.append(decoded)
+            elif isinstance(decoded, StatusReport):
+                reports.append(decoded)
+            else:
                 continue
-            # JSON carries a NUL only escaped: most reports skip the walk.
-            nul = nul_at(report) if b"\\u0000" in m.data else None
-            if nul is not None:
-                # PostgreSQL would refuse the whole batch, every redelivery.
-                self.logger.warning(
-                    Event.STATUS_REFUSED,
-                    subject=m.subject,
-                    error=f"a NUL at {nul}",
-                    message="poison",
-                )
-                await m.ack()
-                continue
-            reports.append(report)
             good.append(m)
-        if not reports:
+        if not good:
             return
-        result = await self.api.apply_status(reports)
+        result = await self.api.apply_status(reports) if reports else None
+        serving_result = await self.api.serving.apply(served) if served else None
         for m in good:
             await m.ack()
-        await self.api.after_status(result)
+        if result is not None:
+            await self.api.after_status(result)
+        if serving_result is not None:
+            await self.api.serving.after(serving_result)
+
+    async def _decoded(self, m: Msg, decoder: _Decoder) -> StatusReport | ServingReport | None:
+        """The report `m` holds; None for poison (logged and acked here)."""
+        try:
+            report = decoder.decode(m.data)
+        except msgspec.DecodeError as e:
+            self.logger.warning(
+                Event.STATUS_REFUSED, subject=m.subject, error=str(e), message="poison"
+            )
+            await m.ack()
+            return None
+        # JSON carries a NUL only escaped: most reports skip the walk.
+        nul = nul_at(report) if b"\\u0000" in m.data else None
+        if nul is not None:
+            # PostgreSQL would refuse the whole batch, every redelivery.
+            self.logger.warning(
+                Event.STATUS_REFUSED, subject=m.subject, error=f"a NUL at {nul}", message="poison"
+            )
+            await m.ack()
+            return None
+        return report
 
 
 async def migrate(settings: Settings) -> None:

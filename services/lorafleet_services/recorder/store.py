@@ -186,6 +186,7 @@ async def create_job(
         "checkpoint": None,
         "artifact_refs": None,
         "attempt_starts": None,
+        "serve": spec.serve,
     }
     async with sm() as s, s.begin():
         await s.execute(insert(jobs).values(**row))
@@ -210,12 +211,17 @@ async def list_jobs(
     model: str | None = None,
     limit: int = 50,
     oldest_first: bool = False,
+    ids: Iterable[str] = (),
 ) -> list[JobRecord]:
-    """Jobs matching every filter given (`state` joins `states`); newest first by default."""
+    """Jobs matching every filter given (`state` joins `states`; `ids`: these
+    jobs only); newest first by default."""
     wanted = {s.value for s in states}
     if state is not None:
         wanted.add(state.value)
     q = select(jobs)
+    only = sorted(set(ids))
+    if only:
+        q = q.where(jobs.c.id.in_(only))
     if wanted:
         q = q.where(jobs.c.state.in_(sorted(wanted)))
     if node is not None:

@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    Boolean,
     Column,
     DateTime,
     Float,
@@ -118,6 +119,8 @@ jobs = Table(
     Column("artifact_refs", JSON),
     # str(attempt) -> the step it started from (its checkpoint's; 0 afresh).
     Column("attempt_starts", JSON),
+    # Migration 0005: JobSpec.serve (null: serve where an engine runs the model).
+    Column("serve", Boolean),
 )
 
 #: One reported optimizer step; (job_id, step, attempt) is stored once.
@@ -155,4 +158,27 @@ job_events = Table(
     Column("message", Text, nullable=False),
     # A job's events in order, as jobs.get and the event log read them.
     Index("ix_job_events_job_id", "job_id", "id"),
+)
+
+#: One adapter on one engine of one node (ServingRecord, migration 0005).
+#: `last_seq` is the newest ServingReport.seq applied: an older one is stale.
+servings = Table(
+    "servings",
+    METADATA,
+    Column("job_id", String(64), ForeignKey("jobs.id", ondelete="CASCADE"), primary_key=True),
+    Column("node", String(64), primary_key=True),
+    # The engine's url on its node (EngineRef.url).
+    Column("engine", String(512), primary_key=True),
+    Column("engine_kind", String(16), nullable=False),
+    Column("model", String(64), nullable=False, index=True),
+    Column("served_name", Text, nullable=False),
+    Column("sha256", String(64), nullable=False),
+    Column("state", String(24), nullable=False, index=True),
+    Column("reason", Text, nullable=False),
+    Column("lift", Text, nullable=False),
+    Column("probe_error", Float),
+    Column("created_at", UtcDateTime, nullable=False),
+    Column("updated_at", UtcDateTime, nullable=False, index=True),
+    Column("version", Integer, nullable=False),
+    Column("last_seq", Integer, nullable=False),
 )

@@ -51,6 +51,9 @@ from lorafleet_schemas.messages import (
     ModelRecord,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeServeReply,
+    NodeServeRequest,
+    NodeUnserveRequest,
     StartReply,
     StartRequest,
     TransitionRequest,
@@ -69,7 +72,7 @@ NODE_CANCEL_TIMEOUT_S = 15.0
 
 
 class AgentRequests:
-    """The two requests the scheduler sends an agent (tests put a fake here).
+    """The requests the scheduler sends an agent (tests put a fake here).
 
     timeout_s: seconds a start request waits for its answer.
     """
@@ -91,6 +94,17 @@ class AgentRequests:
             req,
             NodeCancelReply,
             timeout_s=max(self.timeout_s, NODE_CANCEL_TIMEOUT_S),
+        )
+
+    async def serve(self, node: str, req: NodeServeRequest) -> NodeServeReply:
+        """The agent answers what it took on at once; the loads follow as reports."""
+        return await bus.request(
+            self.nc, self.names.node_serve(node), req, NodeServeReply, timeout_s=self.timeout_s
+        )
+
+    async def unserve(self, node: str, req: NodeUnserveRequest) -> NodeServeReply:
+        return await bus.request(
+            self.nc, self.names.node_unserve(node), req, NodeServeReply, timeout_s=self.timeout_s
         )
 
 
@@ -440,4 +454,5 @@ def start_request(
         dataset_sha256=job.dataset_sha256,
         params=job.params,
         artifacts=list(job.artifacts_expected),
+        serve=job.serve,
     )

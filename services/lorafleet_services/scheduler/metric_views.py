@@ -1,4 +1,5 @@
-"""The scheduler's live gauges: its node table (nodes, cards, heartbeat age).
+"""The scheduler's live gauges: its node table (nodes, cards, heartbeat age,
+adapters loaded).
 
 `Scheduler.start` adds its view (these samples and leadership) to
 `metrics.LIVE` and removes it at stop.
@@ -13,6 +14,7 @@ from lorafleet.metrics import (
     CARD_TOTAL,
     HEARTBEAT_AGE,
     MIB,
+    NODE_ADAPTERS,
     NODE_BUSY,
     NODE_UP,
     NODES_ALIVE,
@@ -31,6 +33,7 @@ def node_samples(nodes: Iterable[tuple[Heartbeat, bool, float]]) -> Iterator[Sam
         yield HEARTBEAT_AGE, (hb.node,), max(0.0, age_s)
         if not up:
             continue  # a lost node's cards say nothing about now
+        yield NODE_ADAPTERS, (hb.node,), float(sum(len(e.adapters) for e in hb.serving))
         for card in hb.cards:
             labels = (hb.node, str(card.index), card.name)
             yield CARD_TOTAL, labels, float(card.total_mib * MIB)

@@ -14,7 +14,9 @@ What runs (asyncio tasks), and where it is written:
 - the job-event trigger (here): wakes the rounds when a job is queued or ends;
 - leadership (`leadership.Leadership`): one replica leads through a lease
   on KV `<prefix>_leader`. Only the leader runs rounds; any replica
-  answers `nodes.list` and `jobs.cancel` (cancel is compare-and-set too);
+  answers `nodes.list`, `jobs.cancel` (cancel is compare-and-set too) and
+  `adapters.serve`/`unserve` (serving.py: checked against the node table,
+  sent to the node);
 - the rounds (here, applied by `dispatch.Dispatcher`): one at a time,
   woken by the triggers above or every `SWEEP_S`: sweep, fail lost nodes'
   jobs, dispatch, reconcile.
@@ -46,6 +48,8 @@ from lorafleet.log import Event
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
+    AdapterServeRequest,
+    AdapterUnserveRequest,
     JobCancelRequest,
     JobEvent,
     JobRecord,
@@ -58,6 +62,7 @@ from lorafleet_services.scheduler.kv_watch import KeyWatch
 from lorafleet_services.scheduler.leadership import Leadership
 from lorafleet_services.scheduler.metric_views import node_samples
 from lorafleet_services.scheduler.nodes import NodeWatcher
+from lorafleet_services.scheduler.serving import Serving
 
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
 #: behind the event triggers); default 1.
@@ -120,6 +125,9 @@ class Scheduler:
             clock,
             self.logger,
         )
+        self.serving = Serving(
+            self.dispatcher.recorder, self.dispatcher.agents, self.nodes.table, self.logger
+        )
         self._node_watch = KeyWatch(
             self.js,
             self.names.nodes_bucket,
@@ -147,7 +155,7 @@ class Scheduler:
             self.nc,
             self.names.scheduler_service,
             lorafleet.__version__,
-            "lorafleet scheduler: nodes, dispatch, cancel",
+            "lorafleet scheduler: nodes, dispatch, cancel, serve",
             self.routes(),
             self.names.queue_group,
         )
@@ -157,6 +165,8 @@ class Scheduler:
         return [
             Route(self.names.nodes_list, NodeListRequest, self.nodes_list),
             Route(self.names.jobs_cancel, JobCancelRequest, self.cancel),
+            Route(self.names.adapters_serve, AdapterServeRequest, self.serving.serve),
+            Route(self.names.adapters_unserve, AdapterUnserveRequest, self.serving.unserve),
         ]
 
     async def stop(self) -> None:

@@ -1,0 +1,119 @@
+"""Where the gateway sends a model, as the serving records and heartbeats say,
+without a bus: `fleet_view` and `routes_in` are plain functions."""
+
+from __future__ import annotations
+
+import datetime as dt
+
+from lorafleet_schemas.messages import (
+    Engine,
+    EngineRef,
+    Heartbeat,
+    ModelRecord,
+    NodeInfo,
+    ServingRecord,
+    ServingState,
+)
+from lorafleet_services.gateway.app import with_model
+from lorafleet_services.gateway.fleet_routes import (
+    OverrideRoutes,
+    engine_base_url,
+    fine_tuned_parts,
+    fleet_view,
+    routes_in,
+)
+from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
+from lorafleet_services.gateway.routing import EngineRoute
+
+T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000/v1"
+
+
+def node(name: str, engines: list[EngineRef], alive: bool = True) -> NodeInfo:
+    hb = Heartbeat(node=name, version="1", started_at=T0, time=T0, serving=engines)
+    return NodeInfo(heartbeat=hb, alive=alive)
+
+
+def served(job: str, node_name: str, engine: str, state: ServingState) -> ServingRecord:
+    return ServingRecord(
+        job_id=job, node=node_name, engine=engine, engine_kind=Engine.VLLM, model="tiny",
+        served_name=f"{job}-0123456789ab", sha256="a" * 64, state=state,
+        created_at=T0, updated_at=T0,
+    )  # fmt: skip
+
+
+CATALOG = [
+    ModelRecord(
+        name="tiny",
+        engine=Engine.VLLM,
+        hf_repo=None,
+        hf_revision="main",
+        local_dir="/models/tiny",
+        description="",
+        created_at=T0,
+    )
+]
+
+
+def test_a_fine_tuned_name_goes_to_each_live_engine_serving_its_job() -> None:
+    nodes = [
+        node("n1", [EngineRef(kind=Engine.VLLM, url=A, model="/models/tiny/")]),
+        node("n2", [EngineRef(kind=Engine.VLLM, url=B, model="/models/other")]),
+        node("n3", [EngineRef(kind=Engine.VLLM, url="http://10.0.0.3:8000")], alive=False),
+    ]
+    records = [
+        served("j1", "n1", A, ServingState.SERVED),
+        served("j1", "n2", B, ServingState.SERVED),
+        served("j1", "n3", "http://10.0.0.3:8000", ServingState.SERVED),  # a lost node
+        served("j2", "n1", A, ServingState.LOADING),
+        served("j3", "n1", "http://gone:1", ServingState.SERVED),  # no longer run there
+    ]
+    view = fleet_view(records, nodes, CATALOG, api_key="k")
+    j1 = routes_in(view, fine_tuned_model_name("tiny", "sums", "j1"))
+    assert [(r.base_url, r.served_name, r.api_key) for r in j1] == [
+        (f"{A}/v1", "j1-0123456789ab", "k"),
+        (B, "j1-0123456789ab", "k"),
+    ]
+    for name in ("ft:tiny::j2", "ft:tiny:x:j3", "ft:other:sums:j1", "ft:tiny:sums:nope"):
+        assert routes_in(view, name) == [], name
+    # A base: the engines whose own model is the catalog entry (by its local_dir).
+    [base] = routes_in(view, "tiny")
+    assert (base.base_url, base.served_name) == (f"{A}/v1", "/models/tiny/")
+    assert routes_in(view, "other") == []
+
+
+def test_names_and_bodies() -> None:
+    assert fine_tuned_parts("ft:tiny:sums:j1") == ("tiny", "j1")
+    assert fine_tuned_parts("ft:tiny::j1") == ("tiny", "j1")
+    assert fine_tuned_parts("tiny") is None and fine_tuned_parts("ft:tiny:j1") is None
+    assert engine_base_url("http://h:1/") == "http://h:1/v1" == engine_base_url("http://h:1/v1")
+    body = b'{"model":"ft:tiny:sums:j1","messages":[{"role":"user","content":"hi"}],"n":1}'
+    assert with_model(body, "j1-0123456789ab") == (
+        b'{"model":"j1-0123456789ab","messages":[{"role":"user","content":"hi"}],"n":1}'
+    )
+
+
+class Listed:
+    """A ModelRoutes that counts its asks: `served` is its cached list, `where` asks anew."""
+
+    def __init__(self, served: dict[str, list[EngineRoute]], fresh: dict[str, list[EngineRoute]]):
+        self._served, self._fresh, self.asked = served, fresh, 0
+
+    async def where(self, model: str) -> list[EngineRoute]:
+        self.asked += 1
+        return self._fresh.get(model, [])
+
+    async def served(self) -> dict[str, list[EngineRoute]]:
+        return self._served
+
+
+async def test_the_configured_engines_come_first_and_are_asked_only_after_the_fleet() -> None:
+    env, fleet = EngineRoute("http://env/v1"), EngineRoute("http://fleet/v1", served_name="x")
+    first = Listed({"tiny": [env]}, {"tiny": [env], "just-loaded": [env]})
+    then = Listed({}, {"tiny": [fleet], "ft:tiny::j1": [fleet]})
+    routes = OverrideRoutes(first, then)
+    assert await routes.where("tiny") == [env]  # the override, from its list as read
+    assert await routes.where("ft:tiny::j1") == [fleet]
+    assert first.asked == 0  # a model the fleet serves asks the configured engines nothing
+    assert await routes.where("just-loaded") == [env] and first.asked == 1
+    assert await routes.where("nowhere") == []
