@@ -14,8 +14,10 @@ ordered, single-copy, in-memory consumer on one server; when that server
 dies, nats-py notices only after two missed idle heartbeats (10 s), and
 when the bucket's stream is electing a leader (about 5-7 s after its
 leader died) nothing arrives at all, though nothing is wrong with the
-nodes. So: a probe that fails, or a watch that has not delivered its
-initial values yet, is blindness, reported once to `on_view(False)`; the
+nodes. A member back from a cut answers while its copy catches up, and
+delivers nothing new meanwhile. So: a probe that fails, a copy behind the
+leader (`behind`), or a watch that has not delivered its initial values
+yet, is blindness, reported once to `on_view(False)`; the
 first good probe after it reports `on_view(True)`. A watch blind for
 `REBUILD_AFTER_S` (its consumer gone, or not answering) and delivering
 nothing for as long is rebuilt.
@@ -49,6 +51,20 @@ PROBE_TIMEOUT_S = 0.5
 #: well inside a 3 s node timeout, and not so often that a server still
 #: electing is asked for a new consumer every probe.
 REBUILD_AFTER_S = 1.5
+
+
+def behind(consumer: Any, stream: Any) -> str | None:
+    """Why the copy of the stream the watch's consumer reads is behind its
+    leader (None: it is not, or either info lacks the cluster's view). A
+    member back from a cut catches up for seconds, its consumers delivering
+    nothing new while they answer (bench/nemesis.py, seed 3)."""
+    host = consumer.cluster.leader if consumer.cluster is not None else None
+    if stream.cluster is None or not host or host == stream.cluster.leader:
+        return None
+    for replica in stream.cluster.replicas or []:
+        if replica.name == host and not replica.current:
+            return f"the copy its consumer reads ({host}) is behind the bucket's leader"
+    return None
 
 
 class KeyWatch:
@@ -160,14 +176,16 @@ class KeyWatch:
         if watcher is None or not self._initial_done:
             return "the watch has not delivered the bucket's content yet"
         try:
-            await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
+            consumer = await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
         except Exception as e:
             return f"its consumer does not answer: {e!r}"
         try:
-            await asyncio.wait_for(self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S)
+            stream = await asyncio.wait_for(
+                self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S
+            )
         except Exception as e:
             return f"the bucket's stream does not answer: {e!r}"
-        return None
+        return behind(consumer, stream)
 
     async def _probe_loop(self, period_s: float) -> None:
         while True:
