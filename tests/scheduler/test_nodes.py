@@ -6,12 +6,20 @@ from typing import Any
 
 import msgspec
 import structlog
+from nats.js.api import (
+    ClusterInfo,
+    ConsumerConfig,
+    ConsumerInfo,
+    PeerInfo,
+    StreamConfig,
+    StreamInfo,
+)
 from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
-from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch
+from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch, behind
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
@@ -196,3 +204,40 @@ def test_a_blind_watch_is_rebuilt_only_when_it_delivers_nothing() -> None:
     assert restarts == [clock.now] and watch.rebuilds == 1
     watch.judge(None)
     assert views == [True, False, True]
+
+
+def test_the_sweep_judges_silence_as_of_the_last_write_that_reached_the_majority() -> None:
+    """Nemesis seed 3: on a member cut off from the others, no beat comes and
+    every read still answers; only the lease's writes fail. A node silent
+    past the timeout as of that last write is lost; one silent only since, not."""
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(None)
+    seen = clock.now
+    clock.now += 10 * TIMEOUT_S
+    w.sweep(clock.now, majority_at=seen + 1.0)  # cut off a second after the beat
+    assert w.take_lost() == [] and w.table.nodes["a"].alive
+    w.sweep(clock.now, majority_at=seen + TIMEOUT_S + SWEEP_MARGIN_S + 0.1)
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_watch_reading_a_copy_behind_the_leader_is_blind() -> None:
+    """Nemesis seed 3's test: a member back from a cut answers while its copy
+    of the bucket catches up; a watch whose consumer is on it sees no beat."""
+
+    def infos(host: str, current: bool) -> tuple[ConsumerInfo, StreamInfo]:
+        peers = [PeerInfo(name="nats-2", current=current), PeerInfo(name="nats-3", current=True)]
+        consumer = ConsumerInfo(
+            name="c", stream_name="s", config=ConsumerConfig(), created=None,  # type: ignore[arg-type]
+            cluster=ClusterInfo(leader=host),
+        )  # fmt: skip
+        stream = StreamInfo(
+            config=StreamConfig(name="s"), state=None,  # type: ignore[arg-type]
+            cluster=ClusterInfo(leader="nats-1", replicas=peers),
+        )  # fmt: skip
+        return consumer, stream
+
+    assert "nats-2" in (behind(*infos("nats-2", current=False)) or "")
+    assert behind(*infos("nats-2", current=True)) is None
+    assert behind(*infos("nats-1", current=False)) is None  # on the leader itself
