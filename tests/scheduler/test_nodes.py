@@ -11,8 +11,10 @@ from nats.js.api import (
     ConsumerConfig,
     ConsumerInfo,
     PeerInfo,
+    SequenceInfo,
     StreamConfig,
     StreamInfo,
+    StreamState,
 )
 from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
@@ -241,3 +243,26 @@ def test_a_watch_reading_a_copy_behind_the_leader_is_blind() -> None:
     assert "nats-2" in (behind(*infos("nats-2", current=False)) or "")
     assert behind(*infos("nats-2", current=True)) is None
     assert behind(*infos("nats-1", current=False)) is None  # on the leader itself
+
+
+def test_a_watch_whose_consumer_stops_sending_is_blind() -> None:
+    """Nemesis seeds 4 and 5: after a member's restart a watch's consumer
+    answered and sent nothing for 13 s while the leader held the beats."""
+    watch = KeyWatch(None, "lorafleet_nodes", ">", lambda _e: None, structlog.get_logger())  # type: ignore[arg-type]
+
+    def probe(delivered: int, last: int) -> str | None:
+        consumer = ConsumerInfo(
+            name="c", stream_name="s", config=ConsumerConfig(), created=None,  # type: ignore[arg-type]
+            delivered=SequenceInfo(consumer_seq=delivered, stream_seq=delivered),
+        )  # fmt: skip
+        stream = StreamInfo(
+            config=StreamConfig(name="s"),
+            state=StreamState(messages=last, bytes=0, first_seq=1, last_seq=last, consumer_count=1),
+        )
+        return watch.stalled(consumer, stream)
+
+    assert probe(10, 10) is None
+    assert probe(10, 10) is None  # nothing new to send: no stall
+    assert probe(10, 12) is None  # one probe could fall between a store and its send
+    assert probe(10, 13) is not None  # a second in a row: stalled
+    assert probe(14, 14) is None  # it sends again
