@@ -23,11 +23,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import os
-import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -35,10 +32,10 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsError, NetnsLink, available
-from tests.pg import throwaway_database
+from tests.pg import PrivatePostgres, throwaway_database
 from tests.system.conftest import Stack, running_stack, system_settings
 
-from lorafleet.natscluster import NatsCluster, free_ports
+from lorafleet.natscluster import NatsCluster
 from lorafleet_services.stack import ServiceProcess
 
 #: The agents' node names.
@@ -47,75 +44,8 @@ NODES = ("node-1", "node-2", "node-3")
 STEP_S = 0.1
 #: The recorder's ack wait on the cluster (tests/cluster/helpers.py's reasoning).
 RECORDER_ACK_WAIT_S = 5.0
-#: Seconds one pg_ctl command may take.
-PG_CTL_TIMEOUT_S = 60.0
 #: What a degraded link carries at most (tc tbf: there is no sch_netem here).
 DEGRADED_KBIT_S = 256
-#: The user a private PostgreSQL runs as (initdb refuses root).
-PG_USER = "postgres"
-
-
-class PrivatePostgres:
-    """A PostgreSQL cluster of the run's own in a directory `postgres` owns."""
-
-    def __init__(self) -> None:
-        self.dir = Path(tempfile.mkdtemp(prefix="lorafleet-nemesis-pg-"))
-        self.port = free_ports(1)[0]
-        self.started = False
-
-    @staticmethod
-    def unavailable() -> str | None:
-        """Why no private PostgreSQL can run here (None: it can)."""
-        if shutil.which("pg_ctl") is None or shutil.which("initdb") is None:
-            return "no pg_ctl/initdb here"
-        if os.geteuid() != 0 or shutil.which("runuser") is None:
-            return "not root (initdb must run as the postgres user, started by runuser)"
-        try:
-            subprocess.run(["id", PG_USER], capture_output=True, check=True)
-        except subprocess.CalledProcessError:
-            return f"no {PG_USER} user"
-        return None
-
-    def _as_postgres(self, *argv: str) -> None:
-        subprocess.run(
-            ["runuser", "-u", PG_USER, "--", *argv],
-            check=True, capture_output=True, timeout=PG_CTL_TIMEOUT_S,
-        )  # fmt: skip
-
-    def start(self) -> str:
-        """initdb, start; the SQLAlchemy URL of a new database in it."""
-        shutil.chown(self.dir, PG_USER)
-        self._as_postgres("initdb", "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres")
-        self._pg_ctl("start")
-        self.started = True
-        import psycopg
-
-        with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
-            conn.execute("CREATE DATABASE lorafleet")
-        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/lorafleet"
-
-    def _dsn(self, db: str) -> str:
-        return f"host=127.0.0.1 port={self.port} user=postgres dbname={db}"
-
-    def _pg_ctl(self, action: str, *extra: str) -> None:
-        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir}"
-        self._as_postgres(
-            "pg_ctl", "-D", str(self.dir / "data"), "-o", opts, "-w", "-l",
-            str(self.dir / "log"), action, *extra,
-        )  # fmt: skip
-
-    def stop_now(self) -> None:
-        """Stop at once (an immediate shutdown: what a crash leaves)."""
-        self._pg_ctl("stop", "-m", "immediate")
-
-    def start_again(self) -> None:
-        self._pg_ctl("start")
-
-    def remove(self) -> None:
-        if self.started:
-            with contextlib.suppress(subprocess.SubprocessError):
-                self._pg_ctl("stop", "-m", "immediate")
-        shutil.rmtree(self.dir, ignore_errors=True)
 
 
 @dataclass

@@ -1,4 +1,5 @@
-"""Throwaway PostgreSQL databases for tests and benchmarks (127.0.0.1:5432, trust auth).
+"""Throwaway PostgreSQL databases for tests and benchmarks (127.0.0.1:5432, trust
+auth), and a PostgreSQL of a test's own to stop and start (`PrivatePostgres`).
 
 Alembic runs once per test session, into a template database; each test's
 database is a copy of it (`CREATE DATABASE ... TEMPLATE`, a file copy on
@@ -14,16 +15,26 @@ import contextlib
 import os
 import re
 import secrets
+import shutil
+import subprocess
+import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from pathlib import Path
 
 import psutil
 import psycopg
+
+from lorafleet.natscluster import free_ports
 
 #: Where CREATE/DROP DATABASE run; LORAFLEET_TEST_PG_ADMIN overrides it.
 PG_ADMIN_DSN = os.environ.get(
     "LORAFLEET_TEST_PG_ADMIN", "host=127.0.0.1 port=5432 user=postgres dbname=postgres"
 )
+#: Seconds one pg_ctl command may take.
+PG_CTL_TIMEOUT_S = 60.0
+#: The user a private PostgreSQL runs as (initdb refuses root).
+PG_USER = "postgres"
 #: Names of the migrated templates: `<prefix>_<pid>_<hex>`.
 TEMPLATE_PREFIX = "lorafleet_tmpl"
 
@@ -86,3 +97,71 @@ def drop_orphaned_templates(admin_dsn: str = PG_ADMIN_DSN) -> list[str]:
             with contextlib.suppress(psycopg.Error):
                 conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
     return orphans
+
+
+class PrivatePostgres:
+    """A PostgreSQL cluster of the run's own in a directory `postgres` owns."""
+
+    def __init__(self) -> None:
+        self.dir = Path(tempfile.mkdtemp(prefix="lorafleet-nemesis-pg-"))
+        self.port = free_ports(1)[0]
+        self.started = False
+
+    @staticmethod
+    def unavailable() -> str | None:
+        """Why no private PostgreSQL can run here (None: it can)."""
+        if shutil.which("pg_ctl") is None or shutil.which("initdb") is None:
+            return "no pg_ctl/initdb here"
+        if os.geteuid() != 0 or shutil.which("runuser") is None:
+            return "not root (initdb must run as the postgres user, started by runuser)"
+        try:
+            subprocess.run(["id", PG_USER], capture_output=True, check=True)
+        except subprocess.CalledProcessError:
+            return f"no {PG_USER} user"
+        return None
+
+    def _as_postgres(self, *argv: str) -> None:
+        subprocess.run(
+            ["runuser", "-u", PG_USER, "--", *argv],
+            check=True, capture_output=True, timeout=PG_CTL_TIMEOUT_S,
+        )  # fmt: skip
+
+    def start(self) -> str:
+        """initdb, start; the SQLAlchemy URL of a new database in it."""
+        shutil.chown(self.dir, PG_USER)
+        self._as_postgres("initdb", "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres")
+        self._pg_ctl("start")
+        self.started = True
+        import psycopg
+
+        with psycopg.connect(self._dsn("postgres"), autocommit=True) as conn:
+            conn.execute("CREATE DATABASE lorafleet")
+        return self.url
+
+    @property
+    def url(self) -> str:
+        """The SQLAlchemy URL of its database `lorafleet`."""
+        return f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/lorafleet"
+
+    def _dsn(self, db: str) -> str:
+        return f"host=127.0.0.1 port={self.port} user=postgres dbname={db}"
+
+    def _pg_ctl(self, action: str, *extra: str) -> None:
+        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir}"
+        self._as_postgres(
+            "pg_ctl", "-D", str(self.dir / "data"), "-o", opts, "-w", "-l",
+            str(self.dir / "log"), action, *extra,
+        )  # fmt: skip
+
+    def stop_now(self) -> None:
+        """Stop at once (an immediate shutdown: what a crash leaves)."""
+        self._pg_ctl("stop", "-m", "immediate")
+
+    def start_again(self) -> None:
+        self._pg_ctl("start")
+
+    def remove(self) -> None:
+        if self.started:
+            with contextlib.suppress(subprocess.SubprocessError):
+                self._pg_ctl("stop", "-m", "immediate")
+        shutil.rmtree(self.dir, ignore_errors=True)

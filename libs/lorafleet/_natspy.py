@@ -21,6 +21,7 @@ from typing import Any, BinaryIO
 
 import msgspec
 import nats.aio.client
+import nats.errors
 import nats.js.errors
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -235,6 +236,20 @@ class ObjectDamagedError(ValueError):
     """The object's chunks are not what its meta message says (size, digest)."""
 
 
+class ObjectChunksMissingError(ObjectDamagedError):
+    """The object store holds fewer chunks of an object than its info names."""
+
+    def __init__(self, bucket: str, name: str, subject: str, held: int, chunks: int) -> None:
+        self.subject, self.held, self.chunks = subject, held, chunks
+        #: What is missing, without the object's name. Which chunk of several
+        #: is not known: a subject's messages carry no index of their own.
+        self.detail = (
+            f"{chunks - held} of its {chunks} chunks missing from {subject} "
+            f"(the store holds {held})"
+        )
+        super().__init__(f"object {name!r} in {bucket}: {self.detail}")
+
+
 def _object_info(data: bytes) -> ObjectInfo | None:
     try:
         raw: Any = json.loads(data)
@@ -284,31 +299,73 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, out: BinaryI
         raise ObjectDamagedError(
             f"object {name!r} in {bucket}: read {size} bytes, its meta says {info.size or 0}"
         )
+    if not digest_matches(info, h.digest()):
+        raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its meta")
+    return size
+
+
+def digest_matches(info: ObjectInfo, sha256: bytes) -> bool:
+    """Whether `sha256` is the digest the info records (true when it records none)."""
     want = (
         (info.digest or "")
         .removeprefix(OBJECT_DIGEST_PREFIX)
         .removeprefix(OBJECT_DIGEST_PREFIX.lower())
     )
-    if want and base64.urlsafe_b64decode(want) != h.digest():
-        raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its meta")
-    return size
+    return not want or base64.urlsafe_b64decode(want) == sha256
 
 
 # --- downloading objects into a file ----------------------------------------------------
 
+#: Seconds a download waits for an object's next chunk, the store holding it,
+#: before it calls the chunk missing (they come back to back).
+CHUNK_WAIT_S = 10.0
 
-async def download_object(js: JetStreamContext, bucket: str, name: str, out: BinaryIO) -> None:
+
+async def download_object(
+    js: JetStreamContext,
+    bucket: str,
+    name: str,
+    out: BinaryIO,
+    chunk_wait_s: float = CHUNK_WAIT_S,
+) -> None:
     """Write object `name` of `bucket` into `out` (a file or io.BytesIO).
 
-    Raises nats.js.errors.ObjectNotFoundError or ObjectDeletedError, as
-    nats-py's get does; checks the digest the same way.
+    Raises nats.js.errors.ObjectNotFoundError (ObjectDeletedError for a
+    deleted one), ObjectChunksMissingError when the store holds fewer chunks
+    than the info names (counted before reading; a chunk that does not come
+    within `chunk_wait_s` seconds while reading), ObjectDamagedError when the
+    sha256 differs from the info's.
 
-    Upstream: `ObjectStore.get` without `writeinto` appends each chunk to an
-    immutable bytes value (`result.data += msg.data`), copying everything
-    read so far for each chunk: quadratic in the object's size.
+    Upstream: `ObjectStore.get` reads the chunks through an ordered consumer
+    with no bound, so an info whose chunks are gone waits for ever (found by
+    bench/nemesis.py, seed 4); and without `writeinto` it appends each chunk
+    to an immutable bytes value, copying everything read so far for each
+    chunk: quadratic in the object's size.
     """
     obs = await js.object_store(bucket)
-    await obs.get(name, writeinto=out)  # type: ignore[arg-type]
+    info = await obs.get_info(name)
+    if not info.size:
+        return
+    subject = object_chunk_subject(bucket, info.nuid or "")
+    chunks = info.chunks or 0
+    state = (await js.stream_info(object_stream(bucket), subjects_filter=subject)).state
+    held = int((state.subjects or {}).get(subject, 0))
+    if held < chunks:
+        raise ObjectChunksMissingError(bucket, name, subject, held, chunks)
+    h = hashlib.sha256()
+    sub = await js.subscribe(subject, ordered_consumer=True)
+    try:
+        for got in range(chunks):
+            try:
+                msg = await sub.next_msg(timeout=chunk_wait_s)
+            except nats.errors.TimeoutError:
+                raise ObjectChunksMissingError(bucket, name, subject, got, chunks) from None
+            await asyncio.to_thread(out.write, msg.data)
+            h.update(msg.data)
+    finally:
+        await sub.unsubscribe()
+    if not digest_matches(info, h.digest()):
+        raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its info")
 
 
 # --- creating an object store from its config ------------------------------------------

@@ -12,7 +12,8 @@ logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
 0. serves Prometheus metrics (lorafleet.metrics) on `settings.metrics_addr`
    when it is set, until the very end; a port in use is a SettingsError;
 1. `program.before_connect(settings)`, if given (the recorder migrates its
-   database; the agent kills what an earlier run left behind);
+   database, waiting for it to answer; the agent kills what an earlier run
+   left behind); a stop signal meanwhile cancels it and ends the process;
 2. connects to NATS (`bus.connect`, client name `lorafleet-<name>` unless
    `program.client_name` says otherwise);
 3. ensures the JetStream layout: `layout="ensure"` (the services: a
@@ -35,7 +36,7 @@ scheduler re-reads its KV).
 Exit codes of `main`: 0 after a clean stop; 2 with one line on stderr for
 a bad setting (any `SettingsError`, the agent's `AgentConfigError` too,
 wherever it is raised); 1 with one line on stderr when no NATS server
-answers (`ConnectError`); other failures end with a traceback (1).
+answers (`ConnectError`; the recorder's database too); other failures end with a traceback (1).
 Tests and the embedded stack call `serve(program, settings, stop=event)`
 in-process instead.
 """
@@ -156,8 +157,11 @@ async def _serve(
     metrics_server: MetricsServer | None,
 ) -> None:
     logger = log.get()
-    if program.before_connect is not None:
-        await program.before_connect(settings)
+    if program.before_connect is not None and not await _unless_stopped(
+        program.before_connect(settings), stop
+    ):
+        logger.info(Event.SERVICE_STOPPED)
+        return
     layout_refusal = LayoutRefusal()
     holder: list[Service] = []
 
@@ -193,6 +197,22 @@ async def _serve(
     finally:
         await bus.drain_quietly(nc)
         logger.info(Event.SERVICE_STOPPED)
+
+
+async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
+    """Run `work` unless `stop` is set first (then it is cancelled): whether it
+    ran. A recorder waiting for its database stops when told to."""
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait({task, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+    if not task.done():
+        await stop_tasks(task)
+        return False
+    task.result()
+    return True
 
 
 async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> None:

@@ -28,6 +28,8 @@ import lorafleet.names as _names
 from lorafleet._natspy import (
     AsyncPublisher,
     NoStreamError,
+    ObjectChunksMissingError,
+    ObjectDamagedError,
     PublishRefusedError,
     download_object,
 )
@@ -35,6 +37,7 @@ from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
 __all__ = [
+    "ArtifactChunkMissingError",
     "ArtifactDigestError",
     "ArtifactNotFoundError",
     "AsyncPublisher",
@@ -62,6 +65,29 @@ class ArtifactNotFoundError(LookupError):
 
 class ArtifactDigestError(ValueError):
     """What was downloaded is not what was stored (sha256 differs)."""
+
+
+class ArtifactChunkMissingError(ArtifactDigestError):
+    """A stored artifact's info names chunks the object store no longer holds."""
+
+
+def chunk_missing_message(record: ArtifactRecord, bucket: str, why: str) -> str:
+    """What a download of an artifact whose chunks are gone says, and what to do.
+
+    Nothing re-sends it: an agent keeps no copy once the artifact-store has
+    committed it, so the work is done again (a new job, or a resume).
+    """
+    again = (
+        f"`lorafleet resume {record.job_id}` (if it failed or was cancelled) trains it "
+        "again from its newest checkpoint"
+        if record.kind is ArtifactKind.CHECKPOINT
+        else f"submit job {record.job_id}'s spec again (`lorafleet submit`) to train it again"
+    )
+    return (
+        f"job {record.job_id}: its {record.kind.value} artifact ({record.object} in {bucket}) "
+        f"is listed but incomplete: {why}. Nothing was written. No agent keeps a copy to "
+        f"send again: {again}"
+    )
 
 
 def msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
@@ -187,8 +213,9 @@ async def download_artifact(
     """Write a stored artifact into `out_file` and check its sha256.
 
     The bytes go straight into a file (objects.download_object). `out_file`
-    appears only once whole and verified; raises ArtifactNotFoundError or
-    ArtifactDigestError.
+    appears only once whole and verified; raises ArtifactNotFoundError,
+    ArtifactChunkMissingError (the object store lost some of its chunks:
+    the message names them and what to do) or ArtifactDigestError.
     """
     kind = ArtifactKind(kind)
     record = await get_record(js, names, job_id, kind.value)
@@ -202,7 +229,14 @@ async def download_artifact(
     tmp = out_file.with_name(f".{out_file.name}.part")
     try:
         with tmp.open("wb") as f:
-            await download_object(js, names.artifacts_bucket, record.object, f)
+            try:
+                await download_object(js, names.artifacts_bucket, record.object, f)
+            except ObjectChunksMissingError as e:
+                raise ArtifactChunkMissingError(
+                    chunk_missing_message(record, names.artifacts_bucket, e.detail)
+                ) from None
+            except ObjectDamagedError as e:
+                raise ArtifactDigestError(str(e)) from None
         got = file_sha256(tmp)
         if got != record.sha256 or tmp.stat().st_size != record.size:
             raise ArtifactDigestError(

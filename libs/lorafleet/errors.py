@@ -74,7 +74,8 @@ class InternalError(ApiError):
 
 class ConnectError(ConnectionError):
     """No NATS server answered at the configured URL, or it refused these
-    credentials; the message says which setting to change."""
+    credentials (or, the recorder's DatabaseUnavailableError, its database
+    did not answer); the message says which setting to change."""
 
 
 _BY_CODE: dict[str, type[ApiError]] = {

@@ -33,6 +33,9 @@ class Event:
     SERVICE_STARTED: Final = "service.started"
     SERVICE_STOPPED: Final = "service.stopped"
     REQUEST_FAILED: Final = "request.failed"
+    #: The recorder's database did not answer at start; it tries again
+    #: (recorder/db.py, `Settings.database_wait_s`).
+    DATABASE_WAITING: Final = "database.waiting"
     NATS_DISCONNECTED: Final = "nats.disconnected"
     NATS_RECONNECTED: Final = "nats.reconnected"
     NATS_ERROR: Final = "nats.error"

@@ -80,6 +80,10 @@ class Settings:
     #: dying NATS server had in flight to it, waits to come back (fault
     #: tests use a few seconds).
     recorder_ack_wait_s: float = 10.0
+    #: Seconds the recorder waits at start for PostgreSQL to answer (down, or
+    #: still starting: each try, a second apart, is logged), then exits
+    #: saying so; default 60, 0 = one try.
+    database_wait_s: float = 60.0
     #: Seconds after its newest chunk that an object chunk subject no object
     #: refers to is taken for a dead artifact-store's leftovers and purged (a
     #: live replica writes more often); default 600 (fault tests use 0).
@@ -130,6 +134,8 @@ class Settings:
             raise SettingsError("LORAFLEET_REPLICAS must be 1, 3 or 5")
         if self.recorder_ack_wait_s <= 0:
             raise SettingsError("LORAFLEET_RECORDER_ACK_WAIT_S must be > 0 seconds")
+        if self.database_wait_s < 0:
+            raise SettingsError("LORAFLEET_DATABASE_WAIT_S must be >= 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
         if self.log_format not in ("", "json", "console"):

@@ -9,6 +9,9 @@ server starts, and `stack_settings` at every member with replicas 3).
 
 from __future__ import annotations
 
+import contextlib
+import os
+import signal
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
@@ -28,6 +31,10 @@ async def nats_cluster(tmp_path: Path) -> AsyncIterator[NatsCluster]:
     try:
         yield cluster
     finally:
+        for server in cluster.servers.values():  # a failed test may leave one stopped
+            if server.proc is not None and server.proc.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(server.proc.pid, signal.SIGCONT)
         await cluster.stop()
 
 

@@ -3,10 +3,14 @@ checks every server-loss test makes."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
+from collections.abc import AsyncIterator
+from typing import Any
 
 import msgspec
+import pytest
 
 from lorafleet import Client
 from lorafleet.names import kv_stream
@@ -22,6 +26,28 @@ FINISHED = (JobState.DONE,) if has_artifact_store() else (JobState.DONE, JobStat
 TRAINING = {"LORAFLEET_STANDIN_STEPS": "100", "LORAFLEET_STANDIN_STEP_S": "0.1"}
 #: Seconds a job may take to end on the cluster (elections included).
 END_TIMEOUT_S = 60.0
+
+
+@pytest.fixture(name="stack_settings")
+def control_plane_on_the_first_two(nats_cluster: NatsCluster) -> dict[str, Any]:
+    """The `stack_settings` fixture of a test that cuts the third member off:
+    the control plane (and the test's client) on the first two. Import it."""
+    return {
+        "nats_url": ",".join(nats_cluster.urls(nats_cluster.names[:2])),
+        "replicas": 3,
+        "recorder_ack_wait_s": RECORDER_ACK_WAIT_S,
+    }
+
+
+@contextlib.asynccontextmanager
+async def cut_off(cluster: NatsCluster, member: str) -> AsyncIterator[None]:
+    """`member` cut off from the other two (its clients still on it) while the
+    block runs; back in the cluster after it, however it ended."""
+    await cluster.isolate(member)
+    try:
+        yield
+    finally:
+        await cluster.rejoin(member)
 
 
 async def leader_of(stack: Stack, stream: str) -> str:

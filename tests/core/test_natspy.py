@@ -288,6 +288,25 @@ async def test_download_object_writes_every_chunk(nats_server: NatsServer) -> No
     await nc.close()
 
 
+async def test_upstream_object_get_waits_for_ever_for_a_missing_chunk(
+    nats_server: NatsServer,
+) -> None:
+    """Seed 4 of bench/nemesis.py: an info whose chunks are gone hung the run's
+    final download. download_object counts them first and names the missing."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    obs = await js.create_object_store("pin")
+    info = await obs.put("cut", b"y" * 100)
+    await js.purge_stream("OBJ_pin", subject=f"$O.pin.C.{info.nuid}")
+    with pytest.raises(TimeoutError):
+        await asyncio.wait_for(obs.get("cut", writeinto=io.BytesIO()), NEVER_S)
+    with pytest.raises(
+        _natspy.ObjectChunksMissingError, match=r"1 of its 1 chunks missing .* holds 0"
+    ):
+        await _natspy.download_object(js, "pin", "cut", io.BytesIO())
+    await nc.close()
+
+
 # --- creating an object store from its config ----------------------------------------
 
 

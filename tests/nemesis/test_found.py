@@ -7,11 +7,32 @@ import asyncio
 import contextlib
 import os
 import signal
+from collections.abc import Iterator
 from pathlib import Path
 
+import nats.errors
+import pytest
+from nats.aio.client import Client
+
+from lorafleet import Client as FleetClient
 from lorafleet import _bus as bus
+from lorafleet.artifacts import (
+    ArtifactChunkMissingError,
+    AsyncPublisher,
+    download_artifact,
+)
+from lorafleet.names import Names, object_chunk_subject
 from lorafleet.natscluster import NatsCluster
-from lorafleet_schemas.messages import JobState
+from lorafleet.settings import Settings
+from lorafleet_schemas.messages import ArtifactKind, JobState
+from lorafleet_services.artifact_store.assembly import Key
+from lorafleet_services.artifact_store.delivery import Deliveries
+from lorafleet_services.artifact_store.streams import Streams
+from lorafleet_services.stack import ServiceStartError
+from tests.artifacts.conftest import chunks_of, download, object_chunks, publish
+from tests.artifacts.fakes import FakeClock, FakeRecorder, job
+from tests.eventually import eventually
+from tests.pg import PrivatePostgres
 from tests.procs import ServiceProcess
 from tests.system.conftest import Stack, system_settings
 
@@ -19,6 +40,10 @@ from tests.system.conftest import Stack, system_settings
 PAUSED_S = 4.0
 #: Seconds after it resumes in which a false loss would show.
 AFTER_S = 3.0
+#: Tries of the database the recorder makes while it is down, before it is started.
+DOWN_TRIES = 3
+#: Seconds a recorder given up on the database has to exit.
+EXIT_S = 10.0
 #: Seconds the member stays cut off: longer than a JetStream request's
 #: timeout, so a start that does not try again has failed by then.
 CUT_OFF_S = 8.0
@@ -71,3 +96,140 @@ async def test_a_scheduler_paused_past_the_node_timeout_loses_no_node(stack: Sta
     await asyncio.sleep(AFTER_S)
     assert scheduler.events("node.lost") == [], scheduler.events("node.lost")
     assert (await stack.get(job.id)).state is JobState.RUNNING
+
+
+class CommitAckLost(Streams):
+    """The object store's stream, where the info's publish is stored but its
+    ack never comes (a member killed or cut off between the two), once."""
+
+    def __init__(self, nc: Client) -> None:
+        super().__init__(nc.jetstream(), Names())
+        self.lose_next = True
+
+    async def commit(self, key: Key, info: dict[str, object]) -> None:
+        await super().commit(key, info)
+        if self.lose_next:
+            self.lose_next = False
+            raise nats.errors.TimeoutError
+
+
+async def test_a_commit_whose_ack_was_lost_keeps_the_objects_chunks(
+    nc: Client, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    """Seed 4: a done job's artifact was listed, its info stored, and its chunk
+    subject empty. The commit's info was stored but its ack lost; the drop
+    that followed purged the chunks as uncommitted, and the retry found the
+    object stored and finished the job. The chunks are kept now."""
+    recorder = FakeRecorder(job())
+    data = b"adapter" * 5000
+    msgs = chunks_of(job(), ArtifactKind.PEFT, data, 5000)
+    await publish(nc, job(), ArtifactKind.PEFT, msgs)
+    deliveries = Deliveries(CommitAckLost(nc), publisher, recorder, FakeClock())
+    await deliveries.recover_all()  # the error logged, the delivery dropped
+    assert not deliveries.open and recorder.reports == []
+    assert await object_chunks(nc) == len(msgs) + 1, "the stored object's chunks were purged"
+    await deliveries.recover_all()  # the retry: found stored
+    assert [r.kind for r in recorder.reports] == [ArtifactKind.PEFT]
+    assert await download(nc, "job1", ArtifactKind.PEFT, tmp_path) == data
+
+
+async def test_a_listed_artifact_without_its_chunks_fails_its_download_saying_so(
+    nc: Client, publisher: AsyncPublisher, tmp_path: Path
+) -> None:
+    """Seed 4: the download of such an artifact waited for ever. It ends with
+    an error naming the job, the artifact and the chunks, and writes nothing."""
+    await publish(
+        nc, job(), ArtifactKind.PEFT, chunks_of(job(), ArtifactKind.PEFT, b"x" * 9000, 3000)
+    )
+    await Deliveries(Streams(nc.jetstream(), Names()), publisher, FakeRecorder(job()),
+                     FakeClock()).recover_all()  # fmt: skip
+    js = nc.jetstream()
+    info = await js.object_store(Names().artifacts_bucket)
+    nuid = (await info.get_info("job1/peft")).nuid or ""
+    await js.purge_stream(f"OBJ_{Names().artifacts_bucket}",
+                          subject=object_chunk_subject(Names().artifacts_bucket, nuid))  # fmt: skip
+    out = tmp_path / "out" / "job1-peft.tar.gz"
+    with pytest.raises(ArtifactChunkMissingError) as e:
+        await asyncio.wait_for(download_artifact(js, Names(), "job1", "peft", out), 30)
+    said = str(e.value)
+    assert "job job1: its peft artifact (job1/peft" in said, said
+    assert f"3 of its 3 chunks missing from $O.{Names().artifacts_bucket}.C.{nuid}" in said, said
+    assert "lorafleet submit" in said, said
+    assert list(out.parent.iterdir()) == [], "something partial is visible"
+
+
+@pytest.fixture
+def private_postgres() -> Iterator[PrivatePostgres]:
+    """A PostgreSQL of the test's own, with a database `lorafleet`, stopped."""
+    why = PrivatePostgres.unavailable()
+    if why is not None:
+        pytest.skip(f"no PostgreSQL of the test's own: {why}")
+    pg = PrivatePostgres()
+    try:
+        pg.start()
+        pg.stop_now()
+        yield pg
+    finally:
+        pg.remove()
+
+
+async def test_a_recorder_started_before_its_database_waits_for_it(
+    private_postgres: PrivatePostgres, settings: Settings
+) -> None:
+    """Seed 4: a recorder restarted while PostgreSQL was starting exited at
+    once ("the database system is starting up"). It tries again now, logging
+    each try, and starts once the database answers."""
+    s = settings.with_(database_url=private_postgres.url, database_wait_s=60.0)
+    recorder = ServiceProcess("lorafleet_services.recorder", s)
+    starting = asyncio.create_task(recorder.start())
+    try:
+        await eventually(
+            lambda: starting.done() or len(recorder.events("database.waiting")) >= DOWN_TRIES,
+            "the recorder to try the database again", timeout_s=30.0,
+        )  # fmt: skip
+        assert not starting.done(), recorder.tail()
+        assert recorder.events("database.waiting")[-1]["error"], "a try says why it failed"
+        await asyncio.to_thread(private_postgres.start_again)
+        await starting
+        nc = await bus.connect(s, "test")
+        try:
+            assert await FleetClient(nc, s).jobs() == []  # it answers
+        finally:
+            await bus.drain_quietly(nc)
+    finally:
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await recorder.stop()
+
+
+async def test_a_recorder_whose_database_never_answers_exits_saying_so(
+    private_postgres: PrivatePostgres, settings: Settings
+) -> None:
+    s = settings.with_(database_url=private_postgres.url, database_wait_s=2.0)
+    recorder = ServiceProcess("lorafleet_services.recorder", s)
+    with pytest.raises(ServiceStartError):
+        await recorder.start(timeout_s=EXIT_S)
+    assert recorder.proc is not None and recorder.proc.returncode == 1, recorder.tail()
+    said = recorder.tail()
+    assert "did not answer within LORAFLEET_DATABASE_WAIT_S=2 s" in said, said
+    assert "raise LORAFLEET_DATABASE_WAIT_S" in said and "Traceback" not in said, said
+    assert recorder.events("database.waiting"), said
+
+
+async def test_a_recorder_waiting_for_its_database_stops_when_told(
+    private_postgres: PrivatePostgres, settings: Settings
+) -> None:
+    s = settings.with_(database_url=private_postgres.url, database_wait_s=60.0)
+    recorder = ServiceProcess("lorafleet_services.recorder", s)
+    starting = asyncio.create_task(recorder.start())
+    try:
+        await eventually(lambda: starting.done() or recorder.events("database.waiting"),
+                         "the recorder to wait for the database")  # fmt: skip
+        assert await recorder.stop(timeout_s=EXIT_S) == 0, recorder.tail()
+        assert recorder.events("service.stopped"), recorder.tail()
+    finally:
+        starting.cancel()
+        with contextlib.suppress(BaseException):
+            await starting
+        await recorder.stop()

@@ -6,12 +6,22 @@ from typing import Any
 
 import msgspec
 import structlog
+from nats.js.api import (
+    ClusterInfo,
+    ConsumerConfig,
+    ConsumerInfo,
+    PeerInfo,
+    SequenceInfo,
+    StreamConfig,
+    StreamInfo,
+    StreamState,
+)
 from nats.js.kv import KeyValue
 from structlog.testing import capture_logs
 
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
-from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch
+from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch, behind
 from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
@@ -196,3 +206,63 @@ def test_a_blind_watch_is_rebuilt_only_when_it_delivers_nothing() -> None:
     assert restarts == [clock.now] and watch.rebuilds == 1
     watch.judge(None)
     assert views == [True, False, True]
+
+
+def test_the_sweep_judges_silence_as_of_the_last_write_that_reached_the_majority() -> None:
+    """Nemesis seed 3: on a member cut off from the others, no beat comes and
+    every read still answers; only the lease's writes fail. A node silent
+    past the timeout as of that last write is lost; one silent only since, not."""
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(None)
+    seen = clock.now
+    clock.now += 10 * TIMEOUT_S
+    w.sweep(clock.now, majority_at=seen + 1.0)  # cut off a second after the beat
+    assert w.take_lost() == [] and w.table.nodes["a"].alive
+    w.sweep(clock.now, majority_at=seen + TIMEOUT_S + SWEEP_MARGIN_S + 0.1)
+    assert [n.name for n in w.take_lost()] == ["a"]
+
+
+def test_a_watch_reading_a_copy_behind_the_leader_is_blind() -> None:
+    """Nemesis seed 3's test: a member back from a cut answers while its copy
+    of the bucket catches up; a watch whose consumer is on it sees no beat."""
+
+    def infos(host: str, current: bool) -> tuple[ConsumerInfo, StreamInfo]:
+        peers = [PeerInfo(name="nats-2", current=current), PeerInfo(name="nats-3", current=True)]
+        consumer = ConsumerInfo(
+            name="c", stream_name="s", config=ConsumerConfig(), created=None,  # type: ignore[arg-type]
+            cluster=ClusterInfo(leader=host),
+        )  # fmt: skip
+        stream = StreamInfo(
+            config=StreamConfig(name="s"), state=None,  # type: ignore[arg-type]
+            cluster=ClusterInfo(leader="nats-1", replicas=peers),
+        )  # fmt: skip
+        return consumer, stream
+
+    assert "nats-2" in (behind(*infos("nats-2", current=False)) or "")
+    assert behind(*infos("nats-2", current=True)) is None
+    assert behind(*infos("nats-1", current=False)) is None  # on the leader itself
+
+
+def test_a_watch_whose_consumer_stops_sending_is_blind() -> None:
+    """Nemesis seeds 4 and 5: after a member's restart a watch's consumer
+    answered and sent nothing for 13 s while the leader held the beats."""
+    watch = KeyWatch(None, "lorafleet_nodes", ">", lambda _e: None, structlog.get_logger())  # type: ignore[arg-type]
+
+    def probe(delivered: int, last: int) -> str | None:
+        consumer = ConsumerInfo(
+            name="c", stream_name="s", config=ConsumerConfig(), created=None,  # type: ignore[arg-type]
+            delivered=SequenceInfo(consumer_seq=delivered, stream_seq=delivered),
+        )  # fmt: skip
+        stream = StreamInfo(
+            config=StreamConfig(name="s"),
+            state=StreamState(messages=last, bytes=0, first_seq=1, last_seq=last, consumer_count=1),
+        )
+        return watch.stalled(consumer, stream)
+
+    assert probe(10, 10) is None
+    assert probe(10, 10) is None  # nothing new to send: no stall
+    assert probe(10, 12) is None  # one probe could fall between a store and its send
+    assert probe(10, 13) is not None  # a second in a row: stalled
+    assert probe(14, 14) is None  # it sends again

@@ -76,8 +76,10 @@ class Stack:
 
     # --- processes ------------------------------------------------------
 
-    async def scheduler(self) -> ServiceProcess:
-        proc = ServiceProcess("lorafleet_services.scheduler", self.settings)
+    async def scheduler(self, nats_url: str | None = None) -> ServiceProcess:
+        """One more scheduler; `nats_url` connects it elsewhere than the stack's URL."""
+        settings = self.settings.with_(nats_url=nats_url) if nats_url else self.settings
+        proc = ServiceProcess("lorafleet_services.scheduler", settings)
         self.schedulers.append(proc)
         self.procs.append(proc)
         return await proc.start()

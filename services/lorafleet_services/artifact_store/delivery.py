@@ -83,7 +83,9 @@ class Delivery:
     held: list[Msg] = field(default_factory=list)
     #: Clock time (seconds) of the newest chunk taken.
     touched: float = 0.0
-    #: Its info is published: the object chunks belong to a stored object now.
+    #: Its info was sent (stored, perhaps, even when the publish or the read
+    #: back failed): its object chunks may belong to a stored object, so no
+    #: drop purges them; the sweep does if no info refers to them.
     committed: bool = False
     #: Monotonic seconds when it was opened (its delivery duration starts).
     opened_s: float = field(default_factory=time.monotonic)
@@ -268,7 +270,6 @@ class Deliveries:
             await self.discard(d)
             return
         await self._commit(d, whole, job)
-        d.committed = True
         await self._tell_recorder(key, whole.size, whole.sha256)
         await self.streams.purge_delivery(d.subject, d.assembly.stream_seq)
         if previous is not None and previous.nuid and previous.nuid != d.nuid:
@@ -309,6 +310,10 @@ class Deliveries:
             chunks=d.writer.chunks_written, chunk_bytes=max(d.writer.max_chunk, 1),
             base_model=job.model, now=dt.datetime.now(dt.UTC), nuid=d.nuid,
         )  # fmt: skip
+        # Before the publish: a member's fault can store the info and lose its
+        # ack (nemesis seed 4), and a drop that then purged the chunks left a
+        # done job's artifact listed, without its bytes.
+        d.committed = True
         await self.streams.commit(d.key, info)
 
     async def _tell_recorder(self, key: Key, size: int, sha256: str) -> None:

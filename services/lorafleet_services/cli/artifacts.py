@@ -6,10 +6,15 @@ from pathlib import Path
 
 import typer
 
-from lorafleet.artifacts import RESULTS, download_name
+from lorafleet.artifacts import (
+    RESULTS,
+    ArtifactDigestError,
+    ArtifactNotFoundError,
+    download_name,
+)
 from lorafleet.client import Client
 from lorafleet_schemas.messages import ArtifactKind
-from lorafleet_services.cli._app import app, err, print_json, run_client
+from lorafleet_services.cli._app import EXIT_FAILED, app, err, fail, print_json, run_client
 
 
 @app.command("artifacts", rich_help_panel="Artifacts")
@@ -35,7 +40,10 @@ def download(
         out.mkdir(parents=True, exist_ok=True)
         for k in kinds:
             path = out / download_name(job_id, k)
-            rec = await c.download(job_id, k, path)
+            try:
+                rec = await c.download(job_id, k, path)
+            except (ArtifactNotFoundError, ArtifactDigestError) as e:
+                fail(str(e), EXIT_FAILED)
             err.print(f"{path}  {rec.size} bytes  sha256 {rec.sha256} (checked)")
 
     run_client(go)

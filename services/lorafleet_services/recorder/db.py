@@ -14,11 +14,17 @@ behave the same on both backends.
 `migrate(url)` runs Alembic's `upgrade head` from the migrations shipped in
 this package; there is no hand-written DDL. A database already at
 `HEAD_REVISION` is left alone without importing Alembic: a restarted
-recorder answers sooner (bench/recorder_start.py).
+recorder answers sooner (bench/recorder_start.py). `migrate_when_up(url,
+wait_s)` is what the recorder runs at start: a PostgreSQL that does not
+answer yet (down, or "the database system is starting up" as it restarts:
+bench/nemesis.py, seed 4) is tried again every DATABASE_RETRY_PAUSE_S, each
+try logged, for `wait_s`; then DatabaseUnavailableError.
 """
 
 from __future__ import annotations
 
+import asyncio
+import itertools
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -34,6 +40,10 @@ from sqlalchemy.ext.asyncio import (
     create_async_engine,
 )
 
+from lorafleet import log
+from lorafleet.errors import ConnectError
+from lorafleet.log import Event
+
 if TYPE_CHECKING:
     from alembic.config import Config
 
@@ -44,6 +54,14 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 #: it to Alembic's head): bump it with each new file in migrations/versions.
 HEAD_REVISION = "0005"
 
+#: Seconds between tries of a PostgreSQL that does not answer at start.
+DATABASE_RETRY_PAUSE_S = 1.0
+#: SQLSTATE classes of a server that is there but not answering yet:
+#: 08 connection exception, 53 insufficient resources (too many
+#: connections), 57 operator intervention (57P03: starting up, 57P01:
+#: shutting down). A wrong password (28) or database (3D) is not waited for.
+_DOWN_SQLSTATE_CLASSES = ("08", "53", "57")
+
 _MIGRATIONS = Path(__file__).parent / "migrations"
 
 Sessions = async_sessionmaker[AsyncSession]
@@ -51,6 +69,10 @@ Sessions = async_sessionmaker[AsyncSession]
 
 class DatabaseUrlError(ValueError):
     """A database URL the recorder cannot use."""
+
+
+class DatabaseUnavailableError(ConnectError):
+    """The database did not answer within `Settings.database_wait_s` at start."""
 
 
 def _check(url: str) -> str:
@@ -161,3 +183,43 @@ def migrate(url: str) -> None:
     from alembic import command
 
     command.upgrade(alembic_config(url), "head")
+
+
+def database_down(e: sqlalchemy.exc.OperationalError) -> bool:
+    """Whether `e` is a PostgreSQL that does not answer (yet): no connection
+    at all (no SQLSTATE) or one of `_DOWN_SQLSTATE_CLASSES`."""
+    state = getattr(e.orig, "sqlstate", None)
+    return state is None or str(state)[:2] in _DOWN_SQLSTATE_CLASSES
+
+
+async def migrate_when_up(url: str, wait_s: float, pause_s: float = DATABASE_RETRY_PAUSE_S) -> None:
+    """`migrate(url)`, trying a PostgreSQL that does not answer again every
+    `pause_s` for `wait_s` seconds (each try logged as `database.waiting`);
+    raises DatabaseUnavailableError after. SQLite is tried once: there is no
+    server to wait for."""
+    if _check(url) == "sqlite":
+        await asyncio.to_thread(migrate, url)
+        return
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    for tries in itertools.count(1):
+        try:
+            await asyncio.to_thread(migrate, url)
+            return
+        except sqlalchemy.exc.OperationalError as e:
+            if not database_down(e):
+                raise
+            said = str(e.orig).strip().splitlines()[0] if e.orig else str(e)
+            waited_s = loop.time() - started
+            if waited_s + pause_s > wait_s:
+                raise DatabaseUnavailableError(
+                    f"the database at {make_url(url).render_as_string(hide_password=True)} did "
+                    f"not answer within LORAFLEET_DATABASE_WAIT_S={wait_s:g} s ({tries} tries; "
+                    f"the last: {said}): start PostgreSQL, correct LORAFLEET_DATABASE_URL, or "
+                    "raise LORAFLEET_DATABASE_WAIT_S"
+                ) from None
+            log.get().warning(
+                Event.DATABASE_WAITING, tries=tries, waited_s=round(waited_s, 1),
+                wait_s=wait_s, error=said,
+            )  # fmt: skip
+            await asyncio.sleep(pause_s)

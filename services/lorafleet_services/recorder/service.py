@@ -13,7 +13,6 @@ redelivering it would never help.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import datetime as dt
 import io
@@ -210,8 +209,9 @@ class Recorder:
 
 
 async def migrate(settings: Settings) -> None:
-    """Bring the database to the newest schema (before connecting: its errors stay plain)."""
-    await asyncio.to_thread(db.migrate, settings.effective_database_url)
+    """Bring the database to the newest schema once it answers (waiting
+    `settings.database_wait_s`), before connecting: its errors stay plain."""
+    await db.migrate_when_up(settings.effective_database_url, settings.database_wait_s)
 
 
 async def make(nc: Client, settings: Settings) -> Recorder:

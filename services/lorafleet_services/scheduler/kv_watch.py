@@ -14,8 +14,12 @@ ordered, single-copy, in-memory consumer on one server; when that server
 dies, nats-py notices only after two missed idle heartbeats (10 s), and
 when the bucket's stream is electing a leader (about 5-7 s after its
 leader died) nothing arrives at all, though nothing is wrong with the
-nodes. So: a probe that fails, or a watch that has not delivered its
-initial values yet, is blindness, reported once to `on_view(False)`; the
+nodes. A member back from a cut answers while its copy catches up, and
+delivers nothing new meanwhile; after a member's restart a consumer may
+answer and send nothing. So: a probe that fails, a copy behind the leader
+(`behind`), a consumer that sent nothing for two probes while the leader
+held more (`stalled`), or a watch that has not delivered its initial
+values yet, is blindness, reported once to `on_view(False)`; the
 first good probe after it reports `on_view(True)`. A watch blind for
 `REBUILD_AFTER_S` (its consumer gone, or not answering) and delivering
 nothing for as long is rebuilt.
@@ -45,10 +49,27 @@ WATCH_RETRY_S = 0.5
 WATCH_RETRY_MAX_S = 1.0
 #: Seconds one health probe (consumer info, stream info) may take.
 PROBE_TIMEOUT_S = 0.5
+#: Probes in a row that find the consumer sending nothing it has before the
+#: watch counts as blind (one could fall between an entry's store and its send).
+STALLED_PROBES = 2
 #: Seconds of blindness after which the watch is rebuilt (a fresh consumer):
 #: well inside a 3 s node timeout, and not so often that a server still
 #: electing is asked for a new consumer every probe.
 REBUILD_AFTER_S = 1.5
+
+
+def behind(consumer: Any, stream: Any) -> str | None:
+    """Why the copy of the stream the watch's consumer reads is behind its
+    leader (None: it is not, or either info lacks the cluster's view). A
+    member back from a cut catches up for seconds, its consumers delivering
+    nothing new while they answer (bench/nemesis.py, seed 3)."""
+    host = consumer.cluster.leader if consumer.cluster is not None else None
+    if stream.cluster is None or not host or host == stream.cluster.leader:
+        return None
+    for replica in stream.cluster.replicas or []:
+        if replica.name == host and not replica.current:
+            return f"the copy its consumer reads ({host}) is behind the bucket's leader"
+    return None
 
 
 class KeyWatch:
@@ -93,9 +114,14 @@ class KeyWatch:
         self._entry_at = 0.0
         #: How many times a blind watch was rebuilt (tests and benches read it).
         self.rebuilds = 0
+        #: What the last probes saw the consumer send: its delivered stream
+        #: sequence, and how many probes in a row it sent nothing it had.
+        self._delivered = -1
+        self._unsent_probes = 0
 
     def start(self) -> None:
         self._built_at = self.clock()
+        self._delivered, self._unsent_probes = -1, 0
         self._task = asyncio.create_task(self._run())
         if self.probe_s is not None and self._probe_task is None:
             self._probe_task = asyncio.create_task(self._probe_loop(self.probe_s))
@@ -160,14 +186,33 @@ class KeyWatch:
         if watcher is None or not self._initial_done:
             return "the watch has not delivered the bucket's content yet"
         try:
-            await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
+            consumer = await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
         except Exception as e:
             return f"its consumer does not answer: {e!r}"
         try:
-            await asyncio.wait_for(self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S)
+            stream = await asyncio.wait_for(
+                self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S
+            )
         except Exception as e:
             return f"the bucket's stream does not answer: {e!r}"
-        return None
+        return behind(consumer, stream) or self.stalled(consumer, stream)
+
+    def stalled(self, consumer: Any, stream: Any) -> str | None:
+        """Why the consumer stopped sending (None: it did not). Found by
+        bench/nemesis.py (seeds 4 and 5): after a member's restart a watch's
+        consumer answered its info and sent nothing for 13 s, while the
+        bucket's leader held the beats, until nats-py gave it up (two missed
+        5 s idle heartbeats). Blind once STALLED_PROBES probes in a row saw
+        the leader hold entries past what the consumer had sent, and it sent
+        nothing new between them."""
+        delivered = consumer.delivered.stream_seq if consumer.delivered is not None else 0
+        last = stream.state.last_seq if stream.state is not None else 0
+        unsent = delivered == self._delivered and last > (delivered or 0)
+        self._delivered = delivered
+        self._unsent_probes = self._unsent_probes + 1 if unsent else 0
+        if self._unsent_probes < STALLED_PROBES:
+            return None
+        return f"its consumer sent nothing since the last probe (entry {delivered} of {last})"
 
     async def _probe_loop(self, period_s: float) -> None:
         while True:

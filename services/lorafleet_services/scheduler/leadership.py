@@ -70,6 +70,12 @@ class Leadership:
         self.revision = 0
         #: Monotonic seconds until which this replica may act as leader.
         self.lease_until = 0.0
+        #: Monotonic seconds when this replica's newest successful write of the
+        #: key began: it reached the cluster's majority then (0: never). A
+        #: member cut off from the others still answers reads, as leader of
+        #: its streams, for many seconds (nemesis seed 3); only a write needs
+        #: the majority.
+        self.majority_at = 0.0
         self._subject = names.kv_subject(names.leader_bucket, LEADER_KEY)
         self._changed = asyncio.Event()
         self._watch = KeyWatch(js, names.leader_bucket, LEADER_KEY, self._on_entry, logger)
@@ -166,5 +172,6 @@ class Leadership:
                 return False
             raise
         self.revision = ack.seq
+        self.majority_at = started
         self.lease_until = started + LEADER_TTL_S - LEADER_SAFETY_S
         return True

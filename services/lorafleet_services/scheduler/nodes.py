@@ -17,7 +17,13 @@ How a node goes away, and how each reads in the log:
 Either way the node is marked lost and queued for the leader, which fails
 the jobs the recorder holds on it (`take_lost`).
 
-A node is lost only when its beats could have been seen and were not.
+A node is lost only when its beats could have been seen and were not, and
+only by the silence as of this replica's last write that reached the
+cluster's majority (the leader key's renewal, every second): a scheduler on
+a member cut off from the others sees no beat, while that member still
+answers every read and probe as leader of the bucket (nemesis seed 3). A
+replica that does not lead writes nothing, so its sweep loses nobody; the
+expiry markers (written by the majority) still reach it.
 While the scheduler's own view of the bucket is blind (the KeyWatch's
 probe fails: the bucket's stream is electing a leader, or the watch's
 consumer died with its server) the sweep loses nobody and departures are
@@ -157,12 +163,16 @@ class NodeWatcher:
             self.reconnected()
         self.blind = not seeing
 
-    def sweep(self, now: float) -> None:
+    def sweep(self, now: float, majority_at: float | None = None) -> None:
         """Lose every live node silent for longer than the timeout (the safety
-        net); nobody while the view is blind."""
+        net); nobody while the view is blind. `majority_at`: when this replica
+        last reached the cluster's majority (default `now`); silence is judged
+        as of then, since a member cut off from the others delivers no beat
+        and still answers as if nothing were wrong."""
         if self.blind:
             return
-        for node in self.table.sweep(now, self.node_timeout_s):
+        at = now if majority_at is None else min(now, majority_at)
+        for node in self.table.sweep(at, self.node_timeout_s):
             self._gone(node, Departure.SILENT)
 
     def take_lost(self) -> list[Node]:

@@ -228,7 +228,7 @@ class Scheduler:
             if now - self._last_round > STALL_SHARE * self.settings.node_timeout_s:
                 self.nodes.reconnected()
             self._last_round = now
-            self.nodes.sweep(now)
+            self.nodes.sweep(now, majority_at=self.leadership.majority_at)
             if not self.is_leader():
                 # The leader fails lost nodes' jobs; reconcile catches any it missed.
                 self.nodes.take_lost()
