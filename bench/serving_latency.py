@@ -24,6 +24,9 @@ medians, and restart / agent (the target is at least 10); the first agent
 run apart too, because vLLM's first request with any adapter after its start
 is slow (tens of seconds on two cores) and the restart pays it every time.
 Both ways answer the same text: checked, so that both served the adapter.
+Also printed: the agent's path without PEFT's reference (a process of its
+own that imports torch, transformers and peft: what dominates it), and that
+process's CPU seconds (its wall time on an idle machine, about).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import argparse
 import asyncio
 import contextlib
 import json
+import resource
 import statistics
 import sys
 import tempfile
@@ -61,9 +65,9 @@ async def agent_run(server: RunningVllm, adapter_dir: Path, work: Path, n: int) 
     engine = scanned(server.url)
     to_load = to_serve(f"bench-{n}", adapter_dir, server.model_dir)
     async with VllmClient(server.url, timeout_s=PROBE_REQUEST_TIMEOUT_S) as client:
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu_s()
         reference = await peft_reference(sys.executable, server.model_dir, adapter_dir)
-        t1 = time.perf_counter()
+        t1, cpu1 = time.perf_counter(), _children_cpu_s()
         result = await serve_adapter(client, engine, to_load, reference, work)
         if not isinstance(result, Served):
             raise SystemExit(f"the agent's load failed: {result}")
@@ -76,8 +80,17 @@ async def agent_run(server: RunningVllm, adapter_dir: Path, work: Path, n: int) 
         "peft_reference_s": t1 - t0,
         "load_and_confirm_s": t2 - t1,
         "completion_s": t3 - t2,
+        "without_reference_s": t3 - t1,
+        # The probe's own CPU seconds: what its wall time is on an idle machine, about.
+        "peft_reference_cpu_s": cpu1 - cpu0,
         "text": text,
     }
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's ended children (the PEFT probe, here)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
 
 
 async def _complete(url: str, model: str) -> str:
@@ -152,6 +165,10 @@ def main() -> None:
         "restart": b,
         "ratio_restart_over_agent": round(b["median"]["total_s"] / a["median"]["total_s"], 1),
         "ratio_restart_over_agent_first": round(b["median"]["total_s"] / agent[0]["total_s"], 1),
+        # PEFT's reference computed before `done` (off this path): the rest of it.
+        "ratio_restart_over_agent_without_reference": round(
+            b["median"]["total_s"] / a["median"]["without_reference_s"], 1
+        ),
         "target_ratio": TARGET_RATIO,
         "same_answer_both_ways": len(texts) == 1,
         "answer_differs_from_base": base not in texts,

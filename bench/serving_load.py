@@ -19,7 +19,11 @@ load). Each phase runs for `--seconds`:
 
 The throughput pair, `none` and `loads` at `--workers` workers, runs in ABBA
 order over `--rounds` (drift in the shared machine's load hits both); then
-`solo` and `solo+loads`, one worker. Measured: base completions per second
+`solo` and `solo+loads`, one worker; then the loads' two parts apart, at
+`--workers` workers: `load-only` (load and unload, no request with an
+adapter) and `adapter-requests` (one adapter served before the phase, the
+probe asked of it in a loop, no load; its answers checked against PEFT's).
+Measured: base completions per second
 of each pair (loads / none: the loads may cost at most 10%), the failed
 requests (must be 0), latencies, the loads done.
 
@@ -28,7 +32,8 @@ alone (one request, nothing else running) is the reference; for each phase,
 the share of answers whose tokens differ from it, the share whose first token
 does, and the largest log-probability difference on the tokens before the
 first difference. Variation in `none` as well as `loads` is the batching's
-numerics; variation only under loads would be the loads reaching the base.
+numerics; variation only under loads would be the loads reaching the base,
+and `load-only` against `adapter-requests` says which part of them does.
 """
 
 from __future__ import annotations
@@ -52,11 +57,13 @@ from bench.serving_common import adapter, engine_python, scanned, tiny_model, to
 from tests.vllm_server import running_vllm
 
 from lorafleet_services.agent.adapter_serving import (
+    PROBE_TOLERANCE,
     Continuation,
     ProbeReference,
     Served,
     peft_reference,
     serve_adapter,
+    stage_adapter,
     unserve_adapter,
 )
 from lorafleet_services.agent.running_engines import VllmServer
@@ -80,7 +87,11 @@ TARGET_COST = 0.10
 class Phase:
     name: str
     workers: int
-    loads: bool
+    #: What runs beside the workers: "" nothing, "serve" the agent's loads
+    #: (load + probe + unload), "load-only" loads and unloads with no adapter
+    #: request, "adapter-requests" one adapter served throughout and asked
+    #: the probe in a loop (no load during the phase).
+    side: str = ""
 
 
 @dataclass
@@ -93,6 +104,9 @@ class PhaseResult:
     failed: list[str] = field(default_factory=list)
     loads_done: int = 0
     loads_failed: list[str] = field(default_factory=list)
+    #: "adapter-requests": those answered, and those unlike PEFT's.
+    adapter_requests: int = 0
+    adapter_answers_unlike_peft: int = 0
 
 
 @dataclass(frozen=True)
@@ -131,12 +145,34 @@ async def _load_loop(w: Workload, out: PhaseResult, deadline: float) -> None:
         adapter_dir, reference = w.adapters[out.loads_done % len(w.adapters)]
         # A new name for every load, across phases too: a name is never reused.
         to_load = to_serve(f"load-{next(w.load_numbers)}", adapter_dir, w.model_dir)
-        result = await serve_adapter(w.client, w.engine, to_load, reference, w.work_dir)
-        if not isinstance(result, Served):
-            out.loads_failed.append(str(result))
-            continue
-        await unserve_adapter(w.client, result.name, w.work_dir)
+        if out.phase.side == "load-only":
+            path = await asyncio.to_thread(
+                stage_adapter, adapter_dir, w.work_dir, to_load.served_name
+            )
+            await w.client.load_lora_adapter(to_load.served_name, str(path))
+        else:
+            result = await serve_adapter(w.client, w.engine, to_load, reference, w.work_dir)
+            if not isinstance(result, Served):
+                out.loads_failed.append(str(result))
+                continue
+        await unserve_adapter(w.client, to_load.served_name, w.work_dir)
         out.loads_done += 1
+
+
+async def _adapter_requests(w: Workload, out: PhaseResult, deadline: float) -> None:
+    adapter_dir, reference = w.adapters[0]
+    to_load = to_serve(f"load-{next(w.load_numbers)}", adapter_dir, w.model_dir)
+    result = await serve_adapter(w.client, w.engine, to_load, reference, w.work_dir)
+    if not isinstance(result, Served):
+        out.loads_failed.append(str(result))
+        return
+    out.loads_done += 1
+    n = len(reference.adapter.ids)
+    while time.monotonic() < deadline:
+        answer = Continuation(*await w.client.greedy_logprobs(result.name, reference.token_ids, n))
+        out.adapter_requests += 1
+        out.adapter_answers_unlike_peft += answer.distance(reference.adapter) > PROBE_TOLERANCE
+    await unserve_adapter(w.client, result.name, w.work_dir)
 
 
 async def run_phase(w: Workload, phase: Phase, seconds: float) -> PhaseResult:
@@ -144,7 +180,9 @@ async def run_phase(w: Workload, phase: Phase, seconds: float) -> PhaseResult:
     t0 = time.perf_counter()
     deadline = time.monotonic() + seconds
     tasks = [_base_requests(w, out, k * 7, deadline) for k in range(phase.workers)]
-    if phase.loads:
+    if phase.side == "adapter-requests":
+        tasks.append(_adapter_requests(w, out, deadline))
+    elif phase.side:
         tasks.append(_load_loop(w, out, deadline))
     await asyncio.gather(*tasks)
     out.wall_s = time.perf_counter() - t0
@@ -165,10 +203,15 @@ async def warm_lora_path(w: Workload) -> None:
 
 
 def phases(workers: int, rounds: int) -> list[Phase]:
-    """The throughput pair in ABBA order, then the one-worker pair."""
-    none, loads = Phase("none", workers, False), Phase("loads", workers, True)
+    """The throughput pair in ABBA order, then the one-worker pair, then the
+    two that split "loads" into its parts."""
+    none, loads = Phase("none", workers), Phase("loads", workers, "serve")
     order = [p for r in range(rounds) for p in ((none, loads) if r % 2 == 0 else (loads, none))]
-    return [*order, Phase("solo", 1, False), Phase("solo+loads", 1, True)]
+    return [
+        *order, Phase("solo", 1), Phase("solo+loads", 1, "serve"),
+        Phase("load-only", workers, "load-only"),
+        Phase("adapter-requests", workers, "adapter-requests"),
+    ]  # fmt: skip
 
 
 async def alone(w: Workload) -> list[Continuation]:
@@ -213,6 +256,8 @@ def report(results: list[PhaseResult], reference: list[Continuation]) -> dict[st
             merged.failed += r.failed
             merged.loads_done += r.loads_done
             merged.loads_failed += r.loads_failed
+            merged.adapter_requests += r.adapter_requests
+            merged.adapter_answers_unlike_peft += r.adapter_answers_unlike_peft
         out["phases"][name] = _phase_figures(merged, reference)
     p = out["phases"]
     if "none" in p and "loads" in p:
@@ -244,6 +289,8 @@ def _phase_figures(r: PhaseResult, reference: list[Continuation]) -> dict[str, A
         "failures": r.failed[:3],
         "loads_done": r.loads_done,
         "loads_failed": r.loads_failed[:3],
+        "adapter_requests": r.adapter_requests,
+        "adapter_answers_unlike_peft": r.adapter_answers_unlike_peft,
         **variation(r, reference),
     }
 

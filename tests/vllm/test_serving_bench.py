@@ -49,6 +49,7 @@ def test_answers_are_compared_up_to_their_first_difference() -> None:
 def test_the_throughput_pair_runs_in_abba_order_then_one_worker() -> None:
     assert [(p.name, p.workers) for p in phases(4, 2)] == [
         ("none", 4), ("loads", 4), ("loads", 4), ("none", 4), ("solo", 1), ("solo+loads", 1),
+        ("load-only", 4), ("adapter-requests", 4),
     ]  # fmt: skip
 
 
@@ -60,14 +61,18 @@ async def test_the_load_bench_short_on_the_session_server(
     async with VllmClient(vllm_server.url, timeout_s=PROBE_REQUEST_TIMEOUT_S) as client:
         out = await measure(
             client, engine, vllm_server.model_dir, [adapter_dir], tmp_path / "work",
-            seconds=2.0, rounds=1, workers=2,
+            seconds=1.0, rounds=1, workers=2,
         )  # fmt: skip
         assert loaded_adapters(engine, await client.models()) == []
     assert (out["failed_requests"], out["failed_loads"]) == (0, 0), out
     figures = out["phases"]
-    assert list(figures) == ["none", "loads", "solo", "solo+loads"]
+    assert list(figures) == [
+        "none", "loads", "solo", "solo+loads", "load-only", "adapter-requests",
+    ]  # fmt: skip
     assert all(f["completions"] > 0 for f in figures.values()), figures
-    assert figures["loads"]["loads_done"] >= 1 and figures["solo+loads"]["loads_done"] >= 1
-    assert figures["none"]["loads_done"] == figures["solo"]["loads_done"] == 0
+    loads = {name: f["loads_done"] for name, f in figures.items()}
+    assert loads["none"] == loads["solo"] == 0 and loads["adapter-requests"] == 1, loads
+    assert min(loads["loads"], loads["solo+loads"], loads["load-only"]) >= 1, loads
+    assert figures["adapter-requests"]["adapter_requests"] >= 1
     assert out["ratio_loads_over_none"] > 0
     assert not list((tmp_path / "work" / "served").iterdir())
