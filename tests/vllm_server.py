@@ -5,7 +5,9 @@
 `python -m vllm.entrypoints.openai.api_server` with LoRA on (rank 16, two
 adapters, runtime loading allowed), on a free port, in its own session and
 dying with the test process; it is ready when /health answers 200 (about
-40 s on two cores) and a first completion (tens of seconds more) is done;
+40 s on two cores) and a first completion (tens of seconds more) is done
+(`warm_up=False`: at /health; `extra_args` go after the others: the
+benches' `--lora-modules`);
 it is stopped by its process group (SIGTERM, then SIGKILL after
 `STOP_GRACE_S`). A server that exits or never gets ready fails with
 the end of its log. The session fixture `vllm_server` (tests/conftest.py)
@@ -23,7 +25,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -53,17 +55,25 @@ def free_port() -> int:
         return port
 
 
-def server_argv(python: Path, model_dir: Path, port: int) -> list[str]:
+def server_argv(
+    python: Path, model_dir: Path, port: int, extra_args: Sequence[str] = ()
+) -> list[str]:
     return [
         str(python), "-m", API_SERVER_MODULE, "--model", str(model_dir),
         "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS),
         "--max-model-len", "256", "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", "127.0.0.1", "--port", str(port), *extra_args,
     ]  # fmt: skip
 
 
 @contextlib.contextmanager
-def running_vllm(python: Path, model_dir: Path, log_path: Path) -> Iterator[RunningVllm]:
+def running_vllm(
+    python: Path,
+    model_dir: Path,
+    log_path: Path,
+    extra_args: Sequence[str] = (),
+    warm_up: bool = True,
+) -> Iterator[RunningVllm]:
     port = free_port()
     env = {
         **os.environ,
@@ -73,13 +83,14 @@ def running_vllm(python: Path, model_dir: Path, log_path: Path) -> Iterator[Runn
     }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            die_with_parent(server_argv(python, model_dir, port)),
+            die_with_parent(server_argv(python, model_dir, port, extra_args)),
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
         url = f"http://127.0.0.1:{port}"
         _wait_healthy(url, proc, log_path)
-        _warm_up(url, model_dir)
+        if warm_up:
+            _warm_up(url, model_dir)
         yield RunningVllm(url, python, model_dir, proc.pid, log_path)
     finally:
         _stop(proc)

