@@ -118,6 +118,12 @@ class Event:
     GATEWAY_ENGINE_UNAVAILABLE: Final = "gateway.engine_unavailable"
     #: The gateway took a file (`file_id`, `bytes`, `records`, `client`).
     GATEWAY_FILE_STORED: Final = "gateway.file_stored"
+    #: An adapter's serving on one engine changed (`served_name`, `engine`, `state`, `reason`).
+    SERVING_CHANGED: Final = "serving.changed"
+    #: A serving report could not be published in its bound (`seq`, `error`).
+    SERVING_REPORT_DROPPED: Final = "serving.report_dropped"
+    #: Reading the running engines failed (`error`); the last read stands.
+    ENGINES_READ_FAILED: Final = "engines.read_failed"
 
 
 #: The environment variable that picks the log format: "json" or "console".

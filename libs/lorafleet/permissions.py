@@ -100,6 +100,8 @@ def agent_permissions(names: Names, node: str) -> Permissions:
             "allow": [
                 names.node_start(node),
                 names.node_cancel(node),
+                names.node_serve(node),
+                names.node_unserve(node),
                 f"{node_inbox_prefix(node)}.>",
             ]
         },
