@@ -79,14 +79,18 @@ class DesiredSet:
             ) from None
         return cls(path, saved.engines)
 
-    def save(self) -> None:
+    def _commit(self, engine: str, entries: list[DesiredAdapter]) -> None:
+        """Write the set with `engine` holding `entries`, then hold it here:
+        a write that fails changes nothing, on disk or in memory."""
+        engines = {**self.engines, engine: entries}
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_name(f".{self.path.name}.tmp")
         with tmp.open("wb") as f:
-            f.write(msgspec.json.encode(_DesiredFile({k: v for k, v in self.engines.items() if v})))
+            f.write(msgspec.json.encode(_DesiredFile({k: v for k, v in engines.items() if v})))
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.path)
+        self.engines = engines
 
     def on(self, engine: str) -> list[DesiredAdapter]:
         return list(self.engines.get(engine, ()))
@@ -94,15 +98,13 @@ class DesiredSet:
     def add(self, engine: str, adapter: DesiredAdapter) -> None:
         """Hold `adapter` on `engine` (replacing an entry of the same name)."""
         kept = [a for a in self.on(engine) if a.served_name != adapter.served_name]
-        self.engines[engine] = [*kept, adapter]
-        self.save()
+        self._commit(engine, [*kept, adapter])
 
     def remove(self, engine: str, served_name: str) -> DesiredAdapter | None:
         entries = self.on(engine)
         gone = next((a for a in entries if a.served_name == served_name), None)
         if gone is not None:
-            self.engines[engine] = [a for a in entries if a is not gone]
-            self.save()
+            self._commit(engine, [a for a in entries if a is not gone])
         return gone
 
     def of_job(self, job_id: str, engine: str | None = None) -> list[tuple[str, DesiredAdapter]]:
