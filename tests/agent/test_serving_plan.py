@@ -204,7 +204,7 @@ def test_settings_for_serving(tmp_path: Path) -> None:
         node="n1",
     )
     assert (cfg.engines_refresh_s, cfg.llamacpp_adapters) == (2.5, Path("/l"))
-    with pytest.raises(AgentConfigError, match="ENGINES_REFRESH_S must be 0.1 .. 3600 seconds"):
+    with pytest.raises(AgentConfigError, match=r"ENGINES_REFRESH_S must be 0\.1 \.\. 3600 s"):
         AgentConfig(node="n1", engines_refresh_s=0)
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert read_model_type(str(tmp_path)) == "llama"
