@@ -32,36 +32,33 @@ whose /v1/models lacks one it should hold, gets it loaded again: the
 bound from the engine's return to `served` is one refresh plus one load
 and probe (measured in tests/vllm/test_agent_serving.py).
 
-llama.cpp: llama-server takes adapters only at its start, so the GGUF goes
-where the node's llama-server reads adapters (`llamacpp_adapters_dir`) and
-the report is `restart_required` with `lift` the flag to add.
+llama.cpp (llamacpp_serving.py): llama-server takes adapters only at its
+start, so the GGUF goes where the node's llama-server reads adapters
+(`llamacpp_adapters_dir`) and the report is `restart_required` with `lift`
+the flag to add; on auto-serve only when a llama-server runs here or the
+job says `serve: true`. Reports: serving_reports.py.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import datetime as dt
 import shutil
 import time
 from collections.abc import Coroutine
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet._bus import encode
 from lorafleet.log import Event
-from lorafleet.names import Header, Names
+from lorafleet.names import Names
 from lorafleet_schemas.messages import (
     Engine,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
-    ServingReport,
     ServingState,
 )
 from lorafleet_services.agent import environment
@@ -80,44 +77,27 @@ from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.engine_watch import EngineView, EngineWatch
 from lorafleet_services.agent.environment_protocol import TrainerSetupError
+from lorafleet_services.agent.llamacpp_serving import llamacpp_key, serve_llamacpp
 from lorafleet_services.agent.running_engines import VllmServer, llama_server_running
 from lorafleet_services.agent.serve_orders import (
     NO_ENGINE,
     AdapterFetchError,
     ServeOrder,
     fetch_adapter,
-    fetch_gguf,
-    lora_flag,
     matching_engines,
     model_base,
-    place_gguf,
     read_model_type,
 )
 from lorafleet_services.agent.serving_plan import (
     DESIRED_FILE,
     DesiredAdapter,
     DesiredSet,
-    ReportSeq,
     eviction_choice,
     needs_reload,
     remove_stale_copies,
 )
+from lorafleet_services.agent.serving_reports import ServingReporter, Version
 from lorafleet_services.agent.vllm_client import VllmClient, VllmError, VllmRequestError
-
-#: Seconds one serving report is retried for before it is dropped (logged).
-REPORT_TIMEOUT_S = 60.0
-#: Seconds one publish waits for its ack.
-PUBLISH_TIMEOUT_S = 2.0
-
-
-@dataclass(frozen=True, slots=True)
-class Version:
-    """Which adapter version a report is about."""
-
-    job_id: str
-    model: str
-    served_name: str
-    sha256: str
 
 
 class ServingAgent:
@@ -131,7 +111,7 @@ class ServingAgent:
         self.watch = EngineWatch(cfg.vllm_servers, cfg.engines_refresh_s, cfg.node)
         self.watch.on_read = self._engines_read
         self.desired = DesiredSet.load(cfg.served_dir / DESIRED_FILE)
-        self.seq = ReportSeq()
+        self.reports = ServingReporter(js, names, cfg.node)
         self.references: dict[str, ProbeReference] = {}
         #: Seconds from a read that found an engine lacking its adapters to
         #: their `served` again, one per reload (the restart bound).
@@ -139,9 +119,7 @@ class ServingAgent:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reloading: set[tuple[str, str]] = set()
-        self._reports: asyncio.Queue[ServingReport | None] = asyncio.Queue()
         self._probe: tuple[str, dict[str, str]] | None = None
-        self._publisher: asyncio.Task[None] | None = None
         self.logger = log.get(node=cfg.node)
 
     # --- lifecycle ------------------------------------------------------------
@@ -151,7 +129,7 @@ class ServingAgent:
         in_use = self.desired.paths_in_use()
         for name in remove_stale_copies(self.cfg.served_dir, in_use):
             self.logger.info(Event.SERVING_CHANGED, served_name=name, state="copy removed")
-        self._publisher = asyncio.create_task(self._publish_all(), name="serving-reports")
+        self.reports.start()
         return [asyncio.create_task(self.watch.run(stop), name="engine-watch")]
 
     async def stop(self, timeout_s: float) -> None:
@@ -159,11 +137,7 @@ class ServingAgent:
         for task in list(self._tasks):
             task.cancel()
         await asyncio.gather(*self._tasks, return_exceptions=True)
-        publisher, self._publisher = self._publisher, None
-        if publisher is not None:
-            self._reports.put_nowait(None)
-            await asyncio.wait({publisher}, timeout=timeout_s)
-            publisher.cancel()
+        await self.reports.stop(timeout_s)
 
     async def idle(self) -> None:
         """Until nothing is under way (tests, the demo)."""
@@ -196,7 +170,7 @@ class ServingAgent:
         )  # fmt: skip
         if req.model.engine is Engine.LLAMACPP:
             self._spawn(self._llamacpp(order))
-            return NodeServeReply(engines=[self.llamacpp_key])
+            return NodeServeReply(engines=[llamacpp_key(self.cfg)])
         servers = await self._matching(order)
         if not servers:
             return NodeServeReply(reason=self._no_engine(order))
@@ -212,11 +186,6 @@ class ServingAgent:
             )
         self._spawn(self._unserve(held, "unserved on request"))
         return NodeServeReply(engines=sorted({url for url, _ in held}))
-
-    @property
-    def llamacpp_key(self) -> str:
-        """ServingReport.engine for llama.cpp: where its adapters go."""
-        return f"file://{self.cfg.llamacpp_adapters}"
 
     # --- vLLM -----------------------------------------------------------------
 
@@ -234,6 +203,11 @@ class ServingAgent:
             "--enable-lora"
         )
 
+    async def _llamacpp(self, order: ServeOrder) -> None:
+        if order.serve is None and not await asyncio.to_thread(llama_server_running):
+            return  # not asked, and no llama-server here
+        await serve_llamacpp(order, self.cfg, self.js, self.names.artifacts_bucket, self.reports)
+
     async def _auto(self, order: ServeOrder) -> None:
         try:
             if order.model.engine is Engine.LLAMACPP:
@@ -241,11 +215,12 @@ class ServingAgent:
                 return
             servers = await self._matching(order)
             if not servers and order.serve:
-                self._report(_version(order), NO_ENGINE, ServingState.REFUSED,
+                self.reports.report(_version(order), NO_ENGINE, ServingState.REFUSED,
                              self._no_engine(order), lift="an engine serving the model on the node",
                              kind=Engine.VLLM)  # fmt: skip
             for server in servers:
-                await self._serve_order_on(server, order)
+                if order.adapter_dir is not None:
+                    await self._serve_order_on(server, order, order.adapter_dir)
         finally:
             self._drop_unused(order.adapter_dir)
 
@@ -259,26 +234,24 @@ class ServingAgent:
                 )  # fmt: skip
         except AdapterFetchError as e:
             for server in servers:
-                self._report(_version(order), server.url, ServingState.FAILED, str(e))
+                self.reports.report(_version(order), server.url, ServingState.FAILED, str(e))
             return
-        order = replace(order, adapter_dir=path)
         try:
             for server in servers:
-                await self._serve_order_on(server, order)
+                await self._serve_order_on(server, order, path)
         finally:
             self._drop_unused(path)
 
-    async def _serve_order_on(self, server: VllmServer, order: ServeOrder) -> None:
-        assert order.adapter_dir is not None
+    async def _serve_order_on(self, server: VllmServer, order: ServeOrder, staged: Path) -> None:
         probe_base = order.probe_base or _local_base(server) or model_base(order.model)
         try:
             adapter = AdapterToServe.read(
-                order.job_id, order.sha256, order.adapter_dir, model_base(order.model),
+                order.job_id, order.sha256, staged, model_base(order.model),
                 read_model_type(probe_base),
             )  # fmt: skip
         except (OSError, ValueError, KeyError) as e:
             reason = f"the adapter's adapter_config.json cannot be read: {e!r}"
-            self._report(_version(order), server.url, ServingState.FAILED, reason)
+            self.reports.report(_version(order), server.url, ServingState.FAILED, reason)
             return
         await self._serve_on(server, adapter, probe_base, order.model.name, "")
 
@@ -298,11 +271,11 @@ class ServingAgent:
             try:
                 loaded = loaded_adapters(server, await client.models())
             except VllmError as e:
-                self._report(v, server.url, ServingState.FAILED, str(e))
+                self.reports.report(v, server.url, ServingState.FAILED, str(e))
                 return False
             if reload and adapter.served_name in loaded:
                 return True  # read before the load was seen: nothing was lost
-            self._report(v, server.url, ServingState.LOADING, note)
+            self.reports.report(v, server.url, ServingState.LOADING, note)
             done = await self._load(client, server, adapter, probe_base, v, loaded)
         self.watch.poke()
         return done
@@ -320,13 +293,15 @@ class ServingAgent:
         victim = eviction_choice(desired, loaded, server.max_cpu_loras, adapter.served_name)
         refused = preflight(server, adapter, [n for n in loaded if n != victim])
         if refused is not None:
-            self._report(v, server.url, ServingState.REFUSED, refused.reason, lift=refused.lift)
+            self.reports.report(
+                v, server.url, ServingState.REFUSED, refused.reason, lift=refused.lift
+            )
             return False
         try:
             reference = await self._reference(adapter, probe_base)
         except (ProbeError, TrainerSetupError, TimeoutError, OSError, ValueError) as e:
             reason = f"the PEFT probe of {adapter.served_name} on {probe_base} failed: {e}"
-            self._report(v, server.url, ServingState.FAILED, reason)
+            self.reports.report(v, server.url, ServingState.FAILED, reason)
             return False
         if victim is not None:
             await self._evict(client, server, victim, adapter.served_name)
@@ -334,13 +309,15 @@ class ServingAgent:
         if isinstance(result, Served):
             self.desired.add(server.url, _desired(v, adapter, probe_base, result.path))
             reason = f"loaded as {result.name}; probe within {result.probe_error:.2g} of PEFT"
-            self._report(v, server.url, ServingState.SERVED, reason,
+            self.reports.report(v, server.url, ServingState.SERVED, reason,
                          probe_error=result.probe_error)  # fmt: skip
             return True
         if isinstance(result, ServeRefused):
-            self._report(v, server.url, ServingState.REFUSED, result.reason, lift=result.lift)
+            self.reports.report(
+                v, server.url, ServingState.REFUSED, result.reason, lift=result.lift
+            )
         else:
-            self._report(v, server.url, ServingState.FAILED, result.reason)
+            self.reports.report(v, server.url, ServingState.FAILED, result.reason)
         return False
 
     async def _evict(
@@ -351,7 +328,7 @@ class ServingAgent:
             await client.unload_lora_adapter(name)
         if entry is not None:
             self._drop_unused(Path(entry.path))
-            self._report(
+            self.reports.report(
                 _version(entry), server.url, ServingState.UNLOADED, f"evicted for {for_name}"
             )
 
@@ -400,7 +377,7 @@ class ServingAgent:
             except (OSError, ValueError, KeyError) as e:
                 self.desired.remove(server.url, entry.served_name)
                 reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
-                self._report(_version(entry), server.url, ServingState.FAILED, reason)
+                self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
                 return
             note = f"{server.url} lost it (restarted?): loading it again"
             served = await self._serve_on(
@@ -422,97 +399,23 @@ class ServingAgent:
                         await client.unload_lora_adapter(entry.served_name)
                     except VllmRequestError as e:
                         if e.status != 404:
-                            self._report(_version(entry), url, ServingState.FAILED, str(e))
+                            self.reports.report(_version(entry), url, ServingState.FAILED, str(e))
                             continue
                     except VllmError:
                         pass  # gone with its engine; it will not be loaded again
                 self.desired.remove(url, entry.served_name)
                 self._drop_unused(Path(entry.path))
-                self._report(_version(entry), url, ServingState.UNLOADED, reason)
+                self.reports.report(_version(entry), url, ServingState.UNLOADED, reason)
         self.watch.poke()
 
     def _server(self, url: str) -> VllmServer:
         view = self.watch.views.get(url)
         return view.server if view is not None else VllmServer(url=url)
 
-    # --- llama.cpp --------------------------------------------------------------
-
-    async def _llamacpp(self, order: ServeOrder) -> None:
-        v, key = _version(order), self.llamacpp_key
-        if order.serve is None and not await asyncio.to_thread(llama_server_running):
-            return
-        target = self.cfg.llamacpp_adapters / f"{order.served_name}.gguf"
-        try:
-            if order.gguf is not None:
-                path = await asyncio.to_thread(
-                    place_gguf, order.gguf, self.cfg.llamacpp_adapters, order.served_name
-                )
-            elif order.object is not None:
-                path = await fetch_gguf(
-                    self.js, self.names.artifacts_bucket, order.object, order.sha256, target
-                )
-            else:
-                reason = "the job asked for no GGUF artifact: llama.cpp serves GGUF adapters"
-                lift = "submit it with artifacts peft,gguf"
-                self._report(v, key, ServingState.REFUSED, reason, lift=lift, kind=Engine.LLAMACPP)
-                return
-        except (AdapterFetchError, OSError) as e:
-            self._report(v, key, ServingState.FAILED, str(e), kind=Engine.LLAMACPP)
-            return
-        finally:
-            if order.gguf is not None:
-                order.gguf.unlink(missing_ok=True)
-        reason = (
-            f"llama-server takes adapters only at its start: {path} is in place; restart it "
-            "with the flag in lift"
-        )
-        self._report(v, key, ServingState.RESTART_REQUIRED, reason, lift=lora_flag(path),
-                     kind=Engine.LLAMACPP)  # fmt: skip
-
-    # --- reports --------------------------------------------------------------
-
     def _drop_unused(self, path: Path | None) -> None:
         """Remove a staged copy no engine should hold."""
         if path is not None and str(path) not in self.desired.paths_in_use():
             shutil.rmtree(path, ignore_errors=True)
-
-    def _report(
-        self,
-        v: Version,
-        engine: str,
-        state: ServingState,
-        reason: str = "",
-        *,
-        lift: str = "",
-        probe_error: float | None = None,
-        kind: Engine = Engine.VLLM,
-    ) -> None:
-        report = ServingReport(
-            job_id=v.job_id, node=self.node, engine=engine, engine_kind=kind, model=v.model,
-            served_name=v.served_name, sha256=v.sha256, state=state, seq=self.seq.next(),
-            time=dt.datetime.now(dt.UTC), reason=reason, lift=lift, probe_error=probe_error,
-        )  # fmt: skip
-        self.logger.info(Event.SERVING_CHANGED, job_id=v.job_id, served_name=v.served_name,
-                         engine=engine, state=state, reason=reason, lift=lift)  # fmt: skip
-        self._reports.put_nowait(report)
-
-    async def _publish_all(self) -> None:
-        while (report := await self._reports.get()) is not None:
-            try:
-                await self._publish(report)
-            except Exception as e:
-                self.logger.warning(Event.SERVING_REPORT_DROPPED, seq=report.seq, error=repr(e))
-
-    async def _publish(self, report: ServingReport) -> None:
-        subject = self.names.serving_report(self.node, report.job_id)
-        headers = {Header.MSG_ID: f"{self.node}.serving.{report.seq}"}
-        async for attempt in stamina.retry_context(
-            on=Exception, attempts=None, timeout=REPORT_TIMEOUT_S, wait_initial=0.1, wait_max=2.0
-        ):
-            with attempt:
-                await self.js.publish(
-                    subject, encode(report), timeout=PUBLISH_TIMEOUT_S, headers=headers
-                )
 
 
 def _version(item: ServeOrder | DesiredAdapter) -> Version:
