@@ -17,13 +17,10 @@ The session's engine is left serving no adapter.
 
 from __future__ import annotations
 
-import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
-from typing import Any
+from collections.abc import AsyncIterator
 
 import msgspec
-import nats
 import pytest
 
 from lorafleet import _bus as bus
@@ -33,7 +30,6 @@ from lorafleet_schemas.messages import (
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
-    ServingReport,
     ServingState,
 )
 from lorafleet_services.agent import vllm_cpu
@@ -41,52 +37,15 @@ from lorafleet_services.agent.adapter_serving import PROBE_TOLERANCE, loaded_ada
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import VllmClient
 from tests.eventually import eventually
+from tests.serving_reports import ServingReports, of
 from tests.system.conftest import Stack
 from tests.vllm_server import RunningVllm
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 
-#: Training in the vLLM Python, then the PEFT probe: tens of seconds each on two busy cores.
+#: Training in the vLLM Python: tens of seconds on two busy cores.
 JOB_TIMEOUT_S = 600.0
-SERVE_TIMEOUT_S = 300.0
 PARAMS = {"max_steps": 2, "batch_size": 2, "max_seq_len": 64, "alpha": 8}
-
-
-class ServingReports:
-    """A node's serving reports, read from the status stream in order."""
-
-    def __init__(self, sub: Any) -> None:
-        self.sub = sub
-        self.items: list[ServingReport] = []
-        self.read = 0
-
-    async def next(
-        self, pred: Callable[[ServingReport], bool], timeout_s: float = SERVE_TIMEOUT_S
-    ) -> ServingReport:
-        """The first report after the last one returned that matches `pred`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while True:
-            while self.read < len(self.items):
-                r = self.items[self.read]
-                self.read += 1
-                if pred(r):
-                    return r
-            left = deadline - loop.time()
-            if left <= 0:
-                raise AssertionError(f"no such serving report; got {self.summary()}")
-            try:
-                msg = await self.sub.next_msg(timeout=left)
-            except nats.errors.TimeoutError:
-                continue
-            self.items.append(msgspec.json.decode(msg.data, type=ServingReport, strict=True))
-
-    def summary(self) -> list[str]:
-        return [f"{r.seq}:{r.served_name}:{r.state}:{r.reason}" for r in self.items]
-
-
-def of(job_id: str, *states: ServingState) -> Callable[[ServingReport], bool]:
-    return lambda r: r.job_id == job_id and r.state in states
 
 
 @pytest.fixture
@@ -112,8 +71,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
         "node-1", trainer="real", engines_dir=vllm_cpu.engines_cache(), hf_offline=True,
         vllm_servers=(vllm_server.url,), engines_refresh_s=1.0,
     )  # fmt: skip
-    sub = await stack.js.subscribe(f"{names.prefix}.status.node-1.*.serving", ordered_consumer=True)
-    reports = ServingReports(sub)
+    reports = await ServingReports.of_node(stack.js, names, "node-1")
 
     async def trained(rank: int) -> str:
         job = await stack.submit("node-1", model="tiny-llama", params={**PARAMS, "rank": rank})

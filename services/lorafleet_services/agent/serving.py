@@ -205,7 +205,9 @@ class ServingAgent:
 
     async def _llamacpp(self, order: ServeOrder) -> None:
         if order.serve is None and not await asyncio.to_thread(llama_server_running):
-            return  # not asked, and no llama-server here
+            if order.gguf is not None:  # not asked, and no llama-server here
+                order.gguf.unlink(missing_ok=True)
+            return
         await serve_llamacpp(order, self.cfg, self.js, self.names.artifacts_bucket, self.reports)
 
     async def _auto(self, order: ServeOrder) -> None:
