@@ -23,7 +23,7 @@ import subprocess
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -64,9 +64,14 @@ def server_argv(python: Path, model_dir: Path, port: int) -> list[str]:
 
 @contextlib.contextmanager
 def running_vllm(
-    python: Path, model_dir: Path, log_path: Path, port: int | None = None
+    python: Path,
+    model_dir: Path,
+    log_path: Path,
+    port: int | None = None,
+    extra_args: Sequence[str] = (),
 ) -> Iterator[RunningVllm]:
-    """The server, ready; on `port` (default: a free one; a restart reuses its port)."""
+    """The server, ready; on `port` (default: a free one; a restart reuses
+    its port), with `extra_args` after the usual flags."""
     port = port or free_port()
     env = {
         **os.environ,
@@ -76,7 +81,7 @@ def running_vllm(
     }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            die_with_parent(server_argv(python, model_dir, port)),
+            die_with_parent([*server_argv(python, model_dir, port), *extra_args]),
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
