@@ -113,9 +113,6 @@ class ServingAgent:
         self.desired = DesiredSet.load(cfg.served_dir / DESIRED_FILE)
         self.reports = ServingReporter(js, names, cfg.node)
         self.references: dict[str, ProbeReference] = {}
-        #: Seconds from a read that found an engine lacking its adapters to
-        #: their `served` again, one per reload (the restart bound).
-        self.reload_s: list[float] = []
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reloading: set[tuple[str, str]] = set()
@@ -217,9 +214,10 @@ class ServingAgent:
                 return
             servers = await self._matching(order)
             if not servers and order.serve:
-                self.reports.report(_version(order), NO_ENGINE, ServingState.REFUSED,
-                             self._no_engine(order), lift="an engine serving the model on the node",
-                             kind=Engine.VLLM)  # fmt: skip
+                lift = "an engine serving the model on the node"
+                reason = self._no_engine(order)
+                self.reports.report(_version(order), NO_ENGINE, ServingState.REFUSED, reason,
+                                    lift=lift)  # fmt: skip
             for server in servers:
                 if order.adapter_dir is not None:
                     await self._serve_order_on(server, order, order.adapter_dir)
@@ -352,7 +350,6 @@ class ServingAgent:
     # --- the engines restarting -------------------------------------------------
 
     async def _engines_read(self, views: list[EngineView], previous: dict[str, EngineView]) -> None:
-        loop = asyncio.get_running_loop()
         for view in views:
             if view.adapters is None:
                 continue
@@ -365,10 +362,10 @@ class ServingAgent:
                 key = (view.server.url, entry.served_name)
                 if key not in self._reloading:
                     self._reloading.add(key)
-                    self._spawn(self._reload(view.server, entry, key, loop.time()))
+                    self._spawn(self._reload(view.server, entry, key))
 
     async def _reload(
-        self, server: VllmServer, entry: DesiredAdapter, key: tuple[str, str], seen_at: float
+        self, server: VllmServer, entry: DesiredAdapter, key: tuple[str, str]
     ) -> None:
         try:
             try:
@@ -382,11 +379,7 @@ class ServingAgent:
                 self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
                 return
             note = f"{server.url} lost it (restarted?): loading it again"
-            served = await self._serve_on(
-                server, adapter, entry.probe_base, entry.model, note, reload=True
-            )
-            if served:
-                self.reload_s.append(asyncio.get_running_loop().time() - seen_at)
+            await self._serve_on(server, adapter, entry.probe_base, entry.model, note, reload=True)
         finally:
             self._reloading.discard(key)
 
