@@ -5,6 +5,7 @@ reports' sequence across restarts, and a finished job's serve order."""
 from __future__ import annotations
 
 import datetime as dt
+import json
 import os
 from pathlib import Path
 
@@ -18,7 +19,7 @@ from lorafleet_schemas.messages import (
     StartRequest,
     TrainerParams,
 )
-from lorafleet_services.agent.adapter_serving import served_adapter_name
+from lorafleet_services.agent.adapter_serving import AdapterToServe, served_adapter_name
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.serve_orders import (
@@ -209,3 +210,10 @@ def test_settings_for_serving(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text('{"model_type": "llama"}')
     assert read_model_type(str(tmp_path)) == "llama"
     assert read_model_type("org/tiny") is None
+
+
+def test_full_module_paths_read_as_vllm_matches_them(tmp_path: Path) -> None:
+    config = {"r": 4, "target_modules": ["model.layers.0.mlp.down_proj", "q_proj"]}
+    (tmp_path / "adapter_config.json").write_text(json.dumps(config))
+    adapter = AdapterToServe.read("j1", "a" * 64, tmp_path, "/m", "llama")
+    assert adapter.target_modules == {"down_proj", "q_proj"}

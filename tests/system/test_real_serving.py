@@ -18,7 +18,7 @@ The session's engine is left serving no adapter.
 from __future__ import annotations
 
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import pytest
@@ -30,6 +30,7 @@ from lorafleet_schemas.messages import (
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
+    ServingReport,
     ServingState,
 )
 from lorafleet_services.agent import vllm_cpu
@@ -46,6 +47,11 @@ pytestmark = [pytest.mark.slow, pytest.mark.timeout(1800)]
 #: Training in the vLLM Python: tens of seconds on two busy cores.
 JOB_TIMEOUT_S = 600.0
 PARAMS = {"max_steps": 2, "batch_size": 2, "max_seq_len": 64, "alpha": 8}
+
+
+def settled(job_id: str) -> Callable[[ServingReport], bool]:
+    """The end of one load: served, refused or failed."""
+    return of(job_id, ServingState.SERVED, ServingState.REFUSED, ServingState.FAILED)
 
 
 @pytest.fixture
@@ -84,7 +90,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     # 1. Done, then served: loading -> served, the probe within tolerance of PEFT.
     a = await trained(4)
     loading = await reports.next(of(a, ServingState.LOADING))
-    served_a = await reports.next(of(a, ServingState.SERVED, ServingState.FAILED))
+    served_a = await reports.next(settled(a))
     assert served_a.state is ServingState.SERVED, served_a.reason
     assert served_a.engine == vllm_server.url and served_a.seq > loading.seq
     assert served_a.probe_error is not None and served_a.probe_error <= PROBE_TOLERANCE
@@ -97,14 +103,14 @@ async def test_trained_jobs_are_served_kept_and_unserved(
 
     # 2. A rank over --max-lora-rank: refused, naming the flag; the job stays done.
     b = await trained(32)
-    refused = await reports.next(of(b, ServingState.REFUSED, ServingState.SERVED))
+    refused = await reports.next(settled(b))
     assert (refused.state, refused.lift) == (ServingState.REFUSED, "--max-lora-rank 32")
     assert "over the engine's --max-lora-rank 16" in refused.reason
     assert (await stack.get(b)).state is JobState.DONE
 
     # 3. A second version: a new name, both loaded (the engine holds two).
     c = await trained(4)
-    served_c = await reports.next(of(c, ServingState.SERVED, ServingState.FAILED))
+    served_c = await reports.next(settled(c))
     assert served_c.state is ServingState.SERVED, served_c.reason
     assert served_c.served_name != served_a.served_name
     assert await loaded(engine_client) == sorted([served_a.served_name, served_c.served_name])
@@ -112,7 +118,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     # 4. The engine loses A (what a restart does to runtime loads): loaded again.
     await engine_client.unload_lora_adapter(served_a.served_name)
     lost_at = time.monotonic()
-    again = await reports.next(of(a, ServingState.SERVED, ServingState.FAILED))
+    again = await reports.next(settled(a))
     bound_s = time.monotonic() - lost_at
     assert again.state is ServingState.SERVED and served_a.served_name in await loaded(
         engine_client
@@ -122,7 +128,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     # 5. A third version with both slots taken: the least recently served (C) goes.
     d = await trained(4)
     evicted = await reports.next(of(c, ServingState.UNLOADED))
-    served_d = await reports.next(of(d, ServingState.SERVED, ServingState.FAILED))
+    served_d = await reports.next(settled(d))
     assert served_d.state is ServingState.SERVED, served_d.reason
     assert evicted.reason == f"evicted for {served_d.served_name}"
     assert await loaded(engine_client) == sorted([served_a.served_name, served_d.served_name])
@@ -148,7 +154,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     )
     reply = await bus.request(stack.nc, names.node_serve("node-1"), request, NodeServeReply)
     assert reply.engines == [vllm_server.url]
-    refetched = await reports.next(of(c, ServingState.SERVED, ServingState.FAILED))
+    refetched = await reports.next(settled(c))
     assert refetched.state is ServingState.SERVED, refetched.reason
     assert refetched.served_name == served_c.served_name
 

@@ -81,6 +81,8 @@ class AdapterToServe:
         """From the adapter directory's adapter_config.json (PEFT's)."""
         config = json.loads((directory / "adapter_config.json").read_text())
         targets = config.get("target_modules") or []
+        if isinstance(targets, str):
+            targets = [targets]
         return cls(
             job_id=job_id,
             sha256=sha256,
@@ -88,7 +90,9 @@ class AdapterToServe:
             base_model=base_model,
             model_type=model_type,
             rank=int(config["r"]),
-            target_modules=frozenset([targets] if isinstance(targets, str) else targets),
+            # PEFT may save full paths (`model.layers.0.mlp.down_proj`, as the
+            # trainer's adapters have them); vLLM matches the last part.
+            target_modules=frozenset(t.rsplit(".", 1)[-1] for t in targets),
             modules_to_save=tuple(config.get("modules_to_save") or ()),
         )
 
