@@ -191,8 +191,8 @@ def demo_cmd(
     serve: bool = typer.Option(
         False,
         "--serve",
-        help="Then serve the adapter on a real CPU vLLM (installed once, about 1 GB) and "
-        "print the base model's and the adapter's answers side by side (implies vllm).",
+        help="Then serve the adapter on a real CPU vLLM (installed once, in the engines cache) "
+        "and print the base model's and the adapter's answers side by side (implies vllm).",
     ),
 ) -> None:
     """The main job on the embedded default: train a tiny model's adapter on
