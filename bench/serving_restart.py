@@ -32,7 +32,6 @@ import urllib.request
 from pathlib import Path
 
 import msgspec
-from tests.conversion.adapters import make_adapter
 
 from lorafleet import _bus as bus
 from lorafleet.artifacts import file_sha256
@@ -48,6 +47,9 @@ from lorafleet_services.agent.serving import ServingAgent
 from lorafleet_services.agent.vllm_client import VllmClient, VllmError
 from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
 from lorafleet_services.vllm_local import free_port, running_vllm
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests.conversion.adapters import make_adapter
 
 PROMPT = "The capital of France is"
 
