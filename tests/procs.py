@@ -51,7 +51,7 @@ def agent_process(
     config = AgentConfig(
         node=node,
         work_dir=tmp_path / f"agent-{node}",
-        engines_dir=tmp_path / "engines",
+        engines_dir=cfg.pop("engines_dir", tmp_path / "engines"),
         trainer=cfg.pop("trainer", "standin"),
         allow_cpu=cfg.pop("allow_cpu", True),
         cancel_grace_s=cfg.pop("cancel_grace_s", 1.0),

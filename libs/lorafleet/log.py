@@ -121,12 +121,17 @@ class Event:
     GATEWAY_ENGINE_UNAVAILABLE: Final = "gateway.engine_unavailable"
     #: The gateway took a file (`file_id`, `bytes`, `records`, `client`).
     GATEWAY_FILE_STORED: Final = "gateway.file_stored"
-    #: The recorder committed a serving record (`job_id`, `node`, `engine`,
-    #: `state`, `message`: its reason).
+    #: A serving record changed: the agent's report of it (`served_name`,
+    #: `engine`, `state`, `reason`), the recorder's commit of it (`job_id`,
+    #: `node`, `engine`, `state`, `message`: its reason).
     SERVING_CHANGED: Final = "serving.changed"
     #: The scheduler answered `adapters.serve`/`unserve` (`job_id`, `node`,
     #: `outcome`: sent, refused, unanswered; `message`).
     SERVE_REQUESTED: Final = "serve.requested"
+    #: A serving report could not be published in its bound (`seq`, `error`).
+    SERVING_REPORT_DROPPED: Final = "serving.report_dropped"
+    #: Reading the running engines failed (`error`); the last read stands.
+    ENGINES_READ_FAILED: Final = "engines.read_failed"
 
 
 #: The environment variable that picks the log format: "json" or "console".

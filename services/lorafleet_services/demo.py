@@ -7,7 +7,10 @@ with generated question/answer pairs, follows its progress, and downloads
 every artifact with its sha256 checked. With `--engine llamacpp` (the
 default) the adapter is also converted to GGUF with llama.cpp's own
 conversion code, taken from the llama.cpp copy that llama-cpp-python's
-source distribution on PyPI carries.
+source distribution on PyPI carries. With `--serve` the adapter is then
+served by a real CPU vLLM the demo installs (once) and starts, and the
+base model and the adapter answer one question side by side
+(demo_serve.py).
 """
 
 from __future__ import annotations
@@ -32,9 +35,12 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.agent.conversion import local_conversion_source
 from lorafleet_services.cli.follow import choose_mode, follow
 from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
+from lorafleet_services.vllm_local import RunningVllm
 
 #: The demo model's catalog name.
 DEMO_MODEL = "tiny-llama"
+#: `--serve`'s model: the tiny Llama shaped for the CPU vLLM.
+SERVED_MODEL = "tiny-llama-vllm"
 
 
 def demo_records(n: int = 96, seed: int = 7) -> str:
@@ -47,12 +53,31 @@ def demo_records(n: int = 96, seed: int = 7) -> str:
     return "\n".join(lines) + "\n"
 
 
-async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console: Console) -> int:
+async def run_demo(
+    data_dir: Path | None, out_dir: Path, engine: Engine, console: Console, serve: bool = False
+) -> int:
     """Run the demo in `data_dir` (default: a new temporary directory); exit code 0 when
-    the job ended done and every artifact arrived in `out_dir` with its sha256."""
+    the job ended done and every artifact arrived in `out_dir` with its sha256 (and,
+    with `serve`, its adapter answered from a real vLLM: demo_serve.py)."""
     directory = data_dir or Path(tempfile.mkdtemp(prefix="lorafleet-demo-"))
     console.print(f"data directory: {directory}")
-    model_dir = tiny_model(directory, console)
+    if not serve:
+        return await _run(directory, tiny_model(directory, console), out_dir, engine, console)
+    from lorafleet_services.demo_serve import demo_engine
+
+    model_dir = tiny_model(directory, console, SERVED_MODEL)
+    async with demo_engine(model_dir, directory, console) as running:
+        return await _run(directory, model_dir, out_dir, Engine.VLLM, console, running)
+
+
+async def _run(
+    directory: Path,
+    model_dir: Path,
+    out_dir: Path,
+    engine: Engine,
+    console: Console,
+    served_by: RunningVllm | None = None,
+) -> int:
     if engine is Engine.LLAMACPP:
         console.print("preparing llama.cpp's conversion code (from PyPI's llama-cpp-python) ...")
     agent = await local_agent_config(
@@ -60,15 +85,18 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
         LOCAL_NODE,
         prepare=local_conversion_source if engine is Engine.LLAMACPP else None,
     )
+    if served_by is not None:  # the agent serves what it trains there
+        agent = agent.with_(vllm_servers=(served_by.url,), engines_refresh_s=1.0)
+    model = DEMO_MODEL if served_by is None else SERVED_MODEL
     stack = EmbeddedStack(data_dir=directory, agent=agent)
     settings = await stack.start()
     console.print(f"lorafleet is up: NATS {settings.nats_url}")
     try:
         async with await Client.connect(settings) as lf:
-            if DEMO_MODEL not in {m.name for m in await lf.models()}:
-                spec = ModelSpec(name=DEMO_MODEL, engine=engine, local_dir=str(model_dir))
+            if model not in {m.name for m in await lf.models()}:
+                spec = ModelSpec(name=model, engine=engine, local_dir=str(model_dir))
                 await lf.add_model(spec)
-            job = await lf.submit(demo_job())
+            job = await lf.submit(demo_job(model, serve=served_by is not None))
             console.print(f"queued job {job.id} ({job.records} records)")
             last = await follow(lf, job.id, choose_mode(False, False, console), console)
             if last.state is not JobState.DONE:
@@ -77,16 +105,21 @@ async def run_demo(data_dir: Path | None, out_dir: Path, engine: Engine, console
             if not await _download_checked(lf, job.id, out_dir, console):
                 return 1
             console.print("[green]done[/green]: the adapter trained, arrived and checks out")
+            if served_by is not None:
+                from lorafleet_services.demo_serve import show_served
+
+                return 0 if await show_served(lf, job.id, served_by, console) else 1
             return 0
     finally:
         await stack.stop()
 
 
-def demo_job() -> JobSpec:
+def demo_job(model: str = DEMO_MODEL, serve: bool | None = None) -> JobSpec:
     """The demo's job: a few epochs of small sums on the local agent's CPU."""
     return JobSpec(
         name="demo",
-        model=DEMO_MODEL,
+        model=model,
+        serve=serve,
         node=LOCAL_NODE,
         gpu_memory_mib=1,
         # The demo trains on the CPU: its MiB are nominal, not a card's.
@@ -99,17 +132,19 @@ def demo_job() -> JobSpec:
     )  # fmt: skip
 
 
-def tiny_model(directory: Path, console: Console) -> Path:
-    """The tiny Llama under `directory`, built on the spot the first time (no download)."""
-    model_dir = directory / "models" / DEMO_MODEL
+def tiny_model(directory: Path, console: Console, name: str = DEMO_MODEL) -> Path:
+    """The tiny Llama under `directory`, built on the spot the first time (no
+    download); SERVED_MODEL is shaped for the CPU vLLM (VLLM_CPU_SIZES)."""
+    model_dir = directory / "models" / name
     if not (model_dir / "config.json").is_file():
         console.print("building a tiny Llama (no download) ...")
         from transformers.utils import logging as hf_logging
 
-        from lorafleet_services.tiny import build_tiny_model
+        from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
-        build_tiny_model("llama", model_dir)
+        sizes = VLLM_CPU_SIZES if name == SERVED_MODEL else None
+        build_tiny_model("llama", model_dir, sizes=sizes)
     return model_dir
 
 

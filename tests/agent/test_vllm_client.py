@@ -12,7 +12,9 @@ from typing import ClassVar
 
 import pytest
 
+from lorafleet_services.agent.engine_watch import EngineWatch
 from lorafleet_services.agent.vllm_client import VllmClient, VllmRequestError
+from tests.vllm_server import free_port
 
 ERRORS = {
     "/v1/load_lora_adapter": {"error": {"message": "rank 32 is over 16", "code": 400}},
@@ -69,3 +71,17 @@ async def test_bearer_key_and_error_shapes(http_url: str) -> None:
     async with VllmClient(http_url) as keyless:
         await keyless.models()
     assert _Recorder.seen[-1] is None
+
+
+async def test_the_engine_watch_reads_a_configured_engine_with_its_key(http_url: str) -> None:
+    _Recorder.seen = []
+    watch = EngineWatch([f"{http_url}|s3cret"], refresh_s=5.0, node="n1")
+    assert watch.refs() == []  # nothing read yet: the heartbeat carries nothing, waits for nothing
+    await watch.refresh()
+    assert _Recorder.seen == ["Bearer s3cret"]
+    (ref,) = watch.refs()
+    assert (ref.url, ref.adapters, ref.max_lora_rank) == (http_url, ["a"], None)
+
+    gone = EngineWatch([f"http://127.0.0.1:{free_port()}"], refresh_s=5.0, node="n1")
+    (view,) = await gone.refresh()
+    assert not view.up and gone.refs()[0].adapters == []

@@ -34,6 +34,7 @@ import json
 import math
 import os
 import shutil
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -80,6 +81,8 @@ class AdapterToServe:
         """From the adapter directory's adapter_config.json (PEFT's)."""
         config = json.loads((directory / "adapter_config.json").read_text())
         targets = config.get("target_modules") or []
+        if isinstance(targets, str):
+            targets = [targets]
         return cls(
             job_id=job_id,
             sha256=sha256,
@@ -87,7 +90,9 @@ class AdapterToServe:
             base_model=base_model,
             model_type=model_type,
             rank=int(config["r"]),
-            target_modules=frozenset([targets] if isinstance(targets, str) else targets),
+            # PEFT may save full paths (`model.layers.0.mlp.down_proj`, as the
+            # trainer's adapters have them); vLLM matches the last part.
+            target_modules=frozenset(t.rsplit(".", 1)[-1] for t in targets),
             modules_to_save=tuple(config.get("modules_to_save") or ()),
         )
 
@@ -157,7 +162,7 @@ def preflight(
 ) -> ServeRefused | None:
     """Why `engine` cannot take `adapter` (None: it can). `loaded`: the
     adapters it serves now (`loaded_adapters`)."""
-    if not _same_model(engine, adapter.base_model):
+    if not serves_model(engine, adapter.base_model):
         return ServeRefused(
             "base model",
             f"the engine serves {engine.model or engine.base_name!r}, "
@@ -208,7 +213,8 @@ def _rank_flag(rank: int) -> int:
     return next((r for r in allowed if r >= rank), rank)
 
 
-def _same_model(engine: VllmServer, base_model: str) -> bool:
+def serves_model(engine: VllmServer, base_model: str) -> bool:
+    """The engine serves `base_model` (by name, or the same directory resolved)."""
     names = {n for n in (engine.model, *engine.served_names) if n}
     if base_model in names:
         return True
@@ -244,14 +250,20 @@ async def serve_adapter(
     if refused is not None:
         return refused
     name = adapter.served_name
-    path = await asyncio.to_thread(stage_adapter, adapter.directory, work_dir, name)
+    path = work_dir / "served" / name
+    # Already staged (the serving agent stages once for every engine): the
+    # copy another engine reads is not replaced under it.
+    staged_here = adapter.directory != path
+    if staged_here:
+        path = await asyncio.to_thread(stage_adapter, adapter.directory, work_dir, name)
     try:
         if name not in loaded:
             await client.load_lora_adapter(name, str(path))
         error = await _confirm(client, engine, name, reference)
     except (VllmError, _NotConfirmedError) as exc:
         await _unload_quietly(client, name)
-        await asyncio.to_thread(shutil.rmtree, path, True)
+        if staged_here:
+            await asyncio.to_thread(shutil.rmtree, path, True)
         return ServeFailed(str(exc))
     return Served(name, path, error)
 
@@ -315,12 +327,20 @@ async def unserve_adapter(client: VllmClient, name: str, work_dir: Path) -> None
 
 
 async def peft_reference(
-    python: str, base_dir: Path, adapter_dir: Path, text: str | None = None
+    python: str,
+    base_dir: Path | str,
+    adapter_dir: Path,
+    text: str | None = None,
+    env: Mapping[str, str] | None = None,
 ) -> ProbeReference:
-    """Run `peft_probe.py` in `python` (torch, transformers, peft)."""
+    """Run `peft_probe.py` in `python` (torch, transformers, peft), in `env`
+    (None: the agent's own environment). `base_dir`: a directory or a hub id."""
     argv = [python, str(PEFT_PROBE), str(base_dir), str(adapter_dir), *([text] if text else [])]
     proc = await asyncio.create_subprocess_exec(
-        *argv, stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE
+        *argv,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+        env=None if env is None else dict(env),
     )
     out, err = await asyncio.wait_for(proc.communicate(), PEFT_PROBE_TIMEOUT_S)
     if proc.returncode != 0:

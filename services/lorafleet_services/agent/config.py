@@ -64,6 +64,12 @@ class AgentConfig:
     vllm_servers: the vLLM servers on this node that serve adapters, each
         `URL` or `URL|API_KEY` (comma separated in the environment); default
         none: the agent scans the processes (`running_engines`).
+    engines_refresh_s: seconds between re-reads of the running engines (the
+        process scan and each engine's /v1/models); the heartbeat carries
+        the last read, and an engine's restart is seen within this; default 5.
+    llamacpp_adapters_dir: where the node's llama-server reads its adapters
+        (`--lora <path>`); the agent puts each served GGUF there; default
+        `<work_dir>/llamacpp-adapters`.
     """
 
     node: str
@@ -82,6 +88,8 @@ class AgentConfig:
     chunk_bytes: int = 512 * 1024
     overlay_packages: tuple[str, ...] = field(default=OVERLAY_PACKAGES)
     vllm_servers: tuple[str, ...] = ()
+    engines_refresh_s: float = 5.0
+    llamacpp_adapters_dir: Path | None = None
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")
@@ -94,6 +102,11 @@ class AgentConfig:
             )
         if self.cancel_grace_s < 0:
             raise AgentConfigError("LORAFLEET_AGENT_CANCEL_GRACE_S must be >= 0 seconds")
+        if not 0.1 <= self.engines_refresh_s <= 3600:
+            raise AgentConfigError(
+                "LORAFLEET_AGENT_ENGINES_REFRESH_S must be 0.1 .. 3600 seconds, "
+                f"not {self.engines_refresh_s:g}"
+            )
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
 
@@ -113,6 +126,16 @@ class AgentConfig:
     def runs_standin(self) -> bool:
         """The trainer is the stand-in, or a script run as the stand-in is."""
         return self.trainer != "real"
+
+    @property
+    def llamacpp_adapters(self) -> Path:
+        """Where served GGUFs go (llamacpp_adapters_dir, or its default)."""
+        return self.llamacpp_adapters_dir or self.work_dir / "llamacpp-adapters"
+
+    @property
+    def served_dir(self) -> Path:
+        """The staged copies the engines read, and desired.json."""
+        return self.work_dir / "served"
 
     def to_env(self) -> dict[str, str]:
         return write_env(self, "LORAFLEET_AGENT_")

@@ -7,8 +7,11 @@ the scheduler's KV watcher learns the node is gone.
 
 The beat is its own asyncio task and nothing training does can hold it up:
 the trainer is another process, card reads (NVML calls block) run in a
-thread with a timeout, and the engines are re-read in a thread every
-`ENGINES_RESCAN_S`. The beats keep a fixed cadence (deadline-based sleeps,
+thread with a timeout, and the installed engines are re-read in a thread every
+`ENGINES_RESCAN_S`, and the running ones (`serving`: each engine with the
+adapters it has loaded) come from the engine watch's last read
+(agent/engine_watch.py, every `engines_refresh_s`), never from a call made
+for the beat. The beats keep a fixed cadence (deadline-based sleeps,
 so a slow publish does not push every later beat back).
 
 The time of the last acknowledged beat is what fencing measures: an agent
@@ -48,7 +51,7 @@ from lorafleet._bus import encode
 from lorafleet._natspy import client_of, move_to_another_server
 from lorafleet.log import Event
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import Card, EnginesInstalled, Heartbeat
+from lorafleet_schemas.messages import Card, EngineRef, EnginesInstalled, Heartbeat
 from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.engines import find_engines
@@ -104,12 +107,15 @@ class Heartbeater:
         version: str,
         current_job: Callable[[], str | None],
         card_reader: CardReader | None = None,
+        serving: Callable[[], list[EngineRef]] = list,
     ) -> None:
         self.js = js
         self.settings = settings
         self.cfg = cfg
         self.version = version
         self.current_job = current_job
+        #: The running engines' last read (agent/engine_watch.py): never waited for.
+        self.serving = serving
         self.started_at = dt.datetime.now(dt.UTC)
         self.cards = card_reader or CardReader()
         self.engines = EnginesInstalled()
@@ -173,6 +179,7 @@ class Heartbeater:
             cpu_training=self.cfg.allow_cpu and not cards,
             heartbeat_s=self.settings.heartbeat_s,
             ttl_s=self.settings.node_timeout_s,
+            serving=self.serving(),
         )
 
     async def beat(self) -> bool:

@@ -40,6 +40,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -54,7 +55,7 @@ from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, JobState, StartRequest, TrainerDone
 from lorafleet_services.agent import cards as cards_mod
-from lorafleet_services.agent import conversion, delivery, environment, resume
+from lorafleet_services.agent import conversion, delivery, environment, resume, serve_orders
 from lorafleet_services.agent.card_memory import MemorySampler
 from lorafleet_services.agent.cards import CardChoice, NoCardError
 from lorafleet_services.agent.checkpoints import CheckpointSender
@@ -63,6 +64,7 @@ from lorafleet_services.agent.environment_protocol import TrainerEnvironment, Tr
 from lorafleet_services.agent.fetch import fetch_object
 from lorafleet_services.agent.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
+from lorafleet_services.agent.serve_orders import ServeOrder
 from lorafleet_services.agent.status_reports import Reporter
 from lorafleet_services.agent.trainer_lines import TrainerLines, job_estimate_mib
 from lorafleet_trainer.jobfile import Base, JobFile, parse_resume
@@ -238,8 +240,12 @@ class JobRun:
         names: Names,
         cfg: AgentConfig,
         req: StartRequest,
+        on_delivered: Callable[[ServeOrder], None] | None = None,
     ) -> None:
         self.js = js
+        #: Given the staged adapter once the artifacts are delivered (the
+        #: serving agent's auto-serve); None: nothing is served.
+        self.on_delivered = on_delivered
         self.names = names
         self.cfg = cfg
         self.req = req
@@ -344,6 +350,7 @@ class JobRun:
         if ArtifactKind.GGUF in self.req.artifacts:
             files.append((ArtifactKind.GGUF, gguf))
         delivered: list[str] = []
+        shas: dict[ArtifactKind, str] = {}
         for kind, path in files:
             try:
                 size, sha = await delivery.deliver(
@@ -359,12 +366,36 @@ class JobRun:
             except delivery.DeliveryError as e:
                 raise JobStepError(f"delivering the {kind.value} artifact: {e}") from None
             delivered.append(f"{kind.value} ({size} bytes, sha256 {sha[:12]}…)")
+            shas[kind] = sha
         self.final_state = JobState.UPLOADING
         self.reporter.report(
             message="delivered "
             + ", ".join(delivered or ["nothing (no artifact asked for)"])
             + "; the artifact-store finishes the job"
         )
+        await self._hand_to_serving(adapter_dir, Path(done.base_dir), shas, files)
+
+    async def _hand_to_serving(
+        self,
+        adapter_dir: Path,
+        base_dir: Path,
+        shas: dict[ArtifactKind, str],
+        files: list[tuple[ArtifactKind, Path]],
+    ) -> None:
+        """Stage the adapter out of the job directory (it goes next) and hand
+        it to the serving agent, which serves it in a task of its own. The
+        job is delivered whatever happens here: a failure is logged only."""
+        if self.on_delivered is None or self.req.serve is False:
+            return
+        try:
+            order = await asyncio.to_thread(
+                serve_orders.order_from_job, self.req, self.cfg, adapter_dir, base_dir, shas,
+                dict(files), self.job_dir,
+            )  # fmt: skip
+        except Exception as e:
+            self.logger.warning(Event.SERVING_CHANGED, state="not staged", error=repr(e))
+            return
+        self.on_delivered(order)
 
     def _make_dir(self) -> None:
         shutil.rmtree(self.job_dir, ignore_errors=True)

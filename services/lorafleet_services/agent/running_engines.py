@@ -203,3 +203,12 @@ def running_vllm_servers(configured: Sequence[str] = ()) -> list[VllmServer]:
         else:
             merged.append(replace(match, url=server.url, api_key=server.api_key or match.api_key))
     return merged
+
+
+def llama_server_running() -> bool:
+    """A llama.cpp server (`llama-server`) runs on this host."""
+    for proc in psutil.process_iter(["cmdline"]):
+        argv = proc.info.get("cmdline") or []
+        if argv and argv[0].rsplit("/", 1)[-1] == "llama-server":
+            return True
+    return False

@@ -1,8 +1,10 @@
 """The node agent process: heartbeat, start and cancel requests, fencing.
 
-Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`
-and `.cancel`), so a node can run with credentials limited to them. One
-job at a time:
+Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`,
+`.cancel`, `.serve` and `.unserve`), so a node can run with credentials
+limited to them. Serving (agent/serving.py) runs beside the jobs: a
+finished job's adapter is loaded into the node's engines in a task of its
+own while the node takes the next job. One job at a time:
 
 - a start while idle is accepted and runs as a `JobRun` task;
 - a start for the job (and attempt) it runs already is a retried request:
@@ -53,6 +55,8 @@ from lorafleet_schemas.messages import (
     JobState,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeServeRequest,
+    NodeUnserveRequest,
     StartReply,
     StartRequest,
     StatusReport,
@@ -62,6 +66,7 @@ from lorafleet_services.agent.heartbeat import Heartbeater, fence_reason
 from lorafleet_services.agent.job import JobRun, StopRequest
 from lorafleet_services.agent.leftovers import kill_leftover_trainers, remove_job_dirs
 from lorafleet_services.agent.metric_views import RUNNING_JOBS
+from lorafleet_services.agent.serving import ServingAgent
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -74,6 +79,8 @@ CANCEL_SLACK_S = 5.0
 ENDED_KEPT = 256
 #: Seconds the fenced job's failure report is tried for once unfenced.
 FENCED_REPORT_TIMEOUT_S = 10.0
+#: Seconds the serving reports still queued may take to publish on a clean stop.
+SERVING_STOP_TIMEOUT_S = 5.0
 
 
 class Agent:
@@ -98,9 +105,11 @@ class Agent:
         self._stop = asyncio.Event()
         self._unregister_metrics: Callable[[], None] = lambda: None
         self.logger = log.get(node=cfg.node)
+        self.serving = ServingAgent(js, self.names, cfg)
         self.heartbeat = Heartbeater(
-            js, settings, cfg, version=lorafleet.__version__, current_job=self.current_job
-        )
+            js, settings, cfg, version=lorafleet.__version__, current_job=self.current_job,
+            serving=self.serving.watch.refs,
+        )  # fmt: skip
 
     def current_job(self) -> str | None:
         return self.job.job_id if self.job is not None else None
@@ -111,6 +120,8 @@ class Agent:
         return [
             Route(self.names.node_start(self.node), StartRequest, self.start_job),
             Route(self.names.node_cancel(self.node), NodeCancelRequest, self.cancel_job),
+            Route(self.names.node_serve(self.node), NodeServeRequest, self.serving.serve_request),
+            Route(self.names.node_unserve(self.node), NodeUnserveRequest, self.serving.unserve),
         ]
 
     async def start(self) -> None:
@@ -123,6 +134,7 @@ class Agent:
         self._tasks = [
             asyncio.create_task(self.heartbeat.run(self._stop), name="heartbeat"),
             asyncio.create_task(self.watch_fence(self._stop), name="fence"),
+            *self.serving.start(self._stop),
         ]
         RUNNING_JOBS.linger_s = self.settings.metrics_linger_s
         self._unregister_metrics = metrics.LIVE.add(RUNNING_JOBS.samples)
@@ -135,6 +147,7 @@ class Agent:
                 await s.unsubscribe()
         self._stop.set()
         await stop_tasks(*self._tasks)
+        await self.serving.stop(SERVING_STOP_TIMEOUT_S)
         await self.shutdown()
         self._unregister_metrics()
 
@@ -163,7 +176,7 @@ class Agent:
                 f"(attempt {running.req.attempt})",
                 running_job=running.job_id,
             )
-        run = JobRun(self.js, self.names, self.cfg, req)
+        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.auto_serve)
         self.job = run
         run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)

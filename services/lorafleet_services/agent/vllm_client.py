@@ -3,7 +3,7 @@ agent makes to serve adapters, nothing more.
 
 `VllmClient(url, api_key=None)`: `models()`, `load_lora_adapter(name, path)`,
 `unload_lora_adapter(name)`, `greedy_logprobs(model, token_ids, n)` (a
-greedy completion's token ids and logprobs), `complete()`, `health()`. The API key goes as
+greedy completion's token ids and logprobs), `complete()`, `chat()`, `health()`. The API key goes as
 `Authorization: Bearer <key>` when given. Every failure is a `VllmError`
 naming the engine's URL: `VllmUnreachableError` (no answer: connection
 refused, timeout) or `VllmRequestError` (the engine answered an error status,
@@ -73,6 +73,18 @@ class _Choice(msgspec.Struct):
 
 class _Completion(msgspec.Struct):
     choices: list[_Choice]
+
+
+class _ChatMessage(msgspec.Struct):
+    content: str | None = None
+
+
+class _ChatChoice(msgspec.Struct):
+    message: _ChatMessage
+
+
+class _ChatCompletion(msgspec.Struct):
+    choices: list[_ChatChoice]
 
 
 class VllmClient:
@@ -148,6 +160,17 @@ class VllmClient:
         request = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0}
         body = await self._call("POST", "/v1/completions", request)
         return msgspec.json.decode(body, type=_Completion).choices[0].text
+
+    async def chat(self, model: str, content: str, max_tokens: int = 24) -> str:
+        """One greedy chat completion's reply to the user message `content` (the demo's)."""
+        request = {
+            "model": model,
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "temperature": 0.0,
+        }
+        body = await self._call("POST", "/v1/chat/completions", request)
+        return msgspec.json.decode(body, type=_ChatCompletion).choices[0].message.content or ""
 
     async def _call(
         self,

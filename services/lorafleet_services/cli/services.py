@@ -188,10 +188,18 @@ def demo_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: a new temporary directory."),
     out: Path = typer.Option(Path("lorafleet-demo-artifacts"), help="Where artifacts go."),
     engine: Engine = typer.Option(Engine.LLAMACPP, help="llamacpp also makes a GGUF."),
+    serve: bool = typer.Option(
+        False,
+        "--serve",
+        help="Then serve the adapter on a real CPU vLLM (installed once, in the engines cache) "
+        "and print the base model's and the adapter's answers side by side (implies vllm).",
+    ),
 ) -> None:
     """The main job on the embedded default: train a tiny model's adapter on
     the CPU through the whole system, then download and check its artifacts."""
     from lorafleet_services.demo import run_demo
 
-    code = asyncio.run(run_demo(data_dir=data_dir, out_dir=out, engine=engine, console=err))
+    code = asyncio.run(
+        run_demo(data_dir=data_dir, out_dir=out, engine=engine, console=err, serve=serve)
+    )
     raise typer.Exit(code)
