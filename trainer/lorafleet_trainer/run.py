@@ -36,7 +36,7 @@ from lorafleet_trainer.base_model import (
     resolve_base,
 )
 from lorafleet_trainer.batches import plan_grouped, split_records
-from lorafleet_trainer.budget import cap_card_memory
+from lorafleet_trainer.budget import cap_card_memory, frugal_host_heap
 from lorafleet_trainer.checkpoints import Checkpointer, fingerprint_of, open_checkpoint_dir
 from lorafleet_trainer.jobfile import JobFile
 from lorafleet_trainer.layout import ADAPTER_DIR, CHAT_TEMPLATE, TRAINING_SUMMARY
@@ -129,6 +129,9 @@ def run(job: JobFile, lines: LineWriter) -> int:
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
     checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
+    if device.type == "cpu" and checkpointing.every:
+        # Memory over speed was chosen: the heap too (FRUGAL_MMAP_THRESHOLD_BYTES).
+        lines.log(frugal_host_heap() or "host heap: the C library's default (no glibc mallopt)")
     loop = load_for_training(job, base_dir, dtype, device, total_steps, checkpointing.every)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
