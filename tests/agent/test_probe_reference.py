@@ -78,3 +78,17 @@ async def test_the_program_failing_is_a_probe_error(tmp_path: Path) -> None:
 
     with pytest.raises(ProbeError, match=r"lorafleet_trainer\.probe failed"):
         await adapter_reference(sys.executable, tmp_path / "no-base", tmp_path)
+
+
+async def test_the_program_runs_from_the_package_copy(tmp_path: Path) -> None:
+    # The agent runs the program from its copy of the trainer package (the
+    # engine's Python has no lorafleet): a copy that exits 3 is what ran.
+    import sys
+
+    from lorafleet_services.agent.environment import copy_trainer_package
+
+    package = copy_trainer_package(tmp_path / "probe")
+    assert (package / "probe.py").is_file() and not list(package.glob("__pycache__"))
+    (package / "probe.py").write_text("import sys\nsys.exit(3)\n")
+    with pytest.raises(ProbeError, match=r"failed \(3\)"):
+        await adapter_reference(sys.executable, "base", tmp_path, package_root=tmp_path / "probe")
