@@ -2,7 +2,9 @@
 the adapter and its summary saved.
 
 What it writes: <out_dir>/adapter/{adapter_model.safetensors,
-adapter_config.json, chat_template.jinja, training_summary.json}. The summary
+adapter_config.json, chat_template.jinja, training_summary.json, probe.json}
+(probe.json: the PEFT probe's reference, lorafleet_trainer.probe; only when
+trained in fp32). The summary
 (also the "done" line's) holds job_id, final_loss, eval_loss (null without a
 held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
 data_sha256, records, records_train, records_eval, records_cut,
@@ -50,6 +52,7 @@ from lorafleet_trainer.loop import (
 )
 from lorafleet_trainer.memory import Checkpointing
 from lorafleet_trainer.params import Params
+from lorafleet_trainer.probe import write_probe
 from lorafleet_trainer.protocol import (
     BadInputError,
     EnvironmentFailureError,
@@ -154,6 +157,11 @@ def run(job: JobFile, lines: LineWriter) -> int:
     lines.emit(Event.STATE, state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / ADAPTER_DIR
     save_adapter(loop.model, adapter_dir, inputs.template)
+    # The serving agent's reference, while the trained model is loaded: it
+    # saves serving a second process that loads base and adapter (seconds).
+    skipped = write_probe(loop.model, base_dir, adapter_dir, dtype)
+    if skipped is not None:
+        lines.log(skipped)
     summary = {
         **describe_inputs(job, inputs, base_dir),
         **describe_training(progress, epochs, device, dtype, started),
