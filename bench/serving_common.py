@@ -39,11 +39,12 @@ def tiny_model(work: Path) -> Path:
     return build_tiny_model("llama", work / "tiny-llama", sizes=VLLM_CPU_SIZES)
 
 
-def adapter(model_dir: Path, out_dir: Path, seed: int) -> Path:
-    """A real PEFT LoRA on the tiny Llama (different weights for each seed)."""
+def adapter(model_dir: Path, out_dir: Path, seed: int, probe: bool = False) -> Path:
+    """A real PEFT LoRA on the tiny Llama (different weights for each seed);
+    `probe`: with the probe.json the trainer writes."""
     from tests.conversion.adapters import make_adapter
 
-    return make_adapter(model_dir, out_dir, seed=seed, rank=ADAPTER_RANK)
+    return make_adapter(model_dir, out_dir, seed=seed, rank=ADAPTER_RANK, probe=probe)
 
 
 def to_serve(job_id: str, adapter_dir: Path, model_dir: Path) -> AdapterToServe:

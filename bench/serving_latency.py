@@ -2,6 +2,7 @@
 running vLLM against restarting the server with `--lora-modules`.
 
     nice -n 5 .venv/bin/python bench/serving_latency.py [--agent-runs 5] [--restart-runs 3]
+        [--program-runs 1]
 
 One real vLLM at a time (the CPU build from the engines cache, the tests'
 server: tests/vllm_server.py), serving the tiny Llama; one real PEFT adapter
@@ -10,10 +11,14 @@ when the adapter directory is there (the job is done) and ends when a
 completion with the adapter has come back:
 
 - agent: into the server already running (it has answered the base before,
-  as a node's engine has): PEFT's probe reference (peft_probe.py, a process
-  of its own), `serve_adapter` (preflight, copy, load, confirm by the probe),
-  one completion with `model=<served name>`. Every run is a new adapter
-  version (a new job id: a new name), so each is a real load.
+  as a node's engine has): PEFT's probe reference (`adapter_reference`: the
+  adapter's probe.json, written by the trainer before `done`), `serve_adapter`
+  (preflight, copy, load, confirm by the probe), one completion with
+  `model=<served name>`. Every run is a new adapter version (a new job id: a
+  new name), so each is a real load.
+- agent, older adapter (--program-runs): the same with an adapter without
+  probe.json, so the reference is the probe program's (a process of its own
+  that imports torch, transformers and peft and loads base and adapter).
 - restart, what a user does today: stop the server, start it again with
   `--lora-modules NAME=PATH`, wait for /health, one completion with
   `model=NAME`.
@@ -24,9 +29,8 @@ medians, and restart / agent (the target is at least 10); the first agent
 run apart too, because vLLM's first request with any adapter after its start
 is slow (tens of seconds on two cores) and the restart pays it every time.
 Both ways answer the same text: checked, so that both served the adapter.
-Also printed: the agent's path without PEFT's reference (a process of its
-own that imports torch, transformers and peft: what dominates it), and that
-process's CPU seconds (its wall time on an idle machine, about).
+Also printed: the agent's path without the reference, and the probe
+program's CPU seconds (its wall time on an idle machine, about).
 """
 
 from __future__ import annotations
@@ -50,7 +54,7 @@ from tests.vllm_server import RunningVllm, running_vllm
 
 from lorafleet_services.agent.adapter_serving import (
     Served,
-    peft_reference,
+    adapter_reference,
     serve_adapter,
     unserve_adapter,
 )
@@ -66,7 +70,7 @@ async def agent_run(server: RunningVllm, adapter_dir: Path, work: Path, n: int) 
     to_load = to_serve(f"bench-{n}", adapter_dir, server.model_dir)
     async with VllmClient(server.url, timeout_s=PROBE_REQUEST_TIMEOUT_S) as client:
         t0, cpu0 = time.perf_counter(), _children_cpu_s()
-        reference = await peft_reference(sys.executable, server.model_dir, adapter_dir)
+        reference = await adapter_reference(sys.executable, server.model_dir, adapter_dir)
         t1, cpu1 = time.perf_counter(), _children_cpu_s()
         result = await serve_adapter(client, engine, to_load, reference, work)
         if not isinstance(result, Served):
@@ -77,12 +81,12 @@ async def agent_run(server: RunningVllm, adapter_dir: Path, work: Path, n: int) 
         await unserve_adapter(client, result.name, work)
     return {
         "total_s": t3 - t0,
-        "peft_reference_s": t1 - t0,
+        "reference_s": t1 - t0,
         "load_and_confirm_s": t2 - t1,
         "completion_s": t3 - t2,
         "without_reference_s": t3 - t1,
         # The probe's own CPU seconds: what its wall time is on an idle machine, about.
-        "peft_reference_cpu_s": cpu1 - cpu0,
+        "reference_cpu_s": cpu1 - cpu0,
         "text": text,
     }
 
@@ -136,11 +140,13 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--agent-runs", type=int, default=5, help="default 5")
     ap.add_argument("--restart-runs", type=int, default=3, help="about 40 s+ each; default 3")
+    ap.add_argument("--program-runs", type=int, default=1, help="older adapters; default 1")
     args = ap.parse_args()
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         model_dir = tiny_model(work)
-        adapter_dir = adapter(model_dir, work / "adapter", seed=1)
+        adapter_dir = adapter(model_dir, work / "adapter", seed=1, probe=True)
+        older_dir = adapter(model_dir, work / "older", seed=1)
         stack = contextlib.ExitStack()
         try:
             server = stack.enter_context(running_vllm(engine_python(), model_dir, work / "v.log"))
@@ -149,6 +155,10 @@ def main() -> None:
             for n in range(args.agent_runs):
                 agent.append(asyncio.run(agent_run(server, adapter_dir, work, n)))
                 print(f"agent {n}: {agent[-1]['total_s']:.2f} s", file=sys.stderr, flush=True)
+            program = []
+            for n in range(args.program_runs):
+                program.append(asyncio.run(agent_run(server, older_dir, work, 100 + n)))
+                print(f"program {n}: {program[-1]['total_s']:.2f} s", file=sys.stderr, flush=True)
             restart = []
             for n in range(args.restart_runs):
                 run, stack = restart_run(stack, model_dir, adapter_dir, work, n)
@@ -156,7 +166,7 @@ def main() -> None:
                 print(f"restart {n}: {run['total_s']:.2f} s", file=sys.stderr, flush=True)
         finally:
             stack.close()
-    texts = {r["text"] for r in agent + restart}
+    texts = {r["text"] for r in agent + program + restart}
     a, b = summary(agent), summary(restart)
     out = {
         "agent": a,
@@ -165,9 +175,15 @@ def main() -> None:
         "restart": b,
         "ratio_restart_over_agent": round(b["median"]["total_s"] / a["median"]["total_s"], 1),
         "ratio_restart_over_agent_first": round(b["median"]["total_s"] / agent[0]["total_s"], 1),
-        # PEFT's reference computed before `done` (off this path): the rest of it.
         "ratio_restart_over_agent_without_reference": round(
             b["median"]["total_s"] / a["median"]["without_reference_s"], 1
+        ),
+        # Older adapters (no probe.json): the probe program on the path.
+        "agent_program": summary(program) if program else None,
+        "ratio_restart_over_agent_program": (
+            round(b["median"]["total_s"] / summary(program)["median"]["total_s"], 1)
+            if program
+            else None
         ),
         "target_ratio": TARGET_RATIO,
         "same_answer_both_ways": len(texts) == 1,

@@ -14,6 +14,7 @@ import pytest
 from lorafleet_schemas.messages import ArtifactKind, JobState, TrainerParams
 from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.tiny import build_tiny_model
+from lorafleet_trainer.probe import PROBE_FILE
 from tests.agent.conftest import Bus, start_request
 from tests.agent.test_job import delivered
 
@@ -57,3 +58,6 @@ async def test_real_trainer_through_the_agent(fleet: Bus) -> None:
     assert started["python"] == sys.executable
     cards = read_cards()
     assert started["device"] == ("cuda" if cards else "cpu")
+    # Trained in fp32 on the CPU: the PEFT probe reference travels in the
+    # artifact (on a card the default is bf16, which writes none).
+    assert (PROBE_FILE in names) == (not cards), names

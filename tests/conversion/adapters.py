@@ -25,10 +25,13 @@ ALPHA = 8
 LORA_B_STD = 0.1
 
 
-def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1, rank: int = RANK) -> Path:
+def make_adapter(
+    base_dir: Path, out_dir: Path, *, seed: int = 1, rank: int = RANK, probe: bool = False
+) -> Path:
     """A rank-`rank` LoRA (alpha ALPHA; default rank RANK) on every TARGETS module of the model in
     `base_dir`, with non-zero random lora_B, saved as safetensors in
-    `out_dir`. Deterministic for a seed; leaves the global random state alone."""
+    `out_dir`. Deterministic for a seed; leaves the global random state alone.
+    `probe`: also the PEFT probe reference (probe.json), as the trainer writes it."""
     import torch
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
@@ -51,6 +54,10 @@ def make_adapter(base_dir: Path, out_dir: Path, *, seed: int = 1, rank: int = RA
                 if "lora_B" in name:
                     param.normal_(0.0, LORA_B_STD)
     peft_model.save_pretrained(out_dir, safe_serialization=True)
+    if probe:
+        from lorafleet_trainer.probe import write_probe
+
+        assert write_probe(peft_model, base_dir, out_dir, "fp32") is None
     return out_dir
 
 

@@ -37,6 +37,7 @@ from lorafleet_services.agent import vllm_cpu
 from lorafleet_services.agent.adapter_serving import PROBE_TOLERANCE, loaded_adapters
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import VllmClient
+from lorafleet_trainer.probe import PROBE_FILE
 from tests.eventually import eventually
 from tests.serving_reports import ServingReports, of
 from tests.system.conftest import Stack
@@ -98,6 +99,9 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     (artifact,) = (await stack.call(names.artifacts_list, {"job_id": a}))["artifacts"]
     assert served_a.sha256 == artifact["sha256"] and served_a.served_name.startswith(a)
     assert await loaded(engine_client) == [served_a.served_name]
+    # The trainer's PEFT reference came with the adapter (staged with it).
+    served_dir = stack.tmp_path / "agent-node-1" / "served"
+    assert (served_dir / served_a.served_name / PROBE_FILE).is_file()
     python = agent.events("trainer.started")[-1]["python"]
     assert python == str(vllm_cpu.vllm_cpu_python(vllm_cpu.engines_cache()))
 
@@ -134,7 +138,6 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     assert await loaded(engine_client) == sorted([served_a.served_name, served_d.served_name])
 
     # 6. Unserve: out of /v1/models, its staged copy gone.
-    served_dir = stack.tmp_path / "agent-node-1" / "served"
     assert (served_dir / served_d.served_name).is_dir()
     reply = await bus.request(
         stack.nc, names.node_unserve("node-1"), NodeUnserveRequest(job_id=d), NodeServeReply
@@ -157,6 +160,8 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     refetched = await reports.next(settled(c))
     assert refetched.state is ServingState.SERVED, refetched.reason
     assert refetched.served_name == served_c.served_name
+    # The store's artifact carries the trainer's probe.json too.
+    assert (served_dir / served_c.served_name / PROBE_FILE).is_file()
 
     # Nothing serves a model no engine runs: the reply says why, at once.
     other = msgspec.structs.replace(record, local_dir="/models/none", name="none")

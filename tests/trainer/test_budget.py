@@ -1,9 +1,12 @@
 """The trainer's card budget, on the CPU: the allocator's share of the card, the
 process's NVML reading, the job file's fields, and the out-of-memory report.
-(Setting the cap itself needs a card; bench/trainer_gpu.py checks it on one.)"""
+(Setting the cap itself needs a card; bench/trainer_gpu.py checks it on one.)
+And the frugal host heap of a CPU job that checkpoints."""
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -84,3 +87,32 @@ def test_the_job_files_memory_fields_are_checked(tmp_path: Path, bad: Any) -> No
     good = write_job(tmp_path, tmp_path, data="", gpu_memory_mib=8000, estimate_mib=7100)
     job = JobFile.parse(json.loads(good.read_text()))
     assert (job.gpu_memory_mib, job.estimate_mib) == (8000, 7100)
+
+
+#: Where a 2 MiB block comes from after an 8 MiB one was freed: glibc's
+#: default raises its mapping threshold to 8 MiB on that free, so the 2 MiB
+#: comes from the heap (whose freed holes the process keeps); the frugal
+#: heap maps it (returned to the system when freed). Prints "heap" or "mapped".
+_HEAP_PROBE = """
+import ctypes, sys
+from lorafleet_trainer.budget import frugal_host_heap
+if sys.argv[1] == "frugal":
+    assert frugal_host_heap() is not None
+libc = ctypes.CDLL(None)
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+libc.free(libc.malloc(8 << 20))
+block = libc.malloc(2 << 20)
+(heap,) = [line.split()[0] for line in open("/proc/self/maps") if line.rstrip().endswith("[heap]")]
+start, end = (int(x, 16) for x in heap.split("-"))
+print("heap" if start <= block < end else "mapped")
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="reads /proc")
+def test_a_frugal_heap_maps_big_blocks() -> None:
+    def source(mode: str) -> str:
+        argv = [sys.executable, "-c", _HEAP_PROBE, mode]
+        return subprocess.run(argv, capture_output=True, text=True, check=True).stdout.strip()
+
+    assert (source("default"), source("frugal")) == ("heap", "mapped")

@@ -250,6 +250,8 @@ def test_messages_records_accumulation_max_steps_and_no_eval(
     assert cut_logs and cut_logs[0]["level"] == "warning"
     messages = [x["message"] for x in run.events("log")]
     assert "gradient checkpointing every layer: params.gradient_checkpointing is true" in messages
+    # Memory chosen over speed on the CPU: the heap kept frugal too.
+    assert any(m.startswith("host heap: blocks of 1 MiB or more mapped") for m in messages)
     config = json.loads((Path(done["adapter_dir"]) / "adapter_config.json").read_text())
     assert sorted(config["target_modules"]) == ["q_proj", "v_proj"]
 

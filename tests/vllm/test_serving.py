@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import json
 import sys
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, replace
@@ -26,6 +27,7 @@ from lorafleet_services.agent.adapter_serving import (
     ServeFailed,
     ServeRefused,
     ServeResult,
+    adapter_reference,
     loaded_adapters,
     peft_reference,
     serve_adapter,
@@ -41,6 +43,7 @@ from lorafleet_services.agent.vllm_client import (
     VllmRequestError,
     VllmUnreachableError,
 )
+from lorafleet_trainer.probe import PROBE_FILE
 from tests.conversion.adapters import make_adapter
 from tests.vllm_server import MAX_LORA_RANK, MAX_LORAS, RunningVllm, free_port
 
@@ -48,6 +51,8 @@ from tests.vllm_server import MAX_LORA_RANK, MAX_LORAS, RunningVllm, free_port
 pytestmark = pytest.mark.timeout(900)
 
 MakeAdapter = Callable[[str, int, int], Path]
+#: A Python that cannot run: the probe program, if run, fails loudly.
+NO_PYTHON = "/nonexistent/python3"
 
 
 @pytest.fixture(scope="module")
@@ -175,6 +180,34 @@ async def test_served_matches_peft_then_unserved(serving: Serving) -> None:
     await unserve_adapter(serving.client, result.name, serving.work_dir)
     assert await serving.loaded() == []
     assert not result.path.exists()
+
+
+async def test_the_trainers_probe_json_is_the_reference_and_is_checked(
+    serving: Serving, tmp_path: Path
+) -> None:
+    # Its probe.json, as the trainer writes it; the program (a Python that
+    # cannot run) is not needed.
+    directory = make_adapter(serving.vllm.model_dir, tmp_path / "with-probe", seed=4, probe=True)
+    adapter = AdapterToServe.read(
+        "job-p", sha256_of(directory), directory, str(serving.vllm.model_dir), "llama"
+    )
+    reference = await adapter_reference(NO_PYTHON, serving.vllm.model_dir, directory)
+    program = await serving.reference(directory)  # the program's: the same numbers
+    assert reference.token_ids == program.token_ids
+    assert reference.adapter.distance(program.adapter) <= 1e-5
+    assert reference.base.distance(program.base) <= 1e-5
+    result = await serving.served(adapter, reference)
+    assert result.probe_error <= PROBE_TOLERANCE
+    await unserve_adapter(serving.client, result.name, serving.work_dir)
+
+    # A probe.json computed with the adapter disabled: not confirmed, not served.
+    probe_file = directory / PROBE_FILE
+    data = json.loads(probe_file.read_text())
+    probe_file.write_text(json.dumps({**data, "adapter": data["base"]}))
+    disabled = await adapter_reference(NO_PYTHON, serving.vllm.model_dir, directory)
+    failed = await serving.serve(replace(adapter, job_id="job-q"), disabled)
+    assert isinstance(failed, ServeFailed) and "away from PEFT" in failed.reason
+    assert await serving.loaded() == []
 
 
 async def test_versions_get_new_names_until_no_slot_is_left(serving: Serving) -> None:

@@ -2,7 +2,9 @@
 the adapter and its summary saved.
 
 What it writes: <out_dir>/adapter/{adapter_model.safetensors,
-adapter_config.json, chat_template.jinja, training_summary.json}. The summary
+adapter_config.json, chat_template.jinja, training_summary.json, probe.json}
+(probe.json: the PEFT probe's reference, lorafleet_trainer.probe; only when
+trained in fp32). The summary
 (also the "done" line's) holds job_id, final_loss, eval_loss (null without a
 held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
 data_sha256, records, records_train, records_eval, records_cut,
@@ -36,7 +38,7 @@ from lorafleet_trainer.base_model import (
     resolve_base,
 )
 from lorafleet_trainer.batches import plan_grouped, split_records
-from lorafleet_trainer.budget import cap_card_memory
+from lorafleet_trainer.budget import cap_card_memory, frugal_host_heap
 from lorafleet_trainer.checkpoints import Checkpointer, fingerprint_of, open_checkpoint_dir
 from lorafleet_trainer.jobfile import JobFile
 from lorafleet_trainer.layout import ADAPTER_DIR, CHAT_TEMPLATE, TRAINING_SUMMARY
@@ -50,6 +52,7 @@ from lorafleet_trainer.loop import (
 )
 from lorafleet_trainer.memory import Checkpointing
 from lorafleet_trainer.params import Params
+from lorafleet_trainer.probe import write_probe
 from lorafleet_trainer.protocol import (
     BadInputError,
     EnvironmentFailureError,
@@ -129,6 +132,9 @@ def run(job: JobFile, lines: LineWriter) -> int:
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
     checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
+    if device.type == "cpu" and checkpointing.every:
+        # Memory over speed was chosen: the heap too (FRUGAL_MMAP_THRESHOLD_BYTES).
+        lines.log(frugal_host_heap() or "host heap: the C library's default (no glibc mallopt)")
     loop = load_for_training(job, base_dir, dtype, device, total_steps, checkpointing.every)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
@@ -151,6 +157,11 @@ def run(job: JobFile, lines: LineWriter) -> int:
     lines.emit(Event.STATE, state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / ADAPTER_DIR
     save_adapter(loop.model, adapter_dir, inputs.template)
+    # The serving agent's reference, while the trained model is loaded: it
+    # saves serving a second process that loads base and adapter (seconds).
+    skipped = write_probe(loop.model, base_dir, adapter_dir, dtype)
+    if skipped is not None:
+        lines.log(skipped)
     summary = {
         **describe_inputs(job, inputs, base_dir),
         **describe_training(progress, epochs, device, dtype, started),

@@ -18,12 +18,17 @@
 3. `load_lora_adapter(name, path)`.
 4. confirmed: `/v1/models` lists `name` with the base as parent, and the
    engine's greedy continuation of the probe prompt has PEFT's tokens, each
-   log-probability within `PROBE_TOLERANCE` of PEFT's (`ProbeReference`,
-   from `peft_probe.py`). A
+   log-probability within `PROBE_TOLERANCE` of PEFT's (`ProbeReference`:
+   `adapter_reference`, lorafleet_trainer.probe's). A
    load the engine refuses, or one that is not confirmed, is unloaded
    again and answers `ServeFailed` with the reason.
 
 `unserve_adapter(client, name, work_dir)` unloads it and removes its copy.
+
+`adapter_reference` answers PEFT's reference: the trainer's, from the
+adapter's probe.json, when it holds the agent's probe (its text and length,
+float32); else the probe program's (`peft_reference`: a process that loads
+base and adapter, seconds: the serving path's cost before probe.json).
 """
 
 from __future__ import annotations
@@ -37,9 +42,11 @@ import shutil
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import ModelCard, VllmClient, VllmError
+from lorafleet_trainer import probe
 
 #: Largest |vLLM - PEFT| log-probability over the probe's tokens that still
 #: counts as the same adapter. Measured on the tiny Llama (float32 on the CPU,
@@ -56,7 +63,7 @@ LORA_MODULES: dict[str, frozenset[str]] = {
     )
     for model_type in ("llama", "mistral", "qwen2", "qwen3")
 }
-PEFT_PROBE = Path(__file__).with_name("peft_probe.py")
+PEFT_PROBE = probe.__name__
 #: Running the probe loads the base and the adapter once: seconds on a tiny model.
 PEFT_PROBE_TIMEOUT_S = 300.0
 
@@ -119,7 +126,7 @@ class Continuation:
 
 @dataclass(frozen=True, slots=True)
 class ProbeReference:
-    """PEFT's answer on the probe prompt (see peft_probe.py)."""
+    """PEFT's answer on the probe prompt (lorafleet_trainer.probe)."""
 
     token_ids: list[int]
     adapter: Continuation
@@ -326,25 +333,65 @@ async def unserve_adapter(client: VllmClient, name: str, work_dir: Path) -> None
     await asyncio.to_thread(shutil.rmtree, work_dir / "served" / name, True)
 
 
+async def adapter_reference(
+    python: str,
+    base_dir: Path | str,
+    adapter_dir: Path,
+    env: Mapping[str, str] | None = None,
+    package_root: Path | None = None,
+) -> ProbeReference:
+    """The adapter's stored reference (`stored_reference`), else the probe
+    program's (`peft_reference`, same arguments)."""
+    stored = await asyncio.to_thread(stored_reference, adapter_dir)
+    if stored is not None:
+        return stored
+    return await peft_reference(python, base_dir, adapter_dir, env=env, package_root=package_root)
+
+
+def stored_reference(adapter_dir: Path, text: str = probe.PROBE_TEXT) -> ProbeReference | None:
+    """The trainer's reference in `adapter_dir` (probe.PROBE_FILE) when it is
+    the probe of `text`, PROBE_TOKENS long, in float32; None otherwise
+    (absent, another probe, or unreadable: the program answers then)."""
+    try:
+        data = json.loads((adapter_dir / probe.PROBE_FILE).read_text(encoding="utf-8"))
+        reference = _reference_of(data)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    fits = data.get("text") == text and data.get("dtype") == probe.PROBE_DTYPE
+    lengths = {len(c.ids) for c in (reference.adapter, reference.base)}
+    return reference if fits and lengths == {probe.PROBE_TOKENS} else None
+
+
+def _reference_of(data: dict[str, Any]) -> ProbeReference:
+    adapter, base = (
+        Continuation([int(i) for i in data[k]["ids"]], [float(x) for x in data[k]["logprobs"]])
+        for k in ("adapter", "base")
+    )
+    return ProbeReference([int(i) for i in data["token_ids"]], adapter, base)
+
+
 async def peft_reference(
     python: str,
     base_dir: Path | str,
     adapter_dir: Path,
     text: str | None = None,
     env: Mapping[str, str] | None = None,
+    package_root: Path | None = None,
 ) -> ProbeReference:
-    """Run `peft_probe.py` in `python` (torch, transformers, peft), in `env`
-    (None: the agent's own environment). `base_dir`: a directory or a hub id."""
-    argv = [python, str(PEFT_PROBE), str(base_dir), str(adapter_dir), *([text] if text else [])]
+    """Run the probe program (`python -m lorafleet_trainer.probe`) in `python`
+    (torch, transformers, peft), in `env` (None: the agent's own
+    environment), from `package_root`, a directory holding a copy of the
+    trainer package (None: `python` imports it already, as the agent's
+    own does). `base_dir`: a directory or a hub id."""
+    argv = [python, "-m", PEFT_PROBE, str(base_dir), str(adapter_dir), *([text] if text else [])]
     proc = await asyncio.create_subprocess_exec(
         *argv,
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.PIPE,
         env=None if env is None else dict(env),
+        cwd=package_root,
     )
     out, err = await asyncio.wait_for(proc.communicate(), PEFT_PROBE_TIMEOUT_S)
     if proc.returncode != 0:
-        raise ProbeError(f"peft_probe.py failed ({proc.returncode}): {err.decode()[-2000:]}")
-    data = json.loads(out)
-    adapter, base = (Continuation(data[k]["ids"], data[k]["logprobs"]) for k in ("adapter", "base"))
-    return ProbeReference(data["token_ids"], adapter, base)
+        raise ProbeError(f"{PEFT_PROBE} failed ({proc.returncode}): {err.decode()[-2000:]}")
+    return _reference_of(json.loads(out))

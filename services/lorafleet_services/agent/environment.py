@@ -24,6 +24,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lorafleet_trainer
 from lorafleet_services.agent import conversion, engines
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig, EngineUser
@@ -198,3 +199,18 @@ async def prepare(cfg: AgentConfig) -> EngineEnvironment:
         notes=tuple(notes),
         hf_offline=cfg.hf_offline,
     )
+
+
+def copy_trainer_package(parent: Path) -> Path:
+    """The trainer package (lorafleet_trainer) copied into `parent` (a copy
+    already there replaced); answers the copy. Copied, not run from where
+    lorafleet is installed: the engines' user may not read lorafleet's
+    environment, and the engine's Python must not see lorafleet's packages."""
+    package = parent / lorafleet_trainer.__name__
+    shutil.rmtree(package, ignore_errors=True)
+    shutil.copytree(
+        Path(lorafleet_trainer.__file__).parent,
+        package,
+        ignore=shutil.ignore_patterns("__pycache__"),
+    )
+    return package

@@ -48,7 +48,6 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 
-import lorafleet_trainer
 from lorafleet import log, objects
 from lorafleet._process import die_with_parent
 from lorafleet.log import Event
@@ -460,14 +459,7 @@ class JobRun:
     def _write_files(
         self, data_path: Path, choice: CardChoice, resume: dict[str, Any] | None
     ) -> tuple[Path, Path]:
-        # The package is copied, not run from where lorafleet is installed: the
-        # engines' user may not read lorafleet's environment.
-        package = self.job_dir / lorafleet_trainer.__name__
-        shutil.copytree(
-            Path(lorafleet_trainer.__file__).parent,
-            package,
-            ignore=shutil.ignore_patterns("__pycache__"),
-        )
+        package = environment.copy_trainer_package(self.job_dir)
         programs = {"real": package / "__main__.py", "standin": package / "standin.py"}
         program = programs.get(self.cfg.trainer)
         if program is None:  # a script of one's own

@@ -19,7 +19,8 @@ Each load: `loading`, then preflight (adapter_serving.preflight), eviction
 when `--max-cpu-loras` is full (serving_plan.eviction_choice: the least
 recently served of the agent's own, reported `unloaded`, "evicted for
 <name>"; the preflight's refusal stands when none can go), the PEFT
-reference (peft_probe.py in the engine's Python, once per version), load
+reference (the adapter's probe.json, else the probe program in the engine's
+Python: adapter_serving.adapter_reference, once per version), load
 and confirm; then `served` (with the probe's error), `refused` or
 `failed`. One change at a time on the node (a lock): slots are counted
 from one /v1/models read, and a second load must not take the slot the
@@ -68,8 +69,8 @@ from lorafleet_services.agent.adapter_serving import (
     ProbeReference,
     Served,
     ServeRefused,
+    adapter_reference,
     loaded_adapters,
-    peft_reference,
     preflight,
     serve_adapter,
 )
@@ -116,7 +117,7 @@ class ServingAgent:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reloading: set[tuple[str, str]] = set()
-        self._probe: tuple[str, dict[str, str]] | None = None
+        self._probe: tuple[str, dict[str, str], Path] | None = None
         self.logger = log.get(node=cfg.node)
 
     # --- lifecycle ------------------------------------------------------------
@@ -335,16 +336,21 @@ class ServingAgent:
     async def _reference(self, adapter: AdapterToServe, probe_base: str) -> ProbeReference:
         cached = self.references.get(adapter.served_name)
         if cached is None:
-            python, env = await self._probe_env()
-            cached = await peft_reference(python, probe_base, adapter.directory, env=env)
+            python, env, root = await self._probe_env()
+            cached = await adapter_reference(python, probe_base, adapter.directory, env, root)
             self.references[adapter.served_name] = cached
         return cached
 
-    async def _probe_env(self) -> tuple[str, dict[str, str]]:
-        """The trainer's Python and environment, on the CPU: the PEFT probe's."""
+    async def _probe_env(self) -> tuple[str, dict[str, str], Path]:
+        """The trainer's Python and environment, on the CPU, and the directory
+        holding the trainer package: the probe program's."""
         if self._probe is None:
             env = await environment.trainer_environment(self.cfg)
-            self._probe = (env.python, env.process_env(CardChoice(None, "cpu", 0)))
+            root = self.cfg.work_dir / "probe"
+            root.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(environment.copy_trainer_package, root)
+            env.give(root)
+            self._probe = (env.python, env.process_env(CardChoice(None, "cpu", 0)), root)
         return self._probe
 
     # --- the engines restarting -------------------------------------------------

@@ -135,7 +135,7 @@ class VllmClient:
     ) -> tuple[list[int], list[float]]:
         """`model`'s greedy continuation of the prompt `token_ids`: exactly
         `max_tokens` token ids (end of sequence ignored) and the log-probability
-        of each. (Not the prompt's own logprobs: see peft_probe.py.)"""
+        of each. (Not the prompt's own logprobs: see lorafleet_trainer.probe.)"""
         request = {
             "model": model,
             "prompt": token_ids,
