@@ -99,26 +99,30 @@ async def gateway(
         ):
             await stack.add_model("tiny")
             await stack.agent("node-1")
-            proc = gateway_process(stack, engine, keys_file, gateway_env)
-            stack.procs.append(proc)
-            await proc.start()
-            url = (await proc.wait_for_event("gateway.listening"))["url"]
-            try:
+            env = {"LORAFLEET_GATEWAY_ENGINES": engine.base_url, **gateway_env}
+            async with gateway_on(stack, keys_file, env) as (proc, url):
                 yield Gateway(stack, engine, proc, url, keys)
-            finally:
-                print("gateway's last lines:\n" + proc.tail(20))
     finally:
         await nats.stop()
 
 
-def gateway_process(
-    stack: Stack, engine: Engine, keys_file: Path, more: dict[str, str]
-) -> ServiceProcess:
+@contextlib.asynccontextmanager
+async def gateway_on(
+    stack: Stack, keys_file: Path, more: dict[str, str]
+) -> AsyncIterator[tuple[ServiceProcess, str]]:
+    """A gateway process on `stack` and its URL; without LORAFLEET_GATEWAY_ENGINES
+    in `more` it routes by the serving records alone."""
     env = {
         "LORAFLEET_GATEWAY_ADDR": "127.0.0.1:0",
         "LORAFLEET_GATEWAY_API_KEYS_FILE": str(keys_file),
-        "LORAFLEET_GATEWAY_ENGINES": engine.base_url,
         "LORAFLEET_GATEWAY_ENGINE_MODELS_TTL_S": "0.5",
         **more,
     }
-    return ServiceProcess("lorafleet_services.gateway", stack.settings, env=env)
+    proc = ServiceProcess("lorafleet_services.gateway", stack.settings, env=env)
+    stack.procs.append(proc)
+    await proc.start()
+    url = (await proc.wait_for_event("gateway.listening"))["url"]
+    try:
+        yield proc, url
+    finally:
+        print("gateway's last lines:\n" + proc.tail(20))

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import datetime as dt
 
+import msgspec
+
 from lorafleet_schemas.messages import (
     Engine,
     EngineRef,
@@ -21,6 +23,7 @@ from lorafleet_services.gateway.fleet_routes import (
     fine_tuned_parts,
     fleet_view,
     routes_in,
+    unserved_hint,
 )
 from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
 from lorafleet_services.gateway.routing import EngineRoute
@@ -80,6 +83,31 @@ def test_a_fine_tuned_name_goes_to_each_live_engine_serving_its_job() -> None:
     [base] = routes_in(view, "tiny")
     assert (base.base_url, base.served_name) == (f"{A}/v1", "/models/tiny/")
     assert routes_in(view, "other") == []
+
+
+def test_a_model_not_served_now_says_where_its_adapter_stands() -> None:
+    assert unserved_hint([]) is None  # never asked: the generic message
+    refused = msgspec.structs.replace(
+        served("j1", "n1", A, ServingState.REFUSED),
+        reason="rank 32 over the engine's --max-lora-rank 16", lift="--max-lora-rank 32",
+    )  # fmt: skip
+    assert unserved_hint([refused]) == (
+        f"{A} refused it: rank 32 over the engine's --max-lora-rank 16; "
+        "--max-lora-rank 32 would let it load"
+    )
+    # A load under way on another engine beats the newer refusal: retry soon.
+    loading = msgspec.structs.replace(
+        served("j1", "n2", B, ServingState.LOADING), updated_at=T0 - dt.timedelta(seconds=5)
+    )
+    assert unserved_hint([refused, loading]) == (
+        f"its adapter is being loaded on {B}: retry in a few seconds"
+    )
+    gone = msgspec.structs.replace(
+        served("j1", "n1", A, ServingState.UNLOADED), reason="unserved on request",
+        updated_at=T0 + dt.timedelta(seconds=1),
+    )  # fmt: skip
+    hint = unserved_hint([refused, gone])
+    assert hint is not None and hint.startswith(f"it was unloaded from {A} (unserved on request)")
 
 
 def test_names_and_bodies() -> None:

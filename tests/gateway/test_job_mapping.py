@@ -69,7 +69,9 @@ def test_a_succeeded_job_names_its_model_and_a_failed_one_its_error() -> None:
     assert done.fine_tuned_model == "ft:tiny:sums:j1" and done.error is None
     assert jm.to_openai(record(JobState.DONE), fields(), "a", T0).fine_tuned_model == "ft:tiny::j1"
     failed = jm.to_openai(record(JobState.FAILED, message="out of memory"), fields(), "a", T0)
-    assert failed.fine_tuned_model is None
+    assert failed.fine_tuned_model is None and failed.trained_tokens is None
+    counted = jm.to_openai(record(JobState.DONE, tokens_seen=96), fields(), "a", T0)
+    assert counted.trained_tokens == 96
     assert failed.error is not None and failed.error.message == "out of memory"
 
 

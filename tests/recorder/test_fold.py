@@ -34,6 +34,7 @@ def job_row(**columns: Any) -> dict[str, Any]:
         "steps": 0,
         "loss": None,
         "eval_loss": None,
+        "tokens_seen": None,
         "peak_mib": 0,
         "attempt": 1,
         "last_seq": 0,
@@ -169,7 +170,8 @@ def test_no_report_makes_a_job_done_or_moves_it_back() -> None:
 
 def test_uploading_with_every_artifact_stored_goes_on_to_done() -> None:
     row = job_row(artifacts_stored=["peft"])
-    folded = fold(row, [rep(1, state=JobState.UPLOADING, message="delivering")], T1)
+    uploading = rep(1, state=JobState.UPLOADING, message="delivering", tokens_seen=48)
+    folded = fold(row, [uploading], T1)
     said = "every artifact is stored and verified: peft"
     assert folded.moves == [
         Move(JobState.RUNNING, JobState.UPLOADING, "delivering"),
@@ -177,6 +179,7 @@ def test_uploading_with_every_artifact_stored_goes_on_to_done() -> None:
     ]
     assert folded.values["state"] == "done" and folded.values["message"] == said
     assert folded.values["finished_at"] == T1
+    assert folded.values["tokens_seen"] == 48, "the trainer's total rides on the uploading report"
 
 
 def test_a_retryable_failure_requeues_while_attempts_are_left() -> None:

@@ -13,6 +13,7 @@ from lorafleet_schemas.messages import (
     ServingReport,
     ServingState,
 )
+from lorafleet_services.agent.serving_plan import ReportSeq
 from lorafleet_services.recorder import servings, store
 from lorafleet_services.recorder.db import Sessions
 from tests.recorder.test_store import SHA, T0, new_job
@@ -23,6 +24,8 @@ ENGINE = "http://127.0.0.1:8000"
 def report(
     job: JobRecord | str, seq: int, state: ServingState = ServingState.LOADING, **kw: object
 ) -> ServingReport:
+    if "time" not in kw:
+        kw["time"] = T0 + dt.timedelta(seconds=seq)
     fields: dict[str, object] = {
         "job_id": job if isinstance(job, str) else job.id,
         "node": "n1",
@@ -33,7 +36,6 @@ def report(
         "sha256": "a" * 64,
         "state": state,
         "seq": seq,
-        "time": T0 + dt.timedelta(seconds=seq),
         **kw,
     }
     return ServingReport(**fields)  # type: ignore[arg-type]
@@ -57,6 +59,20 @@ async def test_a_report_makes_the_record_and_a_newer_one_changes_it(models: Sess
     assert listed.state is ServingState.REFUSED and listed.version == 3
     assert (listed.reason, listed.lift) == ("rank 32 > 16", "--max-lora-rank 32")
     assert listed.probe_error is None  # each report says the whole record
+
+
+async def test_seqs_as_an_agent_makes_them_are_stored(models: Sessions) -> None:
+    """An agent's seq is its clock in microseconds, past 32 bits: PostgreSQL
+    refused every such report until migration 0006 (the batch retried forever)."""
+    job, seqs = await new_job(models), ReportSeq()
+    first, second = seqs.next(), seqs.next()
+    assert first > 2**31
+    await servings.apply_reports(models, [report(job, first, time=T0)])
+    [changed] = (
+        await servings.apply_reports(models, [report(job, second, ServingState.SERVED, time=T0)])
+    ).changes
+    assert changed.serving.state is ServingState.SERVED
+    assert (await servings.apply_reports(models, [report(job, first, time=T0)])).stale
 
 
 async def test_a_report_not_newer_than_the_record_is_stale(models: Sessions) -> None:

@@ -223,6 +223,10 @@ class JobRecord(msgspec.Struct, kw_only=True):
     version: int = 0
     #: See JobSpec.serve.
     serve: bool | None = None
+    #: The tokens the trainer trained on (padding not counted) in the
+    #: attempt that finished, from its done summary; None until then, and
+    #: for a trainer that does not count them.
+    tokens_seen: int | None = None
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -34,6 +34,9 @@ class StatusReport(msgspec.Struct, kw_only=True):
     eta_s: float | None = None
     eval_loss: float | None = None
     peak_mib: int | None = None
+    #: The attempt's trained tokens (the trainer's done summary), with the
+    #: report that follows training; becomes JobRecord.tokens_seen.
+    tokens_seen: int | None = None
     #: With state `failed`: the cause is not the job's own (the trainer was
     #: killed, the card failed), so a job with attempts left is queued again.
     retryable: bool = False

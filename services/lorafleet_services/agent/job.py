@@ -341,7 +341,11 @@ class JobRun:
         if ArtifactKind.GGUF in self.req.artifacts:
             self.reporter.report(JobState.CONVERTING, "converting the adapter to GGUF")
             gguf = await self._convert(env, adapter_dir, Path(done.base_dir))
-        self.reporter.report(JobState.UPLOADING, "delivering the artifacts")
+        tokens = done.summary.get("tokens_seen")
+        self.reporter.report(
+            JobState.UPLOADING, "delivering the artifacts",
+            tokens_seen=tokens if isinstance(tokens, int) else None,
+        )  # fmt: skip
         if ArtifactKind.PEFT in self.req.artifacts:
             packed = self.job_dir / "adapter.tar.gz"
             await asyncio.to_thread(delivery.pack_adapter, adapter_dir, packed)

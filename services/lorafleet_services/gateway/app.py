@@ -44,7 +44,11 @@ from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway import training_routes as tr
 from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
-from lorafleet_services.gateway.fleet_routes import engine_base_url
+from lorafleet_services.gateway.fleet_routes import (
+    engine_base_url,
+    fine_tuned_parts,
+    unserved_hint,
+)
 from lorafleet_services.gateway.http_errors import (
     GatewayHttpError,
     bad_request,
@@ -178,6 +182,20 @@ async def list_models(request: Request) -> Response:
     return json_response(Page(data=list(models.values())))
 
 
+async def unserved_message(ctx: GatewayContext, model: str) -> str:
+    """The 404's message for a model no engine serves now: for a fine-tuned
+    name, where its adapter stands (being loaded: retry; refused: the flag)."""
+    tuned = fine_tuned_parts(model)
+    records = await ctx.client.adapters([tuned[1]]) if tuned else []
+    hint = unserved_hint(records) or (
+        "GET /v1/models lists what is; a fine-tuned model is served once its job has "
+        "succeeded and an engine has loaded its adapter, a second or so later "
+        "(`lorafleet serve JOB`, `lorafleet adapters`); a base needs an engine serving it "
+        "on a live node (`lorafleet top`) or one in LORAFLEET_GATEWAY_ENGINES"
+    )
+    return f"the model {model!r} is served by no engine now: {hint}"
+
+
 class Inference:
     """Forwards completions to the engines that serve the model named."""
 
@@ -194,15 +212,7 @@ class Inference:
             raise bad_request(f"the request body has no model: {e}", "model") from None
         routes = await ctx.routes.where(model)
         if not routes:
-            raise not_found(
-                f"the model {model!r} is served by no engine: GET /v1/models lists what "
-                "is; a fine-tuned model is served once its job has succeeded and an engine "
-                "has loaded its adapter (`lorafleet serve JOB`, `lorafleet adapters`); a base "
-                "needs an engine serving it on a live node (`lorafleet top`) or one in "
-                "LORAFLEET_GATEWAY_ENGINES",
-                "model",
-                code="model_not_found",
-            )
+            raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
         route = routes[next(self._turn) % len(routes)]
         if route.served_name is not None and route.served_name != model:
             body = with_model(body, route.served_name)

@@ -111,6 +111,34 @@ def routes_in(view: FleetView, model: str) -> list[EngineRoute]:
     return view.by_job.get(job_id, []) if view.job_base.get(job_id) == base else []
 
 
+#: What a client of a fine-tuned model not served now should do, by where
+#: its serving records stand (the newest change first decides).
+_UNSERVED_HINTS = {
+    ServingState.LOADING: "its adapter is being loaded on {engine}: retry in a few seconds",
+    ServingState.SERVED: "it is served on {engine}, whose node is not live now: retry "
+    "when the node is back (`lorafleet top`), or serve it elsewhere (`lorafleet serve JOB`)",
+    ServingState.REFUSED: "{engine} refused it: {reason}; {lift} would let it load",
+    ServingState.RESTART_REQUIRED: "{engine} takes it at its next start, with {lift}",
+    ServingState.FAILED: "loading it on {engine} failed: {reason}; `lorafleet serve JOB` "
+    "tries again",
+    ServingState.UNLOADED: "it was unloaded from {engine} ({reason}): `lorafleet serve JOB` "
+    "serves it again",
+}
+
+
+def unserved_hint(records: Iterable[ServingRecord]) -> str | None:
+    """Why a fine-tuned model has no route, from its job's serving records
+    (any state); None when it has none (never asked to be served yet)."""
+    newest_first = sorted(records, key=lambda r: r.updated_at, reverse=True)
+    loading = [r for r in newest_first if r.state is ServingState.LOADING]
+    told = next(iter(loading or newest_first), None)  # a load under way beats an old refusal
+    if told is None:
+        return None
+    return _UNSERVED_HINTS[told.state].format(
+        engine=told.engine, reason=told.reason or "no reason given", lift=told.lift or "a change"
+    )
+
+
 class FleetRoutes:
     """`ModelRoutes` from the serving records and heartbeats, through `client`."""
 

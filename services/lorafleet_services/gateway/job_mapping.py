@@ -197,8 +197,7 @@ def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -
         result_files=[],
         seed=fields.seed,
         status=status,
-        # lorafleet's trainer reports tokens per second, not a total: none to give.
-        trained_tokens=None,
+        trained_tokens=job.tokens_seen,
         training_file=fields.training_file,
         validation_file=fields.validation_file,
         estimated_finish=estimated_finish(job, now),

@@ -14,7 +14,8 @@ stated here once (the why: recorder/DESIGN.md):
 - each loss point and each eval point is stored once (the store inserts
   them with ON CONFLICT DO NOTHING on job, step, attempt);
 - `peak_mib` only grows;
-- each scalar field (step, steps, loss, eval_loss, message, state) takes the
+- each scalar field (step, steps, loss, eval_loss, message, tokens_seen,
+  state) takes the
   value of the highest-sequence report that carried it: `field_seqs` keeps,
   per field, the sequence that set it, and `last_seq` the highest applied;
 - a state change must be allowed by the state machine (`lorafleet.states`):
@@ -51,7 +52,7 @@ from lorafleet_services.recorder.rows import (
 )
 
 #: Scalar job fields a status report sets, each from its newest report.
-SCALARS = ("step", "steps", "loss", "eval_loss", "message")
+SCALARS = ("step", "steps", "loss", "eval_loss", "message", "tokens_seen")
 
 
 @dataclass

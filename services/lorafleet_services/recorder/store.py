@@ -169,6 +169,7 @@ async def create_job(
         "steps": 0,
         "loss": None,
         "eval_loss": None,
+        "tokens_seen": None,
         "peak_mib": 0,
         "attempt": 0,
         "last_seq": 0,

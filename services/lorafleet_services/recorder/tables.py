@@ -16,6 +16,7 @@ from typing import Any
 
 from sqlalchemy import (
     JSON,
+    BigInteger,
     Boolean,
     Column,
     DateTime,
@@ -121,6 +122,8 @@ jobs = Table(
     Column("attempt_starts", JSON),
     # Migration 0005: JobSpec.serve (null: serve where an engine runs the model).
     Column("serve", Boolean),
+    # Migration 0006: JobRecord.tokens_seen (a long run passes 2**31).
+    Column("tokens_seen", BigInteger),
 )
 
 #: One reported optimizer step; (job_id, step, attempt) is stored once.
@@ -180,5 +183,6 @@ servings = Table(
     Column("created_at", UtcDateTime, nullable=False),
     Column("updated_at", UtcDateTime, nullable=False, index=True),
     Column("version", Integer, nullable=False),
-    Column("last_seq", Integer, nullable=False),
+    # Migration 0006: big: the agent's seqs are microseconds since the epoch.
+    Column("last_seq", BigInteger, nullable=False),
 )
