@@ -132,9 +132,6 @@ def run(job: JobFile, lines: LineWriter) -> int:
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
     checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
-    if device.type == "cpu" and checkpointing.every:
-        # Memory over speed was chosen: the heap too (FRUGAL_MMAP_THRESHOLD_BYTES).
-        lines.log(frugal_host_heap() or "host heap: the C library's default (no glibc mallopt)")
     loop = load_for_training(job, base_dir, dtype, device, total_steps, checkpointing.every)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
@@ -154,14 +151,8 @@ def run(job: JobFile, lines: LineWriter) -> int:
     if checkpointer is not None:
         checkpointer.close()
 
-    lines.emit(Event.STATE, state="saving", message="saving the adapter")
     adapter_dir = job.out_dir / ADAPTER_DIR
-    save_adapter(loop.model, adapter_dir, inputs.template)
-    # The serving agent's reference, while the trained model is loaded: it
-    # saves serving a second process that loads base and adapter (seconds).
-    skipped = write_probe(loop.model, base_dir, adapter_dir, dtype)
-    if skipped is not None:
-        lines.log(skipped)
+    save_results(loop.model, adapter_dir, base_dir, inputs.template, dtype, lines)
     summary = {
         **describe_inputs(job, inputs, base_dir),
         **describe_training(progress, epochs, device, dtype, started),
@@ -177,6 +168,19 @@ def run(job: JobFile, lines: LineWriter) -> int:
     return ExitCode.DONE
 
 
+def save_results(
+    model: Any, adapter_dir: Path, base_dir: Path, template: str, dtype: str, lines: LineWriter
+) -> None:
+    """The adapter, and the serving agent's probe reference while the trained
+    model is loaded: it saves serving a second process that loads base and
+    adapter (seconds)."""
+    lines.emit(Event.STATE, state="saving", message="saving the adapter")
+    save_adapter(model, adapter_dir, template)
+    skipped = write_probe(model, base_dir, adapter_dir, dtype)
+    if skipped is not None:
+        lines.log(skipped)
+
+
 def checkpointing_of(
     job: JobFile, inputs: Inputs, base_dir: Path, device: Any, lines: LineWriter
 ) -> Checkpointing:
@@ -187,6 +191,9 @@ def checkpointing_of(
     longest = inputs.tokens.length_summary()["max"] if p.max_steps == 0 else p.max_seq_len
     choice = choose_checkpointing(job, base_dir, device, longest)
     lines.log(choice.message)
+    if device.type == "cpu" and choice.every:
+        # Memory over speed was chosen: the heap too (FRUGAL_MMAP_THRESHOLD_BYTES).
+        lines.log(frugal_host_heap() or "host heap: the C library's default (no glibc mallopt)")
     return choice
 
 

@@ -156,6 +156,14 @@ class NodeWatcher:
         self._reconnected_at = self.clock()
         self.table.touch_all(self._reconnected_at)
 
+    def leading(self) -> None:
+        """This replica became leader: count every live node as just seen. It
+        judged nobody before, and a leader change comes with the cluster's
+        disturbance, when its copy of the bucket may lag the beats (a new
+        leader lost a node at once, its consumer's copy behind: the cluster
+        nemesis test). A node that did die is lost one node_timeout_s later."""
+        self.table.touch_all(self.clock())
+
     def view_changed(self, seeing: bool) -> None:
         """The KeyWatch's verdict on our view of the bucket. Blind: judge
         nobody. Seeing again: the silence was the bucket's, not the nodes'."""

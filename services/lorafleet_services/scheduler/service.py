@@ -111,7 +111,7 @@ class Scheduler:
         self._last_round = clock()
         self.nodes = NodeWatcher(settings.node_timeout_s, clock, self.logger, self._wake.set)
         self.leadership = Leadership(
-            self.js, self.names, self.instance, self.logger, clock, on_acquired=self._wake.set
+            self.js, self.names, self.instance, self.logger, clock, on_acquired=self._acquired
         )
         self.dispatcher = Dispatcher(
             RecorderClient(
@@ -197,6 +197,10 @@ class Scheduler:
         self.nodes.reconnected()
         self._node_watch.restart()
         self.leadership.restart_watch()
+        self._wake.set()
+
+    def _acquired(self) -> None:
+        self.nodes.leading()
         self._wake.set()
 
     def is_leader(self) -> bool:
