@@ -322,6 +322,42 @@ class Client:
         )
         return (await self._read(self.names.adapters_list, req, AdapterList)).adapters
 
+    async def serving_changes(
+        self, job_id: str, timeout_s: float, poll_s: float = 2.0
+    ) -> AsyncIterator[ServingRecord]:
+        """The job's serving records as they change (each version once, oldest
+        change first) until it has one and none is `loading`, or `timeout_s`
+        passes. The job's events wake it; a read every `poll_s` seconds covers
+        a missed one. An engine whose first report comes after the others
+        settled is not waited for."""
+        wake = asyncio.Event()
+
+        async def on_msg(_msg: object) -> None:
+            wake.set()
+
+        sub = await self.nc.subscribe(self.names.job_events(job_id), cb=on_msg)
+        seen: dict[tuple[str, str, str], int] = {}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + timeout_s
+        try:
+            while True:
+                wake.clear()
+                records = await self.adapters([job_id])
+                for r in sorted(records, key=lambda r: r.updated_at):
+                    key = (r.node, r.engine, r.served_name)
+                    if seen.get(key, -1) < r.version:
+                        seen[key] = r.version
+                        yield r
+                if records and all(r.state != ServingState.LOADING for r in records):
+                    return
+                left_s = deadline - loop.time()
+                if left_s <= 0:
+                    return
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(wake.wait(), min(poll_s, left_s))
+        finally:
+            await sub.unsubscribe()
+
     # --- artifacts ---
     async def artifacts(self, job_id: str) -> list[ArtifactRecord]:
         reply = await self._read(

@@ -33,6 +33,7 @@ from lorafleet_services.agent.serving_plan import (
     DesiredAdapter,
     DesiredSet,
     DesiredSetError,
+    ReloadBackoff,
     ReportSeq,
     eviction_choice,
     needs_reload,
@@ -217,3 +218,21 @@ def test_full_module_paths_read_as_vllm_matches_them(tmp_path: Path) -> None:
     (tmp_path / "adapter_config.json").write_text(json.dumps(config))
     adapter = AdapterToServe.read("j1", "a" * 64, tmp_path, "/m", "llama")
     assert adapter.target_modules == {"down_proj", "q_proj"}
+
+
+def test_a_failing_reload_waits_longer_each_time_until_it_succeeds() -> None:
+    now = [100.0]
+    backoff = ReloadBackoff(1.0, 8.0, clock=lambda: now[0])
+    key = (ENGINE, "job-1-aaaaaaaaaaaa")
+    other = (ENGINE, "job-2-bbbbbbbbbbbb")
+    assert backoff.due(key)
+    assert [backoff.failed(key) for _ in range(5)] == [1.0, 2.0, 4.0, 8.0, 8.0]
+    assert not backoff.due(key)
+    assert backoff.due(other)  # one adapter's failures hold back no other
+    now[0] += 7.9
+    assert not backoff.due(key)
+    now[0] += 0.1
+    assert backoff.due(key)
+    backoff.succeeded(key)
+    assert backoff.due(key)
+    assert backoff.failed(key) == 1.0  # a success starts the doubling again

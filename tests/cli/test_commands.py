@@ -89,9 +89,11 @@ async def test_submit_watch_on_a_terminal_ends_with_its_summary(up: Up) -> None:
 
 
 async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> None:
-    job_id = await up.submit(100)
-    rc, out, err = await up.lorafleet("watch", job_id, "--every-s", "1000")
+    # Watched from the submit: a `watch` started after it can come in at the
+    # last steps on a busy machine (a CLI start is seconds there, the job 2 s).
+    rc, out, err = await up.submit_raw("--param", "max_steps=100", "--watch")
     assert rc == 0, err
+    job_id = str(json.loads(out)["id"])
     progress = [ln for ln in err.splitlines() if STEP.search(ln) and "tok/s" in ln]
     assert 3 <= len(progress) <= 11, err
     assert "final loss" in err and "peft:" in err, err

@@ -3,13 +3,20 @@
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 import hashlib
 import json
 import os
 import sys
 from pathlib import Path
 
+import msgspec
+
+from lorafleet_schemas.messages import Engine, JobRecord, JobState, ServingReport, ServingState
+from lorafleet_services.agent.serving_plan import ReportSeq
+from lorafleet_services.cli.follow import NOT_SERVED_EXIT
 from tests.system.conftest import DATA, Stack
+from tests.vllm_server import free_port
 
 
 async def lorafleet(stack: Stack, *args: str) -> tuple[int, str, str]:
@@ -89,3 +96,69 @@ async def test_an_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
     _, err = await asyncio.wait_for(proc.communicate(), 60)
     assert proc.returncode == 2
     assert b"no NATS server answered at nats://127.0.0.1:9" in err
+
+
+async def test_watch_until_served_follows_the_adapter_to_its_engine(stack: Stack) -> None:
+    """`watch --until-served`: a line per serving change after done, exit 0
+    once an engine serves it, 3 when none does (refused, serving off)."""
+    nobody = f"http://127.0.0.1:{free_port()}"  # never the machine's own vLLMs
+    await stack.agent(
+        "node-1", env={"LORAFLEET_STANDIN_STEPS": "2"}, vllm_servers=(nobody,),
+        engines_refresh_s=0.5,
+    )  # fmt: skip
+    await stack.add_model()
+    data = stack.tmp_path / "pairs.jsonl"
+    data.write_text(DATA)
+
+    async def submitted(*flags: str) -> JobRecord:
+        rc, out, err = await lorafleet(
+            stack, "submit", "--model", "tiny", "--gpu-mib", "100", "--data", str(data),
+            "--node", "node-1", *flags,
+        )  # fmt: skip
+        assert rc == 0, err
+        return await stack.wait_state(json.loads(out)["id"], JobState.DONE)
+
+    # serve: true and no engine for it on the node: refused, saying why.
+    refused = await submitted("--serve")
+    rc, _, err = await lorafleet(
+        stack, "watch", refused.id, "--plain", "--until-served", "--serve-timeout-s", "60"
+    )
+    assert rc == NOT_SERVED_EXIT, err
+    text = err.replace("\n", "")
+    assert "serving: refused on node-1 as" in text and "no vLLM on node-1 serves" in text, err
+    # serve: false: said at once.
+    off = await submitted("--no-serve")
+    rc, _, err = await lorafleet(stack, "watch", off.id, "--plain", "--until-served")
+    assert rc == NOT_SERVED_EXIT and "serving: off for this job" in err, err
+    # Nothing reported at all: the bound, and what to do.
+    quiet = await submitted()
+    rc, _, err = await lorafleet(
+        stack, "watch", quiet.id, "--plain", "--until-served", "--serve-timeout-s", "2"
+    )
+    assert rc == NOT_SERVED_EXIT and "nothing reported within 2 s" in err, err
+    assert f"lorafleet serve {quiet.id}" in err.replace("\n", "")
+
+    # Loading, then served (reports as an agent sends them): the watch
+    # waits through loading and ends 0 on served, in JSON with --json.
+    seqs = ReportSeq()
+
+    async def report(state: ServingState) -> None:
+        sent = ServingReport(
+            job_id=quiet.id, node="node-1", engine="http://127.0.0.1:8000",
+            engine_kind=Engine.VLLM, model="tiny", served_name=f"{quiet.id}-abcdef012345",
+            sha256="a" * 64, state=state, seq=seqs.next(), time=dt.datetime.now(dt.UTC),
+        )  # fmt: skip
+        subject = stack.settings.names.serving_report("node-1", quiet.id)
+        await stack.js.publish(subject, msgspec.json.encode(sent))
+
+    await report(ServingState.LOADING)
+    watcher = asyncio.create_task(
+        lorafleet(stack, "watch", quiet.id, "--json", "--until-served", "--serve-timeout-s", "60")
+    )
+    await asyncio.sleep(1.5)  # the watch is reading: it must wait through loading
+    assert not watcher.done()
+    await report(ServingState.SERVED)
+    rc, out, err = await watcher
+    assert rc == 0, err
+    servings = [e["serving"] for e in map(json.loads, out.splitlines()) if e["kind"] == "serving"]
+    assert [s["state"] for s in servings] == ["loading", "served"]

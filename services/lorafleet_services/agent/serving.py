@@ -31,7 +31,9 @@ each engine should hold. The engine watch (engine_watch.py) re-reads the
 engines every `engines_refresh_s`; an engine whose process changed, or
 whose /v1/models lacks one it should hold, gets it loaded again: the
 bound from the engine's return to `served` is one refresh plus one load
-and probe (measured in tests/vllm/test_agent_serving.py).
+and probe (measured in tests/vllm/test_agent_serving.py). A reload that
+fails is tried again after one refresh, then after twice as long each time,
+up to RELOAD_BACKOFF_MAX_S (serving_plan.ReloadBackoff).
 
 llama.cpp (llamacpp_serving.py): llama-server takes adapters only at its
 start, so the GGUF goes where the node's llama-server reads adapters
@@ -93,12 +95,17 @@ from lorafleet_services.agent.serving_plan import (
     DESIRED_FILE,
     DesiredAdapter,
     DesiredSet,
+    ReloadBackoff,
     eviction_choice,
     needs_reload,
     remove_stale_copies,
 )
 from lorafleet_services.agent.serving_reports import ServingReporter, Version
 from lorafleet_services.agent.vllm_client import VllmClient, VllmError, VllmRequestError
+
+#: The longest wait between two tries of a reload that keeps failing: an
+#: engine that comes back able to take it is served again within this.
+RELOAD_BACKOFF_MAX_S = 300.0
 
 
 class ServingAgent:
@@ -117,6 +124,7 @@ class ServingAgent:
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reloading: set[tuple[str, str]] = set()
+        self.backoff = ReloadBackoff(cfg.engines_refresh_s, RELOAD_BACKOFF_MAX_S)
         self._probe: tuple[str, dict[str, str], Path] | None = None
         self.logger = log.get(node=cfg.node)
 
@@ -308,6 +316,7 @@ class ServingAgent:
             await self._evict(client, server, victim, adapter.served_name)
         result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir)
         if isinstance(result, Served):
+            self.backoff.succeeded((server.url, adapter.served_name))
             self.desired.add(server.url, _desired(v, adapter, probe_base, result.path))
             reason = f"loaded as {result.name}; probe within {result.probe_error:.2g} of PEFT"
             self.reports.report(v, server.url, ServingState.SERVED, reason,
@@ -366,7 +375,7 @@ class ServingAgent:
             )
             for entry in lost:
                 key = (view.server.url, entry.served_name)
-                if key not in self._reloading:
+                if key not in self._reloading and self.backoff.due(key):
                     self._reloading.add(key)
                     self._spawn(self._reload(view.server, entry, key))
 
@@ -385,7 +394,12 @@ class ServingAgent:
                 self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
                 return
             note = f"{server.url} lost it (restarted?): loading it again"
-            await self._serve_on(server, adapter, entry.probe_base, entry.model, note, reload=True)
+            if not await self._serve_on(
+                server, adapter, entry.probe_base, entry.model, note, reload=True
+            ):
+                delay_s = self.backoff.failed(key)
+                self.logger.warning("serving.reload_failed", engine=server.url,
+                                    adapter=entry.served_name, retry_in_s=delay_s)  # fmt: skip
         finally:
             self._reloading.discard(key)
 

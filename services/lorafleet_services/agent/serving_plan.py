@@ -13,6 +13,7 @@ tested without a bus or an engine.
   larger of the last one plus one and the wall clock in microseconds, so
   an agent that restarts starts above everything it reported before
   (unless the clock went back by more than the time it was down).
+- `ReloadBackoff`: when a reload that failed may be tried again.
 """
 
 from __future__ import annotations
@@ -154,6 +155,36 @@ def needs_reload(
         return wanted
     have = set(loaded)
     return [a for a in wanted if a.served_name not in have]
+
+
+class ReloadBackoff:
+    """When a failed reload of one adapter into one engine is tried again:
+    `first_s` after the first failure, doubling up to `max_s`; a load that
+    succeeds forgets it. Without it an engine that keeps refusing an adapter
+    it lost gets a load, a probe and a `failed` report every refresh."""
+
+    def __init__(
+        self, first_s: float, max_s: float, clock: Callable[[], float] = time.monotonic
+    ) -> None:
+        self.first_s = first_s
+        self.max_s = max_s
+        self._clock = clock
+        #: key -> (the delay after its last failure, when it is due again)
+        self._failed: dict[tuple[str, str], tuple[float, float]] = {}
+
+    def due(self, key: tuple[str, str]) -> bool:
+        held = self._failed.get(key)
+        return held is None or self._clock() >= held[1]
+
+    def failed(self, key: tuple[str, str]) -> float:
+        """Record a failure; answers the seconds until the next try."""
+        held = self._failed.get(key)
+        delay_s = self.first_s if held is None else min(self.max_s, 2 * held[0])
+        self._failed[key] = (delay_s, self._clock() + delay_s)
+        return delay_s
+
+    def succeeded(self, key: tuple[str, str]) -> None:
+        self._failed.pop(key, None)
 
 
 class ReportSeq:

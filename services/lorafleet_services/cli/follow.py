@@ -13,7 +13,9 @@ a bus; `follow()` wires them to a client and a console:
   one per step;
 - json: every event as one JSON line on stdout.
 
-Exit codes scripts rely on: 0 done, 1 failed, 2 cancelled (`exit_code`).
+Exit codes scripts rely on: 0 done, 1 failed, 2 cancelled (`exit_code`);
+with `--until-served`, a done job whose adapter no engine serves once its
+serving settles (`follow_serving`) is 3.
 """
 
 from __future__ import annotations
@@ -32,7 +34,14 @@ from rich.table import Table
 from rich.text import Text
 
 from lorafleet.client import Client, job_order
-from lorafleet_schemas.messages import ArtifactRecord, JobEvent, JobRecord, JobState
+from lorafleet_schemas.messages import (
+    ArtifactRecord,
+    JobEvent,
+    JobRecord,
+    JobState,
+    ServingRecord,
+    ServingState,
+)
 
 Mode = Literal["live", "plain", "json"]
 
@@ -47,6 +56,8 @@ LIVE_REFRESH_PER_S = 4
 #: Seconds without an event after which the job is read once, in case an
 #: event was missed (a reconnect); progress itself comes only from events.
 RESYNC_AFTER_S = 15.0
+#: `--until-served`: the job is done, but no engine serves its adapter.
+NOT_SERVED_EXIT = 3
 
 
 def exit_code(job: JobRecord) -> int:
@@ -285,3 +296,37 @@ def _say(console: Console, line: str) -> None:
 def _json_line(event: JobEvent) -> None:
     sys.stdout.write(msgspec.json.encode(event).decode() + "\n")
     sys.stdout.flush()
+
+
+def serving_line(r: ServingRecord) -> str:
+    why = f": {r.reason}" if r.reason else ""
+    lift = f" (lift: {r.lift})" if r.lift else ""
+    where = f"{r.node} {r.engine}" if r.engine else r.node  # no engine: a refusal saying so
+    return f"serving: {r.state.value} on {where} as {r.served_name}{why}{lift}"
+
+
+async def follow_serving(
+    client: Client, job: JobRecord, mode: Mode, console: Console, timeout_s: float
+) -> int:
+    """A done job's serving, a line (or a JSON event) per change, until it
+    settles or `timeout_s` passes: 0 when an engine serves it, else
+    NOT_SERVED_EXIT."""
+    if job.serve is False:
+        _say(console, "serving: off for this job (serve: false)")
+        return NOT_SERVED_EXIT
+    latest: dict[tuple[str, str, str], ServingRecord] = {}
+    async for r in client.serving_changes(job.id, timeout_s):
+        latest[(r.node, r.engine, r.served_name)] = r
+        if mode == "json":
+            _json_line(JobEvent(kind="serving", job=job, serving=r))
+        else:
+            _say(console, serving_line(r))
+    if not latest:
+        _say(
+            console,
+            f"serving: nothing reported within {timeout_s:g} s: no engine on {job.node} "
+            f"serves {job.model}? (`lorafleet serve {job.id} --engine URL` names one)",
+        )
+        return NOT_SERVED_EXIT
+    served = any(r.state == ServingState.SERVED for r in latest.values())
+    return 0 if served else NOT_SERVED_EXIT

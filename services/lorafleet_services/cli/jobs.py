@@ -35,6 +35,7 @@ from lorafleet_services.cli.follow import (
     duration,
     exit_code,
     follow,
+    follow_serving,
     human_bytes,
 )
 from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write_png
@@ -269,16 +270,28 @@ def watch(
     every_s: float = typer.Option(
         PLAIN_EVERY_S, "--every-s", min=0.1, help="Plain: a progress line at least this often."
     ),
+    until_served: bool = typer.Option(
+        False, "--until-served", help="After done: follow its serving until it settles."
+    ),
+    serve_timeout_s: float = typer.Option(
+        300.0, "--serve-timeout-s", min=1, help="With --until-served: the longest wait."
+    ),
 ) -> None:
     """Follow a job until it ends: a live display on a terminal, a line per
     state change and per tenth of the steps otherwise. Exit 0 done, 1 failed,
-    2 cancelled."""
+    2 cancelled; with --until-served, 3 when done but no engine serves it."""
     mode = choose_mode(plain, as_json, err)
-    job = run_client(
-        lambda c: follow(c, job_id, mode, err, every_s=every_s),
-        interrupted=f"stopped watching; job {job_id} goes on (`lorafleet cancel` stops it)",
+
+    async def go(c: Client) -> int:
+        job = await follow(c, job_id, mode, err, every_s=every_s)
+        if until_served and job.state == JobState.DONE:
+            return await follow_serving(c, job, mode, err, serve_timeout_s)
+        return exit_code(job)
+
+    code = run_client(
+        go, interrupted=f"stopped watching; job {job_id} goes on (`lorafleet cancel` stops it)"
     )
-    raise typer.Exit(exit_code(job))
+    raise typer.Exit(code)
 
 
 @app.command("cancel", rich_help_panel="Jobs")
