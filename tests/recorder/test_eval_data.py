@@ -48,8 +48,7 @@ async def test_an_evaluation_set_inline_or_named_is_stored_and_kept(running: Run
     await add_model(nc)
     obs = await nc.jetstream().object_store(N.datasets_bucket)
 
-    job, _ = await raw(nc, N.jobs_submit, {"model": "tiny", "data": QA, "eval_data": HELD,
-                                           "gpu_memory_mib": 100})  # fmt: skip
+    job, _ = await raw(nc, N.jobs_submit, _spec(eval_data=HELD))
     assert "error" not in job, job
     assert job["eval_dataset"] == dataset_object_name(_sha(HELD))
     assert job["eval_dataset_sha256"] == _sha(HELD) and job["eval_records"] == 3
@@ -59,12 +58,11 @@ async def test_an_evaluation_set_inline_or_named_is_stored_and_kept(running: Run
     assert got == job, "read back from the database as it was submitted"
 
     await obs.put("held.jsonl", HELD.encode())
-    named, _ = await raw(nc, N.jobs_submit, {"model": "tiny", "data": QA,
-                                             "eval_dataset": "held.jsonl", "gpu_memory_mib": 100})  # fmt: skip
+    named, _ = await raw(nc, N.jobs_submit, _spec(eval_dataset="held.jsonl"))
     assert named["eval_dataset"] == "held.jsonl" and named["eval_records"] == 3
     assert named["eval_dataset_sha256"] == _sha(HELD)
 
-    plain, _ = await raw(nc, N.jobs_submit, {"model": "tiny", "data": QA, "gpu_memory_mib": 100})
+    plain, _ = await raw(nc, N.jobs_submit, _spec())
     assert plain["eval_dataset"] is None and plain["eval_dataset_sha256"] is None
     assert plain["eval_records"] == 0
 
