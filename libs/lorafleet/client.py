@@ -40,6 +40,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import TypeVar
 
+import msgspec
 import nats.js.errors
 from nats.aio.client import Client as Nats
 
@@ -84,6 +85,10 @@ from lorafleet_schemas.messages import (
 )
 
 T = TypeVar("T")
+
+#: Records up to this size go inline in a submit (one message holds them);
+#: larger go to the datasets bucket first and the submit names them.
+INLINE_DATA_MAX_BYTES = 512 * 1024
 
 
 def job_order(job: JobRecord) -> tuple[int, dt.datetime]:
@@ -178,6 +183,23 @@ class Client:
                 return name
         await store.put(name, io.BytesIO(data))
         return name
+
+    async def with_data(
+        self, spec: JobSpec, data: bytes, eval_data: bytes | None = None
+    ) -> JobSpec:
+        """`spec` with its training data and its evaluation set (if any), each
+        inline (`data`, `eval_data`) up to INLINE_DATA_MAX_BYTES, else
+        uploaded and named (`dataset`, `eval_dataset`)."""
+        fields: dict[str, str] = {}
+        sets = (("data", "dataset", data), ("eval_data", "eval_dataset", eval_data))
+        for inline, named, records in sets:
+            if records is None:
+                continue
+            if len(records) > INLINE_DATA_MAX_BYTES:
+                fields[named] = await self.upload_dataset(records)
+            else:
+                fields[inline] = records.decode()
+        return msgspec.structs.replace(spec, **fields)
 
     # --- jobs ---
     async def submit(self, spec: JobSpec) -> JobRecord:

@@ -12,6 +12,7 @@ import tarfile
 import msgspec
 import nats
 import psutil
+import pytest
 from nats.js.kv import KeyValue
 
 from lorafleet import _bus as bus
@@ -24,6 +25,7 @@ from lorafleet_schemas.messages import (
     JobState,
     NodeCancelReply,
     NodeCancelRequest,
+    StartRequest,
     StatusReport,
 )
 from lorafleet_services.agent.cards import read_cards
@@ -261,6 +263,49 @@ async def test_failures_say_why(fleet: Bus) -> None:
     error = msgspec.json.decode(bad.data)["error"]
     assert error["code"] == "bad_request" and error["field"] == "$.job_id"
     assert error["message"] == bad.headers["Nats-Service-Error"]
+
+
+#: An evaluation set of three records (the stand-in's eval loss tells it by its size).
+HELD = b'{"q": "a?", "a": "b"}\n{"q": "c?", "a": "d"}\n{"q": "e?", "a": "f"}\n'
+
+
+async def test_an_evaluation_set_is_fetched_checked_and_given_to_the_trainer(
+    fleet: Bus,
+) -> None:
+    agent = await fleet.agent(env={"LORAFLEET_STANDIN_STEPS": "4"})
+    name, sha = await fleet.upload()
+    held, held_sha = await fleet.upload(HELD)
+
+    def with_eval(job_id: str, eval_sha: str, eval_name: str = held) -> StartRequest:
+        req = start_request(job_id, name, sha)
+        return msgspec.structs.replace(req, eval_dataset=eval_name, eval_dataset_sha256=eval_sha)
+
+    reports = await fleet.reports("node-1", "job-eval")
+    assert (await fleet.start(with_eval("job-eval", held_sha))).accepted
+    await reports.until(lambda r: r.message.startswith("delivered"), what="delivered")
+    assert any(r.message == "20 records; 3 in the evaluation set" for r in reports.items)
+    # The stand-in's eval loss is its loss plus a thousandth per evaluation record.
+    losses = {r.step: r.loss for r in reports.items if r.loss is not None}
+    evals = [(r.step, r.eval_loss) for r in reports.items if r.eval_loss is not None]
+    assert evals and all(e == pytest.approx(losses[s] + 0.003) for s, e in evals), evals
+    await finished(agent, "job-eval")
+
+    # An evaluation set whose bytes are not the job's sha256: refused before training.
+    bad = await fleet.reports("node-1", "job-evalsha")
+    other = hashlib.sha256(b"another set").hexdigest()
+    assert (await fleet.start(with_eval("job-evalsha", other))).accepted
+    r = await bad.until_state(JobState.FAILED)
+    assert not r.retryable
+    assert f"the evaluation set {held!r}" in r.message and other in r.message, r.message
+    assert not any("pid=" in x.message for x in bad.items), "the trainer ran"
+    await finished(agent, "job-evalsha")
+
+    # One that is not there.
+    gone = await fleet.reports("node-1", "job-evalgone")
+    assert (await fleet.start(with_eval("job-evalgone", held_sha, "sha256/gone"))).accepted
+    r = await gone.until_state(JobState.FAILED)
+    assert "the evaluation set 'sha256/gone' is not in the object store" in r.message, r.message
+    await finished(agent, "job-evalgone")
 
 
 async def test_no_card_and_no_cpu_fails_naming_the_node(fleet: Bus) -> None:

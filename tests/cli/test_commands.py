@@ -105,13 +105,18 @@ async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> Non
 
 
 async def test_jobs_show_draws_the_loss_curve_and_writes_a_png(up: Up) -> None:
-    job_id = await up.submit(40, "--param", "epochs=4", "--watch", "--plain")
+    held = up.data_dir.parent / "held.jsonl"
+    held.write_text('{"q": "a?", "a": "b"}\n{"q": "c?", "a": "d"}\n{"q": "e?", "a": "f"}\n')
+    job_id = await up.submit(
+        40, "--param", "epochs=4", "--eval-data", str(held), "--watch", "--plain"
+    )
     rc, out, _ = await up.lorafleet("jobs", "curve", job_id)
     assert [p["step"] for p in json.loads(out)["evals"]] == [10, 20, 30, 40]
     png = up.data_dir.parent / "loss.png"
     rc, out, err = await up.lorafleet("jobs", "show", job_id, "--png", str(png))
     assert rc == 0, err
     assert job_id in out and "state changes" in out and "step 40/40" in out, out
+    assert re.search(r"eval data +3 records, sha256/[0-9a-f]{64}", out), out
     assert re.search(r"[▀▄▚▞▖▗▘▝]{5}", out) and "eval loss" in out, out  # the curves, drawn
     head = png.read_bytes()[:24]
     assert head[:8] == b"\x89PNG\r\n\x1a\n" and head[12:16] == b"IHDR", head

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 import json
 
+import msgspec
 import openai
 import pytest
 
+from lorafleet_services.gateway.state import GatewayState
 from tests.eventually import eventually
 from tests.gateway.conftest import Gateway
 
@@ -39,6 +41,12 @@ async def test_what_does_not_exist_is_not_found(gateway: Gateway) -> None:
         with pytest.raises(openai.NotFoundError) as caught:
             await sdk.fine_tuning.jobs.create(model="tiny", training_file="file-nope")
         assert caught.value.param == "training_file"
+        good = await sdk.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
+        with pytest.raises(openai.NotFoundError, match="validation_file: no file") as caught:
+            await sdk.fine_tuning.jobs.create(
+                model="tiny", training_file=good.id, validation_file="file-nope"
+            )
+        assert caught.value.param == "validation_file"
         with pytest.raises(openai.NotFoundError) as caught:
             await sdk.chat.completions.create(
                 model="ft:nowhere::x", messages=[{"role": "user", "content": "hi"}]
@@ -65,11 +73,20 @@ async def test_wrong_requests_are_bad_requests_naming_the_fix(gateway: Gateway) 
         with pytest.raises(openai.BadRequestError, match=r'line 5: the record has no "a"'):
             await sdk.files.create(file=("a.jsonl", broken), purpose="fine-tune")
         uploaded = await sdk.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
-        with pytest.raises(openai.BadRequestError) as caught:
-            await sdk.fine_tuning.jobs.create(
-                model="tiny", training_file=uploaded.id, validation_file=uploaded.id
-            )
-        assert caught.value.param == "validation_file"
+        # A file of another purpose (no upload makes one yet: put as a future
+        # gateway version could) is no job's data.
+        state = GatewayState(
+            await gateway.stack.js.key_value(gateway.stack.settings.names.gateway_bucket)
+        )
+        kept = await state.file("alice", uploaded.id)
+        assert kept is not None
+        other = msgspec.structs.replace(kept, id="file-batch0", purpose="batch")
+        await state.put_file("alice", other)
+        for param in ("validation_file", "training_file"):
+            files = {"training_file": uploaded.id, param: other.id}
+            with pytest.raises(openai.BadRequestError, match="purpose 'batch'") as caught:
+                await sdk.fine_tuning.jobs.create(model="tiny", **files)  # type: ignore[arg-type]
+            assert caught.value.param == param
         with pytest.raises(
             openai.BadRequestError, match=r"<= 1000 - at `\$.hyperparameters.n_epochs`"
         ):

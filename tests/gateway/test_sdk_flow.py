@@ -1,11 +1,13 @@
 """The official openai SDK against the stand-in engine, for what the real
 vLLM cannot do cheaply: pagination over 25 jobs, cancel, pause and resume,
-a stream relayed as the engine sends it. The happy path, upload to chat
-with the fine-tuned model, runs on the real vLLM: test_sdk_real_vllm.py."""
+a stream relayed as the engine sends it, a validation file evaluated on.
+The happy path, upload to chat with the fine-tuned model, runs on the real
+vLLM: test_sdk_real_vllm.py."""
 
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
 import time
 from pathlib import Path
@@ -14,6 +16,8 @@ import pytest
 from openai import AsyncOpenAI
 from openai.types.fine_tuning import FineTuningJob
 
+from lorafleet.names import dataset_object_name
+from lorafleet_trainer.standin import TOKENS_PER_STEP
 from tests.gateway.conftest import Gateway
 from tests.gateway.engine import SLOW_GAP_S
 
@@ -23,6 +27,12 @@ DATA = "".join(
     json.dumps({"messages": [{"role": "user", "content": f"what is {i}+{i}?"},
                              {"role": "assistant", "content": str(2 * i)}]}) + "\n"
     for i in range(20)
+).encode()  # fmt: skip
+#: A validation file of 3 records (the stand-in's eval loss tells it by its size).
+HELD = "".join(
+    json.dumps({"messages": [{"role": "user", "content": f"what is {i}*{i}?"},
+                             {"role": "assistant", "content": str(i * i)}]}) + "\n"
+    for i in range(3)
 ).encode()  # fmt: skip
 #: Seconds a stand-in job has to succeed.
 JOB_TIMEOUT_S = 60.0
@@ -101,3 +111,34 @@ async def test_pause_keeps_the_checkpoint_and_resume_finishes_from_it(gateway: G
         done = await wait_status(sdk, job.id, "succeeded", "failed")
         assert done.status == "succeeded", done
         assert done.lorafleet["attempt"] == 2  # type: ignore[attr-defined]
+
+
+async def test_a_validation_file_is_the_jobs_evaluation_set(gateway: Gateway) -> None:
+    """validation_file -> the job's eval_dataset -> the agent fetches it -> the
+    trainer evaluates on it -> valid_loss in the metrics events. The
+    stand-in's eval loss is its train loss plus a thousandth per record of
+    the set it evaluated: 3 here, none had it held out of the training file."""
+    async with gateway.sdk() as sdk:
+        train = await sdk.files.create(file=("pairs.jsonl", DATA), purpose="fine-tune")
+        valid = await sdk.files.create(file=("held.jsonl", HELD), purpose="fine-tune")
+        job = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=train.id, validation_file=valid.id,
+            extra_body={"lorafleet": {"node": "node-1", "gpu_memory_mib": 1000}},
+        )  # fmt: skip
+        assert job.validation_file == valid.id
+        done = await wait_status(sdk, job.id, "succeeded", "failed")
+        assert done.status == "succeeded", done
+        assert (done.training_file, done.validation_file) == (train.id, valid.id)
+        events = [e async for e in sdk.fine_tuning.jobs.list_events(job.id, limit=100)]
+        listed = [j async for j in sdk.fine_tuning.jobs.list()]
+    record = await gateway.stack.get(done.id.removeprefix("ftjob-"))
+    assert record.eval_dataset == dataset_object_name(hashlib.sha256(HELD).hexdigest())
+    assert record.eval_records == 3 and record.records == 20
+    metrics = [e.data for e in events if e.type == "metrics"]
+    assert metrics and all(m is not None for m in metrics)
+    valid_losses = [(m["train_loss"], m["valid_loss"]) for m in metrics if m and "valid_loss" in m]
+    assert valid_losses, metrics
+    assert all(v == pytest.approx(t + 0.003, abs=1e-6) for t, v in valid_losses), valid_losses
+    # Every step the stand-in trained counts; it counts TOKENS_PER_STEP a step.
+    assert done.trained_tokens == record.steps * TOKENS_PER_STEP and record.steps > 0
+    assert [j.validation_file for j in listed if j.id == job.id] == [valid.id]

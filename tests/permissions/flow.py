@@ -12,13 +12,17 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from lorafleet import _bus as bus
-from lorafleet.client import Client
+from lorafleet.client import INLINE_DATA_MAX_BYTES, Client
 from lorafleet.log import Event
 from lorafleet_schemas.messages import ArtifactKind, Engine, JobRecord, JobSpec, ModelSpec
 from tests.permissions.conftest import IdentityFleet
 from tests.procs import ServiceProcess, agent_process
 
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
+#: An evaluation set over INLINE_DATA_MAX_BYTES: `with_data` uploads it, as the client.
+HELD = "".join(
+    json.dumps({"q": f"what is {i} times {i}?", "a": str(i * i)}) + "\n" for i in range(20_000)
+).encode()
 #: Seconds the job has to end (the stand-in trainer is fast).
 JOB_TIMEOUT_S = 40.0
 
@@ -44,6 +48,14 @@ class IdentitySystem:
             JobSpec(model="tiny", gpu_memory_mib=1000, dataset=dataset, node="node-1")
         )
         job = await c.wait(job.id, timeout_s=JOB_TIMEOUT_S)
+        # The data inline, the evaluation set too large for that: uploaded and named.
+        spec = JobSpec(model="tiny", gpu_memory_mib=1000, node="node-1")
+        sent = await c.with_data(spec, DATA.encode(), HELD)
+        assert len(HELD) > INLINE_DATA_MAX_BYTES and sent.eval_data is None
+        assert sent.data == DATA and sent.eval_dataset is not None and sent.dataset is None
+        held = await c.wait((await c.submit(sent)).id, timeout_s=JOB_TIMEOUT_S)
+        assert held.state.value == "done", held.message
+        assert (held.eval_dataset, held.eval_records) == (sent.eval_dataset, 20_000)
         out = tmp_path / "peft.tar.gz"
         await c.download(job.id, ArtifactKind.PEFT, out)
         return job, out

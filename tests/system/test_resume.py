@@ -86,8 +86,9 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
     stack: Stack,
 ) -> None:
     """SIGKILL of the node at step k, resume on another from the checkpoint at
-    c <= k: the same adapter (max abs difference <= 1e-6) and the same losses
-    from c + 1 on as the same job run without a break."""
+    c <= k: the same adapter (max abs difference <= 1e-6), the same losses and
+    eval losses (on the job's own evaluation set) from c + 1 on, and the same
+    trained tokens over both attempts as the same job run without a break."""
     base = build_tiny_model("llama", stack.tmp_path / "models" / "tiny-llama")
     await stack.call(
         stack.settings.names.models_add,
@@ -100,11 +101,14 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
         "max_steps": 30, "batch_size": 2, "max_seq_len": 64, "rank": 4, "alpha": 8,
         "checkpoint_every_steps": 4, "eval_fraction": 0.0,
     }  # fmt: skip
-    whole = await stack.submit("node-2", model="tiny-llama", params=params)
+    held = "".join(f'{{"q": "what is {i} times {i}?", "a": "{i * i}"}}\n' for i in range(3))
+    whole = await stack.submit("node-2", model="tiny-llama", params=params, eval_data=held)
     whole_done = await stack.wait_state(whole.id, *FINISHED, timeout_s=REAL_TIMEOUT_S)
     assert whole_done.state is JobState.DONE, whole_done.message
 
-    cut = await stack.submit("node-1", model="tiny-llama", params=params, max_attempts=2)
+    cut = await stack.submit(
+        "node-1", model="tiny-llama", params=params, max_attempts=2, eval_data=held
+    )
     seen = await checkpointed(stack, cut.id, 8, timeout_s=REAL_TIMEOUT_S)
     kill_agent(stack.agents["node-1"], cut.id)
     assert seen.checkpoint is not None
@@ -119,6 +123,11 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
     after = {p.step: p.loss for p in curve.points if p.step > resumed}
     expected = {p.step: p.loss for p in whole_curve.points if p.step > resumed}
     assert after == expected, (after, expected)
+    evals = {e.step: e.eval_loss for e in curve.evals if e.step > resumed}
+    assert evals and evals == {e.step: e.eval_loss for e in whole_curve.evals if e.step > resumed}
+    assert done.eval_records == 3 and done.eval_dataset == whole_done.eval_dataset
+    # trained_tokens: the steps before the checkpoint count, from its progress.
+    assert done.tokens_seen is not None and done.tokens_seen == whole_done.tokens_seen
     mine, theirs = await adapter_tensors(stack, cut.id), await adapter_tensors(stack, whole.id)
     assert mine.keys() == theirs.keys() and mine
     worst = max(float((mine[k] - theirs[k]).abs().max()) for k in mine)

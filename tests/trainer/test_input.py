@@ -117,6 +117,16 @@ def test_data_whose_sha256_differs_from_the_jobs_is_refused(
         ({"device": "tpu"}, "the job's device is 'tpu'"),
         ({"data_sha256": "ABC"}, "the job's data_sha256 is 'ABC'"),
         ({"data_path": "/nonexistent/data.jsonl"}, "the data file /nonexistent/data.jsonl"),
+        ({"eval_data_path": "/e.jsonl"}, "eval_data_path and eval_data_sha256 go together"),
+        (
+            {"eval_data_path": "/nonexistent/e.jsonl", "eval_data_sha256": "0" * 64},
+            "the eval data file /nonexistent/e.jsonl does not exist",
+        ),
+        # The evaluation set is checked as the data is (the trainer runs in the job's directory).
+        (
+            {"eval_data_path": "data.jsonl", "eval_data_sha256": "1" * 64},
+            f"the eval data's sha256 is {hashlib.sha256(ndjson(qa_records()).encode()).hexdigest()}",  # noqa: E501
+        ),
     ],
 )
 def test_a_bad_job_file_is_refused(

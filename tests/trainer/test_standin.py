@@ -72,6 +72,9 @@ def test_the_standin_checkpoints_and_continues_after_the_checkpoints_step(tmp_pa
     steps = resumed.events("step")
     assert [s["step"] for s in steps] == [5, 6]
     assert [s["loss"] for s in steps] == [s["loss"] for s in first.events("step")][4:]
+    # The tokens of the steps before the checkpoint count too (its progress holds them).
+    tokens = [r.events("done")[0]["summary"]["tokens_seen"] for r in (first, resumed)]
+    assert tokens == [600, 600]
 
     # A directory of checkpoints: its newest; "weights" starts from step 1.
     newest = _run(
@@ -82,6 +85,7 @@ def test_the_standin_checkpoints_and_continues_after_the_checkpoints_step(tmp_pa
     assert newest.events("step")[0]["step"] == 5
     weights = _run(_job(tmp_path / "d", resume={"dir": ckpts[0]["path"], "mode": "weights"}))
     assert weights.events("step")[0]["step"] == 1
+    assert weights.events("done")[0]["summary"]["tokens_seen"] == 600
 
 
 def test_the_standin_refuses_an_incomplete_checkpoint(tmp_path: Path) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
 import itertools
 import json
 import math
@@ -113,7 +115,8 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     assert summary == done["summary"]
     # The keys lorafleet_trainer.run's docstring lists.
     assert set(summary) == {
-        "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "records",
+        "job_id", "final_loss", "eval_loss", "params", "base", "data_sha256", "eval_data_sha256",
+        "records",
         "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
         "token_lengths", "padding_tokens", "chat_template",
         "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
@@ -123,7 +126,7 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
     assert summary["resumed_from"] is None and summary["checkpoints"] == 0
     assert summary["final_loss"] == run.events("step")[-1]["loss"]
     assert summary["eval_loss"] == run.events("eval")[-1]["eval_loss"]
-    assert summary["data_sha256"] == job["data_sha256"]
+    assert summary["data_sha256"] == job["data_sha256"] and summary["eval_data_sha256"] is None
     assert summary["base"]["local_dir"] == str(tiny_model(arch))
     assert summary["records"] == 16
     assert (summary["records_train"], summary["records_eval"]) == (14, 2)
@@ -197,6 +200,63 @@ def test_the_reloaded_adapter_reproduces_the_eval_loss_and_changes_outputs(
     assert base_loss > adapted_loss + 1.0, (base_loss, adapted_loss)
     diff = max(float((a - b).abs().max()) for a, b in zip(adapted, base, strict=True))
     assert diff > 1.0
+
+
+#: Questions the training records never ask: an evaluation set disjoint from them.
+UNSEEN = [
+    {"q": "What colour is grass?", "a": "Grass is green in the summer."},
+    {"q": "How many legs does a bird have?", "a": "A bird has two legs."},
+    {"q": "What do cows make?", "a": "Cows make milk."},
+]
+
+
+def test_an_evaluation_set_is_what_the_eval_loss_is_computed_on(
+    tiny_model: Callable[[str], Path], tmp_path: Path
+) -> None:
+    """With eval_data the trainer trains on every record (no share held out)
+    and evaluates on the set: the reported eval loss is the reloaded
+    adapter's loss on those records, computed here by hand. Held out of the
+    training data instead, the eval records would be repeats of trained
+    ones (qa_records repeats each), at a far lower loss."""
+    eval_text = ndjson(UNSEEN)
+    eval_path = tmp_path / "eval.jsonl"
+    eval_path.write_text(eval_text, encoding="utf-8")
+    eval_sha = hashlib.sha256(eval_text.encode()).hexdigest()
+    params = {**TRAIN_PARAMS, "epochs": 2}
+    job_path = write_job(tmp_path, tiny_model("llama"), data=ndjson(qa_records()), params=params,
+                         eval_data_path=str(eval_path), eval_data_sha256=eval_sha)  # fmt: skip
+    out = io.StringIO()  # in this process: a subprocess's imports cost more than the training
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
+        assert run(JobFile.read(job_path), LineWriter(out)) == 0
+    trainer = TrainerRun(0, [], [json.loads(x) for x in out.getvalue().splitlines()], "")
+    summary = trainer.events("done")[0]["summary"]
+    # Every one of the 16 records trained on: 4 steps an epoch (14 would be 4 too).
+    assert (summary["records"], summary["records_train"], summary["records_eval"]) == (16, 16, 3)
+    assert summary["eval_data_sha256"] == eval_sha
+    assert summary["tokens_seen"] > 0 and summary["steps"] == 8
+    messages = [x["message"] for x in trainer.events("log")]
+    assert any("3 in the evaluation set" in m and "eval_fraction 0.125 is unused" in m
+               for m in messages), messages  # fmt: skip
+    evals = trainer.events("eval")
+    assert [e["step"] for e in evals] == [4, 8]
+
+    from transformers import AutoTokenizer
+
+    (done,) = trainer.events("done")
+    model, _, torch = _reload(trainer, job_path)
+    tok = AutoTokenizer.from_pretrained(done["base_dir"])
+    template = (Path(done["adapter_dir"]) / "chat_template.jinja").read_text()
+    encoded = [encode_conversation(tok, template, c, 64)
+               for _, c in load_records(eval_path, eval_sha)]  # fmt: skip
+    by_hand, _ = _loss_and_logits(model, encoded, torch)
+    assert evals[-1]["eval_loss"] == pytest.approx(by_hand, rel=1e-4)
+    job = json.loads(job_path.read_text())
+    trained_on = load_records(Path(job["data_path"]), job["data_sha256"])[:4]
+    repeats, _ = _loss_and_logits(
+        model, [encode_conversation(tok, template, c, 64) for _, c in trained_on], torch
+    )
+    assert by_hand > repeats + 0.5, (by_hand, repeats)
 
 
 def test_messages_records_accumulation_max_steps_and_no_eval(

@@ -60,6 +60,8 @@ def fingerprint_of(job: JobFile, total_steps: int) -> dict[str, Any]:
     }
     out = {
         "data_sha256": job.data_sha256,
+        # None without an evaluation set: a checkpoint from before it matches.
+        "eval_data_sha256": job.eval_data_sha256,
         "model": job.base.model,
         "total_steps": total_steps,
         **params,

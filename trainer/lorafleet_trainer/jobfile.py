@@ -10,6 +10,11 @@ unless a default is given:
                  directory holding config.json, tokenizer files and *.safetensors.
     data_path    str: the records (lorafleet_trainer.records).
     data_sha256  str: lowercase hex sha256 of the data file; a mismatch is refused.
+    eval_data_path, eval_data_sha256  str | null (default null), both or neither:
+                 an evaluation set in the same format, checked the same way. With
+                 one, every record of data_path is trained on and the eval loss is
+                 computed on these (params.eval_fraction unused); without, the
+                 trainer holds out params.eval_fraction of data_path.
     out_dir      str: the adapter goes to <out_dir>/adapter (lorafleet_trainer.layout).
     params       object: the TrainerParams fields (lorafleet_schemas.messages),
                  each optional with the same defaults and bounds
@@ -101,11 +106,14 @@ class JobFile:
     checkpoint_dir: Path | None = None
     #: Where the job starts from, when not from scratch.
     resume: Resume | None = None
+    #: The evaluation set and its sha256; None: eval_fraction of the data is held out.
+    eval_data_path: Path | None = None
+    eval_data_sha256: str | None = None
 
     def to_json(self) -> str:
         """The job file's text (parse's input)."""
         raw = dataclasses.asdict(self)
-        for key in ("data_path", "out_dir", "checkpoint_dir"):
+        for key in ("data_path", "out_dir", "checkpoint_dir", "eval_data_path"):
             raw[key] = None if raw[key] is None else str(raw[key])
         if self.resume is not None:
             raw["resume"] = {"dir": str(self.resume.dir), "mode": self.resume.mode}
@@ -128,10 +136,12 @@ class JobFile:
         if not isinstance(raw, dict):
             raise BadInputError("the job file must hold a JSON object")
         base = parse_base(raw.get("base"))
-        sha = _str(raw, "data_sha256") or ""
-        if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        sha = _sha256(raw, "data_sha256")
+        eval_path = _str(raw, "eval_data_path", optional=True)
+        eval_sha = None if raw.get("eval_data_sha256") is None else _sha256(raw, "eval_data_sha256")
+        if (eval_path is None) != (eval_sha is None):
             raise BadInputError(
-                f"the job's data_sha256 is {sha!r}; it must be 64 lowercase hex digits"
+                "the job's eval_data_path and eval_data_sha256 go together: give both or neither"
             )
         device = raw.get("device", "cuda")
         if device not in DEVICES:
@@ -158,7 +168,16 @@ class JobFile:
             estimate_mib=mibs["estimate_mib"],
             checkpoint_dir=_path(_str(raw, "checkpoint_dir", optional=True)),
             resume=parse_resume(raw.get("resume")),
+            eval_data_path=_path(eval_path),
+            eval_data_sha256=eval_sha,
         )
+
+
+def _sha256(raw: dict[str, Any], key: str) -> str:
+    sha = _str(raw, key) or ""
+    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+        raise BadInputError(f"the job's {key} is {sha!r}; it must be 64 lowercase hex digits")
+    return sha
 
 
 def parse_base(raw: Any) -> Base:

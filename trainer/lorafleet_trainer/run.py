@@ -8,14 +8,17 @@ trained in fp32). The summary
 (also the "done" line's) holds job_id, final_loss, eval_loss (null without a
 held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
 data_sha256, records, records_train, records_eval, records_cut,
-records_skipped (both of the records tokenized), records_tokenized (fewer than
+records_skipped (both of the records tokenized), eval_data_sha256 (null
+without an evaluation set; with one records_eval counts its records), records_tokenized (fewer than
 records when max_steps ends the job before the data does), token_lengths
 {min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
 steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
 wall_time_s, peak_mib, device, dtype, trainable_parameters, versions {python, torch,
 transformers, peft, accelerate, safetensors}, resumed_from (null, or {mode, dir,
 step}: the checkpoint's step, 0 for "weights") and checkpoints (written by this
-run). A resumed run's tokens_seen, train_time_s and steps count from step 1.
+run). A run resumed ("continue") from a checkpoint goes on from the progress
+it holds: its steps, tokens_seen, padding_tokens and train_time_s count every
+step since step 1, those trained before the checkpoint too.
 """
 
 from __future__ import annotations
@@ -65,21 +68,44 @@ from lorafleet_trainer.rendering import PLAIN_TEMPLATE, Tokens, chat_template_of
 from lorafleet_trainer.resume import apply_resume, check_resume, describe_resume, restore_rng
 
 
-def load_records(path: Path, want_sha256: str) -> list[tuple[int, Conversation]]:
+def load_records(
+    path: Path, want_sha256: str, what: str = "data"
+) -> list[tuple[int, Conversation]]:
     """(line number, record) of each non-blank line of the data file, after
-    checking its sha256 against the job's."""
+    checking its sha256 against the job's; `what` names the file in errors."""
     if not path.is_file():
-        raise BadInputError(f"the data file {path} does not exist")
+        raise BadInputError(f"the {what} file {path} does not exist")
     got = file_sha256(path)
     if got != want_sha256:
-        raise BadInputError(f"the data's sha256 is {got}, the job's is {want_sha256}")
+        raise BadInputError(f"the {what}'s sha256 is {got}, the job's is {want_sha256}")
     try:
         records = read_records(path)
     except RecordError as e:
-        raise BadInputError(f"data {e}") from None
+        raise BadInputError(f"{what} {e}") from None
     if not records:
-        raise BadInputError(f"the data file {path} holds no records")
+        raise BadInputError(f"the {what} file {path} holds no records")
     return records
+
+
+def load_data(
+    job: JobFile, lines: LineWriter
+) -> tuple[list[tuple[int, Conversation]], tuple[list[int], list[int]]]:
+    """The records and their (train, eval) indices. With an evaluation set,
+    every record of the data is trained on and the set's records, appended,
+    are evaluated on; without, params.eval_fraction of the data is held out."""
+    p = job.params
+    records = load_records(job.data_path, job.data_sha256)
+    if job.eval_data_path is None or job.eval_data_sha256 is None:
+        split = split_records(len(records), p.eval_fraction, p.seed)
+        lines.log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
+        return records, split
+    held = load_records(job.eval_data_path, job.eval_data_sha256, "eval data")
+    n = len(records)
+    lines.log(
+        f"{n} records, all to train on; {len(held)} in the evaluation set (eval_data), "
+        f"so params.eval_fraction {p.eval_fraction:g} is unused"
+    )
+    return records + held, (list(range(n)), list(range(n, n + len(held))))
 
 
 def preparing_progress(total: int, lines: LineWriter) -> Callable[[int], None]:
@@ -112,13 +138,11 @@ def run(job: JobFile, lines: LineWriter) -> int:
     (a failure raises the exception of its exit code)."""
     started = time.time()
     p = job.params
-    records = load_records(job.data_path, job.data_sha256)
-    split = split_records(len(records), p.eval_fraction, p.seed)
     if job.device == "cpu":
         resolve_dtype(p.dtype, "cpu")  # fp16 is refused before anything loads
     versions = library_versions()
     lines.log("versions: " + ", ".join(f"{k} {v}" for k, v in versions.items()))
-    lines.log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
+    records, split = load_data(job, lines)
 
     if job.hf_offline:
         os.environ["HF_HUB_OFFLINE"] = "1"  # read when huggingface_hub is imported
@@ -295,7 +319,9 @@ def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, A
             "base_dir": str(base_dir),
         },
         "data_sha256": job.data_sha256,
-        "records": len(inputs.records),
+        "eval_data_sha256": job.eval_data_sha256,
+        # The data file's records (an evaluation set's come after them).
+        "records": len(inputs.records) - (len(held_out) if job.eval_data_path else 0),
         "records_train": len(train),
         "records_eval": len(held_out),
         "records_cut": tokens.cut,

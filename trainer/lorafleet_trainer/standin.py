@@ -23,6 +23,13 @@ depend only on the step, so a resumed run prints the uninterrupted one's.
 starts from step 1. A dir holding step-* directories means its newest
 complete one.
 
+Tokens: every step trains TOKENS_PER_STEP; a checkpoint's progress holds the
+count, a "continue" goes on from it, so the done summary's tokens_seen is
+the uninterrupted run's. Evaluation: with the job's evaluation set
+(eval_data_path, its sha256 checked as the data's) the eval loss is the
+step's loss plus a thousandth per record of that set, so a test can tell
+which set was evaluated; without one it is the step's loss.
+
 Knobs: the LORAFLEET_STANDIN_* settings in the job's environment, listed
 once in docs/operations.md ("A dry run: the stand-in trainer").
 Its first log line names its pids: "pid=<pid> child_pid=<pid or 0>"; the
@@ -58,6 +65,8 @@ from lorafleet_trainer.protocol import BadInputError, Event, ExitCode, LineWrite
 
 #: Bytes of the stand-in adapter's weights file.
 ADAPTER_WEIGHTS_BYTES = 64 * 1024
+#: Tokens each stand-in step counts as trained on.
+TOKENS_PER_STEP = 100
 
 
 def adapter_files(job_id: str) -> dict[str, bytes]:
@@ -139,7 +148,7 @@ class Checkpoints:
             "step": step,
             "epoch": epoch,
             "position": {"epoch": epoch, "index": index},
-            "progress": {"step": step},
+            "progress": {"step": step, "tokens": step * TOKENS_PER_STEP},
             "files": {ADAPTER_WEIGHTS: len(weights)},
             "time": round(time.time(), 3),
             "standin": True,
@@ -169,27 +178,30 @@ def _checkpoint_meta(d: Path) -> dict[str, Any]:
     return meta
 
 
-def resume_step(job: JobFile, lines: LineWriter) -> int:
-    """The step a resume goes on after: a checkpoint's for "continue", 0 otherwise."""
+def resume_step(job: JobFile, lines: LineWriter) -> tuple[int, int]:
+    """The step a resume goes on after and the tokens trained by then: a
+    checkpoint's for "continue", (0, 0) otherwise."""
     if job.resume is None:
-        return 0
+        return 0, 0
     d = job.resume.dir
     if job.resume.mode == "weights":
         if (d / ADAPTER_WEIGHTS).is_file() and not is_temporary(d):
-            return 0
+            return 0, 0
         _checkpoint_meta(d)
-        return 0
-    step = int(_checkpoint_meta(d)["step"])
+        return 0, 0
+    meta = _checkpoint_meta(d)
+    step = int(meta["step"])
     lines.emit(Event.LOG, message=f"resuming from {d}: step {step}", level="info")
-    return step
+    return step, int(meta.get("progress", {}).get("tokens", 0))
 
 
 def _steps(
     lines: LineWriter, steps: int, epochs: int, step_s: float, fail_at: int, first: int,
-    ckpt: Checkpoints,
+    ckpt: Checkpoints, eval_offset: float,
 ) -> float | None:  # fmt: skip
-    """The step and eval lines of a falling loss, from step `first`; the last
-    loss, or None after failing at `fail_at` as asked."""
+    """The step and eval lines of a falling loss, from step `first` (the eval
+    loss `eval_offset` above it); the last loss, or None after failing at
+    `fail_at` as asked."""
     per_epoch = max(1, -(-steps // epochs))
     loss = 2.5 * 0.9 ** (first - 1)
     started = time.monotonic()
@@ -215,11 +227,13 @@ def _steps(
         )
         ckpt.after_step(step, epoch, step - (epoch - 1) * per_epoch)
         if step % per_epoch == 0 or step == steps:
-            lines.emit(Event.EVAL, step=step, epoch=epoch, eval_loss=round(loss, 6))
+            lines.emit(Event.EVAL, step=step, epoch=epoch, eval_loss=round(loss + eval_offset, 6))
     return loss
 
 
-def _save(lines: LineWriter, job: JobFile, loss: float, steps: int, records: int) -> None:
+def _save(
+    lines: LineWriter, job: JobFile, loss: float, steps: int, records: int, tokens: int
+) -> None:
     lines.emit(Event.STATE, state="saving", message="writing the stand-in adapter")
     out = job.out_dir / ADAPTER_DIR
     out.mkdir(parents=True, exist_ok=True)
@@ -230,8 +244,21 @@ def _save(lines: LineWriter, job: JobFile, loss: float, steps: int, records: int
         Event.DONE,
         adapter_dir=str(out),
         base_dir=base_dir,
-        summary={"final_loss": round(loss, 6), "steps": steps, "records": records},
+        summary={
+            "final_loss": round(loss, 6),
+            "steps": steps,
+            "records": records,
+            "tokens_seen": tokens,
+        },
     )
+
+
+def _count_records(path: Path, sha256: str, key: str) -> int:
+    """The non-blank lines of a data file whose sha256 must be the job's `key`'s."""
+    data = path.read_bytes()
+    if hashlib.sha256(data).hexdigest() != sha256:
+        raise BadInputError(f"the {key} file's sha256 differs from the job's {key}_sha256")
+    return sum(1 for line in data.splitlines() if line.strip())
 
 
 def main(argv: list[str]) -> int:
@@ -256,14 +283,18 @@ def main(argv: list[str]) -> int:
     print("stand-in: a stdout line that is not the protocol", flush=True)
     lines.emit(Event.STATE, state="preparing", message="stand-in trainer: no weights to load")
 
-    data = job.data_path.read_bytes()
-    if hashlib.sha256(data).hexdigest() != job.data_sha256:
-        lines.emit(Event.ERROR, message="the data file's sha256 differs from the job's data_sha256")
-        return ExitCode.BAD_INPUT
-    records = sum(1 for line in data.splitlines() if line.strip())
-    lines.emit(Event.LOG, message=f"{records} records", level="info")
     try:
-        done = resume_step(job, lines)
+        records = _count_records(job.data_path, job.data_sha256, "data")
+        eval_records = 0
+        if job.eval_data_path is not None and job.eval_data_sha256 is not None:
+            eval_records = _count_records(job.eval_data_path, job.eval_data_sha256, "eval_data")
+    except BadInputError as e:
+        lines.emit(Event.ERROR, message=str(e))
+        return ExitCode.BAD_INPUT
+    held = f"; {eval_records} in the evaluation set" if eval_records else ""
+    lines.emit(Event.LOG, message=f"{records} records{held}", level="info")
+    try:
+        done, tokens_before = resume_step(job, lines)
     except BadInputError as e:
         lines.emit(Event.ERROR, message=str(e))
         return ExitCode.BAD_INPUT
@@ -276,10 +307,12 @@ def main(argv: list[str]) -> int:
     while hang:
         time.sleep(60)
 
-    loss = _steps(lines, steps, job.params.epochs, step_s, fail_at, done + 1, ckpt)
+    loss = _steps(
+        lines, steps, job.params.epochs, step_s, fail_at, done + 1, ckpt, eval_records / 1000
+    )
     if loss is None:
         return fail_exit
-    _save(lines, job, loss, steps, records)
+    _save(lines, job, loss, steps, records, tokens_before + (steps - done) * TOKENS_PER_STEP)
     if child_pid:
         os.kill(child_pid, signal.SIGTERM)
     return ExitCode.DONE

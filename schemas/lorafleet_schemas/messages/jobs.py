@@ -65,6 +65,7 @@ class TrainerParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = "auto"
     seed: int = 42
     #: Share of the records held out for the per-epoch eval loss; default 0.1.
+    #: Unused when the job has an evaluation set (JobSpec.eval_data).
     eval_fraction: Annotated[float, Meta(ge=0, lt=1)] = 0.1
     #: A checkpoint (the adapter, optimizer, LR scheduler and RNG states and the
     #: position in the data plan) every this many optimizer steps; default 0:
@@ -85,6 +86,8 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     or named (`dataset`, an object in the `lorafleet_datasets` bucket, as
     `nats object put lorafleet_datasets FILE` leaves it). Records are
     `{"q": ..., "a": ...}` or `{"messages": [{"role": ..., "content": ...}]}`.
+    An evaluation set, when given, is the same: inline (`eval_data`) or
+    named (`eval_dataset`), at most one of the two, the same records.
     """
 
     model: SubjectToken
@@ -96,6 +99,12 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     node: SubjectToken | None = None
     data: str | None = None
     dataset: str | None = None
+    #: The records the eval loss is computed on (inline NDJSON). With an
+    #: evaluation set the trainer trains on every training record and
+    #: params.eval_fraction is unused; without one it holds that share out.
+    eval_data: str | None = None
+    #: The evaluation set by name, an object in `lorafleet_datasets` (as `dataset`).
+    eval_dataset: str | None = None
     params: TrainerParams = msgspec.field(default_factory=TrainerParams)
     #: Queue the job even when gpu_memory_mib is below the memory estimate.
     ignore_estimate: bool = False
@@ -223,10 +232,18 @@ class JobRecord(msgspec.Struct, kw_only=True):
     version: int = 0
     #: See JobSpec.serve.
     serve: bool | None = None
-    #: The tokens the trainer trained on (padding not counted) in the
-    #: attempt that finished, from its done summary; None until then, and
-    #: for a trainer that does not count them.
+    #: The tokens the trainer trained on (padding not counted) over every
+    #: attempt: a run resumed from a checkpoint starts from the count it
+    #: holds. From the done summary; None until then, and for a trainer
+    #: that does not count them.
     tokens_seen: int | None = None
+    #: The object in `lorafleet_datasets` that holds the evaluation set
+    #: (JobSpec.eval_data / eval_dataset); None: the trainer holds out
+    #: params.eval_fraction of the training data instead.
+    eval_dataset: str | None = None
+    eval_dataset_sha256: str | None = None
+    #: The evaluation set's records (0 without one).
+    eval_records: int = 0
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -31,6 +31,10 @@ class StartRequest(msgspec.Struct, kw_only=True):
     resume: CheckpointRef | None = None
     #: JobSpec.serve: load the adapter into the node's engines when done.
     serve: bool | None = None
+    #: The evaluation set's object in `lorafleet_datasets` (JobRecord.eval_dataset),
+    #: fetched and checked against its sha256 as the dataset; None: none.
+    eval_dataset: str | None = None
+    eval_dataset_sha256: Sha256Hex | None = None
 
 
 class StartReply(msgspec.Struct, kw_only=True):

@@ -1,4 +1,5 @@
-"""Objects fetched onto the node: the job's dataset, and what it resumes from.
+"""Objects fetched onto the node: the job's dataset (and evaluation set), and
+what it resumes from.
 
 A node may read the datasets and the artifacts buckets by message gets
 only (`lorafleet.objects.read_object`; lorafleet.permissions allows
@@ -14,6 +15,15 @@ from nats.js import JetStreamContext
 
 from lorafleet import objects
 from lorafleet.artifacts import file_sha256
+from lorafleet_schemas.messages import StartRequest
+
+#: In the job directory: the training data, and the evaluation set beside it.
+DATA_FILE, EVAL_DATA_FILE = "data.jsonl", "eval.jsonl"
+
+
+class DatasetFetchError(Exception):
+    """A job's data could not be fetched, or is not what the job says; the
+    message is what the job's `failed` report says."""
 
 
 async def fetch_object(js: JetStreamContext, bucket: str, name: str, path: Path) -> tuple[int, str]:
@@ -33,3 +43,29 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, path: Path)
         await asyncio.to_thread(f.close)
     sha = await asyncio.to_thread(file_sha256, path)
     return path.stat().st_size, sha
+
+
+async def fetch_datasets(
+    js: JetStreamContext, bucket: str, req: StartRequest, job_dir: Path
+) -> None:
+    """The job's dataset into job_dir/DATA_FILE and its evaluation set, if it
+    has one, into job_dir/EVAL_DATA_FILE, each checked against the sha256
+    the job holds (what the recorder validated)."""
+    sets = [(req.dataset, req.dataset_sha256, DATA_FILE, "dataset")]
+    if req.eval_dataset is not None and req.eval_dataset_sha256 is not None:
+        sets.append((req.eval_dataset, req.eval_dataset_sha256, EVAL_DATA_FILE, "evaluation set"))
+    for name, want_sha256, file, what in sets:
+        try:
+            _size, sha = await fetch_object(js, bucket, name, job_dir / file)
+        except objects.ObjectNotFoundError:
+            raise DatasetFetchError(
+                f"the {what} {name!r} is not in the object store {bucket}: "
+                "submit the job's data again"
+            ) from None
+        except Exception as e:
+            raise DatasetFetchError(f"fetching the {what} {name!r} from {bucket}: {e!r}") from None
+        if sha != want_sha256:
+            raise DatasetFetchError(
+                f"the {what} {name!r} in {bucket} has sha256 {sha}, but the job says "
+                f"{want_sha256}: it was replaced or damaged; submit the data again"
+            )

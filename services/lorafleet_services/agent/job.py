@@ -48,7 +48,7 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 
-from lorafleet import log, objects
+from lorafleet import log
 from lorafleet._process import die_with_parent
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -60,7 +60,12 @@ from lorafleet_services.agent.cards import CardChoice, NoCardError
 from lorafleet_services.agent.checkpoints import CheckpointSender
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment_protocol import TrainerEnvironment, TrainerSetupError
-from lorafleet_services.agent.fetch import fetch_object
+from lorafleet_services.agent.fetch import (
+    DATA_FILE,
+    EVAL_DATA_FILE,
+    DatasetFetchError,
+    fetch_datasets,
+)
 from lorafleet_services.agent.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.process import ManagedProcess, ProcessResult
 from lorafleet_services.agent.serve_orders import ServeOrder
@@ -172,8 +177,10 @@ def job_file(
 
     checkpoint_dir: where the trainer writes its checkpoints (the agent
     delivers and removes them: agent/checkpoints.py); resume: where it
-    starts from (agent/resume.py's entry {"dir", "mode"}), or None.
+    starts from (agent/resume.py's entry {"dir", "mode"}), or None. The
+    evaluation set, when the job has one, is EVAL_DATA_FILE beside the data.
     """
+    has_eval = req.eval_dataset is not None
     return JobFile(
         job_id=req.job_id,
         base=Base(
@@ -192,6 +199,8 @@ def job_file(
         estimate_mib=job_estimate_mib(req),
         checkpoint_dir=job_dir / CHECKPOINTS_DIR,
         resume=parse_resume(resume),
+        eval_data_path=data_path.with_name(EVAL_DATA_FILE) if has_eval else None,
+        eval_data_sha256=req.eval_dataset_sha256 if has_eval else None,
     )
 
 
@@ -322,8 +331,11 @@ class JobRun:
 
     async def _pipeline(self) -> None:
         await asyncio.to_thread(self._make_dir)
-        data_path = self.job_dir / "data.jsonl"
-        await self._fetch_dataset(data_path)
+        data_path = self.job_dir / DATA_FILE
+        try:
+            await fetch_datasets(self.js, self.names.datasets_bucket, self.req, self.job_dir)
+        except DatasetFetchError as e:
+            raise JobStepError(str(e)) from None
         resume = await self._fetch_resume()
         self.reporter.report(message="preparing the trainer's environment")
         env = await self._environment()
@@ -404,24 +416,6 @@ class JobRun:
         shutil.rmtree(self.job_dir, ignore_errors=True)
         self.job_dir.mkdir(parents=True, mode=0o755)
         (self.job_dir / CHECKPOINTS_DIR).mkdir(mode=0o755)
-
-    async def _fetch_dataset(self, path: Path) -> None:
-        bucket = self.names.datasets_bucket
-        name = self.req.dataset
-        try:
-            _size, sha = await fetch_object(self.js, bucket, name, path)
-        except objects.ObjectNotFoundError:
-            raise JobStepError(
-                f"the dataset {name!r} is not in the object store {bucket}: "
-                "submit the job's data again"
-            ) from None
-        except Exception as e:
-            raise JobStepError(f"fetching the dataset {name!r} from {bucket}: {e!r}") from None
-        if sha != self.req.dataset_sha256:
-            raise JobStepError(
-                f"the dataset {name!r} in {bucket} has sha256 {sha}, but the job says "
-                f"{self.req.dataset_sha256}: it was replaced or damaged; submit the data again"
-            )
 
     async def _fetch_resume(self) -> dict[str, Any] | None:
         """What job.json's `resume` says: the checkpoint or adapter fetched,
@@ -560,7 +554,15 @@ class JobRun:
             shutil.rmtree(self.job_dir, ignore_errors=True)
             return
         # Keep what explains the failure; drop the bulk.
-        bulk = ("data.jsonl", "out", "adapter.tar.gz", "adapter.gguf", CHECKPOINTS_DIR, "resume")
+        bulk = (
+            DATA_FILE,
+            EVAL_DATA_FILE,
+            "out",
+            "adapter.tar.gz",
+            "adapter.gguf",
+            CHECKPOINTS_DIR,
+            "resume",
+        )
         for name in bulk:
             p = self.job_dir / name
             if p.is_dir():

@@ -40,10 +40,6 @@ from lorafleet_services.cli.follow import (
 )
 from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write_png
 
-#: Data up to this size goes inline in the submit; larger goes to the datasets bucket.
-INLINE_DATA_MAX_BYTES = 512 * 1024
-
-
 _PARAM = typer.Option([], metavar="KEY=VALUE", help="A trainer parameter; repeatable.")
 _MAX_ATTEMPTS = typer.Option(
     1,
@@ -56,6 +52,13 @@ _RESUME_FROM = typer.Option(
     None,
     metavar="JOB",
     help="Start from that job's newest checkpoint (else its adapter) and train on this data.",
+)
+_EVAL_DATA = typer.Option(
+    None,
+    help="An evaluation set (the same records): the eval loss is computed on it and "
+    "every record of --data is trained on (eval_fraction unused).",
+    exists=True,
+    dir_okay=False,
 )
 _SERVE = typer.Option(
     None,
@@ -73,6 +76,7 @@ def submit(
     data: Path = typer.Option(
         ..., help="NDJSON of {q, a} or {messages} records.", exists=True, dir_okay=False
     ),
+    eval_data: Path | None = _EVAL_DATA,
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
     param: list[str] = _PARAM,
@@ -90,8 +94,10 @@ def submit(
     resume_from: str | None = _RESUME_FROM,
     serve: bool | None = _SERVE,
 ) -> None:
-    """Queue a training job. Data over 512 KiB goes to the datasets bucket first."""
+    """Queue a training job. Data (and an evaluation set) over 512 KiB goes
+    to the datasets bucket first."""
     body = data.read_bytes()
+    eval_body = None if eval_data is None else eval_data.read_bytes()
     trainer = parse_params(param, params)
     if dry_run:
         show_estimate(model, trainer, gpu_mib)
@@ -109,12 +115,9 @@ def submit(
     )
 
     async def go(c: Client) -> JobRecord:
-        if len(body) > INLINE_DATA_MAX_BYTES:
-            sent = msgspec.structs.replace(spec, dataset=await c.upload_dataset(body))
-        else:
-            sent = msgspec.structs.replace(spec, data=body.decode())
-        job = await c.submit(sent)
-        err.print(f"queued job [bold]{job.id}[/bold] ({job.records} records)")
+        job = await c.submit(await c.with_data(spec, body, eval_body))
+        held = f", {job.eval_records} to evaluate on" if job.eval_dataset else ""
+        err.print(f"queued job [bold]{job.id}[/bold] ({job.records} records{held})")
         if watch_:
             return await follow(c, job.id, choose_mode(plain, as_json, err), err)
         return job
@@ -217,6 +220,7 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
         ),
         ("checkpoint", checkpoint_line(job)),
         ("data", f"{job.records} records, {job.dataset}"),
+        ("eval data", eval_data_line(job)),
         ("params", ", ".join(f"{k}={v}" for k, v in msgspec.structs.asdict(job.params).items())),
         ("progress", f"step {job.step}/{job.steps}" if job.steps else "-"),
         ("loss", f"{job.loss:.4g}" if job.loss is not None else "-"),
@@ -231,6 +235,13 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
     for key, value in rows:
         table.add_row(key, Text(value))
     return table
+
+
+def eval_data_line(job: JobRecord) -> str:
+    """What the eval loss is computed on: the job's evaluation set, or a held-out share."""
+    if job.eval_dataset is None:
+        return f"{job.params.eval_fraction:.0%} of the data held out (eval_fraction)"
+    return f"{job.eval_records} records, {job.eval_dataset}"
 
 
 def checkpoint_line(job: JobRecord) -> str:

@@ -132,12 +132,16 @@ def trainer_params(create: JobCreate, hp: Hyperparameters) -> TrainerParams:
         raise bad_request(f"a hyperparameter is out of range: {e}", "hyperparameters") from None
 
 
-def job_spec(create: JobCreate, file: FileRecord, params: TrainerParams) -> JobSpec:
+def job_spec(
+    create: JobCreate, file: FileRecord, params: TrainerParams, validation: FileRecord | None = None
+) -> JobSpec:
+    """The job to submit: `file`'s data, `validation`'s as its evaluation set."""
     ext = create.lorafleet
     return JobSpec(
         model=create.model,
         name=create.suffix or "",
         dataset=file.dataset,
+        eval_dataset=None if validation is None else validation.dataset,
         params=params,
         node=ext.node if ext else None,
         gpu_memory_mib=ext.gpu_memory_mib if ext else None,
@@ -151,6 +155,7 @@ def job_fields(create: JobCreate, job: JobRecord, now: dt.datetime) -> JobFields
         job_id=job.id,
         model=create.model,
         training_file=create.training_file,
+        validation_file=create.validation_file,
         suffix=create.suffix,
         seed=params.seed,
         metadata=create.metadata,

@@ -141,24 +141,36 @@ async def _decode_json(request: Request, typ: type[Any]) -> Any:
         raise bad_request(f"the request body is not JSON: {e}") from None
 
 
+async def _fine_tune_file(ctx: GatewayContext, owner: str, file_id: str, param: str) -> FileRecord:
+    """The caller's file `file_id` for a job's `param` (training_file,
+    validation_file): OpenAI's 404 when there is none, 400 when it was not
+    uploaded for fine-tuning."""
+    file = await ctx.state.file(owner, file_id)
+    if file is None:
+        raise not_found(
+            f"{param}: no file {file_id!r}: upload the data with "
+            f'POST /v1/files (purpose="{FINE_TUNE}") and pass its id',
+            param,
+        )
+    if file.purpose != FINE_TUNE:
+        raise bad_request(
+            f"{param}: the file {file_id!r} has purpose {file.purpose!r}; a job's data "
+            f'must be uploaded with purpose="{FINE_TUNE}"',
+            param,
+        )
+    return file
+
+
 async def create_job(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
     create: JobCreate = await _decode_json(request, JobCreate)
+    file = await _fine_tune_file(ctx, owner, create.training_file, "training_file")
+    validation = None
     if create.validation_file is not None:
-        raise bad_request(
-            "validation_file: lorafleet's trainer evaluates on a held-out share of the "
-            "training file (its eval_fraction, default 10%); leave validation_file out",
-            "validation_file",
-        )
-    file = await ctx.state.file(owner, create.training_file)
-    if file is None:
-        raise not_found(
-            f"no file {create.training_file!r}: upload the training data with "
-            'POST /v1/files (purpose="fine-tune") and pass its id',
-            "training_file",
-        )
+        validation = await _fine_tune_file(ctx, owner, create.validation_file, "validation_file")
     hp = jm.requested_hyperparameters(create)
-    job = await ctx.client.submit(jm.job_spec(create, file, jm.trainer_params(create, hp)))
+    spec = jm.job_spec(create, file, jm.trainer_params(create, hp), validation)
+    job = await ctx.client.submit(spec)
     fields = jm.job_fields(create, job, dt.datetime.now(dt.UTC))
     await ctx.state.put_job(owner, fields)
     return json_response(jm.to_openai(job, fields, owner, dt.datetime.now(dt.UTC)))

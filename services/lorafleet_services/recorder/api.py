@@ -191,25 +191,26 @@ class RecorderApi:
                 '("dataset": an object in the datasets bucket), exactly one of the two',
                 "$.data",
             )
-        if spec.data is not None:
-            content = spec.data.encode()
-            records, sha = self._check_data(content, "$.data")
-            dataset = dataset_object_name(sha)
-            # Stored before the job exists, so a job never names missing data.
-            await self.datasets.put(dataset, content)
-        elif spec.dataset is not None:  # always, after the check above
-            dataset = spec.dataset
-            stored = await self.datasets.get(dataset)
-            if stored is None:
-                raise NotFoundError(
-                    f"no object {dataset} in bucket {self.names.datasets_bucket}: upload it "
-                    f"with `nats object put {self.names.datasets_bucket} FILE` or send the "
-                    "data inline",
-                    "$.dataset",
-                )
-            records, sha = self._check_data(stored, "$.dataset")
-            _check_named_by_content(dataset, sha)
-        job = await store.create_job(self.sm, spec, model, dataset, sha, records)
+        if spec.eval_data is not None and spec.eval_dataset is not None:
+            raise BadRequestError(
+                'give the evaluation set either inline ("eval_data": NDJSON text) or by name '
+                '("eval_dataset": an object in the datasets bucket), not both',
+                "$.eval_data",
+            )
+        # Both sets are checked before either is stored: a refused job stores nothing.
+        train = await self._checked_data(spec.data, spec.dataset, "data", "dataset")
+        eval_set = None
+        if spec.eval_data is not None or spec.eval_dataset is not None:
+            eval_set = await self._checked_data(
+                spec.eval_data, spec.eval_dataset, "eval_data", "eval_dataset"
+            )
+        for inline, stored in ((spec.data, train), (spec.eval_data, eval_set)):
+            if inline is not None and stored is not None:
+                # Stored before the job exists, so a job never names missing data.
+                await self.datasets.put(stored.name, inline.encode())
+        job = await store.create_job(
+            self.sm, spec, model, train.name, train.sha256, train.records, eval_set=eval_set
+        )
         metrics.JOBS_SUBMITTED.inc()
         self.logger.info(
             Event.JOB_QUEUED,
@@ -269,12 +270,28 @@ class RecorderApi:
         await self._publish(change)
         return job
 
-    @staticmethod
-    def _check_data(content: bytes, where: str) -> tuple[int, str]:
-        try:
-            return training_data.validate(content)
-        except training_data.DataError as e:
-            raise BadRequestError(f"the training data: {e}", where) from None
+    async def _checked_data(
+        self, inline: str | None, named: str | None, inline_field: str, named_field: str
+    ) -> store.StoredData:
+        """Records given inline or by name, checked by the records' rule
+        (lorafleet.training_data); nothing stored yet. The errors name the
+        field: the training data's and the evaluation set's are alike."""
+        if inline is not None:
+            content = inline.encode()
+            records, sha = _check_data(content, inline_field)
+            return store.StoredData(dataset_object_name(sha), sha, records)
+        name = named or ""
+        stored = await self.datasets.get(name)
+        if stored is None:
+            raise NotFoundError(
+                f"no object {name} in bucket {self.names.datasets_bucket} ({named_field}): "
+                f"upload it with `nats object put {self.names.datasets_bucket} FILE` or send "
+                f'the records inline ("{inline_field}")',
+                f"$.{named_field}",
+            )
+        records, sha = _check_data(stored, named_field)
+        _check_named_by_content(name, sha, named_field)
+        return store.StoredData(name, sha, records)
 
     async def jobs_get(self, req: JobGetRequest) -> JobRecord:
         job = await store.get_job(self.sm, req.id)
@@ -437,7 +454,16 @@ class RecorderApi:
             self.logger.warning(Event.NATS_ERROR, job_id=job_id, error=repr(e))
 
 
-def _check_named_by_content(dataset: str, sha: str) -> None:
+def _check_data(content: bytes, field: str) -> tuple[int, str]:
+    """(records, sha256) of `content`, or a bad request naming `field`."""
+    try:
+        return training_data.validate(content)
+    except training_data.DataError as e:
+        label = "the training data" if field in ("data", "dataset") else field
+        raise BadRequestError(f"{label}: {e}", f"$.{field}") from None
+
+
+def _check_named_by_content(dataset: str, sha: str, field: str = "dataset") -> None:
     """A `sha256/<hex>` dataset must hold the data of that sha256: a client may
     put into the datasets bucket, so one could have overwritten it."""
     prefix = dataset_object_name("")
@@ -446,7 +472,7 @@ def _check_named_by_content(dataset: str, sha: str) -> None:
             f"the object {dataset} holds data whose sha256 is {sha}, not the one its name "
             "gives: it was overwritten; have an operator delete it (`nats object rm "
             "<datasets bucket> <name>`) and submit again",
-            "$.dataset",
+            f"$.{field}",
         )
 
 

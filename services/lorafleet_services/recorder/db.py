@@ -52,7 +52,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 #: The newest migration's revision (tests/recorder/test_migrations.py holds
 #: it to Alembic's head): bump it with each new file in migrations/versions.
-HEAD_REVISION = "0006"
+HEAD_REVISION = "0007"
 
 #: Seconds between tries of a PostgreSQL that does not answer at start.
 DATABASE_RETRY_PAUSE_S = 1.0

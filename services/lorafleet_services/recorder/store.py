@@ -19,7 +19,7 @@ from __future__ import annotations
 import datetime as dt
 import uuid
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 from sqlalchemy import Update, func, insert, or_, select, update
@@ -138,6 +138,25 @@ async def get_model(sm: Sessions, name: str) -> ModelRecord | None:
 # --- jobs ---------------------------------------------------------------------
 
 
+class StoredData(NamedTuple):
+    """Checked records in the datasets bucket: the object, its sha256, how many."""
+
+    name: str
+    sha256: str
+    records: int
+
+
+def eval_columns(eval_set: StoredData | None) -> dict[str, Any]:
+    """A job row's columns of its evaluation set (none: null, 0 records)."""
+    if eval_set is None:
+        return {"eval_dataset": None, "eval_dataset_sha256": None, "eval_records": 0}
+    return {
+        "eval_dataset": eval_set.name,
+        "eval_dataset_sha256": eval_set.sha256,
+        "eval_records": eval_set.records,
+    }
+
+
 async def create_job(
     sm: Sessions,
     spec: JobSpec,
@@ -146,8 +165,10 @@ async def create_job(
     dataset_sha256: str,
     records: int,
     job_id: str | None = None,
+    eval_set: StoredData | None = None,
 ) -> JobRecord:
-    """Insert a queued job for `spec` (already checked) and its first job event."""
+    """Insert a queued job for `spec` (already checked) and its first job
+    event; `eval_set`: its evaluation set, if it has one."""
     t = now()
     expected = [ArtifactKind.PEFT.value]
     if model.engine is Engine.LLAMACPP:
@@ -188,6 +209,7 @@ async def create_job(
         "artifact_refs": None,
         "attempt_starts": None,
         "serve": spec.serve,
+        **eval_columns(eval_set),
     }
     async with sm() as s, s.begin():
         await s.execute(insert(jobs).values(**row))

@@ -124,6 +124,10 @@ jobs = Table(
     Column("serve", Boolean),
     # Migration 0006: JobRecord.tokens_seen (a long run passes 2**31).
     Column("tokens_seen", BigInteger),
+    # Migration 0007: the evaluation set (JobRecord.eval_dataset); null: none.
+    Column("eval_dataset", Text),
+    Column("eval_dataset_sha256", String(64)),
+    Column("eval_records", Integer, nullable=False, server_default="0"),
 )
 
 #: One reported optimizer step; (job_id, step, attempt) is stored once.

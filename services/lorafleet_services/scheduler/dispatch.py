@@ -452,6 +452,8 @@ def start_request(
         gpu_memory_mib=job.gpu_memory_mib,
         dataset=job.dataset,
         dataset_sha256=job.dataset_sha256,
+        eval_dataset=job.eval_dataset,
+        eval_dataset_sha256=job.eval_dataset_sha256,
         params=job.params,
         artifacts=list(job.artifacts_expected),
         serve=job.serve,
