@@ -23,11 +23,13 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import statistics
 import sys
 import tempfile
 import time
 from pathlib import Path
+from typing import TypeVar
 
 import httpx2
 
@@ -38,6 +40,7 @@ from lorafleet_services.gateway.api_keys import make_key
 from lorafleet_services.gateway.config import API_KEYS_FILE_NAME
 from lorafleet_services.stack import ServiceProcess
 
+T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[1]
 CHAT = {"model": "tiny", "messages": [{"role": "user", "content": "what is 2+2?"}]}
 
@@ -54,8 +57,9 @@ async def completions(direct: str, via: str, key: str, n: int) -> dict[str, list
         for _ in range(20):  # warm both connections
             await a.post(f"{direct}/chat/completions", json=CHAT)
             await b.post(f"{via}/chat/completions", json=CHAT)
-        for _ in range(n):
-            for label, http, base in (("direct", a, direct), ("gateway", b, via)):
+        pair = (("direct", a, direct), ("gateway", b, via))
+        for i in range(n):
+            for label, http, base in abba(pair, i):
                 t0 = time.perf_counter()
                 reply = await http.post(f"{base}/chat/completions", json=CHAT)
                 times[label].append(time.perf_counter() - t0)
@@ -79,9 +83,9 @@ async def streaming(direct: str, via: str, key: str, n: int) -> dict[str, list[f
     times: dict[str, list[float]] = {"direct": [], "gateway": []}
     auth = {"authorization": f"Bearer {key}"}
     async with httpx2.AsyncClient() as a, httpx2.AsyncClient(headers=auth) as b:
-        for _ in range(n):
-            times["direct"].append(await first_event(a, direct))
-            times["gateway"].append(await first_event(b, via))
+        for i in range(n):
+            for label, http, base in abba((("direct", a, direct), ("gateway", b, via)), i):
+                times[label].append(await first_event(http, base))
     return times
 
 
@@ -90,23 +94,35 @@ def records(mib: int, salt: str) -> bytes:
     return ((line + "\n") * ((mib << 20) // (len(line) + 1))).encode()
 
 
-async def uploads(settings: Settings, via: str, key: str, mib: int, runs: int) -> dict[str, float]:
-    best: dict[str, float] = {}
+def abba(pair: tuple[T, T], i: int) -> tuple[T, T]:
+    """The two in turn A B, B A, A B, ... (what runs first is favoured on a
+    shared machine as often as not)."""
+    return pair if i % 2 == 0 else (pair[1], pair[0])
+
+
+async def uploads(
+    settings: Settings, via: str, key: str, mib: int, runs: int
+) -> dict[str, list[float]]:
+    times: dict[str, list[float]] = {"direct put": [], "gateway": []}
     async with await Client.connect(settings) as lf, httpx2.AsyncClient(timeout=300) as http:
-        for run in range(runs):
-            data = records(mib, f"direct-{run}")
-            t0 = time.perf_counter()
+
+        async def direct(data: bytes) -> None:
             await lf.upload_dataset(data)
-            best["direct put"] = min(best.get("direct put", 1e9), time.perf_counter() - t0)
-            data = records(mib, f"gateway-{run}")
-            t0 = time.perf_counter()
+
+        async def gateway(data: bytes) -> None:
             reply = await http.post(
                 f"{via}/files", headers={"authorization": f"Bearer {key}"},
                 data={"purpose": "fine-tune"}, files={"file": ("data.jsonl", data)},
             )  # fmt: skip
             assert reply.status_code == 200, reply.text
-            best["gateway"] = min(best.get("gateway", 1e9), time.perf_counter() - t0)
-    return best
+
+        for run in range(runs):
+            for label, put in abba((("direct put", direct), ("gateway", gateway)), run):
+                data = records(mib, f"{label}-{run}")
+                t0 = time.perf_counter()
+                await put(data)
+                times[label].append(time.perf_counter() - t0)
+    return times
 
 
 async def start_engine() -> tuple[asyncio.subprocess.Process, str]:
@@ -141,7 +157,10 @@ async def main(n: int, mib: int, runs: int) -> None:
 
 
 def report(
-    plain: dict[str, list[float]], streamed: dict[str, list[float]], up: dict[str, float], mib: int
+    plain: dict[str, list[float]],
+    streamed: dict[str, list[float]],
+    uploaded: dict[str, list[float]],
+    mib: int,
 ) -> None:
     ms = 1000.0
     for label, samples in plain.items():
@@ -154,15 +173,20 @@ def report(
     later = first["gateway"] - first["direct"]
     print(f"first event (median) direct {first['direct'] * ms:.2f} ms, gateway "
           f"{first['gateway'] * ms:.2f} ms (+{later * ms:.2f} ms)")  # fmt: skip
+    up = {label: statistics.median(samples) for label, samples in uploaded.items()}
     for label, seconds in up.items():
-        print(f"upload {label:10s} {seconds:6.3f} s  {mib / seconds:7.1f} MiB/s")
+        each = " ".join(f"{s:.3f}" for s in uploaded[label])
+        print(
+            f"upload {label:10s} {seconds:6.3f} s  {mib / seconds:7.1f} MiB/s  (median of {each})"
+        )
     print(f"upload gateway / direct: {up['direct put'] / up['gateway']:.2f}x the throughput")
+    print(f"load average: {' '.join(f'{x:.2f}' for x in os.getloadavg())}")
 
 
 if __name__ == "__main__":
     p = argparse.ArgumentParser()
     p.add_argument("--requests", type=int, default=300)
     p.add_argument("--mib", type=int, default=16)
-    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--runs", type=int, default=4)
     args = p.parse_args()
     asyncio.run(main(args.requests, args.mib, args.runs))
