@@ -22,11 +22,13 @@ Printed, from the same run, with the load average:
 Measured (docs/gateway.md#measured-benchgatewaypy has the rest), on the
 shared 2-core machine, the code before the staged upload and after, ABBA:
 upload 0.36x / 0.39x / 0.36x / 0.22x before (load 7.1, 6.1, 5.3, 4.6),
-0.69x / 0.48x / 0.72x / 0.73x after (load 6.5, 5.9, 4.7, 4.4): the check
-now runs in two worker processes beside a windowed put, and its q/a
-records take the rule's short path. First event +2.6 to +5.7 ms after,
-+4.3 to +5.1 ms before (load 4 to 7; +2.35 ms at load 0.7): the second
-HTTP hop, not the relay (profiled: the gateway's own steps take 0.2 ms).
+0.69x / 0.48x / 0.72x / 0.73x after (load 6.5, 5.9, 4.7, 4.4); at load
+2.5 to 4.2, 0.37x / 0.18x / 0.51x / 0.30x before, 0.51x / 0.62x / 0.36x /
+0.77x after (medians: 0.36x before, 0.66x after). The check now runs in
+two worker processes beside a windowed put, and its q/a records take the
+rule's short path. First event +2.0 to +5.7 ms after, +2.0 to +5.1 ms
+before (load 2.5 to 7; +2.35 ms at load 0.7): the second HTTP hop, not
+the relay (profiled: the gateway's own steps take 0.2 ms).
 """
 
 from __future__ import annotations
