@@ -45,8 +45,11 @@ JetStream pieces it owns (`LAYOUT_OWNERS`):
   message gets and purges) and the artifacts bucket;
 - a client (operators, the CLI): `<prefix>.api.>`, puts datasets, reads
   artifacts and hears `events.jobs.*`; nothing internal;
-- gateway (the OpenAI-shaped HTTP service): a client's rights and its own
-  KV bucket (file objects, jobs' OpenAI fields), which it owns.
+- gateway (the OpenAI-shaped HTTP service): a client's rights, its own
+  KV bucket (file objects, jobs' OpenAI fields), which it owns, and purges
+  of the datasets bucket's stream: an upload's chunks are put while its
+  records are checked, and purged when they are refused (a client may
+  already overwrite any dataset's info, so this adds little it could undo).
 Each reads replies on its own inboxes (`identity_inbox_prefix`). The
 older password form, one user for every service, is `lorafleet.passwords`
 (why it is kept is written there).
@@ -315,12 +318,14 @@ def client_permissions(names: Names, client: str) -> Permissions:
 
 def gateway_permissions(names: Names) -> Permissions:
     """The gateway's block: a client's (which reads datasets back by message
-    gets), on the gateway's own inboxes, and owning its KV bucket."""
+    gets), on the gateway's own inboxes, owning its KV bucket, purging a
+    refused upload's chunks from the datasets bucket."""
     client = client_permissions(names, "gateway")
     gateway_kv = kv_stream(names.gateway_bucket)
     return _block(
         [
             *client["publish"]["allow"],
+            js_api_subject("STREAM", "PURGE", object_stream(names.datasets_bucket)),
             js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits
             *_stream_owner(gateway_kv),
             *_reader(gateway_kv),

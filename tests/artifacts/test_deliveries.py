@@ -14,6 +14,7 @@ from nats.aio.msg import Msg
 
 from lorafleet.artifacts import AsyncPublisher, ObjectInfo
 from lorafleet.names import Names
+from lorafleet.objects import ObjectWriter
 from lorafleet_schemas.messages import ArtifactKind, ArtifactStoredRequest, JobState
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -24,7 +25,7 @@ from lorafleet_services.artifact_store.assembly import (
     report_owed,
 )
 from lorafleet_services.artifact_store.delivery import Deliveries, Delivery, idle
-from lorafleet_services.artifact_store.streams import ObjectWriter, Streams
+from lorafleet_services.artifact_store.streams import Streams
 from tests.artifacts.conftest import (
     artifacts_stream_empty,
     chunks_of,

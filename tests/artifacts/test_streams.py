@@ -8,15 +8,10 @@ from nats.aio.client import Client
 
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.names import Names, object_chunk_subject
+from lorafleet.objects import WRITE_WINDOW, ObjectWriter
 from lorafleet_schemas.messages import ArtifactKind
 from lorafleet_services.artifact_store.assembly import Chunk, Key, Whole, object_info
-from lorafleet_services.artifact_store.streams import (
-    READ_BACK_BATCH,
-    WRITE_WINDOW,
-    ObjectWriter,
-    Streams,
-    read_back_batch,
-)
+from lorafleet_services.artifact_store.streams import READ_BACK_BATCH, Streams, read_back_batch
 from tests.artifacts.conftest import chunks_of, publish
 from tests.artifacts.fakes import job
 

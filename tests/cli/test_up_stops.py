@@ -15,11 +15,13 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorafleet_services.gateway.service import CHECK_WORKERS
 from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, free_port, up_env
 from tests.eventually import eventually
 
-#: nats-server, recorder, scheduler, artifact-store, gateway, agent.
-CHILDREN = 6
+#: nats-server, recorder, scheduler, artifact-store, gateway, agent; and the
+#: gateway's upload check workers with multiprocessing's resource tracker.
+CHILDREN = 6 + CHECK_WORKERS + 1
 #: Seconds the children have to stop once `up` is gone (each drains on SIGTERM).
 GONE_TIMEOUT_S = 30.0
 

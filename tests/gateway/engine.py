@@ -4,8 +4,8 @@ Used where a real vLLM cannot yet be had (issue 22's CPU vLLM is not in
 main yet): `python -m tests.gateway.engine` listens on a free port and
 prints `listening http://127.0.0.1:PORT` on stdout. It serves
 `GET /v1/models` (its base and every adapter loaded), `POST
-/v1/load_lora_adapter` (vLLM's runtime LoRA loading: `lora_name`,
-`lora_path`), and `POST /v1/chat/completions` and `/v1/completions`, whose
+/v1/load_lora_adapter` and `/v1/unload_lora_adapter` (vLLM's runtime LoRA
+loading: `lora_name`, `lora_path`), and `POST /v1/chat/completions` and `/v1/completions`, whose
 answer names the model that answered (`"<model> says: <last words>"`),
 streamed word by word as server-sent events with `stream: true`.
 """
@@ -48,6 +48,15 @@ async def load_adapter(request: Request) -> Response:
     if body["lora_name"] not in models:
         models.append(body["lora_name"])
     return Response(f"Success: LoRA adapter '{body['lora_name']}' added successfully.")
+
+
+async def unload_adapter(request: Request) -> Response:
+    body = await request.json()
+    if body["lora_name"] not in models:
+        return JSONResponse({"error": {"message": f"The lora adapter '{body['lora_name']}' "
+                             "cannot be found.", "code": 404}}, status_code=404)  # fmt: skip
+    models.remove(body["lora_name"])
+    return Response(f"Success: LoRA adapter '{body['lora_name']}' removed successfully.")
 
 
 def _chunks(kind: str, model: str, text: str, gap_s: float) -> AsyncIterator[bytes]:
@@ -103,6 +112,7 @@ app = Starlette(
     routes=[
         Route("/v1/models", list_models),
         Route("/v1/load_lora_adapter", load_adapter, methods=["POST"]),
+        Route("/v1/unload_lora_adapter", unload_adapter, methods=["POST"]),
         Route("/v1/chat/completions", completion("chat"), methods=["POST"]),
         Route("/v1/completions", completion("text"), methods=["POST"]),
     ]

@@ -6,6 +6,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import openai
+import pytest
+
 from lorafleet.client import Client
 from lorafleet_schemas.messages import Engine, ModelSpec
 from lorafleet_services.gateway.api_keys import make_key
@@ -38,6 +41,9 @@ async def test_the_gateway_works_on_its_own_identity_alone(tmp_path: Path) -> No
             await lf.add_model(spec, read_architecture=False)
         url = (await gateway.wait_for_event("gateway.listening"))["url"]
         async with sdk_for(url, key) as sdk:
+            # A refused upload's chunks are purged: a right of the gateway's own.
+            with pytest.raises(openai.BadRequestError, match="line 5"):
+                await sdk.files.create(file=("b.jsonl", DATA + b"[]\n"), purpose="fine-tune")
             uploaded = await sdk.files.create(file=("a.jsonl", DATA), purpose="fine-tune")
             assert [f.id async for f in sdk.files.list()] == [uploaded.id]
             assert (await sdk.files.content(uploaded.id)).content == DATA

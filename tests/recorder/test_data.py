@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import hashlib
 import json
+import pickle
 
 import pytest
 
-from lorafleet.training_data import DataError, validate
+from lorafleet.training_data import DataError, LineSplitter, check_lines, validate
 
 
 def turn(role: str, content: object = "x") -> dict[str, object]:
@@ -69,3 +70,31 @@ def test_line_separators_inside_a_string_do_not_split_a_record() -> None:
     with pytest.raises(DataError) as e:
         validate('{"q": "x\u2028y", "a": "b"}\nnot json\n')
     assert e.value.line == 2
+
+
+def check_in_pieces(data: bytes, step: int) -> int:
+    """`data` checked as an upload is: fed `step` bytes at a time."""
+    splitter = LineSplitter()
+    pieces = [splitter.take(data[i : i + step]) for i in range(0, len(data), step)]
+    pieces.append(splitter.end())
+    return sum(check_lines(*p) for p in pieces if p is not None)
+
+
+@pytest.mark.parametrize("step", [1, 7, 64, 10_000])
+def test_data_checked_in_pieces_counts_and_names_lines_as_whole(step: int) -> None:
+    good = ('{"q": "a", "a": "b"}\n\n  \n' + GOOD_CHAT + '\n{"q": "é\u2028", "a": "c"}').encode()
+    assert check_in_pieces(good, step) == validate(good)[0] == 3
+    for bad, line in [(good + b"\n{oops\n", 6), (b"\n" * 3 + b'{"q": "\xff", "a": "b"}', 4)]:
+        with pytest.raises(DataError) as whole:
+            validate(bad)
+        with pytest.raises(DataError) as pieces:
+            check_in_pieces(bad, step)
+        assert (pieces.value.line, str(pieces.value)) == (whole.value.line, str(whole.value))
+        assert pieces.value.line == line
+    with pytest.raises(DataError, match="empty"):
+        check_in_pieces(b"\n  \n", step)
+
+
+def test_a_data_error_crosses_a_process_boundary_as_it_was() -> None:
+    error = pickle.loads(pickle.dumps(DataError("the record has no answer", 7)))
+    assert (str(error), error.line) == ("line 7: the record has no answer", 7)

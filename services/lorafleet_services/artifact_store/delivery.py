@@ -30,6 +30,7 @@ from lorafleet.artifacts import AsyncPublisher
 from lorafleet.errors import BadRequestError
 from lorafleet.log import Event
 from lorafleet.names import Names, artifact_object_name, object_chunk_subject
+from lorafleet.objects import ObjectWriter
 from lorafleet_schemas.messages import ArtifactStoredRequest, JobRecord
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -47,7 +48,7 @@ from lorafleet_services.artifact_store.assembly import (
     report_owed,
     superseded,
 )
-from lorafleet_services.artifact_store.streams import CommitError, ObjectWriter, Streams
+from lorafleet_services.artifact_store.streams import CommitError, Streams
 
 #: Seconds to wait for chunks missing when the last one has arrived, before
 #: reading the stream a final time and failing the delivery.

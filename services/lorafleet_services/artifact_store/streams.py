@@ -8,10 +8,8 @@ message commits it. What to do when is decided in `delivery`.
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import json
-from collections import deque
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -20,7 +18,7 @@ from nats.aio.msg import Msg
 from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy, RawStreamMsg
 
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo, read_info
+from lorafleet.artifacts import ObjectInfo, read_info
 from lorafleet.names import (
     ROLLUP_SUBJECT,
     Header,
@@ -31,10 +29,6 @@ from lorafleet.names import (
 )
 from lorafleet_services.artifact_store.assembly import Chunk, ChunkError, Key, parse_chunk
 
-#: Object chunk publishes awaiting their acknowledgement at once.
-WRITE_WINDOW = 64
-#: Seconds to wait for one object chunk's acknowledgement.
-WRITE_ACK_TIMEOUT_S = 30.0
 #: Most messages asked for at once when reading a delivery back.
 READ_BACK_BATCH = 64
 #: Seconds one read-back fetch waits; nothing in that time means nothing more is there.
@@ -63,37 +57,6 @@ def read_back_batch(seen_seq: int, upto_seq: int) -> int:
     if not seen_seq:
         return 1
     return max(1, min(READ_BACK_BATCH, upto_seq - seen_seq))
-
-
-class ObjectWriter:
-    """One object's chunks, published in order on `subject` with at most
-    WRITE_WINDOW awaiting their acknowledgement."""
-
-    def __init__(self, publisher: AsyncPublisher, subject: str) -> None:
-        self.subject = subject
-        self.chunks_written = 0
-        #: Bytes of the largest chunk written (the info's max_chunk_size).
-        self.max_chunk = 0
-        self._publisher = publisher
-        self._writes: deque[asyncio.Future[int]] = deque()
-
-    async def write(self, data: bytes) -> None:
-        self.max_chunk = max(self.max_chunk, len(data))
-        self._writes.append(await self._publisher.publish(self.subject, data))
-        self.chunks_written += 1
-        while len(self._writes) >= WRITE_WINDOW:
-            await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
-
-    async def flush(self) -> None:
-        """Wait for every write's acknowledgement; raises the first refused or late one."""
-        while self._writes:
-            await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
-
-    async def settle(self) -> None:
-        """Let every write in flight land or fail (so that a purge comes after them)."""
-        while self._writes:
-            with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
 
 
 class Streams:

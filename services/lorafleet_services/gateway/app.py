@@ -10,7 +10,9 @@ from the body, asks `ModelRoutes` where it is served and forwards the body,
 unchanged unless the engine knows the model by another name (a served
 adapter's lora_name, an engine's name for its base: `model` is replaced,
 the rest kept); a stream's server-sent events are relayed chunk by chunk
-as they arrive, never buffered, and a whole answer is passed on whole.
+as they arrive, never buffered, and a whole answer is passed on whole. An
+engine's 404 for a fine-tuned model (its adapter unloaded since the route
+was read) drops that route and is the gateway's own 404, with the hint.
 
 `GET /v1/models`: the catalog bases, and the caller's succeeded jobs'
 fine-tuned names, each with the engines serving it; a constant number of
@@ -216,7 +218,13 @@ class Inference:
         route = routes[next(self._turn) % len(routes)]
         if route.served_name is not None and route.served_name != model:
             body = with_model(body, route.served_name)
-        return await self._forward(ctx.http, route, body)
+        reply = await self._forward(ctx.http, route, body)
+        if reply.status_code == 404 and fine_tuned_parts(model) is not None:
+            # Its adapter was unloaded since the route was read (the TTL):
+            # the engine's own 404 would name the served name, not the model.
+            ctx.routes.forget(model, route)
+            raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
+        return reply
 
     async def _forward(self, http: httpx2.AsyncClient, route: EngineRoute, body: bytes) -> Response:
         headers = {"content-type": "application/json"}

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+from concurrent.futures import Executor
 from dataclasses import dataclass
 from typing import Any
 
@@ -31,6 +32,8 @@ class GatewayContext:
     state: GatewayState
     routes: ModelRoutes
     http: httpx2.AsyncClient
+    #: Where uploads' records are checked (a worker process: uploads.py).
+    checker: Executor
 
     @staticmethod
     def of(request: Request) -> GatewayContext:

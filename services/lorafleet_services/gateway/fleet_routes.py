@@ -14,7 +14,7 @@ The view (`fleet_view`, a plain function) is made from three requests
 (served records, nodes, catalog) and reused for `ttl_s` seconds, then
 renewed beside the requests (they go on with the old one meanwhile); a
 model not in it asks again at once, so an adapter served a moment ago is
-found.
+found; a route whose engine answers 404 is dropped from it (`forget`).
 An engine's url is its url on its node (EngineRef.url, `http://host:port`):
 the gateway must reach it there, so a node names its engines by an address
 the gateway can reach (the agent's configured server URLs), not 127.0.0.1,
@@ -41,7 +41,7 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
-from lorafleet_services.gateway.routing import EngineRoute, ModelRoutes
+from lorafleet_services.gateway.routing import EngineRoute, ModelRoutes, without
 
 #: Most served records one view holds (the recorder's cap per request).
 SERVED_LIMIT = 1000
@@ -160,6 +160,13 @@ class FleetRoutes:
         which the gateway's job fields hold: list_models makes those)."""
         return dict((await self._fresh()).by_base)
 
+    def forget(self, model: str, route: EngineRoute) -> None:
+        tuned = fine_tuned_parts(model)
+        if tuned is None:
+            without(self._view.by_base, model, route)
+        else:
+            without(self._view.by_job, tuned[1], route)
+
     async def _fresh(self) -> FleetView:
         """The view; past its TTL it is still answered with while a new one is
         made beside the request (three requests inline would be the p99 of
@@ -211,3 +218,7 @@ class OverrideRoutes:
     async def served(self) -> dict[str, list[EngineRoute]]:
         mine, theirs = await asyncio.gather(self.first.served(), self.then.served())
         return {**theirs, **mine}
+
+    def forget(self, model: str, route: EngineRoute) -> None:
+        self.first.forget(model, route)
+        self.then.forget(model, route)

@@ -9,7 +9,8 @@ catalog base or a fine-tuned adapter (`ft:<base>:<suffix>:<job>`);
 `LORAFLEET_GATEWAY_ENGINES`, each asked `GET <url>/models` (vLLM lists
 its base and every adapter it has loaded), the answers reused for
 `ttl_s` seconds; a model not in them asks again at once, so an adapter
-loaded a moment ago is found. `fleet_routes.FleetRoutes` implements the
+loaded a moment ago is found. `forget` drops a route its engine has just
+answered 404 for (an adapter unloaded within the TTL). `fleet_routes.FleetRoutes` implements the
 same interface from the serving records (which node's engine serves which
 adapter, kept by the control plane) and the nodes' heartbeats.
 """
@@ -46,6 +47,17 @@ class ModelRoutes(Protocol):
 
     async def served(self) -> dict[str, list[EngineRoute]]: ...
 
+    def forget(self, model: str, route: EngineRoute) -> None:
+        """Drop `route` of `model` from what is kept until the next renewal
+        (its engine said it does not serve the model: unloaded a moment ago)."""
+        ...
+
+
+def without(routes: dict[str, list[EngineRoute]], model: str, route: EngineRoute) -> None:
+    """Take `route` out of `routes[model]` (in place; the list is replaced, not changed)."""
+    if model in routes:
+        routes[model] = [r for r in routes[model] if r != route]
+
 
 class _ModelEntry(msgspec.Struct):
     id: str
@@ -80,6 +92,9 @@ class EngineModels:
     async def served(self) -> dict[str, list[EngineRoute]]:
         fresh = self._asked_at is not None and time.monotonic() - self._asked_at < self.ttl_s
         return self._served if fresh else await self._refresh()
+
+    def forget(self, model: str, route: EngineRoute) -> None:
+        without(self._served, model, route)
 
     async def _refresh(self) -> dict[str, list[EngineRoute]]:
         async with self._lock:

@@ -11,8 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import multiprocessing
 import socket
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 
 import httpx2
 import uvicorn
@@ -22,6 +24,7 @@ from lorafleet import _runtime as runtime
 from lorafleet import log
 from lorafleet.client import Client
 from lorafleet.settings import Settings, SettingsError, parse_host_port
+from lorafleet.training_data import check_lines
 from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.app import make_app
 from lorafleet_services.gateway.config import GatewayConfig
@@ -34,6 +37,9 @@ from lorafleet_services.gateway.state import GatewayState
 STOP_GRACE_S = 5
 #: Seconds between two looks at whether uvicorn has started.
 STARTED_POLL_S = 0.01
+#: Worker processes checking uploads' records (pieces of one upload are
+#: checked in both at once; each costs a Python process, about 40 MB).
+CHECK_WORKERS = 2
 
 
 def _bind(addr: str) -> socket.socket:
@@ -72,6 +78,10 @@ class Gateway:
         self.config = config
         self.client = Client(nc, settings)
         self.http = httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=64))
+        # Processes that check uploads' records beside their put (a thread
+        # would hold the GIL the put needs); spawned, not forked, from a
+        # process with threads and sockets.
+        self.checker = ProcessPoolExecutor(CHECK_WORKERS, multiprocessing.get_context("spawn"))
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.url = ""
@@ -83,7 +93,10 @@ class Gateway:
         if self.config.engines:
             configured = [EngineRoute(url.rstrip("/"), key) for url in self.config.engines]
             routes = OverrideRoutes(EngineModels(configured, self.http, ttl_s), routes)
-        ctx = GatewayContext(self.config, self.client, state, routes, self.http)
+        ctx = GatewayContext(self.config, self.client, state, routes, self.http, self.checker)
+        # Started now, so that the first upload does not wait for their imports.
+        for _ in range(CHECK_WORKERS):
+            self.checker.submit(check_lines, b"", 1)
         keys = KeyRing(self.config.keys_file(self.settings.data_dir))
         sock = _bind(self.config.addr)
         server = _Server(
@@ -109,6 +122,7 @@ class Gateway:
             with contextlib.suppress(Exception):
                 await self._task
         await self.http.aclose()
+        self.checker.shutdown(wait=False, cancel_futures=True)
 
 
 def program(config: GatewayConfig) -> runtime.Program:

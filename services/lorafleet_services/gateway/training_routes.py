@@ -2,11 +2,11 @@
 
 Each handler reads the request, asks lorafleet (`lorafleet.client.Client`)
 and the gateway's state, and answers in OpenAI's shape; the mapping is
-job_mapping's, the errors http_errors'. A file is checked whole with the
-training records' rules before anything is stored (the error names the
-line), then put into the datasets bucket under its sha256 (two uploads of
-the same bytes share one object; deleting a file object leaves the data,
-which jobs may still name).
+job_mapping's, the errors http_errors'. A file is checked with the
+training records' rules while it is put into the datasets bucket, and is
+named there (by its sha256) only once all of it passed (uploads.py; the
+error names the line). Two uploads of the same bytes share one object;
+deleting a file object leaves the data, which jobs may still name.
 """
 
 from __future__ import annotations
@@ -17,12 +17,11 @@ import uuid
 from typing import Any
 
 import msgspec
-from starlette.datastructures import UploadFile
 from starlette.requests import Request
 from starlette.responses import Response
 
 from lorafleet import log
-from lorafleet.training_data import DataError, validate
+from lorafleet.objects import StagedObject
 from lorafleet_schemas.messages import JobRecord
 from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
@@ -33,9 +32,7 @@ from lorafleet_services.gateway.openai_shapes import (
     JobCreate,
 )
 from lorafleet_services.gateway.state import FileRecord, JobFields
-
-#: The only purpose lorafleet keeps files for.
-FINE_TUNE = "fine-tune"
+from lorafleet_services.gateway.uploads import store_upload
 
 
 def _file_object(f: FileRecord) -> FileObject:
@@ -56,31 +53,18 @@ def _limit(request: Request, default: int = jm.DEFAULT_PAGE) -> int:
 
 async def create_file(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
-    form = await request.form()
-    purpose, upload = form.get("purpose"), form.get("file")
-    if purpose != FINE_TUNE:
-        raise bad_request(
-            f"purpose {purpose!r}: lorafleet keeps files for fine-tuning only; "
-            f'give purpose="{FINE_TUNE}"',
-            "purpose",
-        )
-    if not isinstance(upload, UploadFile):
-        raise bad_request("no file: send the JSONL as the multipart field `file`", "file")
-    data = await upload.read()
-    try:
-        records, _ = await asyncio.to_thread(validate, data)
-    except DataError as e:
-        raise bad_request(f"{upload.filename or 'the file'}: {e}", "file") from None
-    dataset = await ctx.client.upload_dataset(data)
+    content_type = request.headers.get("content-type", "")
+    async with StagedObject(ctx.client.js, ctx.client.names.datasets_bucket) as staged:
+        stored = await store_upload(request.stream(), content_type, staged, ctx.checker)
     record = FileRecord(
-        id=f"file-{uuid.uuid4().hex[:24]}", filename=upload.filename or "data.jsonl",
-        bytes=len(data), created_at=dt.datetime.now(dt.UTC), purpose=FINE_TUNE,
-        dataset=dataset, records=records,
+        id=f"file-{uuid.uuid4().hex[:24]}", filename=stored.filename, bytes=stored.size,
+        created_at=dt.datetime.now(dt.UTC), purpose=stored.purpose, dataset=stored.dataset,
+        records=stored.records,
     )  # fmt: skip
     await ctx.state.put_file(owner, record)
     log.get().info(
         log.Event.GATEWAY_FILE_STORED,
-        file_id=record.id, bytes=record.bytes, records=records, client=owner,
+        file_id=record.id, bytes=record.bytes, records=record.records, client=owner,
     )  # fmt: skip
     return json_response(_file_object(record))
 

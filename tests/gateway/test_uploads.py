@@ -1,0 +1,75 @@
+"""`POST /v1/files` checks its records while the data is put: a good file
+of many pieces is stored whole and named by its sha256; a refused one, bad
+far into the data (after chunks of it were put), leaves no object, no
+chunk and no file entry."""
+
+from __future__ import annotations
+
+import hashlib
+
+import openai
+import pytest
+from nats.js.errors import ObjectNotFoundError
+
+from lorafleet.names import dataset_object_name, object_chunk_subjects, object_stream
+from lorafleet.objects import STAGED_CHUNK_BYTES
+from lorafleet_services.gateway.uploads import CHECK_PIECE_BYTES
+from tests.gateway.conftest import Gateway
+
+pytestmark = pytest.mark.asyncio(loop_scope="module")
+
+LINE = b'{"q": "what is the capital of France?", "a": "Paris."}\n'
+#: Lines enough for several check pieces and object chunks.
+MANY = 3 * max(CHECK_PIECE_BYTES, STAGED_CHUNK_BYTES) // len(LINE)
+
+
+async def chunks_held(gateway: Gateway) -> int:
+    """Messages on the datasets bucket's chunk subjects (all objects')."""
+    bucket = gateway.stack.settings.names.datasets_bucket
+    info = await gateway.stack.js.stream_info(
+        object_stream(bucket), subjects_filter=object_chunk_subjects(bucket)
+    )
+    return sum((info.state.subjects or {}).values())
+
+
+async def test_a_file_of_many_pieces_is_stored_whole(gateway: Gateway) -> None:
+    data = LINE * MANY + b'{"q": "last", "a": "line"}'  # no newline at the end
+    async with gateway.sdk() as sdk:
+        uploaded = await sdk.files.create(file=("big.jsonl", data), purpose="fine-tune")
+        assert uploaded.bytes == len(data) and uploaded.filename == "big.jsonl"
+        assert (await sdk.files.content(uploaded.id)).content == data
+        before = await chunks_held(gateway)
+        again = await sdk.files.create(file=("again.jsonl", data), purpose="fine-tune")
+        # The same bytes: one object, and no second copy of its chunks kept.
+        assert await chunks_held(gateway) == before
+        assert (await sdk.files.content(again.id)).content == data
+    store = await gateway.stack.js.object_store(gateway.stack.settings.names.datasets_bucket)
+    info = await store.get_info(dataset_object_name(hashlib.sha256(data).hexdigest()))
+    assert info.size == len(data)
+
+
+async def test_a_refused_file_leaves_no_object_no_chunk_and_no_entry(gateway: Gateway) -> None:
+    bad_line = MANY + 1
+    data = LINE * MANY + b'{"q": "no answer"}\n' + LINE * 10
+    store = await gateway.stack.js.object_store(gateway.stack.settings.names.datasets_bucket)
+    async with gateway.sdk() as sdk:
+        files_before = [f.id async for f in sdk.files.list()]
+        chunks_before = await chunks_held(gateway)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.files.create(file=("bad.jsonl", data), purpose="fine-tune")
+        assert f'line {bad_line}: the record has no "a"' in caught.value.message
+        assert caught.value.param == "file"
+        assert [f.id async for f in sdk.files.list()] == files_before
+    assert await chunks_held(gateway) == chunks_before
+    with pytest.raises(ObjectNotFoundError):
+        await store.get_info(dataset_object_name(hashlib.sha256(data).hexdigest()))
+
+
+async def test_a_good_file_with_a_wrong_purpose_is_not_kept(gateway: Gateway) -> None:
+    data = LINE * MANY
+    async with gateway.sdk() as sdk:
+        chunks_before = await chunks_held(gateway)
+        with pytest.raises(openai.BadRequestError) as caught:
+            await sdk.files.create(file=("a.jsonl", data), purpose="assistants")
+        assert caught.value.param == "purpose"
+    assert await chunks_held(gateway) == chunks_before
