@@ -5,9 +5,11 @@ chunk and no file entry."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 
 import openai
+import psutil
 import pytest
 from nats.js.errors import ObjectNotFoundError
 
@@ -19,6 +21,8 @@ from tests.gateway.conftest import Gateway
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 
 LINE = b'{"q": "what is the capital of France?", "a": "Paris."}\n'
+#: Seconds a killed worker has to be gone.
+WORKER_EXIT_TIMEOUT_S = 10.0
 #: Lines enough for several check pieces and object chunks.
 MANY = 3 * max(CHECK_PIECE_BYTES, STAGED_CHUNK_BYTES) // len(LINE)
 
@@ -73,3 +77,27 @@ async def test_a_good_file_with_a_wrong_purpose_is_not_kept(gateway: Gateway) ->
             await sdk.files.create(file=("a.jsonl", data), purpose="assistants")
         assert caught.value.param == "purpose"
     assert await chunks_held(gateway) == chunks_before
+
+
+async def test_an_upload_after_a_check_worker_died_is_checked_by_a_new_one(
+    gateway: Gateway,
+) -> None:
+    """A pool with a dead worker refuses every later task: without a new
+    pool every upload would fail until the gateway restarts."""
+    gateway_process = psutil.Process(gateway.proc.pid)
+    workers = [
+        p for p in gateway_process.children()
+        if any("multiprocessing.spawn" in part or "spawn_main" in part for part in p.cmdline())
+        and "resource_tracker" not in " ".join(p.cmdline())
+    ]  # fmt: skip
+    assert workers, [p.cmdline() for p in gateway_process.children()]
+    workers[0].kill()
+    workers[0].wait(WORKER_EXIT_TIMEOUT_S)
+    await asyncio.sleep(0.5)  # the pool's manager thread sees the death and marks it broken
+    data = LINE * 50
+    async with gateway.sdk() as sdk:
+        uploaded = await sdk.files.create(file=("after.jsonl", data), purpose="fine-tune")
+        assert uploaded.bytes == len(data)
+        bad = b'{"q": "no answer"}\n'
+        with pytest.raises(openai.BadRequestError):  # still checked, by the new workers
+            await sdk.files.create(file=("bad.jsonl", bad), purpose="fine-tune")

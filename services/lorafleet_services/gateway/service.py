@@ -11,10 +11,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import multiprocessing
 import socket
 from collections.abc import Iterator
-from concurrent.futures import ProcessPoolExecutor
 
 import httpx2
 import uvicorn
@@ -32,6 +30,7 @@ from lorafleet_services.gateway.context import GatewayContext
 from lorafleet_services.gateway.fleet_routes import FleetRoutes, OverrideRoutes
 from lorafleet_services.gateway.routing import EngineModels, EngineRoute, ModelRoutes
 from lorafleet_services.gateway.state import GatewayState
+from lorafleet_services.gateway.uploads import CheckWorkers
 
 #: Seconds requests in flight get to end at a stop.
 STOP_GRACE_S = 5
@@ -79,9 +78,8 @@ class Gateway:
         self.client = Client(nc, settings)
         self.http = httpx2.AsyncClient(limits=httpx2.Limits(max_keepalive_connections=64))
         # Processes that check uploads' records beside their put (a thread
-        # would hold the GIL the put needs); spawned, not forked, from a
-        # process with threads and sockets.
-        self.checker = ProcessPoolExecutor(CHECK_WORKERS, multiprocessing.get_context("spawn"))
+        # would hold the GIL the put needs).
+        self.checker = CheckWorkers(CHECK_WORKERS)
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
         self.url = ""

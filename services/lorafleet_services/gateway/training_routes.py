@@ -32,7 +32,7 @@ from lorafleet_services.gateway.openai_shapes import (
     JobCreate,
 )
 from lorafleet_services.gateway.state import FileRecord, JobFields
-from lorafleet_services.gateway.uploads import store_upload
+from lorafleet_services.gateway.uploads import FINE_TUNE, store_upload
 
 
 def _file_object(f: FileRecord) -> FileObject:

@@ -14,9 +14,12 @@ has its chunks purged and leaves no object and no file entry.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
-from concurrent.futures import Executor
+import multiprocessing
+from collections.abc import AsyncIterator, Callable
+from concurrent.futures import Executor, Future, ProcessPoolExecutor
+from concurrent.futures.process import BrokenProcessPool
 from dataclasses import dataclass, field
+from typing import Any, ParamSpec, TypeVar
 
 from python_multipart.exceptions import FormParserError
 from python_multipart.multipart import MultipartParser, parse_options_header
@@ -24,7 +27,7 @@ from python_multipart.multipart import MultipartParser, parse_options_header
 from lorafleet.names import dataset_object_name
 from lorafleet.objects import StagedObject
 from lorafleet.training_data import DataError, LineSplitter, check_lines
-from lorafleet_services.gateway.http_errors import bad_request
+from lorafleet_services.gateway.http_errors import GatewayHttpError, bad_request
 
 #: Bytes of file data gathered into one piece for the check: a piece costs
 #: a hop to the worker process, so fewer, larger ones (uvicorn hands the
@@ -36,6 +39,40 @@ MAX_FIELD_BYTES = 4096
 FILE_FIELD, PURPOSE_FIELD = "file", "purpose"
 #: The only purpose lorafleet keeps files for.
 FINE_TUNE = "fine-tune"
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+class CheckWorkers(Executor):
+    """The processes that check uploads' records: a process pool started anew
+    when one of its workers died. A pool with a dead worker refuses every
+    later task (BrokenProcessPool), which would fail every upload until the
+    gateway restarts; the upload that was in flight is a 503 to send again.
+    Spawned, not forked, from a process with threads and sockets."""
+
+    def __init__(self, workers: int) -> None:
+        self.workers = workers
+        self._pool = self._started()
+
+    def _started(self) -> ProcessPoolExecutor:
+        return ProcessPoolExecutor(self.workers, multiprocessing.get_context("spawn"))
+
+    def submit(self, fn: Callable[P, R], /, *args: P.args, **kwargs: P.kwargs) -> Future[R]:
+        try:
+            return self._pool.submit(fn, *args, **kwargs)
+        except BrokenProcessPool:
+            self._pool.shutdown(wait=False, cancel_futures=True)
+            self._pool = self._started()
+            return self._pool.submit(fn, *args, **kwargs)
+
+    def shutdown(self, wait: bool = True, *, cancel_futures: bool = False) -> None:
+        self._pool.shutdown(wait=wait, cancel_futures=cancel_futures)
+
+    def pids(self) -> list[int]:
+        """The workers' process ids (started ones)."""
+        processes: dict[int, Any] = getattr(self._pool, "_processes", None) or {}
+        return sorted(processes)
 
 
 @dataclass
@@ -152,6 +189,11 @@ class _Checks:
         if errors:
             raise errors[0]
         for outcome in counts:
+            if isinstance(outcome, BrokenProcessPool):
+                raise GatewayHttpError(
+                    503, "the upload's record check stopped (a worker process died): "
+                    "send the file again", code="unavailable",
+                ) from outcome  # fmt: skip
             if isinstance(outcome, BaseException):
                 raise outcome
         return sum(c for c in counts if isinstance(c, int))
