@@ -14,7 +14,7 @@ from lorafleet_schemas.messages.jobs import CheckpointRef, TrainerParams
 from lorafleet_schemas.messages.serving import EngineRef
 
 
-class StartRequest(msgspec.Struct, kw_only=True):
+class StartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`lorafleet.node.<node>.start`: train this job."""
 
     job_id: str
@@ -41,7 +41,7 @@ class StartReply(msgspec.Struct, kw_only=True):
     running_job: str | None = None
 
 
-class NodeCancelRequest(msgspec.Struct, kw_only=True):
+class NodeCancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`lorafleet.node.<node>.cancel`."""
 
     job_id: str

@@ -146,7 +146,7 @@ class AdapterList(msgspec.Struct, kw_only=True):
     adapters: list[ServingRecord]
 
 
-class NodeServeRequest(msgspec.Struct, kw_only=True):
+class NodeServeRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`lorafleet.node.<node>.serve`: load this adapter version into the
     node's engines that serve `model` (or the one named)."""
 
@@ -159,7 +159,7 @@ class NodeServeRequest(msgspec.Struct, kw_only=True):
     engine: str | None = None
 
 
-class NodeUnserveRequest(msgspec.Struct, kw_only=True):
+class NodeUnserveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """`lorafleet.node.<node>.unserve`."""
 
     job_id: str

@@ -239,7 +239,7 @@ class Heartbeater:
         """To another server of the cluster, unless moved lately or there is
         none; True once on another server. Every other server of the pool
         is tried before the fence's bound (the last acknowledged beat plus
-        the node timeout), `_natspy.MOVE_TRY_MIN_S` each at least."""
+        `fence_bound_s`), `_natspy.MOVE_TRY_MIN_S` each at least."""
         nc = client_of(self.js)
         loop = asyncio.get_running_loop()
         now = loop.time()
@@ -247,7 +247,7 @@ class Heartbeater:
             return False
         self._moved_at = now
         left = nc.connected_url.netloc if nc.connected_url else ""
-        within_s = self.last_ack + self.settings.node_timeout_s - now
+        within_s = self.last_ack + fence_bound_s(self.settings.node_timeout_s) - now
         if not await move_to_another_server(nc, max(within_s, MOVE_MIN_S)):
             self.logger.warning(
                 Event.NATS_ERROR,
@@ -297,18 +297,34 @@ class Heartbeater:
 BUCKET_OUTAGE_PATIENCE_S = 30.0
 
 
+#: Seconds before the node timeout an agent that cannot reach NATS fences.
+#: The beat's TTL runs from when the server stored it, a little before its
+#: ack came back, and the fence is checked every quarter second: fencing
+#: at the node timeout itself, an agent was still holding its job (its
+#: artifacts on their way) 0.14 s after the scheduler had lost the node and
+#: sent the job elsewhere (bench/nemesis.py, seed 4: the one-node rule).
+FENCE_MARGIN_S = 0.5
+
+
+def fence_bound_s(timeout_s: float) -> float:
+    """Seconds of silence after which an agent that cannot reach NATS fences."""
+    return max(timeout_s - FENCE_MARGIN_S, timeout_s / 2)
+
+
 def fence_reason(silent_s: float, unreachable_s: float, timeout_s: float) -> str | None:
     """Why the agent must fence now, or None.
 
     silent_s: seconds since the last acknowledged beat; unreachable_s:
     seconds since the server last answered at all; timeout_s: the node
     timeout. An agent that cannot reach NATS for the node timeout is
-    presumed lost (its job failed); one whose server answers while the
-    bucket elects a leader is not (the scheduler is blind to it too).
+    presumed lost (its job failed), so it fences `FENCE_MARGIN_S` before
+    (`fence_bound_s`); one whose server answers while the bucket elects a
+    leader is not (the scheduler is blind to it too).
     """
-    if silent_s <= timeout_s:
+    bound_s = fence_bound_s(timeout_s)
+    if silent_s <= bound_s:
         return None
-    if unreachable_s > timeout_s:
+    if unreachable_s > bound_s:
         return f"no heartbeat acknowledged and NATS unreachable for {unreachable_s:.1f} s"
     if silent_s > timeout_s + BUCKET_OUTAGE_PATIENCE_S:
         return f"NATS answers, but no heartbeat has been stored for {silent_s:.1f} s"
