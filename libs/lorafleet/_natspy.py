@@ -91,8 +91,30 @@ async def move_to_another_server(nc: Client, within_s: float) -> bool:
     left = current.uri.netloc
     loop = asyncio.get_running_loop()
     end = loop.time() + within_s
-    tried: list[str] = []
     connect_timeout_s = nc.options["connect_timeout"]
+    if not any(s.uri.netloc != left for s in nc._server_pool):
+        return False
+    nc._reconnect_to_server_handler = _others_in_turn(nc, left, end)
+    try:
+        await nc.force_reconnect()
+        task = nc._reconnection_task
+        if task is not None:
+            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, end - loop.time()))
+    finally:
+        nc._reconnect_to_server_handler = None
+        nc.options["connect_timeout"] = connect_timeout_s
+    on = nc._current_server
+    return nc.is_connected and on is not None and on.uri.netloc != left
+
+
+def _others_in_turn(
+    nc: Client, left: str, end: float
+) -> nats.aio.client.ReconnectToServerHandler:
+    """nats-py's server-choice hook for a move: each address but `left` in
+    turn, each try given an equal share of the time left until `end`."""
+    loop = asyncio.get_running_loop()
+    tried: list[str] = []
 
     def next_server(
         servers: list[nats.aio.client.Server], _info: dict[str, Any]
@@ -114,20 +136,7 @@ async def move_to_another_server(nc: Client, within_s: float) -> bool:
         nc.options["connect_timeout"] = max(MOVE_TRY_MIN_S, share_s)
         return others[untried[0]], pause_s
 
-    if not any(s.uri.netloc != left for s in nc._server_pool):
-        return False
-    nc._reconnect_to_server_handler = next_server
-    try:
-        await nc.force_reconnect()
-        task = nc._reconnection_task
-        if task is not None:
-            with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), max(0.0, end - loop.time()))
-    finally:
-        nc._reconnect_to_server_handler = None
-        nc.options["connect_timeout"] = connect_timeout_s
-    on = nc._current_server
-    return nc.is_connected and on is not None and on.uri.netloc != left
+    return next_server
 
 
 # --- micro: counting the error replies a handler sends itself ---------------------
