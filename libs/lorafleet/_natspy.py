@@ -108,9 +108,7 @@ async def move_to_another_server(nc: Client, within_s: float) -> bool:
     return nc.is_connected and on is not None and on.uri.netloc != left
 
 
-def _others_in_turn(
-    nc: Client, left: str, end: float
-) -> nats.aio.client.ReconnectToServerHandler:
+def _others_in_turn(nc: Client, left: str, end: float) -> nats.aio.client.ReconnectToServerHandler:
     """nats-py's server-choice hook for a move: each address but `left` in
     turn, each try given an equal share of the time left until `end`."""
     loop = asyncio.get_running_loop()
