@@ -30,6 +30,7 @@ from bench.nemesis_stack import (
     signal_process,
     undegrade,
 )
+from tests import disks
 
 from lorafleet_services.stack import ServiceProcess
 
@@ -49,6 +50,7 @@ HOLD_S = {
     "postgres.restart": (0.5, 3.0),
     "link.cut": (1.0, 6.0),
     "link.degrade": (3.0, 8.0),
+    "disk.full": (2.0, 8.0),
 }
 #: Seconds one fault (its do, hold and undo) may take before it is given up.
 FAULT_TIMEOUT_S = 90.0
@@ -110,7 +112,7 @@ class Nemesis:
         """A free target for `kind` (None: every one is in a fault now)."""
         if kind.startswith("process."):
             options = sorted(self.fleet.services())
-        elif kind.startswith("nats."):
+        elif kind.startswith("nats.") or kind == "disk.full":
             options = list(self.fleet.cluster.names)
         elif kind.startswith("link."):
             options = [f"link {n}" for n in self.fleet.links if n != "hub"]
@@ -169,6 +171,9 @@ class Nemesis:
             return _now(pause_member, cluster, target, signal.SIGSTOP), (
                 lambda: self._member_continued(target)
             )
+        if kind == "disk.full":
+            disk = self.fleet.object_disks[target]
+            return (lambda: asyncio.to_thread(disks.fill, disk)), (lambda: self._disk_back(target))
         if kind == "postgres.restart":
             pg = self.fleet.pg
             assert pg is not None
@@ -200,6 +205,12 @@ class Nemesis:
         await self.fleet.cluster.servers[name].start()
         await self.fleet.cluster.wait_ready()
 
+    async def _disk_back(self, name: str) -> None:
+        """The space back, and the member restarted: its halted stream stays
+        halted until then (tests/disks.py)."""
+        if disks.unfill(self.fleet.object_disks[name]):
+            await self.fleet.cluster.restart(name, kill=False)
+
     async def _member_continued(self, name: str) -> None:
         pause_member(self.fleet.cluster, name, signal.SIGCONT)
         await self.fleet.cluster.wait_ready()
@@ -208,6 +219,9 @@ class Nemesis:
         """Put back whatever a fault's undo left: every member running, routed and
         continued, PostgreSQL up, links whole, every service running."""
         cluster = self.fleet.cluster
+        for name in self.fleet.object_disks:
+            with contextlib.suppress(Exception):
+                await self._disk_back(name)
         for name in cluster.names:
             with contextlib.suppress(Exception):
                 if cluster.servers[name].proc is None:

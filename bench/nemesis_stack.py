@@ -30,11 +30,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests import disks
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsError, NetnsLink, available
 from tests.pg import PrivatePostgres, throwaway_database
 from tests.system.conftest import Stack, running_stack, system_settings
 
+from lorafleet.names import Names
 from lorafleet.natscluster import NatsCluster
 from lorafleet_services.stack import ServiceProcess
 
@@ -46,6 +48,8 @@ STEP_S = 0.1
 RECORDER_ACK_WAIT_S = 5.0
 #: What a degraded link carries at most (tc tbf: there is no sch_netem here).
 DEGRADED_KBIT_S = 256
+#: MiB of each member's object-store filesystem (the run's artifacts are 64 KiB).
+OBJECTS_DISK_MIB = 64
 
 
 @dataclass
@@ -57,6 +61,8 @@ class Fleet:
     #: Fault kinds not done on this machine, and why.
     skipped: dict[str, str]
     recorders: list[ServiceProcess] = field(default_factory=list)
+    #: Member -> the filesystem of its object store's stream (disk.full).
+    object_disks: dict[str, Path] = field(default_factory=dict)
 
     def services(self) -> dict[str, ServiceProcess]:
         """Every lorafleet process by a name of its own (agents as `agent <node>`)."""
@@ -84,6 +90,8 @@ class Fleet:
             kinds.append("postgres.restart")
         if self.links:
             kinds += ["link.cut", "link.degrade"]
+        if self.object_disks:
+            kinds.append("disk.full")
         return kinds
 
 
@@ -116,31 +124,63 @@ def _postgres(skipped: dict[str, str]) -> PrivatePostgres | None:
 @contextlib.asynccontextmanager
 async def fleet(root: Path, orphan_age_s: float) -> AsyncIterator[Fleet]:
     """The whole fleet under `root` (see the module docstring); removed after."""
-    skipped = {"disk.full": "the artifact-store keeps no file: it writes into JetStream"}
+    skipped: dict[str, str] = {}
     links = _links(skipped)
     pg = _postgres(skipped)
     try:
         db_url = pg.start() if pg is not None else None
         host = links["hub"].host_ip if links else "127.0.0.1"
-        async with NatsCluster(root / "cluster", host=host) as cluster:
-            with contextlib.ExitStack() as dbs:
-                if db_url is None:
-                    db_url = dbs.enter_context(throwaway_database("lorafleet_nemesis"))
-                settings = system_settings(cluster.url, db_url, root).with_(
-                    replicas=3,
-                    recorder_ack_wait_s=RECORDER_ACK_WAIT_S,
-                    artifact_orphan_age_s=orphan_age_s,
-                )
-                first = cluster.servers[cluster.names[0]]
-                async with running_stack(settings, first, root, "nemesis") as stack:
-                    made = Fleet(stack, cluster, pg, links, skipped, [stack.recorder])
-                    await _more_services(made)
-                    yield made
+        cluster = NatsCluster(root / "cluster", host=host)
+        with contextlib.ExitStack() as mounts:
+            object_disks = _object_disks(cluster, mounts, skipped)
+            async with cluster, _made(cluster, root, db_url, orphan_age_s) as stack:
+                made = Fleet(stack, cluster, pg, links, skipped, [stack.recorder], object_disks)
+                await _more_services(made)
+                yield made
     finally:
         if pg is not None:
             await asyncio.to_thread(pg.remove)
         for link in links.values():
             link.delete()
+
+
+def _object_disks(
+    cluster: NatsCluster, mounts: contextlib.ExitStack, skipped: dict[str, str]
+) -> dict[str, Path]:
+    """A small filesystem under each member's object store (the artifact-store
+    keeps no file: the disk that can fill is a member's), mounted before the
+    members start; unmounted when `mounts` closes."""
+    why = disks.unavailable()
+    if why is not None:
+        skipped["disk.full"] = why
+        return {}
+    names = Names()
+    return {
+        name: mounts.enter_context(
+            disks.small_filesystem(
+                disks.objects_dir(cluster.servers[name].store_dir, names), OBJECTS_DISK_MIB
+            )
+        )
+        for name in cluster.names
+    }
+
+
+@contextlib.asynccontextmanager
+async def _made(
+    cluster: NatsCluster, root: Path, db_url: str | None, orphan_age_s: float
+) -> AsyncIterator[Stack]:
+    """The stack on the cluster, its database the private PostgreSQL's or a throwaway."""
+    with contextlib.ExitStack() as dbs:
+        if db_url is None:
+            db_url = dbs.enter_context(throwaway_database("lorafleet_nemesis"))
+        settings = system_settings(cluster.url, db_url, root).with_(
+            replicas=3,
+            recorder_ack_wait_s=RECORDER_ACK_WAIT_S,
+            artifact_orphan_age_s=orphan_age_s,
+        )
+        first = cluster.servers[cluster.names[0]]
+        async with running_stack(settings, first, root, "nemesis") as stack:
+            yield stack
 
 
 async def _more_services(made: Fleet) -> None:

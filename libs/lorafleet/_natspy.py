@@ -56,31 +56,85 @@ def client_of(js: JetStreamContext) -> Client:
 # --- moving a connection to another server ------------------------------------------
 
 
-async def move_to_another_server(nc: Client, wait_s: float) -> bool:
-    """Reconnect `nc` to a server of its pool other than the one it is on;
-    True once connected elsewhere within `wait_s`.
+#: Seconds one try of a move may take at least, however little time is left.
+MOVE_TRY_MIN_S = 0.25
+#: Seconds between two rounds of a move's tries when every server refused at once.
+MOVE_ROUND_PAUSE_S = 0.1
+
+
+async def move_to_another_server(nc: Client, within_s: float) -> bool:
+    """Reconnect `nc` to a server of its pool at another address than the one
+    it is on, trying each other address in turn; True once connected
+    elsewhere within `within_s`.
 
     Upstream: `force_reconnect()` shuffles the pool and may well pick the
-    server it left (one time in two with two servers), and returns before
-    the reconnect (its task, `_reconnection_task`, ends once connected). So
-    the current server is taken out of the pool (`_server_pool`) for this
-    reconnect and put back after it, connected or not.
+    server it left (one time in two with two servers), gives every try the
+    connection's whole `connect_timeout` (5 s here: one frozen server would
+    take all of a move's time), and returns before the reconnect (its task,
+    `_reconnection_task`, ends once connected). The pool cannot simply lose
+    the server left for the move: the INFO of the server moved to lists the
+    cluster's members, which nats-py adds back under a new entry, so the
+    server left came to be in the pool twice and a later move could "move"
+    to its second entry (bench/nemesis.py, seed 4). So the move steers
+    nats-py's reconnect loop through its server-choice hook
+    (`_reconnect_to_server_handler`, the `reconnect_to_server_handler`
+    connect option, which lorafleet does not set otherwise): each other
+    address in turn, never the one left, each try given an equal share of
+    the time left (`options["connect_timeout"]`, read per try). After
+    `within_s` the hook and the timeout are put back, and nats-py's own
+    reconnect goes on over the whole pool (the server left may be the only
+    one this node reaches).
     """
     current = nc._current_server
-    pool = nc._server_pool
-    if current is None or current not in pool or len(pool) < 2:
+    if current is None or not nc.is_connected:
         return False
-    pool.remove(current)
+    left = current.uri.netloc
+    loop = asyncio.get_running_loop()
+    end = loop.time() + within_s
+    connect_timeout_s = nc.options["connect_timeout"]
+    if not any(s.uri.netloc != left for s in nc._server_pool):
+        return False
+    nc._reconnect_to_server_handler = _others_in_turn(nc, left, end)
     try:
         await nc.force_reconnect()
         task = nc._reconnection_task
         if task is not None:
             with contextlib.suppress(TimeoutError, asyncio.CancelledError):
-                await asyncio.wait_for(asyncio.shield(task), wait_s)
+                await asyncio.wait_for(asyncio.shield(task), max(0.0, end - loop.time()))
     finally:
-        if current not in pool:
-            pool.append(current)
-    return nc.is_connected and nc._current_server is not current
+        nc._reconnect_to_server_handler = None
+        nc.options["connect_timeout"] = connect_timeout_s
+    on = nc._current_server
+    return nc.is_connected and on is not None and on.uri.netloc != left
+
+
+def _others_in_turn(nc: Client, left: str, end: float) -> nats.aio.client.ReconnectToServerHandler:
+    """nats-py's server-choice hook for a move: each address but `left` in
+    turn, each try given an equal share of the time left until `end`."""
+    loop = asyncio.get_running_loop()
+    tried: list[str] = []
+
+    def next_server(
+        servers: list[nats.aio.client.Server], _info: dict[str, Any]
+    ) -> tuple[nats.aio.client.Server | None, float]:
+        if tried and nc._transport is not None:
+            # Upstream: a try that timed out leaves its socket open, and the
+            # next try's connect replaces it without closing it. (nats-py
+            # leaves Transport.close untyped.)
+            transport: Any = nc._transport
+            transport.close()
+        others = {s.uri.netloc: s for s in servers if s.uri.netloc != left}
+        untried = [addr for addr in others if addr not in tried]
+        pause_s = 0.0
+        if not untried:  # each refused at once: another round, not a busy loop
+            tried.clear()
+            untried, pause_s = list(others), MOVE_ROUND_PAUSE_S
+        tried.append(untried[0])
+        share_s = (end - loop.time() - pause_s) / len(untried)
+        nc.options["connect_timeout"] = max(MOVE_TRY_MIN_S, share_s)
+        return others[untried[0]], pause_s
+
+    return next_server
 
 
 # --- micro: counting the error replies a handler sends itself ---------------------

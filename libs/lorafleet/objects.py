@@ -71,8 +71,12 @@ class ObjectWriter:
     """One object's chunks, published in order on `subject` with at most
     WRITE_WINDOW awaiting their acknowledgement."""
 
-    def __init__(self, publisher: AsyncPublisher, subject: str) -> None:
+    def __init__(
+        self, publisher: AsyncPublisher, subject: str, ack_timeout_s: float = WRITE_ACK_TIMEOUT_S
+    ) -> None:
         self.subject = subject
+        #: Seconds a write's acknowledgement may take.
+        self.ack_timeout_s = ack_timeout_s
         self.chunks_written = 0
         #: Bytes of the largest chunk written (the info's max_chunk_size).
         self.max_chunk = 0
@@ -84,18 +88,24 @@ class ObjectWriter:
         self._writes.append(await self._publisher.publish(self.subject, data))
         self.chunks_written += 1
         while len(self._writes) >= WRITE_WINDOW:
-            await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
+            await asyncio.wait_for(self._writes.popleft(), self.ack_timeout_s)
 
     async def flush(self) -> None:
         """Wait for every write's acknowledgement; raises the first refused or late one."""
         while self._writes:
-            await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
+            await asyncio.wait_for(self._writes.popleft(), self.ack_timeout_s)
 
     async def settle(self) -> None:
-        """Let every write in flight land or fail (so that a purge comes after them)."""
+        """Let every write in flight land or fail (so that a purge comes after them).
+
+        One ack timeout for them all, not one each: they were sent together,
+        and on a halted stream (a full disk) each would take all of it."""
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.ack_timeout_s
         while self._writes:
             with contextlib.suppress(Exception):
-                await asyncio.wait_for(self._writes.popleft(), WRITE_ACK_TIMEOUT_S)
+                left_s = max(0.0, deadline - loop.time())
+                await asyncio.wait_for(self._writes.popleft(), left_s)
 
 
 class StagedObject:

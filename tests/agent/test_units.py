@@ -15,7 +15,11 @@ from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_order
 from lorafleet_services.agent.environment import find_python
-from lorafleet_services.agent.heartbeat import BUCKET_OUTAGE_PATIENCE_S, fence_reason
+from lorafleet_services.agent.heartbeat import (
+    BUCKET_OUTAGE_PATIENCE_S,
+    FENCE_MARGIN_S,
+    fence_reason,
+)
 from lorafleet_services.agent.job import trainer_failure
 from lorafleet_services.agent.leftovers import remove_job_dirs
 from lorafleet_services.agent.process import ProcessResult
@@ -124,9 +128,10 @@ def test_memory_sampler_reads_the_sessions_card_memory_from_nvml() -> None:
 
 
 def test_fencing_tells_an_unreachable_nats_from_a_bucket_electing() -> None:
-    assert fence_reason(2.9, 2.9, 3) is None  # within the node timeout
-    cut = fence_reason(3.1, 3.1, 3)
-    assert cut is not None and "NATS unreachable for 3.1 s" in cut
+    bound_s = 3 - FENCE_MARGIN_S  # before the scheduler can judge the node lost
+    assert fence_reason(bound_s - 0.1, bound_s - 0.1, 3) is None
+    cut = fence_reason(bound_s + 0.1, bound_s + 0.1, 3)
+    assert cut is not None and "NATS unreachable for 2.6 s" in cut
     # The server answers (no responders: the bucket's stream has no leader).
     assert fence_reason(10.0, 0.2, 3) is None
     long = fence_reason(3 + BUCKET_OUTAGE_PATIENCE_S + 1, 0.2, 3)

@@ -11,7 +11,10 @@ import asyncio
 import base64
 import inspect
 import io
+import os
+import signal
 from pathlib import Path
+from urllib.parse import urlparse
 
 import nats
 import nats.aio.client
@@ -27,11 +30,14 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from lorafleet import _natspy, names, passwords
 from lorafleet.names import Names, msg_get_subject
+from lorafleet.natscluster import NatsCluster
 from lorafleet.natsserver import NatsServer
 from tests.eventually import eventually
 
 #: Seconds a pin waits to be sure something upstream does not happen.
 NEVER_S = 0.5
+#: Seconds a move is given past frozen servers: a third each, the live one last.
+MOVE_WITHIN_S = 3.0
 #: A chunk size that splits the test object into several chunks; bytes.
 SMALL_CHUNK_BYTES = 1024
 
@@ -76,16 +82,87 @@ async def test_move_to_another_server_always_moves(tmp_path: Path) -> None:
         try:
             for _ in range(10):
                 before = _on(nc)
-                assert await _natspy.move_to_another_server(nc, wait_s=5.0)
+                assert await _natspy.move_to_another_server(nc, within_s=5.0)
                 assert nc.is_connected and _on(nc) != before
-            assert len(nc.servers) == 2  # the server left is back in the pool
+            assert len(nc.servers) == 2  # the pool as it was
+            assert nc._reconnect_to_server_handler is None  # the hook put back
         finally:
             await nc.close()
         single = await nats.connect(a.url)
         try:
-            assert not await _natspy.move_to_another_server(single, wait_s=1.0)
+            assert not await _natspy.move_to_another_server(single, within_s=1.0)
         finally:
             await single.close()
+
+
+def _addresses(nc: Client) -> list[str]:
+    return sorted(s.uri.netloc for s in nc._server_pool)
+
+
+async def test_upstream_info_puts_back_a_server_taken_out_of_the_pool(tmp_path: Path) -> None:
+    """Why the move no longer takes the server it leaves out of the pool: the
+    next server's INFO lists the cluster's members and nats-py adds the one
+    taken out back under a new entry; put back afterwards, it was there twice."""
+    async with NatsCluster(tmp_path / "c") as cluster:
+        nc = await nats.connect(cluster.urls()[0], reconnect_time_wait=0)
+        try:
+            await eventually(lambda: len(nc._server_pool) == 3, "the members discovered")
+            current = nc._current_server
+            assert current is not None
+            nc._server_pool.remove(current)
+            await nc.force_reconnect()
+            await eventually(lambda: nc.is_connected, "reconnected")
+            assert current.uri.netloc in _addresses(nc)
+            assert current not in nc._server_pool  # a new entry for the same address
+        finally:
+            await nc.close()
+
+
+async def test_move_never_lands_on_the_server_it_leaves(tmp_path: Path) -> None:
+    """bench/nemesis.py, seed 4: an agent "moved" back to the server it left
+    (its pool held that address twice after an earlier move)."""
+    async with NatsCluster(tmp_path / "c") as cluster:
+        nc = await nats.connect(cluster.urls()[0], reconnect_time_wait=0)
+        try:
+            await eventually(lambda: len(nc._server_pool) == 3, "the members discovered")
+            members = _addresses(nc)
+            for _ in range(8):
+                before = _on(nc)
+                assert await _natspy.move_to_another_server(nc, within_s=5.0)
+                assert _on(nc) != before
+                assert _addresses(nc) == members  # each address once
+        finally:
+            await nc.close()
+
+
+async def test_move_tries_every_other_server_within_its_time(tmp_path: Path) -> None:
+    """bench/nemesis.py, seed 4: a move gave its one try a second and found no
+    other server. Two frozen servers (SIGSTOP: the kernel takes the TCP
+    connection, no INFO comes) stand before the live one in the pool."""
+    async with (
+        NatsServer(tmp_path / "a") as a,
+        NatsServer(tmp_path / "x") as x,
+        NatsServer(tmp_path / "y") as y,
+        NatsServer(tmp_path / "b") as b,
+    ):
+        nc = await nats.connect([a.url, x.url, y.url, b.url], dont_randomize=True)
+        frozen = [x, y]
+        for server in frozen:
+            assert server.proc is not None
+            os.kill(server.proc.pid, signal.SIGSTOP)
+        try:
+            for _ in range(2):
+                loop = asyncio.get_running_loop()
+                started = loop.time()
+                assert await _natspy.move_to_another_server(nc, within_s=MOVE_WITHIN_S)
+                assert _on(nc) in {urlparse(a.url).netloc, urlparse(b.url).netloc}
+                assert loop.time() - started < MOVE_WITHIN_S + NEVER_S
+                assert nc.options["connect_timeout"] == 2  # nats-py's default, put back
+        finally:
+            for server in frozen:
+                assert server.proc is not None
+                os.kill(server.proc.pid, signal.SIGCONT)
+            await nc.close()
 
 
 # --- js._nc ---------------------------------------------------------------------

@@ -11,7 +11,15 @@ import msgspec
 import pytest
 
 from lorafleet_schemas import generate
-from lorafleet_schemas.messages import PUBLISHED, JobSpec, TrainerLine, TrainerParams
+from lorafleet_schemas.messages import (
+    PUBLISHED,
+    JobSpec,
+    NodeCancelRequest,
+    StartRequest,
+    TrainerLine,
+    TrainerParams,
+)
+from tests.agent.conftest import start_request
 
 
 def test_checked_in_schemas_match_the_structs() -> None:
@@ -81,3 +89,19 @@ def test_every_domain_module_is_re_exported() -> None:
         if getattr(value, "__module__", None) == info.name and name not in package.__all__
     ]
     assert not missing, "add to lorafleet_schemas/messages/__init__.py:\n" + "\n".join(missing)
+
+
+def test_a_start_request_at_its_defaults_is_read_by_an_agent_without_newer_fields() -> None:
+    """A node request leaves out what is at its default: an agent that does
+    not know a field yet reads a start of a job that does not use it."""
+
+    class OlderCancel(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+        job_id: str
+
+    sent = msgspec.json.encode(NodeCancelRequest(job_id="j1"))
+    assert msgspec.json.decode(sent, type=OlderCancel).job_id == "j1"
+    start = start_request("j1", "datasets/x", "a" * 64)
+    fields = msgspec.json.decode(msgspec.json.encode(start), type=dict)
+    for name in ("eval_dataset", "eval_dataset_sha256", "serve", "resume"):
+        assert name not in fields, sorted(fields)
+    assert msgspec.json.decode(msgspec.json.encode(start), type=StartRequest) == start

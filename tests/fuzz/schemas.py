@@ -20,9 +20,20 @@ import msgspec
 from hypothesis import strategies as st
 
 Schema = dict[str, Any]
-#: Strategies that replace the schema's for a property of that name (known
+
+
+@dataclass(frozen=True, slots=True)
+class Only:
+    """A hint drawn instead of the schema's values, not beside them: for what
+    the schema cannot say (msgspec's schema of a datetime is a bare string)."""
+
+    strategy: st.SearchStrategy[Any]
+
+
+#: Strategies mixed into the schema's for a property of that name (known
 #: job ids, the catalog's model): reach past "not found" into the handlers.
-Hints = Mapping[str, st.SearchStrategy[Any]]
+#: An `Only` replaces the schema's.
+Hints = Mapping[str, "st.SearchStrategy[Any] | Only"]
 
 #: Keys that only describe a schema.
 _NOTES = frozenset({"title", "description", "default", "examples"})
@@ -137,8 +148,11 @@ def _objects(schema: Schema, defs: dict[str, Schema], hints: Hints) -> st.Search
     required = set(schema.get("required", []))
 
     def prop(name: str) -> st.SearchStrategy[Any]:
+        hint = hints.get(name)
+        if isinstance(hint, Only):
+            return hint.strategy
         own = valid(props[name], defs, hints)
-        return hints[name] | own if name in hints else own
+        return hint | own if hint is not None else own
 
     return st.fixed_dictionaries(
         {n: prop(n) for n in props if n in required},

@@ -18,17 +18,20 @@ from lorafleet import Client as FleetClient
 from lorafleet import _bus as bus
 from lorafleet.artifacts import (
     ArtifactChunkMissingError,
+    ArtifactNotFoundError,
     AsyncPublisher,
     download_artifact,
 )
 from lorafleet.names import Names, object_chunk_subject
 from lorafleet.natscluster import NatsCluster
+from lorafleet.natsserver import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobState
 from lorafleet_services.artifact_store.assembly import Key
-from lorafleet_services.artifact_store.delivery import Deliveries
+from lorafleet_services.artifact_store.delivery import RETRY_DELAY_S, Deliveries
 from lorafleet_services.artifact_store.streams import Streams
 from lorafleet_services.stack import ServiceStartError
+from tests import disks
 from tests.artifacts.conftest import chunks_of, download, object_chunks, publish
 from tests.artifacts.fakes import FakeClock, FakeRecorder, job
 from tests.eventually import eventually
@@ -44,6 +47,12 @@ AFTER_S = 3.0
 DOWN_TRIES = 3
 #: Seconds a recorder given up on the database has to exit.
 EXIT_S = 10.0
+#: MiB of the object store's own filesystem (tmpfs) in the disk-full test.
+OBJECTS_DISK_MIB = 4
+#: Seconds the test's store goes on failing before it gives the job up.
+STORE_PATIENCE_S = 10.0
+#: Seconds the test's store waits for a write's ack (30 in the service).
+WRITE_ACK_TIMEOUT_S = 2.0
 #: Seconds the member stays cut off: longer than a JetStream request's
 #: timeout, so a start that does not try again has failed by then.
 CUT_OFF_S = 8.0
@@ -233,3 +242,64 @@ async def test_a_recorder_waiting_for_its_database_stops_when_told(
         with contextlib.suppress(BaseException):
             await starting
         await recorder.stop()
+
+
+@pytest.mark.skipif(disks.unavailable() is not None, reason=str(disks.unavailable()))
+async def test_an_artifact_a_full_disk_cannot_take_fails_its_job_saying_why(
+    tmp_path: Path,
+) -> None:
+    """The disk-full fault: the object store's stream on a filesystem of its
+    own, full. Its writes time out (nats-server halts the stream on the
+    write error, and keeps it halted once the space is back, until it is
+    restarted); retried for ever, the job stayed uploading with nothing
+    said. After the store's patience the job fails naming the cause,
+    nothing of the artifact is listed, and once the space is back and the
+    server restarted the store stores again."""
+    names = Names()
+    store = tmp_path / "nats"
+    objects = disks.objects_dir(store, names)
+    data = b"adapter" * 5000
+    with disks.small_filesystem(objects, OBJECTS_DISK_MIB):
+        async with NatsServer(store) as server:
+            settings = Settings(nats_url=server.url)
+            nc = await bus.connect(settings, "test-disk-full")
+            try:
+                await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings))
+                disks.fill(objects)
+                recorder, clock = FakeRecorder(job()), FakeClock()
+                await publish(
+                    nc, job(), ArtifactKind.PEFT, chunks_of(job(), ArtifactKind.PEFT, data, 5000)
+                )
+                async with AsyncPublisher(nc) as publisher:
+                    deliveries = Deliveries(Streams(nc.jetstream(), names), publisher, recorder,
+                                            clock, store_patience_s=STORE_PATIENCE_S,
+                                            write_ack_timeout_s=WRITE_ACK_TIMEOUT_S)  # fmt: skip
+                    await deliveries.recover_all()  # a try: the write times out
+                    assert recorder.jobs["job1"].state is JobState.UPLOADING
+                    clock.now_s += STORE_PATIENCE_S + RETRY_DELAY_S
+                    await deliveries.recover_all()  # past the patience: given up
+                failed = recorder.jobs["job1"]
+                assert failed.state is JobState.FAILED and "disk is full" in failed.message
+                assert recorder.reports == [] and not deliveries.open
+            finally:
+                await bus.drain_quietly(nc)
+            assert disks.unfill(objects)  # the space back; the stream stays halted until:
+            await server.restart()
+            nc = await bus.connect(settings, "test-disk-full")
+            try:
+                with pytest.raises(ArtifactNotFoundError):  # nothing of it is listed
+                    await download(nc, "job1", ArtifactKind.PEFT, tmp_path)
+                assert not list(tmp_path.glob("dl-job1-*")), "a partial file was written"
+                again = job(id="job2")
+                recorder = FakeRecorder(again)
+                await publish(
+                    nc, again, ArtifactKind.PEFT, chunks_of(again, ArtifactKind.PEFT, data, 5000)
+                )
+                async with AsyncPublisher(nc) as publisher:
+                    deliveries = Deliveries(Streams(nc.jetstream(), names), publisher, recorder,
+                                            FakeClock())  # fmt: skip
+                    await deliveries.recover_all()
+                assert [r.kind for r in recorder.reports] == [ArtifactKind.PEFT]
+                assert await download(nc, "job2", ArtifactKind.PEFT, tmp_path) == data
+            finally:
+                await bus.drain_quietly(nc)

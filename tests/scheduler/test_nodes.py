@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import msgspec
@@ -28,22 +29,26 @@ from tests.scheduler.clock import Clock
 from tests.scheduler.test_logic import hb
 
 TIMEOUT_S = 3.0
+#: The bucket's stream sequence: each entry made here is the newest.
+REVISIONS = itertools.count(1)
 
 
-def entry(key: str, value: bytes = b"", operation: str | None = None) -> KeyValue.Entry:
+def entry(
+    key: str, value: bytes = b"", operation: str | None = None, revision: int | None = None
+) -> KeyValue.Entry:
     return KeyValue.Entry(
         bucket="lorafleet_nodes",
         key=key,
         value=value,
-        revision=1,
+        revision=next(REVISIONS) if revision is None else revision,
         delta=0,
         created=None,
         operation=operation,
     )
 
 
-def beat(node: str, job: str | None = None) -> KeyValue.Entry:
-    return entry(node, msgspec.json.encode(hb(node, job=job)))
+def beat(node: str, job: str | None = None, revision: int | None = None) -> KeyValue.Entry:
+    return entry(node, msgspec.json.encode(hb(node, job=job)), revision=revision)
 
 
 def watcher(clock: Clock) -> tuple[NodeWatcher, list[int]]:
@@ -266,3 +271,25 @@ def test_a_watch_whose_consumer_stops_sending_is_blind() -> None:
     assert probe(10, 12) is None  # one probe could fall between a store and its send
     assert probe(10, 13) is not None  # a second in a row: stalled
     assert probe(14, 14) is None  # it sends again
+
+
+def test_an_older_beat_delivered_late_changes_nothing() -> None:
+    """bench/nemesis.py, seed 5: while the scheduler's view was blind, a
+    rebuilt watch on a copy behind delivered the node's beat from before a
+    dispatch; taken as news, the node "ran no job" a second after it was sent
+    one, and reconcile failed the job while its trainer ran (the one-node
+    rule: two attempts at once). A stale entry (its revision no newer than
+    the key's last) is dropped, beat or departure."""
+    clock = Clock()
+    w, _ = watcher(clock)
+    before = beat("a", revision=10)
+    w.on_entry(before)
+    w.on_entry(None)
+    w.on_entry(beat("a", job="j1", revision=11))
+    seen_at = w.table.nodes["a"].last_seen
+    clock.now += 1.0
+    w.on_entry(before)  # delivered again, late
+    node = w.table.nodes["a"]
+    assert node.running == "j1" and node.last_seen == seen_at
+    w.on_entry(entry("a", operation=KV_PURGE, revision=9))
+    assert w.table.nodes["a"].alive

@@ -14,8 +14,14 @@ from lorafleet_schemas.messages.jobs import CheckpointRef, TrainerParams
 from lorafleet_schemas.messages.serving import EngineRef
 
 
-class StartRequest(msgspec.Struct, kw_only=True):
-    """`lorafleet.node.<node>.start`: train this job."""
+class StartRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True):
+    """`lorafleet.node.<node>.start`: train this job.
+
+    The node requests are strict and leave out what is at its default: a
+    newer scheduler's new field reaches an older agent only when a job uses
+    it, and is then refused naming it (rather than the job trained without
+    it, an evaluation set ignored, say); any other job still runs there.
+    """
 
     job_id: str
     attempt: int
@@ -45,7 +51,9 @@ class StartReply(msgspec.Struct, kw_only=True):
     running_job: str | None = None
 
 
-class NodeCancelRequest(msgspec.Struct, kw_only=True):
+class NodeCancelRequest(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`lorafleet.node.<node>.cancel`."""
 
     job_id: str

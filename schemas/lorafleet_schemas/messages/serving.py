@@ -146,9 +146,12 @@ class AdapterList(msgspec.Struct, kw_only=True):
     adapters: list[ServingRecord]
 
 
-class NodeServeRequest(msgspec.Struct, kw_only=True):
+class NodeServeRequest(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`lorafleet.node.<node>.serve`: load this adapter version into the
-    node's engines that serve `model` (or the one named)."""
+    node's engines that serve `model` (or the one named). Strict, defaults
+    left out: as StartRequest."""
 
     job_id: str
     model: ModelRecord
@@ -159,7 +162,9 @@ class NodeServeRequest(msgspec.Struct, kw_only=True):
     engine: str | None = None
 
 
-class NodeUnserveRequest(msgspec.Struct, kw_only=True):
+class NodeUnserveRequest(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`lorafleet.node.<node>.unserve`."""
 
     job_id: str

@@ -33,7 +33,13 @@ agent then moves to another server of the cluster
 from the server), at most once per `move_every_s` (half the node timeout):
 during an election the move is harmless (every server says the same), and
 a node whose server was cut off beats again from the other side within the
-node timeout.
+node timeout. A beat left unanswered (the server frozen, or cut off) moves
+the same way. The move comes before the PING, and tries every other
+address of the pool in turn, never the one it leaves, within the fence's
+bound (the last acknowledged beat plus the node timeout): bench/nemesis.py,
+seed 4, found an agent that moved back to the server it left, and one
+whose single 1 s try, begun after a 1 s PING, found no other server in
+time.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ import datetime as dt
 from collections.abc import Callable
 from pathlib import Path
 
+import nats.js.errors
 from nats.js import JetStreamContext
 
 from lorafleet import log
@@ -63,10 +70,11 @@ ENGINES_RESCAN_S = 30.0
 #: Whole seconds a round trip to the server may take after a failed beat
 #: (nats-py's flush takes whole seconds) before NATS counts as unreachable.
 REACH_TIMEOUT_S = 1
-#: Seconds a move to another server may take before the agent lets nats-py
-#: come back to the one it left (the others may be unreachable from here:
-#: addresses the cluster advertises that this node cannot reach).
-MOVE_WAIT_S = 1.0
+#: Seconds a move to another server may take at least, when the fence's
+#: bound is nearer (or past). After the move's time nats-py may come back to
+#: the server left (the others may be unreachable from here: addresses the
+#: cluster advertises that this node cannot reach).
+MOVE_MIN_S = 1.0
 
 
 class CardReader:
@@ -193,17 +201,22 @@ class Heartbeater:
                 msg_ttl=self.settings.node_timeout_s,
             )
         except Exception as e:
-            reached = await self._reach()
             self.last_error = repr(e)
+            # An error reply is an answer: the server is there, the bucket is not.
+            answered = isinstance(
+                e, (nats.js.errors.NoStreamResponseError, nats.js.errors.APIError)
+            )
+            if answered:
+                self.last_reached = asyncio.get_running_loop().time()
+            # The move comes first, before any PING: on a cut-off or frozen
+            # server the node timeout is all the time there is, and the
+            # move must try every other server within it (bench/nemesis.py,
+            # seed 4: a move begun after a 1 s PING found none in time).
+            # A cut link reaches none, and the fence goes on as it was.
+            why = "the server answered but stored no beat" if answered else "no answer to the beat"
+            moved = client_of(self.js).is_connected and await self._move(why)
+            reached = answered or moved or await self._reach()
             self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e), nats_reachable=reached)
-            if reached:
-                await self._move("the server answered but stored no beat")
-            elif client_of(self.js).is_connected:
-                # Connected, yet no PONG: our link is cut, or the server is
-                # frozen (a paused process looks the same from here). Only
-                # another member can tell: reached, it was the server (found
-                # by bench/nemesis.py, seed 3); not, the fence goes on as it was.
-                await self._move("the server does not answer")
             return False
         self.last_ack = self.last_reached = asyncio.get_running_loop().time()
         self.last_error = ""
@@ -222,24 +235,37 @@ class Heartbeater:
         self.last_reached = asyncio.get_running_loop().time()
         return True
 
-    async def _move(self, why: str) -> None:
-        """To another server of the cluster, unless moved lately or there is none."""
+    async def _move(self, why: str) -> bool:
+        """To another server of the cluster, unless moved lately or there is
+        none; True once on another server. Every other server of the pool
+        is tried before the fence's bound (the last acknowledged beat plus
+        `fence_bound_s`), `_natspy.MOVE_TRY_MIN_S` each at least."""
         nc = client_of(self.js)
-        now = asyncio.get_running_loop().time()
+        loop = asyncio.get_running_loop()
+        now = loop.time()
         if now - self._moved_at < self.move_every_s or len(nc.servers) < 2:
-            return
+            return False
         self._moved_at = now
         left = nc.connected_url.netloc if nc.connected_url else ""
-        if not await move_to_another_server(nc, MOVE_WAIT_S):
-            self.logger.warning(Event.NATS_ERROR, error="no other server took us", left=left)
-            return
+        within_s = self.last_ack + fence_bound_s(self.settings.node_timeout_s) - now
+        if not await move_to_another_server(nc, max(within_s, MOVE_MIN_S)):
+            self.logger.warning(
+                Event.NATS_ERROR,
+                error="no other server took us",
+                left=left,
+                within_s=round(loop.time() - now, 2),
+            )
+            return False
         self.moves += 1
+        self.last_reached = loop.time()
+        self._wake.set()  # beat from the new server now, not a period later
         self.logger.warning(
             Event.NATS_MOVED,
             left=left,
             server=nc.connected_url.netloc if nc.connected_url else "",
             message=why,
         )
+        return True
 
     async def run(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()
@@ -271,18 +297,34 @@ class Heartbeater:
 BUCKET_OUTAGE_PATIENCE_S = 30.0
 
 
+#: Seconds before the node timeout an agent that cannot reach NATS fences.
+#: The beat's TTL runs from when the server stored it, a little before its
+#: ack came back, and the fence is checked every quarter second: fencing
+#: at the node timeout itself, an agent was still holding its job (its
+#: artifacts on their way) 0.14 s after the scheduler had lost the node and
+#: sent the job elsewhere (bench/nemesis.py, seed 4: the one-node rule).
+FENCE_MARGIN_S = 0.5
+
+
+def fence_bound_s(timeout_s: float) -> float:
+    """Seconds of silence after which an agent that cannot reach NATS fences."""
+    return max(timeout_s - FENCE_MARGIN_S, timeout_s / 2)
+
+
 def fence_reason(silent_s: float, unreachable_s: float, timeout_s: float) -> str | None:
     """Why the agent must fence now, or None.
 
     silent_s: seconds since the last acknowledged beat; unreachable_s:
     seconds since the server last answered at all; timeout_s: the node
     timeout. An agent that cannot reach NATS for the node timeout is
-    presumed lost (its job failed); one whose server answers while the
-    bucket elects a leader is not (the scheduler is blind to it too).
+    presumed lost (its job failed), so it fences `FENCE_MARGIN_S` before
+    (`fence_bound_s`); one whose server answers while the bucket elects a
+    leader is not (the scheduler is blind to it too).
     """
-    if silent_s <= timeout_s:
+    bound_s = fence_bound_s(timeout_s)
+    if silent_s <= bound_s:
         return None
-    if unreachable_s > timeout_s:
+    if unreachable_s > bound_s:
         return f"no heartbeat acknowledged and NATS unreachable for {unreachable_s:.1f} s"
     if silent_s > timeout_s + BUCKET_OUTAGE_PATIENCE_S:
         return f"NATS answers, but no heartbeat has been stored for {silent_s:.1f} s"

@@ -13,8 +13,9 @@ own while the node takes the next job. One job at a time:
 - any other start while busy is answered busy, naming the running job.
 
 Fencing: when no heartbeat has been acknowledged for `node_timeout_s` and
-NATS does not answer either, the scheduler has declared this node lost and
-failed its job, so the agent stops its trainer (`agent.fenced`) and drops
+NATS does not answer either, the scheduler may declare this node lost and
+fail its job, so the agent stops its trainer (`agent.fenced`) half a second
+before that (heartbeat.FENCE_MARGIN_S) and drops
 the job's unsent reports. A server that answers while the heartbeat bucket
 elects a leader is no reason to fence (heartbeat.fence_reason). Once a beat
 is acknowledged again it heartbeats with no job, and reports the fenced job

@@ -30,7 +30,7 @@ from lorafleet.artifacts import AsyncPublisher
 from lorafleet.errors import BadRequestError
 from lorafleet.log import Event
 from lorafleet.names import Names, artifact_object_name, object_chunk_subject
-from lorafleet.objects import ObjectWriter
+from lorafleet.objects import WRITE_ACK_TIMEOUT_S, ObjectWriter
 from lorafleet_schemas.messages import ArtifactStoredRequest, JobRecord
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
@@ -55,6 +55,13 @@ from lorafleet_services.artifact_store.streams import CommitError, Streams
 MISSING_GRACE_S = 1.0
 #: Seconds before a chunk put back (nak) after an error is delivered again.
 RETRY_DELAY_S = 2.0
+#: Seconds a delivery may go on failing to be stored, each try put back,
+#: before its job is failed saying why. A full disk under the object store's
+#: stream halts that stream: its writes time out with no error of their
+#: own, and stay halted once the space is back, until that nats-server
+#: restarts (tests/nemesis/test_found.py); retried for ever, the job stayed
+#: `uploading` with nothing said.
+STORE_PATIENCE_S = 60.0
 
 
 class Recorder(Protocol):
@@ -107,8 +114,14 @@ class Deliveries:
         publisher: AsyncPublisher,
         recorder: Recorder,
         clock: Callable[[], float],
+        store_patience_s: float = STORE_PATIENCE_S,
+        write_ack_timeout_s: float = WRITE_ACK_TIMEOUT_S,
     ) -> None:
         self.streams = streams
+        self.store_patience_s = store_patience_s
+        self.write_ack_timeout_s = write_ack_timeout_s
+        #: Key -> clock time of the first of its failed tries still unbroken.
+        self.failing: dict[Key, float] = {}
         self.names: Names = streams.names
         self.publisher = publisher
         self.recorder = recorder
@@ -150,7 +163,9 @@ class Deliveries:
                 raise
             d.held.append(msg)
             await self.fail(d, str(e))
-        except Exception:
+        except Exception as e:
+            if await self._gave_up(key, e, msg):
+                return
             await self.drop(key)
             raise
 
@@ -179,8 +194,24 @@ class Deliveries:
             if (bad := self.open.get(chunk.key)) is not None:
                 await self.fail(bad, str(e))
         except Exception as e:
+            if await self._gave_up(chunk.key, e):
+                return
             self.logger.exception(Event.ARTIFACT_REJECTED, job_id=chunk.key.job_id, error=repr(e))
             await self.drop(chunk.key)
+
+    async def _gave_up(self, key: Key, error: Exception, msg: Msg | None = None) -> bool:
+        """After a failed try: True when the delivery has failed for
+        `store_patience_s` and its job is now failed, saying why."""
+        now = self.clock()
+        failing_s = now - self.failing.setdefault(key, now)
+        d = self.open.get(key)
+        if failing_s < self.store_patience_s or d is None:
+            return False
+        del self.failing[key]
+        if msg is not None:
+            d.held.append(msg)
+        await self.fail(d, store_failed_message(key, failing_s, error))
+        return True
 
     # --- one delivery -------------------------------------------------------------
 
@@ -229,7 +260,9 @@ class Deliveries:
             return None
         nuid = object_chunk_token(key, secrets.token_hex(8))
         writer = ObjectWriter(
-            self.publisher, object_chunk_subject(self.names.artifacts_bucket, nuid)
+            self.publisher,
+            object_chunk_subject(self.names.artifacts_bucket, nuid),
+            self.write_ack_timeout_s,
         )
         d = Delivery(
             key=key, subject=chunk.subject, nuid=nuid, writer=writer, assembly=Assembly(key)
@@ -358,12 +391,19 @@ class Deliveries:
         """Remove what the delivery wrote and what the stream holds of it; it is over."""
         # Writes still in flight would land after the purge: let them land first.
         await d.writer.settle()
-        await self.streams.purge_object_chunks(d.writer.subject)
+        # A halted object store (a full disk) takes no purge either: what it
+        # keeps, no info refers to, and the sweep takes it once it works.
+        try:
+            await self.streams.purge_object_chunks(d.writer.subject)
+        except Exception as e:
+            self.logger.warning(Event.ARTIFACT_REJECTED, job_id=d.key.job_id,
+                                error=f"its object chunks left to the sweep: {e!r}")  # fmt: skip
         await self.streams.purge_delivery(d.subject, d.assembly.stream_seq)
         await self._close(d)
 
     async def _close(self, d: Delivery) -> None:
         self.open.pop(d.key, None)
+        self.failing.pop(d.key, None)
         self.ended.add(d.key)
         for m in d.held:
             with contextlib.suppress(Exception):
@@ -386,3 +426,14 @@ class Deliveries:
         for m in d.held:
             with contextlib.suppress(Exception):
                 await m.nak(delay=RETRY_DELAY_S)
+
+
+def store_failed_message(key: Key, failing_s: float, error: Exception) -> str:
+    """Why a job failed whose artifact the store could not write (the job's message)."""
+    return (
+        f"the artifact store could not store the job's {key.kind.value} artifact: its writes "
+        f"to the object store failed for {failing_s:.0f} s (last: {error!r}). A NATS server "
+        "whose disk is full halts the object store's stream (its writes time out) until it "
+        "is restarted with space: free space under its JetStream store directory, restart "
+        "it, then resubmit the job"
+    )

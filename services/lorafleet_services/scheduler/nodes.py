@@ -93,6 +93,8 @@ class NodeWatcher:
         self._reconnected_at: float | None = None
         #: True while our view of the bucket is blind (KeyWatch's probe).
         self.blind = False
+        #: Key -> the revision (stream sequence) of its last entry applied.
+        self._revisions: dict[str, int] = {}
 
     def on_entry(self, entry: KeyValue.Entry | None) -> None:
         if entry is None:
@@ -100,6 +102,8 @@ class NodeWatcher:
             if not self.synced:
                 self.synced = True
                 self.wake()
+            return
+        if self._stale(entry):
             return
         why = departure(entry.operation)
         if why is not None:
@@ -118,6 +122,19 @@ class NodeWatcher:
             self.wake()
         elif change is BeatChange.IDLE:
             self.wake()
+
+    def _stale(self, entry: KeyValue.Entry) -> bool:
+        """An entry no newer than the key's last one applied: a rebuilt watch
+        whose consumer reads a copy behind the leader delivers older beats.
+        Taken as news, such a beat "arrived now" naming the job the node ran
+        before, and reconcile failed the job it runs (bench/nemesis.py, seed 5:
+        the beat from before a dispatch, delivered 1 s after it)."""
+        if entry.revision is None:
+            return False
+        if entry.revision <= self._revisions.get(entry.key, 0):
+            return True
+        self._revisions[entry.key] = entry.revision
+        return False
 
     def _on_departure(self, name: str, why: Departure) -> None:
         if self.blind or self._in_reconnect_grace():
