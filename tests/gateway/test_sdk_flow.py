@@ -1,7 +1,8 @@
 """The official openai SDK against the stand-in engine, for what the real
 vLLM cannot do cheaply: pagination over 25 jobs, cancel, pause and resume,
 a stream relayed as the engine sends it. The happy path, upload to chat
-with the fine-tuned model, runs on the real vLLM: test_sdk_real_vllm.py."""
+with the fine-tuned model, runs on the real vLLM: tests/gateway/sdk_real.py,
+run by tests/system/test_real_serving.py."""
 
 from __future__ import annotations
 
