@@ -100,10 +100,10 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
         "max_steps": 30, "batch_size": 2, "max_seq_len": 64, "rank": 4, "alpha": 8,
         "checkpoint_every_steps": 4, "eval_fraction": 0.0,
     }  # fmt: skip
-    # The uninterrupted run and the cut one train at once, on their own nodes
-    # (each trainer's imports are most of its time; the results do not
-    # depend on what else runs).
     whole = await stack.submit("node-2", model="tiny-llama", params=params)
+    whole_done = await stack.wait_state(whole.id, *FINISHED, timeout_s=REAL_TIMEOUT_S)
+    assert whole_done.state is JobState.DONE, whole_done.message
+
     cut = await stack.submit("node-1", model="tiny-llama", params=params, max_attempts=2)
     seen = await checkpointed(stack, cut.id, 8, timeout_s=REAL_TIMEOUT_S)
     kill_agent(stack.agents["node-1"], cut.id)
@@ -112,8 +112,6 @@ async def test_the_real_trainer_resumed_on_another_node_ends_as_an_uninterrupted
     await stack.agent("node-1", **real)
     done = await stack.wait_state(cut.id, *FINISHED, timeout_s=REAL_TIMEOUT_S)
     assert done.state is JobState.DONE and done.attempt == 2, done.message
-    whole_done = await stack.wait_state(whole.id, *FINISHED, timeout_s=REAL_TIMEOUT_S)
-    assert whole_done.state is JobState.DONE, whole_done.message
 
     curve, whole_curve = await stack.curve(cut.id), await stack.curve(whole.id)
     resumed = min(p.step for p in curve.points if p.attempt == 2) - 1
