@@ -36,6 +36,7 @@ from nats.js.api import Header
 from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
 from lorafleet.natsserver import NatsServer
+from lorafleet.polling import poll_until
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     Card,
@@ -225,13 +226,13 @@ class Fleet:
 
 async def wait_nodes_listed(stack: BenchStack, count: int, timeout_s: float = 30.0) -> None:
     """Until the scheduler's nodes.list shows `count` live nodes."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+
+    async def listed() -> bool:
         reply = await stack.call(stack.settings.names.nodes_list, {})
-        if sum(1 for n in reply["nodes"] if n["alive"]) >= count:
-            return
-        await asyncio.sleep(0.2)
-    raise RuntimeError(f"the scheduler never listed {count} live nodes")
+        return sum(1 for n in reply["nodes"] if n["alive"]) >= count
+
+    if not await poll_until(listed, timeout_s=timeout_s, interval_s=0.2):
+        raise RuntimeError(f"the scheduler never listed {count} live nodes")
 
 
 @dataclass

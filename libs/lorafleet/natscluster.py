@@ -31,7 +31,6 @@ import signal
 import socket
 import urllib.error
 import urllib.request
-from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +38,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from lorafleet.natsserver import NatsServer, NatsServerError, binary
+from lorafleet.polling import poll_until
 
 #: Seconds to wait for the meta leader and every peer to be current.
 CLUSTER_READY_TIMEOUT_S = 30.0
@@ -242,11 +242,10 @@ class NatsCluster:
             routez = await self.monitor(name, "/routez")
             return not routez.get("routes")
 
-        await self._poll(
-            cut_off,
-            lambda: f"{name}'s routes did not go within {CLUSTER_READY_TIMEOUT_S:.0f} s",
-            CLUSTER_READY_TIMEOUT_S,
-        )
+        if not await poll_until(cut_off, timeout_s=CLUSTER_READY_TIMEOUT_S, interval_s=POLL_S):
+            raise NatsServerError(
+                f"{name}'s routes did not go within {CLUSTER_READY_TIMEOUT_S:.0f} s"
+            )
 
     async def rejoin(self, name: str) -> None:
         """Undo `isolate(name)`; returns once the cluster is ready again."""
@@ -265,18 +264,6 @@ class NatsCluster:
             self._write_config(name, member.env)
             if member.proc is not None:
                 member.proc.send_signal(signal.SIGHUP)
-
-    @staticmethod
-    async def _poll(
-        check: Callable[[], Awaitable[bool]], failed: Callable[[], str], timeout_s: float
-    ) -> None:
-        """Until `check()`; NatsServerError(`failed()`) after `timeout_s`."""
-        loop = asyncio.get_running_loop()
-        deadline = loop.time() + timeout_s
-        while not await check():
-            if loop.time() > deadline:
-                raise NatsServerError(failed())
-            await asyncio.sleep(POLL_S)
 
     async def __aenter__(self) -> NatsCluster:
         return await self.start()
@@ -329,14 +316,11 @@ class NatsCluster:
     async def wait_ready(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
         """Until the running members have a meta leader, every one reports
         healthy (JetStream current) and the leader sees every peer current."""
-        await self._poll(
-            self._ready_now,
-            lambda: (
+        if not await poll_until(self._ready_now, timeout_s=timeout_s, interval_s=POLL_S):
+            raise NatsServerError(
                 f"the cluster ({', '.join(self.running())}) did not become ready "
                 f"within {timeout_s:.0f} s: no meta leader, or a member not current"
-            ),
-            timeout_s,
-        )
+            )
 
 
 async def stream_leader(js: JetStreamContext, stream: str) -> str:

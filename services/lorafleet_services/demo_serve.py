@@ -20,6 +20,7 @@ from rich.console import Console
 from rich.table import Table
 
 from lorafleet.client import Client
+from lorafleet.polling import poll_until
 from lorafleet_schemas.messages import ArtifactKind
 from lorafleet_services.agent.adapter_serving import served_adapter_name
 from lorafleet_services.agent.vllm_client import VllmClient
@@ -31,6 +32,7 @@ DEMO_PROMPT = "What is 3 plus 4?"
 #: Seconds from `done` to the adapter in /v1/models: the load and the PEFT
 #: probe, seconds on a laptop, minutes on two busy cores.
 SERVED_TIMEOUT_S = 600.0
+SERVED_POLL_S = 1.0
 
 
 @contextlib.asynccontextmanager
@@ -56,17 +58,17 @@ async def show_served(lf: Client, job_id: str, engine: RunningVllm, console: Con
     peft = next(a for a in await lf.artifacts(job_id) if a.kind is ArtifactKind.PEFT)
     name = served_adapter_name(job_id, peft.sha256)
     console.print(f"waiting for the agent to serve {name} on {engine.url} ...")
-    loop = asyncio.get_running_loop()
-    deadline = loop.time() + SERVED_TIMEOUT_S
     async with VllmClient(engine.url) as client:
-        while name not in {c.id for c in await client.models()}:
-            if loop.time() > deadline:
-                console.print(
-                    f"[red]{name} was not served within {SERVED_TIMEOUT_S:.0f} s[/red]: "
-                    "see the agent's serving.changed log lines"
-                )
-                return False
-            await asyncio.sleep(1.0)
+
+        async def served() -> bool:
+            return name in {c.id for c in await client.models()}
+
+        if not await poll_until(served, timeout_s=SERVED_TIMEOUT_S, interval_s=SERVED_POLL_S):
+            console.print(
+                f"[red]{name} was not served within {SERVED_TIMEOUT_S:.0f} s[/red]: "
+                "see the agent's serving.changed log lines"
+            )
+            return False
         base = await client.chat(str(engine.model_dir), DEMO_PROMPT)
         tuned = await client.chat(name, DEMO_PROMPT)
     table = Table(title=f"{DEMO_PROMPT!r}, asked of vLLM at {engine.url}")

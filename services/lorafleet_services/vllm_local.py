@@ -20,7 +20,6 @@ import os
 import signal
 import socket
 import subprocess
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -28,11 +27,15 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet._process import die_with_parent
+from lorafleet.polling import poll_until_sync
 from lorafleet_services.agent.running_engines import API_SERVER_MODULE
 
 #: Two cores shared with other test runs: 40 s idle, several times that busy.
 START_TIMEOUT_S = 600.0
 STOP_GRACE_S = 10.0
+#: Seconds one /health request may take, and between two of them while starting.
+HEALTH_TIMEOUT_S = 2.0
+HEALTH_POLL_S = 0.5
 MAX_LORA_RANK = 16
 MAX_LORAS = 2
 
@@ -98,18 +101,17 @@ def running_vllm(
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while time.monotonic() < deadline:
+    def healthy() -> bool:
         if proc.poll() is not None:
             raise RuntimeError(f"vLLM exited {proc.returncode} while starting:\n{_tail(log_path)}")
         try:
-            with urllib.request.urlopen(f"{url}/health", timeout=2) as response:
-                if response.status == 200:
-                    return
+            with urllib.request.urlopen(f"{url}/health", timeout=HEALTH_TIMEOUT_S) as response:
+                return bool(response.status == 200)
         except (urllib.error.URLError, OSError):
-            pass
-        time.sleep(0.5)
-    raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
+            return False
+
+    if not poll_until_sync(healthy, timeout_s=START_TIMEOUT_S, interval_s=HEALTH_POLL_S):
+        raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
 
 
 def _warm_up(url: str, model_dir: Path) -> None:

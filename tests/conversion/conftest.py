@@ -161,20 +161,23 @@ class Converted:
 def converted(
     fetched: AgentConfig, tiny: dict[str, Tiny], tmp_path_factory: pytest.TempPathFactory
 ) -> dict[str, Converted]:
-    out = {}
-    for arch in ARCHES:
+
+    async def convert(arch: str) -> Converted:
         root = tmp_path_factory.mktemp(f"convert-{arch}")
         record = root / "record.txt"
         env = environment(root, recording_python(root / "python", record))
-        gguf = asyncio.run(
-            convert_to_gguf(
-                fetched, env, tiny[arch].adapter, tiny[arch].base, root / "out" / "adapter.gguf"
-            )
+        gguf = await convert_to_gguf(
+            fetched, env, tiny[arch].adapter, tiny[arch].base, root / "out" / "adapter.gguf"
         )
-        out[arch] = Converted(
+        return Converted(
             gguf=gguf, record=record.read_text().splitlines(), overlay=env.pythonpath[0]
         )
-    return out
+
+    async def both() -> list[Converted]:
+        # At once: each converter's imports are most of its time, and there are two cores.
+        return await asyncio.gather(*(convert(arch) for arch in ARCHES))
+
+    return dict(zip(ARCHES, asyncio.run(both()), strict=True))
 
 
 def processes_mentioning(text: str) -> list[int]:

@@ -2,7 +2,7 @@
 vLLM cannot do cheaply: pagination over 25 jobs, cancel, pause and resume,
 a stream relayed as the engine sends it, a validation file evaluated on.
 The happy path, upload to chat with the fine-tuned model, runs on the real
-vLLM: test_sdk_real_vllm.py."""
+vLLM: tests/gateway/sdk_real.py, run by tests/system/test_real_serving.py."""
 
 from __future__ import annotations
 

@@ -3,8 +3,11 @@ scheduler, artifact-store) and a real agent whose trainer runs in the vLLM's
 own Python (the engines cache laid out as a node's engines directory), the
 session's vLLM server (tests/vllm_server.py) as the node's engine.
 
-One test, in phases, so that the overlay install and the agent start are
-paid once: a job ends `done` and its adapter is served (loading -> served,
+One test, in phases, so that the overlay install, the agent start and the
+stack are paid once: the first job is the openai SDK's fine-tuning flow
+through a real gateway (tests/gateway/sdk_real.py: files, job, events,
+checkpoints, chat plain and streamed, the 404s before serving and after
+unserving); it ends `done` and its adapter is served (loading -> served,
 the probe within tolerance of PEFT); a rank over --max-lora-rank is a
 `refused` report and the job stays done; a second job's version gets a new
 name; an adapter the engine lost is loaded again within a measured bound
@@ -22,6 +25,7 @@ from collections.abc import AsyncIterator, Callable
 
 import msgspec
 import pytest
+from openai import AsyncOpenAI
 
 from lorafleet import _bus as bus
 from lorafleet_schemas.messages import (
@@ -37,8 +41,11 @@ from lorafleet_services.agent import vllm_cpu
 from lorafleet_services.agent.adapter_serving import PROBE_TOLERANCE, loaded_adapters
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import VllmClient
+from lorafleet_services.gateway.api_keys import make_key
 from lorafleet_trainer.probe import PROBE_FILE
 from tests.eventually import eventually
+from tests.gateway import sdk_real
+from tests.gateway.conftest import gateway_on, sdk_for
 from tests.serving_reports import ServingReports, of
 from tests.system.conftest import Stack
 from tests.vllm_server import RunningVllm
@@ -79,6 +86,22 @@ async def test_trained_jobs_are_served_kept_and_unserved(
         vllm_servers=(vllm_server.url,), engines_refresh_s=1.0,
     )  # fmt: skip
     reports = await ServingReports.of_node(stack.js, names, "node-1")
+    keys_file = stack.tmp_path / "keys.json"
+    key = make_key(keys_file, "alice")
+    try:
+        async with gateway_on(stack, keys_file, {}) as (_, url), sdk_for(url, key) as sdk:
+            await phases(stack, vllm_server, engine_client, reports, sdk)
+    finally:  # shown when it fails: where serving stood on each side
+        sdk_real.print_serving_lines(agent, stack.recorder)
+    python = agent.events("trainer.started")[-1]["python"]
+    assert python == str(vllm_cpu.vllm_cpu_python(vllm_cpu.engines_cache()))
+
+
+async def phases(
+    stack: Stack, vllm_server: RunningVllm, engine_client: VllmClient,
+    reports: ServingReports, sdk: AsyncOpenAI,
+) -> None:  # fmt: skip
+    names = stack.settings.names
 
     async def trained(rank: int) -> str:
         job = await stack.submit("node-1", model="tiny-llama", params={**PARAMS, "rank": rank})
@@ -88,8 +111,15 @@ async def test_trained_jobs_are_served_kept_and_unserved(
         assert done.state is JobState.DONE, done.message
         return job.id
 
-    # 1. Done, then served: loading -> served, the probe within tolerance of PEFT.
-    a = await trained(4)
+    # 1. Through the SDK: done, then served (loading -> served, the probe
+    # within tolerance of PEFT), the gateway answering as the engine does.
+    started = time.monotonic()
+    sdk_job = await sdk_real.trained(sdk, "node-1", rank=4)
+    a = sdk_real.job_id_of(sdk_job)
+    trained_s = time.monotonic() - started
+    answer, refusals = await sdk_real.served_chat(sdk, sdk_job.fine_tuned_model or "")
+    print(f"succeeded after {trained_s:.1f} s, served after {time.monotonic() - started:.1f} s, "
+          f"{len(refusals)} 404s meanwhile: {refusals[:1]}")  # fmt: skip
     loading = await reports.next(of(a, ServingState.LOADING))
     served_a = await reports.next(settled(a))
     assert served_a.state is ServingState.SERVED, served_a.reason
@@ -102,8 +132,7 @@ async def test_trained_jobs_are_served_kept_and_unserved(
     # The trainer's PEFT reference came with the adapter (staged with it).
     served_dir = stack.tmp_path / "agent-node-1" / "served"
     assert (served_dir / served_a.served_name / PROBE_FILE).is_file()
-    python = agent.events("trainer.started")[-1]["python"]
-    assert python == str(vllm_cpu.vllm_cpu_python(vllm_cpu.engines_cache()))
+    await sdk_real.answers_as_the_engine(sdk, sdk_job, answer, vllm_server, engine_client)
 
     # 2. A rank over --max-lora-rank: refused, naming the flag; the job stays done.
     b = await trained(32)
@@ -181,11 +210,12 @@ async def test_trained_jobs_are_served_kept_and_unserved(
         return beat == [(vllm_server.url, held)]
 
     await eventually(beat_serving, "the heartbeat to carry the engine and its adapters")
-    for job_id in (a, c):
-        await bus.request(
-            stack.nc, names.node_unserve("node-1"), NodeUnserveRequest(job_id=job_id),
-            NodeServeReply,
-        )  # fmt: skip
-        await reports.next(of(job_id, ServingState.UNLOADED))
+    # Unserved, A's fine-tuned name gets the gateway's 404 saying so.
+    await sdk_real.unserved(stack, sdk, sdk_job, vllm_server, "node-1")
+    await reports.next(of(a, ServingState.UNLOADED))
+    await bus.request(
+        stack.nc, names.node_unserve("node-1"), NodeUnserveRequest(job_id=c), NodeServeReply
+    )
+    await reports.next(of(c, ServingState.UNLOADED))
     assert await loaded(engine_client) == []
     assert sorted(p.name for p in served_dir.iterdir()) == ["desired.json"]

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import hashlib
-import io
 import itertools
 import json
 import math
@@ -17,16 +16,15 @@ from typing import Any
 import pytest
 
 from lorafleet_trainer.batches import split_records
-from lorafleet_trainer.jobfile import JobFile
-from lorafleet_trainer.protocol import LineWriter
 from lorafleet_trainer.rendering import encode_conversation
-from lorafleet_trainer.run import load_records, run
+from lorafleet_trainer.run import load_records
 from tests.trainer.conftest import TRAIN_PARAMS
 from tests.trainer.harness import (
     TrainerRun,
     fake_hf_cache,
     ndjson,
     qa_records,
+    run_here,
     run_trainer,
     start_trainer,
     write_job,
@@ -225,11 +223,8 @@ def test_an_evaluation_set_is_what_the_eval_loss_is_computed_on(
     params = {**TRAIN_PARAMS, "epochs": 2}
     job_path = write_job(tmp_path, tiny_model("llama"), data=ndjson(qa_records()), params=params,
                          eval_data_path=str(eval_path), eval_data_sha256=eval_sha)  # fmt: skip
-    out = io.StringIO()  # in this process: a subprocess's imports cost more than the training
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
-        assert run(JobFile.read(job_path), LineWriter(out)) == 0
-    trainer = TrainerRun(0, [], [json.loads(x) for x in out.getvalue().splitlines()], "")
+    trainer = run_here(job_path)  # a subprocess's imports cost more than the training
+    assert trainer.rc == 0, trainer.raw_lines
     summary = trainer.events("done")[0]["summary"]
     # Every one of the 16 records trained on: 4 steps an epoch (14 would be 4 too).
     assert (summary["records"], summary["records_train"], summary["records_eval"]) == (16, 16, 3)
@@ -385,15 +380,10 @@ def test_sigterm_stops_training_promptly(tiny_model: Callable[[str], Path], tmp_
 
 
 def test_the_same_job_trains_the_same_way(
-    tiny_model: Callable[[str], Path],
-    tmp_path: Path,
-    monkeypatch: pytest.MonkeyPatch,
+    tiny_model: Callable[[str], Path], tmp_path: Path
 ) -> None:
     """Seeded: two runs of one job (in this process, to spare the imports) print
     the same losses, and another seed does not."""
-    import io
-
-    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
 
     def losses(name: str, seed: int) -> list[float]:
         job = write_job(
@@ -402,13 +392,10 @@ def test_the_same_job_trains_the_same_way(
             data=ndjson(qa_records()),
             params={"max_steps": 3, "batch_size": 4, "learning_rate": 0.01, "seed": seed},
         )
-        out = io.StringIO()
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", FutureWarning)  # peft on transformers' renames
-            assert run(JobFile.read(job), LineWriter(out)) == 0
-        lines = [json.loads(x) for x in out.getvalue().splitlines()]
-        return [x["loss"] for x in lines if x["event"] == "step"] + [
-            x["eval_loss"] for x in lines if x["event"] == "eval"
+        done = run_here(job)
+        assert done.rc == 0
+        return [x["loss"] for x in done.events("step")] + [
+            x["eval_loss"] for x in done.events("eval")
         ]
 
     first = losses("a", 1)
@@ -433,8 +420,9 @@ def test_auto_checkpoints_every_kth_layer_to_fit_the_budget_and_trains_the_same(
         job = write_job(
             tmp_path / name, base, data=ndjson(records), params=params, gpu_memory_mib=budget
         )
-        runs[name] = run_trainer(job)
-        assert runs[name].rc == 0, runs[name].stderr[-3000:]
+        # In this process: the two runs' imports would be most of the test's time.
+        runs[name] = run_here(job)
+        assert runs[name].rc == 0, runs[name].raw_lines[-20:]
         (chose[name],) = [
             x["message"] for x in runs[name].events("log") if "checkpointing" in x["message"]
         ]

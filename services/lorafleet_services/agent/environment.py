@@ -31,6 +31,7 @@ from lorafleet_services.agent.config import AgentConfig, EngineUser
 from lorafleet_services.agent.engine_user import chown_tree, self_user, settle_user
 from lorafleet_services.agent.environment_protocol import (
     RUN_ENV,
+    ConversionRequest,
     TrainerEnvironment,
     TrainerSetupError,
 )
@@ -90,17 +91,10 @@ class EngineEnvironment:
         if self.user is not None:
             chown_tree(path, self.user.uid, self.user.gid)
 
-    async def convert_to_gguf(
-        self,
-        cfg: AgentConfig,
-        job_id: str,
-        adapter_dir: Path,
-        base_dir: Path,
-        out: Path,
-        cancel: asyncio.Event,
-    ) -> str | None:
+    async def convert_to_gguf(self, request: ConversionRequest) -> str | None:
         """llama.cpp's converter, in this Python as this user (agent/conversion.py)."""
-        await conversion.convert_to_gguf(cfg, self, adapter_dir, base_dir, out, cancel=cancel)
+        r = request
+        await conversion.convert_to_gguf(r.cfg, self, r.adapter_dir, r.base_dir, r.out, r.cancel)
         return None
 
 
@@ -134,17 +128,9 @@ class StandinEnvironment:
     def give(self, path: Path) -> None:
         return None
 
-    async def convert_to_gguf(
-        self,
-        cfg: AgentConfig,
-        job_id: str,
-        adapter_dir: Path,
-        base_dir: Path,
-        out: Path,
-        cancel: asyncio.Event,
-    ) -> str | None:
+    async def convert_to_gguf(self, request: ConversionRequest) -> str | None:
         """No conversion: the stand-in's GGUF bytes for this job."""
-        await asyncio.to_thread(out.write_bytes, gguf_bytes(job_id))
+        await asyncio.to_thread(request.out.write_bytes, gguf_bytes(request.job_id))
         return "stand-in trainer: a stand-in GGUF, not a conversion"
 
 

@@ -1,6 +1,7 @@
 """What a trainer (and the GGUF converter) runs in: the `TrainerEnvironment`
-protocol, the variables every such environment sets (RUN_ENV), and
-`TrainerSetupError`, raised when a node cannot provide one.
+protocol, the `ConversionRequest` its `convert_to_gguf` takes, the variables
+every such environment sets (RUN_ENV), and `TrainerSetupError`, raised when
+a node cannot provide one.
 
 Its two kinds live in agent/environment.py: `EngineEnvironment` (the
 node's engine Python, its overlay and user) and `StandinEnvironment` (the
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
@@ -36,6 +38,20 @@ class TrainerSetupError(RuntimeError):
     to install or change."""
 
 
+@dataclass(frozen=True, slots=True)
+class ConversionRequest:
+    """One adapter to convert to GGUF: the PEFT adapter in `adapter_dir`,
+    trained on the Hugging Face model in `base_dir`, written to `out` for the
+    job `job_id`; setting `cancel` stops the conversion."""
+
+    cfg: AgentConfig
+    job_id: str
+    adapter_dir: Path
+    base_dir: Path
+    out: Path
+    cancel: asyncio.Event
+
+
 class TrainerEnvironment(Protocol):
     """What a trainer (and the GGUF converter) runs in: its Python, its user,
     its process environment, and how it makes the adapter's GGUF."""
@@ -55,17 +71,9 @@ class TrainerEnvironment(Protocol):
 
     def give(self, path: Path) -> None: ...
 
-    async def convert_to_gguf(
-        self,
-        cfg: AgentConfig,
-        job_id: str,
-        adapter_dir: Path,
-        base_dir: Path,
-        out: Path,
-        cancel: asyncio.Event,
-    ) -> str | None:
-        """Write the GGUF of the adapter in `adapter_dir` (trained on the model
-        in `base_dir`) to `out`; answers what the job's report should say of
-        it, or None. Setting `cancel` stops it. Raises
-        conversion.ConversionError when it cannot."""
+    async def convert_to_gguf(self, request: ConversionRequest) -> str | None:
+        """Write the GGUF of `request.adapter_dir` to `request.out`; answers
+        what the job's report should say of it, or None. Setting
+        `request.cancel` stops it. Raises conversion.ConversionError when it
+        cannot."""
         ...

@@ -59,7 +59,11 @@ from lorafleet_services.agent.card_memory import MemorySampler
 from lorafleet_services.agent.cards import CardChoice, NoCardError
 from lorafleet_services.agent.checkpoints import CheckpointSender
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment_protocol import TrainerEnvironment, TrainerSetupError
+from lorafleet_services.agent.environment_protocol import (
+    ConversionRequest,
+    TrainerEnvironment,
+    TrainerSetupError,
+)
 from lorafleet_services.agent.fetch import (
     DATA_FILE,
     EVAL_DATA_FILE,
@@ -541,7 +545,7 @@ class JobRun:
         out = self.job_dir / "adapter.gguf"
         try:
             note = await env.convert_to_gguf(
-                self.cfg, self.job_id, adapter_dir, base_dir, out, cancel=self.stopping
+                ConversionRequest(self.cfg, self.job_id, adapter_dir, base_dir, out, self.stopping)
             )
         except conversion.ConversionError as e:
             raise JobStepError(f"converting the adapter to GGUF: {e}") from None

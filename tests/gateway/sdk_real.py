@@ -1,44 +1,39 @@
 """The fine-tuning flow through the official openai SDK, unmodified, on the
 real parts: a gateway routing by the serving records alone (no
 LORAFLEET_GATEWAY_ENGINES), the stack, an agent running the REAL trainer
-(the project's Python) and serving into the session's real CPU vLLM.
+and serving into the session's real CPU vLLM.
 
 files.create -> fine_tuning.jobs.create -> retrieve until succeeded ->
 list_events (steps and losses) -> checkpoints.list -> chat, plain and
 streamed, with job.fine_tuned_model, greedy: the same tokens the engine
 gives asked directly under the adapter's served name. Meanwhile (succeeded,
 the adapter a second from served) a chat gets OpenAI's 404 saying what to
-do; after unserving, the 404 says it was unloaded. The session's engine is
-left serving no adapter.
+do; after unserving, the 404 says it was unloaded.
+
+The checks are run by tests/system/test_real_serving.py, whose first job
+is this one: the stack, the agent and the real training are paid once for
+both (they were two tests with a stack and a training each).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import sys
-import time
-from collections.abc import AsyncIterator
-from pathlib import Path
 
 import openai
-import pytest
 from openai import AsyncOpenAI
 from openai.types.fine_tuning import FineTuningJob
 
 from lorafleet import _bus as bus
-from lorafleet.natsserver import NatsServer
 from lorafleet_schemas.messages import NodeServeReply, NodeUnserveRequest
 from lorafleet_services.agent.adapter_serving import loaded_adapters
 from lorafleet_services.agent.running_engines import VllmServer
 from lorafleet_services.agent.vllm_client import VllmClient
-from lorafleet_services.gateway.api_keys import make_key
 from tests.eventually import eventually
-from tests.gateway.conftest import gateway_on, sdk_for
-from tests.system.conftest import Stack, running_stack, system_settings
+from tests.gateway.conftest import sdk_for
+from tests.procs import ServiceProcess
+from tests.serving_reports import SERVE_TIMEOUT_S
+from tests.system.conftest import Stack
 from tests.vllm_server import RunningVllm
-
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
 #: Short records: the tiny job's cost is its imports, not its steps.
 DATA = "".join(
@@ -46,27 +41,18 @@ DATA = "".join(
                              {"role": "assistant", "content": str(2 * i)}]}) + "\n"
     for i in range(8)
 ).encode()  # fmt: skip
-#: Seconds the real trainer has to succeed on two busy cores (imports dominate).
-JOB_TIMEOUT_S = 300.0
-#: Seconds from succeeded to served (the agent's load and probe, refresh 1 s).
-SERVE_TIMEOUT_S = 120.0
+#: Seconds the real trainer (in the vLLM's Python) has to succeed on two busy
+#: cores (imports dominate).
+JOB_TIMEOUT_S = 600.0
+#: Seconds between two polls of the job or the model through the SDK.
+POLL_S = 0.5
 PROMPT = "3+3?"
+FINAL = ("succeeded", "failed", "cancelled")
 
 
-@pytest.fixture
-async def stack(nats_server: NatsServer, pg_url: str, tmp_path: Path) -> AsyncIterator[Stack]:
-    settings = system_settings(nats_server.url, pg_url, tmp_path)
-    async with running_stack(settings, nats_server, tmp_path, "gateway-vllm-test") as s:
-        yield s
-
-
-@pytest.fixture
-async def engine(vllm_server: RunningVllm) -> AsyncIterator[VllmClient]:
-    """The session's engine; whatever is still loaded at the end is unloaded."""
-    async with VllmClient(vllm_server.url) as c:
-        yield c
-        for name in loaded_adapters(VllmServer(url=c.url), await c.models()):
-            await c.unload_lora_adapter(name)
+def job_id_of(job: FineTuningJob) -> str:
+    """lorafleet's job id of the SDK's job."""
+    return job.id.removeprefix("ftjob-")
 
 
 async def greedy(sdk: AsyncOpenAI, model: str) -> str | None:
@@ -92,54 +78,8 @@ def says_what_to_do(e: openai.NotFoundError, hint: str) -> bool:
     return (e.code, e.param) == ("model_not_found", "model") and hint in e.message
 
 
-async def served_chat(sdk: AsyncOpenAI, model: str) -> tuple[str | None, list[str]]:
-    """The greedy answer once `model` is served, and the 404s met before."""
-    refusals: list[openai.NotFoundError] = []
-    deadline = time.monotonic() + SERVE_TIMEOUT_S
-    while (refused := await refusal(sdk, model)) is not None:
-        refusals.append(refused)
-        assert time.monotonic() < deadline, f"{model} was never served: {refused.body}"
-        await asyncio.sleep(0.5)
-    bad = [e.body for e in refusals if not says_what_to_do(e, "is served by no engine now")]
-    assert not bad, bad
-    return await greedy(sdk, model), [e.message for e in refusals]
-
-
-async def test_the_sdk_trains_and_chats_with_the_adapter_on_the_real_vllm(
-    stack: Stack, vllm_server: RunningVllm, engine: VllmClient
-) -> None:
-    started = time.monotonic()
-    model = {"name": "tiny-llama", "engine": "vllm", "local_dir": str(vllm_server.model_dir)}
-    await stack.call(stack.settings.names.models_add, model)
-    agent = await stack.agent(
-        "node-1", trainer="real", python=sys.executable, hf_offline=True,
-        vllm_servers=(vllm_server.url,), engines_refresh_s=1.0,
-    )  # fmt: skip
-    keys_file = stack.tmp_path / "keys.json"
-    key = make_key(keys_file, "alice")
-    try:
-        async with gateway_on(stack, keys_file, {}) as (_, url), sdk_for(url, key) as sdk:
-            done = await trained(sdk)
-            trained_s = time.monotonic() - started
-            answer, refusals = await served_chat(sdk, done.fine_tuned_model or "")
-            served_s = time.monotonic() - started
-            await answers_as_the_engine(sdk, done, answer, vllm_server, engine)
-            await unserved(stack, sdk, done, vllm_server)
-    finally:  # shown when it fails: where serving stood on each side
-        for proc in (agent, stack.recorder):
-            told = [
-                ln
-                for ln in proc.lines
-                if "serv" in ln.get("event", "") or ln.get("level") != "info"
-            ]
-            print(f"{proc.module}'s serving lines and warnings:", *told[-20:], sep="\n")
-    assert loaded_adapters(VllmServer(url=engine.url), await engine.models()) == []
-    print(f"succeeded after {trained_s:.1f} s, served after {served_s:.1f} s, "
-          f"{len(refusals)} 404s meanwhile: {refusals[:1]}")  # fmt: skip
-
-
-async def trained(sdk: AsyncOpenAI) -> FineTuningJob:
-    """Upload, create, poll until succeeded; its events and checkpoints."""
+async def trained(sdk: AsyncOpenAI, node: str, rank: int) -> FineTuningJob:
+    """Upload, create on `node`, poll until succeeded; its events and checkpoints."""
     uploaded = await sdk.files.create(file=("sums.jsonl", DATA), purpose="fine-tune")
     assert (uploaded.filename, uploaded.bytes) == ("sums.jsonl", len(DATA))
     assert (await sdk.files.content(uploaded.id)).content == DATA
@@ -147,18 +87,16 @@ async def trained(sdk: AsyncOpenAI) -> FineTuningJob:
         model="tiny-llama", training_file=uploaded.id, suffix="sums", seed=3,
         metadata={"team": "qa"},
         method={"type": "supervised", "supervised": {"hyperparameters": {"batch_size": 2}}},
-        extra_body={"lorafleet": {"node": "node-1", "rank": 4, "max_steps": 2,
+        extra_body={"lorafleet": {"node": node, "rank": rank, "max_steps": 2,
                                   "gpu_memory_mib": 1000}},
     )  # fmt: skip
-    deadline = time.monotonic() + JOB_TIMEOUT_S
-    while (done := await sdk.fine_tuning.jobs.retrieve(created.id)).status not in (
-        "succeeded", "failed", "cancelled"
-    ):  # fmt: skip
-        assert time.monotonic() < deadline, f"still {done.status}: {done}"
-        await asyncio.sleep(0.5)
+    done = await eventually(
+        lambda: sdk.fine_tuning.jobs.retrieve(created.id), f"{created.id} to end",
+        until=lambda j: j.status in FINAL, timeout_s=JOB_TIMEOUT_S, interval_s=POLL_S,
+    )  # fmt: skip
     assert done.status == "succeeded", done
     assert (done.seed, done.metadata, done.hyperparameters.batch_size) == (3, {"team": "qa"}, 2)
-    assert done.fine_tuned_model == f"ft:tiny-llama:sums:{created.id.removeprefix('ftjob-')}"
+    assert done.fine_tuned_model == f"ft:tiny-llama:sums:{job_id_of(created)}"
     # The trainer's done summary (tokens_seen) -> the job record -> the job object.
     assert done.trained_tokens is not None and done.trained_tokens > 0, done
 
@@ -171,15 +109,33 @@ async def trained(sdk: AsyncOpenAI) -> FineTuningJob:
     return done
 
 
+async def served_chat(sdk: AsyncOpenAI, model: str) -> tuple[str | None, list[str]]:
+    """The greedy answer once `model` is served, and the 404s met before."""
+    refusals: list[openai.NotFoundError] = []
+
+    async def answered() -> bool:
+        refused = await refusal(sdk, model)
+        if refused is not None:
+            refusals.append(refused)
+        return refused is None
+
+    await eventually(answered, f"{model} to be served", timeout_s=SERVE_TIMEOUT_S,
+                     interval_s=POLL_S)  # fmt: skip
+    bad = [e.body for e in refusals if not says_what_to_do(e, "is served by no engine now")]
+    assert not bad, bad
+    return await greedy(sdk, model), [e.message for e in refusals]
+
+
 async def answers_as_the_engine(
     sdk: AsyncOpenAI, done: FineTuningJob, answer: str | None, vllm: RunningVllm,
     engine: VllmClient,
 ) -> None:  # fmt: skip
     """The gateway's answer is the adapter's: what the engine says asked
-    directly under the served name (which the client never sees)."""
+    directly under the served name (which the client never sees). The
+    engine holds this adapter only."""
     model = done.fine_tuned_model or ""
     (served_name,) = loaded_adapters(VllmServer(url=engine.url), await engine.models())
-    assert served_name.startswith(done.id.removeprefix("ftjob-"))
+    assert served_name.startswith(job_id_of(done))
     async with sdk_for(vllm.url, "unused") as direct:
         assert answer and answer == await greedy(direct, served_name)
     stream = await sdk.chat.completions.create(
@@ -200,11 +156,13 @@ async def answers_as_the_engine(
     assert said.choices[0].text == base.choices[0].text
 
 
-async def unserved(stack: Stack, sdk: AsyncOpenAI, done: FineTuningJob, vllm: RunningVllm) -> None:
+async def unserved(
+    stack: Stack, sdk: AsyncOpenAI, done: FineTuningJob, vllm: RunningVllm, node: str
+) -> None:
     """Unserved through the node's API: the 404 then says it was unloaded."""
     reply = await bus.request(
-        stack.nc, stack.settings.names.node_unserve("node-1"),
-        NodeUnserveRequest(job_id=done.id.removeprefix("ftjob-")), NodeServeReply,
+        stack.nc, stack.settings.names.node_unserve(node),
+        NodeUnserveRequest(job_id=job_id_of(done)), NodeServeReply,
     )  # fmt: skip
     assert reply.engines == [vllm.url]
     model = done.fine_tuned_model or ""
@@ -220,3 +178,12 @@ async def unserved(stack: Stack, sdk: AsyncOpenAI, done: FineTuningJob, vllm: Ru
         until=lambda e: e is not None and says_what_to_do(e, hint),
     )  # fmt: skip
     assert gone is not None and says_what_to_do(gone, hint), gone and gone.body
+
+
+def print_serving_lines(*procs: ServiceProcess) -> None:
+    """Each process's serving lines and warnings (shown when a test fails)."""
+    for proc in procs:
+        told = [
+            ln for ln in proc.lines if "serv" in ln.get("event", "") or ln.get("level") != "info"
+        ]
+        print(f"{proc.module}'s serving lines and warnings:", *told[-20:], sep="\n")
