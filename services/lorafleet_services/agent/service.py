@@ -63,7 +63,7 @@ from lorafleet_schemas.messages import (
     StatusReport,
 )
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.heartbeat import Heartbeater, fence_reason
+from lorafleet_services.agent.heartbeat import Heartbeater, fence_bound_s, fence_reason
 from lorafleet_services.agent.job import JobRun, StopRequest
 from lorafleet_services.agent.leftovers import kill_leftover_trainers, remove_job_dirs
 from lorafleet_services.agent.metric_views import RUNNING_JOBS
@@ -220,7 +220,9 @@ class Agent:
             reason = fence_reason(silent_s, now - self.heartbeat.last_reached, timeout_s)
             if reason is not None and not self.fenced:
                 self.fence(reason)
-            elif silent_s <= timeout_s and self.fenced:
+            elif self.fenced and silent_s <= fence_bound_s(timeout_s):
+                # A beat acknowledged since the fence (the bound, not the node
+                # timeout: between the two a fenced agent unfenced at once).
                 self.fenced = False
                 self.logger.info(Event.AGENT_UNFENCED)
                 self._report_fenced()
