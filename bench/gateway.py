@@ -29,6 +29,8 @@ two worker processes beside a windowed put, and its q/a records take the
 rule's short path. First event +2.0 to +5.7 ms after, +2.0 to +5.1 ms
 before (load 2.5 to 7; +2.35 ms at load 0.7): the second HTTP hop, not
 the relay (profiled: the gateway's own steps take 0.2 ms).
+Quiet (load 0.3 to 1.1, all merged, three runs): p50 overhead 0.93 to
+1.05 ms, first event +1.78 to +2.32 ms, upload 0.74x to 0.78x.
 """
 
 from __future__ import annotations
