@@ -54,6 +54,7 @@ import nats.errors
 import nats.js.errors
 import stamina
 from nats.aio.client import Client
+from nats.js import JetStreamContext
 
 import lorafleet
 import lorafleet._bus as bus
@@ -217,7 +218,18 @@ async def _unless_stopped(work: Awaitable[None], stop: asyncio.Event) -> bool:
 
 async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> None:
     """The parts of the layout this service owns, tried for LAYOUT_RETRY_S."""
-    parts = owned_layout_parts(settings.nats_nkey_seed, name)
+    await ensure_layout_retrying(
+        nc.jetstream(), settings, owned_layout_parts(settings.nats_nkey_seed, name)
+    )
+
+
+async def ensure_layout_retrying(
+    js: JetStreamContext, settings: Settings, parts: tuple[str, ...] | None = None
+) -> None:
+    """`bus.ensure_layout`, tried for LAYOUT_RETRY_S: a cluster that has just
+    become ready can time out a replicated stream's creation while it
+    places the stream's group, and a server still catching up answers
+    "temporarily unavailable"."""
     retries = stamina.retry_context(
         on=(
             nats.errors.TimeoutError,
@@ -232,7 +244,7 @@ async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> Non
     )
     async for attempt in retries:
         with attempt:
-            await bus.ensure_layout(nc.jetstream(), bus.layout_for(settings), parts)
+            await bus.ensure_layout(js, bus.layout_for(settings), parts)
 
 
 class LayoutRefusal:

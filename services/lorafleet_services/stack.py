@@ -25,6 +25,7 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from lorafleet import _bus as bus
+from lorafleet import _runtime as runtime
 from lorafleet._metrics_http import child_addr
 from lorafleet._process import die_with_parent
 from lorafleet.natsserver import NatsServer
@@ -303,7 +304,7 @@ class EmbeddedStack:
         await asyncio.to_thread(migrate, self.settings.effective_database_url)
         nc = await bus.connect(self.settings, "lorafleet-up")
         try:
-            await bus.ensure_layout(nc.jetstream(), bus.layout_for(self.settings))
+            await runtime.ensure_layout_retrying(nc.jetstream(), self.settings)
         finally:
             await bus.drain_quietly(nc)
         try:

@@ -11,6 +11,7 @@ import structlog
 from nats.aio.client import Client
 
 from lorafleet import _bus as bus
+from lorafleet import _runtime as runtime
 from lorafleet._natspy import watch_consumer_info
 from lorafleet.names import kv_stream
 from lorafleet.natscluster import NatsCluster, stream_leader
@@ -28,7 +29,8 @@ async def watched(
     settings = Settings(nats_url=nats_cluster.url, replicas=3)
     nc = await bus.connect(settings, "watch-test")
     js = nc.jetstream()
-    await bus.ensure_layout(js, bus.layout_for(settings))
+    # Retried: a cluster just ready can time out a replicated creation (seen once in CI).
+    await runtime.ensure_layout_retrying(js, settings)
     views: list[tuple[float, bool]] = []
     watch = KeyWatch(
         js,
