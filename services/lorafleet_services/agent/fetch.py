@@ -45,6 +45,31 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, path: Path)
     return path.stat().st_size, sha
 
 
+async def fetch_checked(
+    js: JetStreamContext,
+    bucket: str,
+    name: str,
+    sha256: str,
+    path: Path,
+    what: str,
+    error: type[Exception],
+    *,
+    gone: str,
+    damaged: str,
+) -> None:
+    """`fetch_object` into `path`, checked against `sha256`; else `error`
+    naming `what`: not there (`gone`: what to do), not fetched, or another
+    sha256 (`damaged`: what to do)."""
+    try:
+        _size, sha = await fetch_object(js, bucket, name, path)
+    except objects.ObjectNotFoundError:
+        raise error(f"the {what} {name!r} is not in the object store {bucket}: {gone}") from None
+    except Exception as e:
+        raise error(f"fetching the {what} {name!r} from {bucket}: {e!r}") from None
+    if sha != sha256:
+        raise error(f"the {what} {name!r} in {bucket} has sha256 {sha}, {damaged}")
+
+
 async def fetch_datasets(
     js: JetStreamContext, bucket: str, req: StartRequest, job_dir: Path
 ) -> None:
@@ -55,17 +80,9 @@ async def fetch_datasets(
     if req.eval_dataset is not None and req.eval_dataset_sha256 is not None:
         sets.append((req.eval_dataset, req.eval_dataset_sha256, EVAL_DATA_FILE, "evaluation set"))
     for name, want_sha256, file, what in sets:
-        try:
-            _size, sha = await fetch_object(js, bucket, name, job_dir / file)
-        except objects.ObjectNotFoundError:
-            raise DatasetFetchError(
-                f"the {what} {name!r} is not in the object store {bucket}: "
-                "submit the job's data again"
-            ) from None
-        except Exception as e:
-            raise DatasetFetchError(f"fetching the {what} {name!r} from {bucket}: {e!r}") from None
-        if sha != want_sha256:
-            raise DatasetFetchError(
-                f"the {what} {name!r} in {bucket} has sha256 {sha}, but the job says "
-                f"{want_sha256}: it was replaced or damaged; submit the data again"
-            )
+        await fetch_checked(
+            js, bucket, name, want_sha256, job_dir / file, what, DatasetFetchError,
+            gone="submit the job's data again",
+            damaged=f"but the job says {want_sha256}: it was replaced or damaged; "
+            "submit the data again",
+        )  # fmt: skip

@@ -21,7 +21,6 @@ from pathlib import Path
 
 from nats.js import JetStreamContext
 
-from lorafleet import objects
 from lorafleet.artifacts import file_sha256
 from lorafleet_schemas.messages import ArtifactKind, Engine, ModelRecord, StartRequest
 from lorafleet_services.agent.adapter_serving import (
@@ -31,7 +30,7 @@ from lorafleet_services.agent.adapter_serving import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.delivery import pack_adapter
-from lorafleet_services.agent.fetch import fetch_object
+from lorafleet_services.agent.fetch import fetch_checked
 from lorafleet_services.agent.resume import unpack
 from lorafleet_services.agent.running_engines import VllmServer
 
@@ -136,20 +135,11 @@ async def fetch_adapter(
     archive = served_dir / f".{name}.tar.gz"
     unpacked = served_dir / f".{name}.fetched"
     try:
-        try:
-            _size, sha = await fetch_object(js, bucket, obj, archive)
-        except objects.ObjectNotFoundError:
-            raise AdapterFetchError(
-                f"the adapter {obj!r} is not in the object store {bucket}: it was removed; "
-                "train the job again"
-            ) from None
-        except Exception as e:
-            raise AdapterFetchError(f"fetching the adapter {obj!r} from {bucket}: {e!r}") from None
-        if sha != sha256:
-            raise AdapterFetchError(
-                f"the adapter {obj!r} in {bucket} has sha256 {sha}, not {sha256} as asked: "
-                "it was replaced or damaged"
-            )
+        await fetch_checked(
+            js, bucket, obj, sha256, archive, "adapter", AdapterFetchError,
+            gone="it was removed; train the job again",
+            damaged=f"not {sha256} as asked: it was replaced or damaged",
+        )  # fmt: skip
         try:
             await asyncio.to_thread(unpack, archive, unpacked)
         except (tarfile.TarError, OSError) as e:
@@ -167,13 +157,13 @@ async def fetch_gguf(
     target.parent.mkdir(parents=True, exist_ok=True)
     part = target.with_name(f".{target.name}.part")
     try:
-        _size, sha = await fetch_object(js, bucket, obj, part)
-    except Exception as e:
+        await fetch_checked(
+            js, bucket, obj, sha256, part, "GGUF", AdapterFetchError,
+            gone="it was removed; train the job again", damaged=f"not {sha256} as asked",
+        )  # fmt: skip
+    except AdapterFetchError:
         part.unlink(missing_ok=True)
-        raise AdapterFetchError(f"fetching the GGUF {obj!r} from {bucket}: {e!r}") from None
-    if sha != sha256:
-        part.unlink(missing_ok=True)
-        raise AdapterFetchError(f"the GGUF {obj!r} has sha256 {sha}, not {sha256} as asked")
+        raise
     part.chmod(0o644)
     part.rename(target)
     return target
