@@ -23,6 +23,10 @@ responders), and the scheduler, as blind as the agent, judges nobody then.
 So a failed beat is followed by a round trip to the server (PING/PONG,
 `REACH_TIMEOUT_S`): `last_reached` is the last time the server answered at
 all, and fencing tells "I cannot reach NATS" from "the bucket is electing".
+A message that came in while the beat waited counts as an answer too (and
+saves the PING): on a link the agent's own artifact chunks fill, the beat's
+ack and the PONG queue behind them past their timeouts while the chunks'
+acks keep arriving, and without it a delivery over a slow link fenced.
 
 A beat that fails while the server answers may also mean that this server
 is cut off from the rest of the cluster (its routes are down, its clients'
@@ -193,6 +197,8 @@ class Heartbeater:
     async def beat(self) -> bool:
         """Publish one beat; True when the server acknowledged it."""
         hb = await self.record()
+        nc = client_of(self.js)
+        received, sent_at = nc.stats["in_msgs"], asyncio.get_running_loop().time()
         try:
             await self.js.publish(
                 self.subject,
@@ -206,16 +212,26 @@ class Heartbeater:
             answered = isinstance(
                 e, (nats.js.errors.NoStreamResponseError, nats.js.errors.APIError)
             )
+            # So is any message that came in meanwhile: on a link our own
+            # artifact chunks fill, the beat's ack and a PING's PONG can
+            # wait behind them longer than their timeouts while the chunks'
+            # acks go on arriving (tests/partition: a 64 kbit/s link fenced
+            # an agent mid-delivery, "NATS unreachable for 2.6 s").
+            # (Reached when the beat went out, at the latest: the message
+            # may have been sent any time since.)
+            heard = answered or nc.stats["in_msgs"] > received
             if answered:
                 self.last_reached = asyncio.get_running_loop().time()
+            elif heard:
+                self.last_reached = max(self.last_reached, sent_at)
             # The move comes first, before any PING: on a cut-off or frozen
             # server the node timeout is all the time there is, and the
             # move must try every other server within it (bench/nemesis.py,
             # seed 4: a move begun after a 1 s PING found none in time).
             # A cut link reaches none, and the fence goes on as it was.
             why = "the server answered but stored no beat" if answered else "no answer to the beat"
-            moved = client_of(self.js).is_connected and await self._move(why)
-            reached = answered or moved or await self._reach()
+            moved = nc.is_connected and await self._move(why)
+            reached = heard or moved or await self._reach()
             self.logger.warning(Event.HEARTBEAT_FAILED, error=repr(e), nats_reachable=reached)
             return False
         self.last_ack = self.last_reached = asyncio.get_running_loop().time()
