@@ -34,6 +34,8 @@ from lorafleet.names import (
     OBJECT_DIGEST_PREFIX,
     STATUS_NO_RESPONDERS,
     Header,
+    kv_stream,
+    kv_subject,
     object_chunk_subject,
     object_meta_subject,
     object_stream,
@@ -474,3 +476,45 @@ async def watch_consumer_info(watcher: Any, timeout_s: float) -> Any:
     if sub is None:
         raise LookupError("the watch has no subscription yet")
     return await asyncio.wait_for(sub.consumer_info(), timeout_s)
+
+
+# --- a KV bucket's current values ---------------------------------------------------
+
+
+async def kv_values(js: JetStreamContext, bucket: str, keys: str, timeout_s: float) -> list[Any]:
+    """The current entries of `bucket` whose keys match `keys` (a filter such
+    as `jobs.bob.*`), deleted keys left out; raises TimeoutError when they
+    do not all arrive within `timeout_s`.
+
+    Upstream: `KeyValue.watch()` sends its "the current values are in"
+    marker (None) when the consumer's info says nothing is pending and the
+    subscription has received nothing yet; but the server may have sent
+    every value before answering the info, and the info's reply overtake
+    them, so the marker comes first and a listing reads as empty (25 jobs
+    listed as none, once in CI). Here how many keys there are comes from the
+    stream's per-subject counts, and the end of the current values from the
+    last one's own count of what is still pending (0); deletes are watched
+    too, so every message is an entry and that last one is never swallowed.
+    """
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + timeout_s
+    info = await js.stream_info(kv_stream(bucket), subjects_filter=kv_subject(bucket, keys))
+    if not info.state.subjects:
+        return []
+    kv = await js.key_value(bucket)
+    watcher = await kv.watch(keys)
+    found: list[Any] = []
+    try:
+        while True:
+            left_s = deadline - loop.time()
+            if left_s <= 0:
+                raise TimeoutError(f"the values of {keys} in {bucket} took over {timeout_s:g} s")
+            entry = await watcher.updates(timeout=left_s)  # type: ignore[no-untyped-call]
+            if entry is None:  # the marker: early or not, it says nothing here
+                continue
+            if entry.operation is None and entry.value:
+                found.append(entry)
+            if entry.delta == 0:
+                return found
+    finally:
+        await watcher.stop()  # type: ignore[no-untyped-call]

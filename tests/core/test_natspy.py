@@ -19,6 +19,7 @@ from urllib.parse import urlparse
 import nats
 import nats.aio.client
 import nats.js.errors
+import nats.js.kv
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
@@ -477,3 +478,33 @@ async def test_upstream_kv_watcher_keeps_its_subscription_private_and_untimed(
     assert info.stream_name == "KV_pin_watch"
     await watcher.stop()
     await nc.close()
+
+
+def test_upstream_kv_watch_marks_the_values_in_by_a_racing_consumer_info() -> None:
+    # `kv_values` counts keys itself: watch() puts its "values are in" marker
+    # when the consumer's info says nothing is pending and the subscription
+    # has received nothing, which the values can still be on their way after.
+    source = inspect.getsource(nats.js.kv.KeyValue.watch)
+    assert "cinfo.num_pending == 0 and received == 0" in source
+
+
+async def test_kv_values_lists_the_current_values_without_deletes(
+    nats_server: NatsServer,
+) -> None:
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    kv = await js.create_key_value(bucket="pin_values")
+    try:
+        assert await _natspy.kv_values(js, "pin_values", "jobs.bob.*", 2.0) == []
+        for n in range(25):
+            await kv.put(f"jobs.bob.j{n}", f"{n}".encode())
+        await kv.put("jobs.bob.j3", b"three")
+        await kv.put("jobs.alice.j0", b"hers")
+        await kv.delete("jobs.bob.j7")
+        got = await _natspy.kv_values(js, "pin_values", "jobs.bob.*", 2.0)
+        assert sorted(e.key for e in got) == sorted(f"jobs.bob.j{n}" for n in range(25) if n != 7)
+        assert {e.key: e.value for e in got}["jobs.bob.j3"] == b"three"
+        await kv.delete("jobs.alice.j0")
+        assert await _natspy.kv_values(js, "pin_values", "jobs.alice.*", 2.0) == []
+    finally:
+        await nc.close()

@@ -75,8 +75,8 @@ async def test_wrong_requests_are_bad_requests_naming_the_fix(gateway: Gateway) 
         uploaded = await sdk.files.create(file=("a.jsonl", GOOD), purpose="fine-tune")
         # A file of another purpose (no upload makes one yet: put as a future
         # gateway version could) is no job's data.
-        state = GatewayState(
-            await gateway.stack.js.key_value(gateway.stack.settings.names.gateway_bucket)
+        state = await GatewayState.open(
+            gateway.stack.js, gateway.stack.settings.names.gateway_bucket
         )
         kept = await state.file("alice", uploaded.id)
         assert kept is not None

@@ -10,7 +10,8 @@ and a client identity may not purge it to delete a file.
 
 Keys: `files.<owner>.<file id>` and `jobs.<owner>.<lorafleet job id>`,
 `owner` the API key's name, so a key sees only its own (another's is
-"not found") and its listing is one watch over its own prefix.
+"not found") and its listing is one watch over its own prefix
+(`_natspy.kv_values`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorafleet._natspy import kv_values
 from lorafleet_services.gateway.openai_shapes import Hyperparameters, LorafleetOptions
 
 T = TypeVar("T")
@@ -64,12 +66,14 @@ class JobFields(msgspec.Struct, kw_only=True):
 class GatewayState:
     """The bucket, opened once (`open`), read and written per request."""
 
-    def __init__(self, kv: KeyValue) -> None:
+    def __init__(self, js: JetStreamContext, bucket: str, kv: KeyValue) -> None:
+        self.js = js
+        self.bucket = bucket
         self.kv = kv
 
     @classmethod
     async def open(cls, js: JetStreamContext, bucket: str) -> GatewayState:
-        return cls(await js.key_value(bucket))
+        return cls(js, bucket, await js.key_value(bucket))
 
     async def _get(self, key: str, typ: type[T]) -> T | None:
         try:
@@ -79,18 +83,8 @@ class GatewayState:
         return msgspec.json.decode(entry.value or b"", type=typ) if entry.value else None
 
     async def _list(self, prefix: str, typ: type[T]) -> list[T]:
-        watcher = await self.kv.watch(f"{prefix}.*", ignore_deletes=True)
-        found: list[T] = []
-        try:
-            while True:
-                entry = await watcher.updates(timeout=LIST_TIMEOUT_S)  # type: ignore[no-untyped-call]
-                if entry is None:  # nats-py's marker: the current values are all in
-                    break
-                if entry.value:
-                    found.append(msgspec.json.decode(entry.value, type=typ))
-        finally:
-            await watcher.stop()  # type: ignore[no-untyped-call]
-        return found
+        entries = await kv_values(self.js, self.bucket, f"{prefix}.*", LIST_TIMEOUT_S)
+        return [msgspec.json.decode(e.value, type=typ) for e in entries]
 
     # --- files ---
     async def put_file(self, owner: str, file: FileRecord) -> None:
