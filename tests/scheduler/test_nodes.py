@@ -98,6 +98,28 @@ def test_departure_by_operation() -> None:
     assert departure(None) is None
 
 
+def test_a_replica_that_does_not_lead_applies_a_deferred_marker_a_timeout_later() -> None:
+    """It judges no silence (its majority_at stays 0), so the sweep's
+    deferral was its only way to lose a node expired while its view was
+    just back: its nodes.list showed the node alive for ever (seen in CI,
+    tests/scheduler/test_service.py). A beat since cancels the marker."""
+    clock = Clock()
+    w, _ = watcher(clock)
+    w.on_entry(beat("a"))
+    w.on_entry(beat("b"))
+    w.reconnected()
+    w.on_entry(entry("a", operation=KV_PURGE))
+    w.on_entry(entry("b", operation=KV_PURGE))
+    clock.now += 1.0
+    w.on_entry(beat("b"))  # b lives
+    clock.now += TIMEOUT_S + SWEEP_MARGIN_S - 1.0
+    w.sweep(clock.now, majority_at=0.0)
+    assert not w.table.nodes["a"].alive and w.table.nodes["b"].alive
+    assert [n.name for n in w.take_lost()] == ["a"]
+    w.sweep(clock.now + TIMEOUT_S, majority_at=0.0)
+    assert w.take_lost() == []
+
+
 def test_a_second_marker_for_a_lost_node_changes_nothing() -> None:
     w, _ = watcher(Clock())
     w.on_entry(beat("a"))

@@ -46,7 +46,7 @@ from lorafleet import metrics
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_schemas.messages import Heartbeat
-from lorafleet_services.scheduler.logic import BeatChange, Node, NodeTable, utc_hms
+from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S, BeatChange, Node, NodeTable, utc_hms
 
 
 class Departure(enum.Enum):
@@ -95,6 +95,9 @@ class NodeWatcher:
         self.blind = False
         #: Key -> the revision (stream sequence) of its last entry applied.
         self._revisions: dict[str, int] = {}
+        #: Key -> a departure seen while blind or just back, and when (clock):
+        #: applied by the sweep a node timeout later unless a beat came since.
+        self._deferred: dict[str, tuple[Departure, float]] = {}
 
     def on_entry(self, entry: KeyValue.Entry | None) -> None:
         if entry is None:
@@ -114,6 +117,7 @@ class NodeWatcher:
         except msgspec.DecodeError as e:
             self.logger.warning(Event.NATS_ERROR, node=entry.key, error=f"bad heartbeat: {e}")
             return
+        self._deferred.pop(entry.key, None)
         change = self.table.beat(hb, self.clock())
         if change is BeatChange.UP:
             self.logger.info(
@@ -147,6 +151,7 @@ class NodeWatcher:
                 node=name,
                 message=f"{why.value} while our view was blind or just back: left to the sweep",
             )
+            self._deferred[name] = (why, self.clock())
             return
         node = self.table.expire(name)
         if node is not None:
@@ -199,6 +204,14 @@ class NodeWatcher:
         at = now if majority_at is None else min(now, majority_at)
         for node in self.table.sweep(at, self.node_timeout_s):
             self._gone(node, Departure.SILENT)
+        # A departure left to the sweep is the sweep's only way to lose a node
+        # on a replica that does not lead (it judges no silence): without
+        # this, its nodes.list showed an expired node alive for ever.
+        for name, (why, seen_at) in list(self._deferred.items()):
+            if now - seen_at >= self.node_timeout_s + SWEEP_MARGIN_S:
+                del self._deferred[name]
+                if (expired := self.table.expire(name)) is not None:
+                    self._gone(expired, why)
 
     def take_lost(self) -> list[Node]:
         """The nodes lost since the last call, whose jobs are to be failed."""
