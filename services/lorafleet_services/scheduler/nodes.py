@@ -30,7 +30,9 @@ consumer died with its server) the sweep loses nobody and departures are
 left to the sweep; when the view comes back, every node counts as just
 seen, as after our own reconnect. An outage of the bucket is not a node
 loss: the agents' beats could not be stored either. A node that really
-died during the outage is lost `node_timeout_s` after the view came back.
+died during the outage is lost `node_timeout_s` after the view came back
+(by the sweep's silence on the leader; by the departure itself, applied
+then unless a beat came since, on every replica).
 """
 
 from __future__ import annotations
