@@ -28,6 +28,7 @@ from nats.aio.msg import Msg
 from nats.aio.subscription import Subscription
 from nats.js import JetStreamContext
 from nats.js.api import ObjectInfo, ObjectStoreConfig
+from nats.js.kv import KeyValue
 from nats.micro.service import Endpoint, Service
 
 from lorafleet.names import (
@@ -481,10 +482,12 @@ async def watch_consumer_info(watcher: Any, timeout_s: float) -> Any:
 # --- a KV bucket's current values ---------------------------------------------------
 
 
-async def kv_values(js: JetStreamContext, bucket: str, keys: str, timeout_s: float) -> list[Any]:
-    """The current entries of `bucket` whose keys match `keys` (a filter such
-    as `jobs.bob.*`), deleted keys left out; raises TimeoutError when they
-    do not all arrive within `timeout_s`.
+async def kv_values(
+    js: JetStreamContext, kv: KeyValue, bucket: str, keys: str, timeout_s: float
+) -> list[Any]:
+    """The current entries of `kv` (the open bucket named `bucket`) whose keys
+    match `keys` (a filter such as `jobs.bob.*`), deleted keys left out;
+    raises TimeoutError when they do not all arrive within `timeout_s`.
 
     Upstream: `KeyValue.watch()` sends its "the current values are in"
     marker (None) when the consumer's info says nothing is pending and the
@@ -501,7 +504,6 @@ async def kv_values(js: JetStreamContext, bucket: str, keys: str, timeout_s: flo
     info = await js.stream_info(kv_stream(bucket), subjects_filter=kv_subject(bucket, keys))
     if not info.state.subjects:
         return []
-    kv = await js.key_value(bucket)
     watcher = await kv.watch(keys)
     found: list[Any] = []
     try:

@@ -495,16 +495,16 @@ async def test_kv_values_lists_the_current_values_without_deletes(
     js = nc.jetstream()
     kv = await js.create_key_value(bucket="pin_values")
     try:
-        assert await _natspy.kv_values(js, "pin_values", "jobs.bob.*", 2.0) == []
+        assert await _natspy.kv_values(js, kv, "pin_values", "jobs.bob.*", 2.0) == []
         for n in range(25):
             await kv.put(f"jobs.bob.j{n}", f"{n}".encode())
         await kv.put("jobs.bob.j3", b"three")
         await kv.put("jobs.alice.j0", b"hers")
         await kv.delete("jobs.bob.j7")
-        got = await _natspy.kv_values(js, "pin_values", "jobs.bob.*", 2.0)
+        got = await _natspy.kv_values(js, kv, "pin_values", "jobs.bob.*", 2.0)
         assert sorted(e.key for e in got) == sorted(f"jobs.bob.j{n}" for n in range(25) if n != 7)
         assert {e.key: e.value for e in got}["jobs.bob.j3"] == b"three"
         await kv.delete("jobs.alice.j0")
-        assert await _natspy.kv_values(js, "pin_values", "jobs.alice.*", 2.0) == []
+        assert await _natspy.kv_values(js, kv, "pin_values", "jobs.alice.*", 2.0) == []
     finally:
         await nc.close()

@@ -83,7 +83,7 @@ class GatewayState:
         return msgspec.json.decode(entry.value or b"", type=typ) if entry.value else None
 
     async def _list(self, prefix: str, typ: type[T]) -> list[T]:
-        entries = await kv_values(self.js, self.bucket, f"{prefix}.*", LIST_TIMEOUT_S)
+        entries = await kv_values(self.js, self.kv, self.bucket, f"{prefix}.*", LIST_TIMEOUT_S)
         return [msgspec.json.decode(e.value, type=typ) for e in entries]
 
     # --- files ---
