@@ -261,10 +261,9 @@ class Remembered:
 
 
 #: The states in which a job's node may deliver a checkpoint: while it
-#: trains, and after (a delivery that started while it trained ends later).
-CHECKPOINT_STATES: frozenset[JobState] = frozenset(
-    {JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING, JobState.UPLOADING}
-)
+#: trains, and after (a delivery that started while it trained ends later);
+#: not while it is starting, before the node has taken it up.
+CHECKPOINT_STATES: frozenset[JobState] = ON_NODE - {JobState.STARTING}
 
 
 def delivery_refusal_reason(job: JobRecord | None, key: Key) -> str | None:

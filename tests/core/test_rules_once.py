@@ -1,0 +1,57 @@
+"""Each rule stated once: the shapes a rule takes when it is written out again
+beside the module that owns it, found in the source and refused.
+
+If changing a rule would mean editing two files, it lives in one; these
+checks catch the copies a reader cannot see from the owner's side (a state
+set spelled out member by member, a message id built inline).
+"""
+
+from __future__ import annotations
+
+import ast
+
+from tests.core.test_code_shape import Module, modules
+
+#: Where the job states are grouped into sets (`FINAL`, `ON_NODE`, ...).
+STATES_MODULE = "lorafleet.states"
+
+
+def _state_members(node: ast.expr) -> int:
+    """How many elements of a literal set, tuple or list are `JobState.<X>`
+    (0 when it is no such literal or holds anything else)."""
+    if not isinstance(node, (ast.Set, ast.Tuple, ast.List)):
+        return 0
+    members = [
+        e
+        for e in node.elts
+        if isinstance(e, ast.Attribute)
+        and isinstance(e.value, ast.Name)
+        and e.value.id == "JobState"
+    ]
+    return len(members) if len(members) == len(node.elts) else 0
+
+
+def state_sets(mod: Module) -> list[str]:
+    """`module:line` of each literal group of two or more job states in `mod`."""
+    return [
+        f"{mod.name}:{node.lineno}"
+        for node in ast.walk(mod.tree)
+        if isinstance(node, ast.expr) and _state_members(node) >= 2
+    ]
+
+
+def test_state_sets_are_written_only_in_the_states_module() -> None:
+    found = [hit for mod in modules() if mod.name != STATES_MODULE for hit in state_sets(mod)]
+    assert found == [], (
+        "a set of job states is spelled out beside lorafleet/states.py; name it there "
+        f"(or derive it from FINAL, ON_NODE, ACTIVE): {found}"
+    )
+
+
+def test_the_state_set_check_sees_a_copy() -> None:
+    copy = ast.parse("if s in (JobState.DONE, JobState.FAILED): pass")
+    one = ast.parse("x = ON_NODE - {JobState.STARTING}")
+    mapping = ast.parse("d = {JobState.DONE: 0, JobState.FAILED: 1}")
+    assert state_sets(Module("m", None, copy)) == ["m:1"]  # type: ignore[arg-type]
+    assert state_sets(Module("m", None, one)) == []  # type: ignore[arg-type]
+    assert state_sets(Module("m", None, mapping)) == []  # type: ignore[arg-type]
