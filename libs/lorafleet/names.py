@@ -187,6 +187,18 @@ class Names:
     def artifact_chunks(self, node: str, job_id: str, kind: str) -> str:
         return f"{self.prefix}.artifacts.{node}.{job_id}.{kind}"
 
+    def artifact_chunks_parts(self, subject: str) -> tuple[str, str, str]:
+        """(node, job, kind) of an `artifact_chunks` subject, its inverse;
+        InvalidNameError when `subject` is none."""
+        head = f"{self.prefix}.artifacts."
+        parts = subject[len(head) :].split(".") if subject.startswith(head) else []
+        if len(parts) != 3 or not all(parts):
+            raise InvalidNameError(
+                f"{subject!r} is not an artifact chunk subject ({head}<node>.<job>.<kind>)"
+            )
+        node, job_id, kind = parts
+        return node, job_id, kind
+
     # --- events (recorder -> watchers, after commit) ---
     def job_events(self, job_id: str) -> str:
         return f"{self.prefix}.events.jobs.{job_id}"

@@ -139,6 +139,8 @@ def test_parse_chunk_checks_subject_against_header() -> None:
         ChunkError, match=r"was published on lorafleet\.artifacts\.node-b\.job1\.gguf"
     ):
         parse_chunk(names, "lorafleet.artifacts.node-b.job1.gguf", raw)
+    with pytest.raises(ChunkError, match="is not an artifact chunk subject"):
+        parse_chunk(names, "lorafleet.artifacts.node-a.job1", raw)
     with pytest.raises(ChunkError, match="no Lorafleet-Chunk header"):
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {})
     with pytest.raises(ChunkError, match="not valid"):

@@ -96,6 +96,24 @@ def test_names_derive_from_one_prefix() -> None:
     assert n.status_stream == "ACME_STATUS"
 
 
+def test_an_artifact_chunk_subject_is_taken_apart_where_it_is_built() -> None:
+    n = Names("acme")
+    assert n.artifact_chunks_parts(n.artifact_chunks("gpu-3", "j1", "gguf")) == (
+        "gpu-3",
+        "j1",
+        "gguf",
+    )
+    for bad in (
+        "lorafleet.artifacts.gpu-3.j1.gguf",  # another prefix's
+        "acme.artifacts.gpu-3.j1",
+        "acme.artifacts.gpu-3.j1.gguf.x",
+        "acme.artifacts.gpu-3..gguf",
+        "acme.status.gpu-3.j1",
+    ):
+        with pytest.raises(InvalidNameError, match=r"acme\.artifacts\.<node>\.<job>\.<kind>"):
+            n.artifact_chunks_parts(bad)
+
+
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", ""])
 def test_node_names_that_would_break_subjects_are_refused(bad: str) -> None:
     with pytest.raises(InvalidNameError, match="NATS subject"):

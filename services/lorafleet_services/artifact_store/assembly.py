@@ -24,7 +24,7 @@ from typing import Any, Protocol, TypeGuard
 import msgspec
 
 from lorafleet.artifacts import ObjectInfo, object_digest
-from lorafleet.names import Header, Names, artifact_object_name
+from lorafleet.names import Header, InvalidNameError, Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
 
@@ -82,15 +82,10 @@ class Chunk:
 
 def subject_parts(names: Names, subject: str) -> tuple[str, str, str]:
     """(node, job, kind) of a chunk subject, or ChunkError."""
-    head = f"{names.prefix}.artifacts."
-    if not subject.startswith(head):
-        raise ChunkError(
-            f"{subject!r} is not an artifact chunk subject ({head}<node>.<job>.<kind>)"
-        )
-    parts = subject[len(head) :].split(".")
-    if len(parts) != 3 or not all(parts):
-        raise ChunkError(f"{subject!r}: expected {head}<node>.<job>.<kind>")
-    return parts[0], parts[1], parts[2]
+    try:
+        return names.artifact_chunks_parts(subject)
+    except InvalidNameError as e:
+        raise ChunkError(str(e)) from None
 
 
 _header_decoder = msgspec.json.Decoder(ArtifactChunkHeader)
