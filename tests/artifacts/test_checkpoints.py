@@ -26,7 +26,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.artifact_store.assembly import (
     ChunkError,
     Key,
-    Whole,
+    VerifiedArtifact,
     delivery_refusal_reason,
     is_committed_by,
     object_chunk_token,
@@ -134,7 +134,7 @@ def test_the_recorder_is_owed_a_checkpoint_until_it_holds_that_one() -> None:
 
 
 def test_a_stored_checkpoint_says_its_step_and_is_listed() -> None:
-    whole = Whole(size=3, sha256="ab" * 32, count=1)
+    whole = VerifiedArtifact(size=3, sha256="ab" * 32, count=1)
     now = dt.datetime.now(dt.UTC)
     info = object_info(
         N, key(40), whole, chunks=1, chunk_bytes=3, base_model="m", now=now, nuid="n"

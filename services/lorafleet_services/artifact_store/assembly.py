@@ -9,7 +9,7 @@ known and nothing is missing, says whether count, size and sha256 agree.
 Beside it, the delivery rules: who may deliver (`delivery_refusal_reason`),
 whether the object is stored already (`is_stored`), whether a checkpoint
 may replace the stored one (`superseded`), whether the recorder is owed a
-report (`report_owed`), which deliveries ended (`Remembered`).
+report (`report_owed`), which deliveries ended (`EndedDeliveries`).
 
 Everything here decides; nothing here talks to NATS.
 """
@@ -121,7 +121,7 @@ def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> C
 
 
 @dataclass(frozen=True, slots=True)
-class Whole:
+class VerifiedArtifact:
     """A verified artifact: its size (bytes), sha256 and chunk count."""
 
     size: int
@@ -205,7 +205,7 @@ class Assembly:
     def complete(self) -> bool:
         return self.last is not None and self.next_seq == self.last.count
 
-    def verify(self) -> Whole:
+    def verify(self) -> VerifiedArtifact:
         """The whole artifact, or AssemblyError saying what is wrong with it."""
         last = self.last
         if last is None or last.count is None or last.size is None or last.sha256 is None:
@@ -233,10 +233,10 @@ class Assembly:
                 f"{self.key.label} is corrupt: its sha256 is {digest}, but the delivery said "
                 f"{last.sha256}"
             )
-        return Whole(size=self.size, sha256=digest, count=last.count)
+        return VerifiedArtifact(size=self.size, sha256=digest, count=last.count)
 
 
-class Remembered:
+class EndedDeliveries:
     """Keys of deliveries that ended, the newest `size` of them (insertion order)."""
 
     def __init__(self, size: int = FINISHED_MEMORY) -> None:
@@ -365,7 +365,7 @@ def superseded(current: ObjectInfo | None, key: Key) -> str | None:
 def object_info(
     names: Names,
     key: Key,
-    whole: Whole,
+    whole: VerifiedArtifact,
     *,
     chunks: int,
     chunk_bytes: int,
