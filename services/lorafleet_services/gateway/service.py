@@ -33,7 +33,7 @@ from lorafleet_services.gateway.state import GatewayState
 from lorafleet_services.gateway.uploads import CheckWorkers
 
 #: Seconds requests in flight get to end at a stop.
-STOP_GRACE_S = 5
+IN_FLIGHT_GRACE_S = 5
 #: Seconds between two looks at whether uvicorn has started.
 STARTED_POLL_S = 0.01
 #: Worker processes checking uploads' records (pieces of one upload are
@@ -100,7 +100,7 @@ class Gateway:
         server = _Server(
             uvicorn.Config(
                 make_app(ctx, keys), log_config=None,
-                access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
+                access_log=False, lifespan="off", timeout_graceful_shutdown=IN_FLIGHT_GRACE_S,
             )
         )  # fmt: skip
         self._server = server
