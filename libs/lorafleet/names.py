@@ -18,8 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from lorafleet_schemas.messages.fields import SUBJECT_TOKEN_PATTERN
+
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN_RE = re.compile(SUBJECT_TOKEN_PATTERN)
 
 DEFAULT_PREFIX = "lorafleet"
 
@@ -30,7 +32,7 @@ class InvalidNameError(ValueError):
 
 def check_token(value: str, what: str) -> str:
     """Return `value` when it is a subject-safe token, else raise InvalidNameError."""
-    if not _TOKEN_RE.match(value):
+    if not _TOKEN_RE.fullmatch(value):
         raise InvalidNameError(
             f"{what} {value!r} cannot be part of a NATS subject: use 1 to 64 letters, "
             "digits, '-' or '_'"
@@ -45,7 +47,7 @@ class Names:
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not _PREFIX_RE.match(self.prefix):
+        if not _PREFIX_RE.fullmatch(self.prefix):
             raise InvalidNameError(
                 f"subject prefix {self.prefix!r}: use 1 to 32 letters, digits, '-' or '_'"
             )

@@ -55,3 +55,51 @@ def test_the_state_set_check_sees_a_copy() -> None:
     assert state_sets(Module("m", None, copy)) == ["m:1"]  # type: ignore[arg-type]
     assert state_sets(Module("m", None, one)) == []  # type: ignore[arg-type]
     assert state_sets(Module("m", None, mapping)) == []  # type: ignore[arg-type]
+
+
+_RE_CALLS = {"compile", "match", "fullmatch", "search", "findall", "finditer", "sub", "split"}
+
+
+def regexes(mod: Module) -> set[str]:
+    """The regular expressions written out in `mod` (a literal given to `re.*`,
+    a `pattern=` keyword, a module-level `*_PATTERN`), anchors left off."""
+    found: list[str] = []
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            if (
+                isinstance(f, ast.Attribute)
+                and isinstance(f.value, ast.Name)
+                and f.value.id == "re"
+                and f.attr in _RE_CALLS
+                and node.args
+            ):
+                found.append(_literal(node.args[0]))
+            found += [_literal(k.value) for k in node.keywords if k.arg == "pattern"]
+        elif isinstance(node, ast.Assign) and node in mod.tree.body:
+            names = [t.id for t in node.targets if isinstance(t, ast.Name)]
+            if any(n.endswith("_PATTERN") for n in names):
+                found.append(_literal(node.value))
+    return {p.removeprefix("^").removesuffix("$") for p in found if p}
+
+
+def _literal(node: ast.expr) -> str:
+    return node.value if isinstance(node, ast.Constant) and isinstance(node.value, str) else ""
+
+
+def test_each_regular_expression_is_written_in_one_module() -> None:
+    where: dict[str, list[str]] = {}
+    for mod in modules():
+        for pattern in regexes(mod):
+            where.setdefault(pattern, []).append(mod.name)
+    twice = {p: mods for p, mods in where.items() if len(mods) > 1}
+    assert twice == {}, f"one pattern written in two modules; name it once and import it: {twice}"
+
+
+def test_the_regex_check_finds_each_way_a_pattern_is_written() -> None:
+    tree = ast.parse(
+        "import re\nA = re.compile(r'^b(\\d+)$')\nT = Meta(pattern=r'^x$')\n"
+        "SHA_PATTERN = r'[0-9a-f]{64}'\ndef f(s): return re.fullmatch(r'y+', s)\n"
+        "n = re.compile(NAMED)\n"
+    )
+    assert regexes(Module("m", None, tree)) == {"b(\\d+)", "x", "[0-9a-f]{64}", "y+"}  # type: ignore[arg-type]

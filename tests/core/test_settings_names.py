@@ -114,7 +114,7 @@ def test_an_artifact_chunk_subject_is_taken_apart_where_it_is_built() -> None:
             n.artifact_chunks_parts(bad)
 
 
-@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", ""])
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "a\n"])
 def test_node_names_that_would_break_subjects_are_refused(bad: str) -> None:
     with pytest.raises(InvalidNameError, match="NATS subject"):
         Names().node_start(bad)
