@@ -14,6 +14,7 @@ from typing import Any
 
 from lorafleet.names import check_token
 from lorafleet.settings import SettingsError, read_env, write_env
+from lorafleet_services.agent.engines import LlamacppTagError, check_llamacpp_tag
 
 #: What training needs besides the engine's Python, pinned. Installed with
 #: --no-deps: their dependencies are the engine's own, and resolving them
@@ -49,7 +50,8 @@ class AgentConfig:
     hf_home: the Hugging Face cache shared with the engines; default: the
         engines' user's home under work_dir.
     hf_offline: read base weights from the cache only; default False.
-    llamacpp_tag: the llama.cpp release to convert with; default: the newest
+    llamacpp_tag: the llama.cpp release the node serves and converts with (a
+        tag like b4000: letters, digits, ".", "_" and "-"); default: the newest
         installed under engines_dir/llamacpp.
     conversion_source: URL template ({tag}) or local file path template of
         llama.cpp's source tarball.
@@ -109,6 +111,11 @@ class AgentConfig:
             )
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
+        if self.llamacpp_tag is not None:
+            try:
+                check_llamacpp_tag(self.llamacpp_tag, "LORAFLEET_AGENT_LLAMACPP_TAG")
+            except LlamacppTagError as e:
+                raise AgentConfigError(str(e)) from None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:

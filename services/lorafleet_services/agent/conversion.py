@@ -25,7 +25,6 @@ import contextlib
 import hashlib
 import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -40,6 +39,7 @@ from typing import IO
 
 from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.engines import LlamacppTagError, check_llamacpp_tag, llamacpp_tag
 from lorafleet_services.agent.environment_protocol import TrainerEnvironment
 from lorafleet_services.agent.process import ProcessResult, run_process
 
@@ -62,10 +62,6 @@ KEPT_DIRS = frozenset({"conversion", "gguf-py"})
 #: than the scripts; older releases keep the models in convert_hf_to_gguf.py).
 REQUIRED = ("convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py")
 
-#: An installed llama.cpp: `<engines_dir>/llamacpp/b<build>` or `b<build>-<anything>`.
-_INSTALLED_RE = re.compile(r"^b(\d+)(?:-.*)?$")
-#: A tag usable in a path and a URL.
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 
 #: PEFT settings llama.cpp's adapter format cannot express: it scales every
 #: module by alpha / rank, so a GGUF made from these would silently differ.
@@ -86,35 +82,25 @@ class ConversionCancelledError(ConversionError):
 
 
 def find_llamacpp_tag(cfg: AgentConfig) -> str:
-    """The llama.cpp release to convert with: `cfg.llamacpp_tag` when set,
-    else the newest installed `<engines_dir>/llamacpp/b<build>[-...]` (build
-    numbers compared as numbers), as `b<build>`."""
-    if cfg.llamacpp_tag:
-        return _check_tag(cfg.llamacpp_tag, "LORAFLEET_AGENT_LLAMACPP_TAG")
-    root = cfg.engines_dir / "llamacpp"
-    builds: list[int] = []
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():
-            m = _INSTALLED_RE.match(entry.name)
-            if m and entry.is_dir():
-                builds.append(int(m.group(1)))
-    if not builds:
+    """The llama.cpp release to convert with: the one the heartbeat reports
+    (`engines.llamacpp_tag`: `cfg.llamacpp_tag` when set, else the newest
+    installed); ConversionError saying what to do when there is none."""
+    tag = llamacpp_tag(cfg.engines_dir, cfg.llamacpp_tag)
+    if tag is None:
         raise ConversionError(
             f"a GGUF adapter needs llama.cpp installed on {cfg.node} (nothing like "
-            f"{root}/b<build>-... there), so that the converter matches the release that "
-            "serves it; install llama.cpp on this node, or set LORAFLEET_AGENT_LLAMACPP_TAG "
-            "to the release tag it serves (for example b4000)"
+            f"{cfg.engines_dir / 'llamacpp'}/b<build>-... there), so that the converter "
+            "matches the release that serves it; install llama.cpp on this node, or set "
+            "LORAFLEET_AGENT_LLAMACPP_TAG to the release tag it serves (for example b4000)"
         )
-    return f"b{max(builds)}"
+    return tag
 
 
 def _check_tag(tag: str, what: str) -> str:
-    if not _TAG_RE.match(tag):
-        raise ConversionError(
-            f"{what}={tag!r} is not a llama.cpp release tag; use one like b4000 "
-            "(letters, digits, '.', '_' and '-')"
-        )
-    return tag
+    try:
+        return check_llamacpp_tag(tag, what)
+    except LlamacppTagError as e:
+        raise ConversionError(str(e)) from None
 
 
 def conversion_dir(cfg: AgentConfig, tag: str) -> Path:
