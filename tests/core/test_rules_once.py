@@ -103,3 +103,20 @@ def test_the_regex_check_finds_each_way_a_pattern_is_written() -> None:
         "n = re.compile(NAMED)\n"
     )
     assert regexes(Module("m", None, tree)) == {"b(\\d+)", "x", "[0-9a-f]{64}", "y+"}  # type: ignore[arg-type]
+
+
+def test_the_trainer_s_file_names_are_spelled_only_in_its_layout() -> None:
+    """adapter_config.json and its neighbours: lorafleet_trainer.layout names
+    them for the trainer and every reader (the converter, the serving agent)."""
+    from lorafleet_trainer import layout
+
+    names = {v for k, v in vars(layout).items() if k.isupper() and isinstance(v, str) and "." in v}
+    assert "adapter_config.json" in names
+    found = [
+        f"{mod.name}:{node.lineno} {node.value}"
+        for mod in modules()
+        if mod.name != "lorafleet_trainer.layout"
+        for node in ast.walk(mod.tree)
+        if isinstance(node, ast.Constant) and node.value in names
+    ]
+    assert found == [], f"spelled out beside lorafleet_trainer/layout.py; import its name: {found}"

@@ -23,7 +23,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
 import shutil
 import subprocess
@@ -41,6 +40,7 @@ from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.engines import LlamacppTagError, check_llamacpp_tag, llamacpp_tag
 from lorafleet_services.agent.environment_protocol import TrainerEnvironment
+from lorafleet_services.agent.peft_adapter import AdapterConfigError, PeftAdapterConfig
 from lorafleet_services.agent.process import ProcessResult, run_process
 
 #: Seconds a fetch may wait for the source to answer or send the next bytes.
@@ -61,16 +61,6 @@ KEPT_DIRS = frozenset({"conversion", "gguf-py"})
 #: Without these the release cannot convert an adapter (conversion/ is newer
 #: than the scripts; older releases keep the models in convert_hf_to_gguf.py).
 REQUIRED = ("convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py")
-
-
-#: PEFT settings llama.cpp's adapter format cannot express: it scales every
-#: module by alpha / rank, so a GGUF made from these would silently differ.
-_UNSUPPORTED_PEFT = {
-    "use_rslora": "rank-stabilised LoRA (scale alpha/sqrt(r))",
-    "use_dora": "DoRA",
-    "rank_pattern": "per-module ranks",
-    "alpha_pattern": "per-module alphas",
-}
 
 
 class ConversionError(RuntimeError):
@@ -297,23 +287,15 @@ def _extract_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, so
     return 1
 
 
-def check_adapter(adapter_dir: Path) -> dict[str, object]:
-    """The adapter's `adapter_config.json`, refused (ConversionError) when it
-    uses what llama.cpp's LoRA format cannot express."""
-    cfg_file = adapter_dir / "adapter_config.json"
+def check_adapter(adapter_dir: Path) -> PeftAdapterConfig:
+    """The adapter's config (peft_adapter.py's one parse), refused
+    (ConversionError) when it is none or uses what llama.cpp's LoRA format
+    cannot express."""
     try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ConversionError(
-            f"{cfg_file} cannot be read ({e}); the trainer's output is not a PEFT adapter"
-        ) from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{cfg_file} is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ConversionError(
-            f"the adapter is {config.get('peft_type')}; llama.cpp converts only LoRA adapters"
-        )
-    used = [what for key, what in _UNSUPPORTED_PEFT.items() if config.get(key)]
+        config = PeftAdapterConfig.read(adapter_dir)
+    except AdapterConfigError as e:
+        raise ConversionError(str(e)) from None
+    used = config.llamacpp_refusals()
     if used:
         raise ConversionError(
             f"the adapter uses {', '.join(used)}, which llama.cpp's LoRA format cannot "

@@ -81,6 +81,7 @@ from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.engine_watch import EngineView, EngineWatch
 from lorafleet_services.agent.environment_protocol import TrainerSetupError
 from lorafleet_services.agent.llamacpp_serving import llamacpp_key, serve_llamacpp
+from lorafleet_services.agent.peft_adapter import AdapterConfigError
 from lorafleet_services.agent.running_engines import VllmServer, llama_server_running
 from lorafleet_services.agent.serve_orders import (
     NO_ENGINE,
@@ -102,6 +103,7 @@ from lorafleet_services.agent.serving_plan import (
 )
 from lorafleet_services.agent.serving_reports import ServingReporter, Version
 from lorafleet_services.agent.vllm_client import VllmClient, VllmError, VllmRequestError
+from lorafleet_trainer.layout import ADAPTER_CONFIG
 
 #: The longest wait between two tries of a reload that keeps failing: an
 #: engine that comes back able to take it is served again within this.
@@ -236,7 +238,7 @@ class ServingAgent:
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
         path = self.cfg.served_dir / order.served_name
         try:
-            if not (path / "adapter_config.json").is_file():
+            if not (path / ADAPTER_CONFIG).is_file():
                 path = await fetch_adapter(
                     self.js, self.names.artifacts_bucket, order.object or "", order.sha256,
                     self.cfg.served_dir, order.served_name,
@@ -258,8 +260,8 @@ class ServingAgent:
                 order.job_id, order.sha256, staged, model_base(order.model),
                 read_model_type(probe_base),
             )  # fmt: skip
-        except (OSError, ValueError, KeyError) as e:
-            reason = f"the adapter's adapter_config.json cannot be read: {e!r}"
+        except AdapterConfigError as e:
+            reason = f"the adapter cannot be served: {e}"
             self.reports.report(_version(order), server.url, ServingState.FAILED, reason)
             return
         await self._serve_on(server, adapter, probe_base, order.model.name, "")
@@ -388,7 +390,7 @@ class ServingAgent:
                     entry.job_id, entry.sha256, Path(entry.path), entry.base_model,
                     entry.model_type,
                 )  # fmt: skip
-            except (OSError, ValueError, KeyError) as e:
+            except AdapterConfigError as e:
                 self.desired.remove(server.url, entry.served_name)
                 reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
                 self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
