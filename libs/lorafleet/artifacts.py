@@ -2,7 +2,7 @@
 
 Delivery (agent -> artifact-store) puts chunks on
 `<prefix>.artifacts.<node>.<job>.<kind>` with two headers: `Nats-Msg-Id`
-(`msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
+(`names.chunk_msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
 (an ArtifactChunkHeader as JSON). The artifact-store commits each whole
 artifact into the object store `<prefix>_artifacts` as `<job>/<kind>` (a job's checkpoints all as
 `<job>/checkpoint`, each newer one replacing the one before), in
@@ -49,7 +49,6 @@ __all__ = [
     "file_sha256",
     "get_record",
     "list_records",
-    "msg_id",
     "object_digest",
     "read_info",
     "record_from_info",
@@ -88,18 +87,6 @@ def chunk_missing_message(record: ArtifactRecord, bucket: str, why: str) -> str:
         f"is listed but incomplete: {why}. Nothing was written. No agent keeps a copy to "
         f"send again: {again}"
     )
-
-
-def msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
-    """The Nats-Msg-Id of one chunk: a retried publish of it is stored once.
-
-    `step`: a checkpoint's optimizer step. One attempt delivers many
-    checkpoints, and without it chunk 0 of the second would be taken for a
-    repeat of the first's (the stream's duplicate window) and dropped.
-    """
-    if step is None:
-        return f"{job_id}.{kind}.{attempt}.{seq}"
-    return f"{job_id}.{kind}.{attempt}.{step}.{seq}"
 
 
 # --- the NATS object store's own format ---------------------------------------

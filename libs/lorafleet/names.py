@@ -365,6 +365,35 @@ def msg_get_subject(bucket: str) -> str:
     return stream_msg_get_subject(object_stream(bucket))
 
 
+# --- message ids (Header.MSG_ID) --------------------------------------------------
+# A JetStream stream stores a message whose id it saw within its duplicate
+# window once: a retried publish is the same id. Two messages that must both
+# be stored need different ids in the same stream.
+
+
+def status_msg_id(job_id: str, attempt: int, seq: int) -> str:
+    """The id of a job's status report: one per job, attempt and report."""
+    return f"{job_id}.{attempt}.{seq}"
+
+
+def serving_msg_id(node: str, seq: int) -> str:
+    """The id of a node's serving report (`seq` grows per node), in the
+    status stream beside `status_msg_id`s, which never hold "serving"."""
+    return f"{node}.serving.{seq}"
+
+
+def chunk_msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
+    """The id of one artifact chunk.
+
+    `step`: a checkpoint's optimizer step. One attempt delivers many
+    checkpoints, and without it chunk 0 of the second would be taken for a
+    repeat of the first's (the stream's duplicate window) and dropped.
+    """
+    if step is None:
+        return f"{job_id}.{kind}.{attempt}.{seq}"
+    return f"{job_id}.{kind}.{attempt}.{step}.{seq}"
+
+
 # --- headers --------------------------------------------------------------------
 
 

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo, msg_id, record_from_info
-from lorafleet.names import Names, object_chunk_subject
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo, record_from_info
+from lorafleet.names import Names, chunk_msg_id, object_chunk_subject
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactStoredRequest,
@@ -87,7 +87,9 @@ def test_a_checkpoint_chunk_carries_its_step() -> None:
     [(peft, _)] = chunks_of(j, PEFT, b"x", CHUNK)
     assert parse_chunk(N, N.artifact_chunks("node-a", "job1", "peft"), peft).key.step == 0
     # One attempt delivers many checkpoints: ids and object tokens differ by step.
-    assert msg_id("job1", "checkpoint", 1, 0, 5) != msg_id("job1", "checkpoint", 1, 0, 50)
+    assert chunk_msg_id("job1", "checkpoint", 1, 0, 5) != chunk_msg_id(
+        "job1", "checkpoint", 1, 0, 50
+    )
     assert not is_committed_by(object_chunk_token(key(50), "w"), key(5))
     assert is_committed_by(object_chunk_token(key(5), "w"), key(5))
 

@@ -120,3 +120,33 @@ def test_the_trainer_s_file_names_are_spelled_only_in_its_layout() -> None:
         if isinstance(node, ast.Constant) and node.value in names
     ]
     assert found == [], f"spelled out beside lorafleet_trainer/layout.py; import its name: {found}"
+
+
+def inline_msg_ids(mod: Module) -> list[str]:
+    """`module:line` of each `{Header.MSG_ID: <an f-string, a literal or a
+    sum>}`: a message id built inline instead of by a lorafleet.names builder."""
+    found = []
+    for node in ast.walk(mod.tree):
+        if isinstance(node, ast.Dict):
+            for key, value in zip(node.keys, node.values, strict=True):
+                if (
+                    isinstance(key, ast.Attribute)
+                    and key.attr == "MSG_ID"
+                    and isinstance(value, (ast.JoinedStr, ast.Constant, ast.BinOp))
+                ):
+                    found.append(f"{mod.name}:{node.lineno}")
+    return found
+
+
+def test_message_ids_are_built_only_by_the_names_module() -> None:
+    found = [hit for mod in modules() for hit in inline_msg_ids(mod)]
+    assert found == [], f"a Nats-Msg-Id built inline; use a lorafleet.names *_msg_id: {found}"
+
+
+def test_the_message_id_check_sees_an_inline_id() -> None:
+    inline = ast.parse('h = {Header.MSG_ID: f"{job}.{seq}"}')
+    summed = ast.parse('h = {Header.MSG_ID: job + "." + seq}')
+    built = ast.parse("h = {Header.MSG_ID: status_msg_id(job, attempt, seq), X: msg.msg_id}")
+    assert inline_msg_ids(Module("m", None, inline)) == ["m:1"]  # type: ignore[arg-type]
+    assert inline_msg_ids(Module("m", None, summed)) == ["m:1"]  # type: ignore[arg-type]
+    assert inline_msg_ids(Module("m", None, built)) == []  # type: ignore[arg-type]

@@ -6,7 +6,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from lorafleet.names import InvalidNameError, Names
+from lorafleet.names import (
+    InvalidNameError,
+    Names,
+    chunk_msg_id,
+    serving_msg_id,
+    status_msg_id,
+)
 from lorafleet.settings import Settings, SettingsError, read_env, write_env
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 
@@ -112,6 +118,22 @@ def test_an_artifact_chunk_subject_is_taken_apart_where_it_is_built() -> None:
     ):
         with pytest.raises(InvalidNameError, match=r"acme\.artifacts\.<node>\.<job>\.<kind>"):
             n.artifact_chunks_parts(bad)
+
+
+def test_message_ids_of_different_messages_differ() -> None:
+    """One stream stores a message whose id it has seen once: the status
+    stream holds both status and serving reports, the artifact stream a job's
+    checkpoints of one attempt; none of them may share an id."""
+    status = {status_msg_id("n1", attempt, seq) for attempt in (1, 2) for seq in (1, 2)}
+    serving = {serving_msg_id("n1", seq) for seq in (1, 2)}
+    assert len(status) == 4 and len(serving) == 2 and not status & serving
+    assert status_msg_id("j1", 2, 7) == "j1.2.7", "the id of the reports already stored"
+    chunks = {
+        chunk_msg_id("j1", kind, 1, seq, step)
+        for kind, step in (("peft", None), ("checkpoint", 5), ("checkpoint", 50))
+        for seq in (0, 1)
+    }
+    assert len(chunks) == 6
 
 
 @pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "a\n"])

@@ -2,7 +2,7 @@
 
 `report()` only queues (a load never waits on NATS); one task publishes
 the queue in order to `<prefix>.status.<node>.<job>.serving` (the status
-stream), each with the message id `<node>.serving.<seq>` so a retried
+stream), each with the message id `names.serving_msg_id` so a retried
 publish is stored once, and retried for `REPORT_TIMEOUT_S` before it is
 dropped (logged: serving.report_dropped). `seq` is serving_plan.ReportSeq:
 per node, growing across restarts.
@@ -20,7 +20,7 @@ from nats.js import JetStreamContext
 from lorafleet import log
 from lorafleet._bus import encode
 from lorafleet.log import Event
-from lorafleet.names import Header, Names
+from lorafleet.names import Header, Names, serving_msg_id
 from lorafleet_schemas.messages import Engine, ServingReport, ServingState
 from lorafleet_services.agent.serving_plan import ReportSeq
 
@@ -92,7 +92,7 @@ class ServingReporter:
 
     async def _publish(self, report: ServingReport) -> None:
         subject = self.names.serving_report(self.node, report.job_id)
-        headers = {Header.MSG_ID: f"{self.node}.serving.{report.seq}"}
+        headers = {Header.MSG_ID: serving_msg_id(self.node, report.seq)}
         async for attempt in stamina.retry_context(
             on=Exception, attempts=None, timeout=REPORT_TIMEOUT_S, wait_initial=0.1, wait_max=2.0
         ):

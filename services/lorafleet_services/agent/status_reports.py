@@ -6,7 +6,7 @@ and one publisher task publishes the queue in order. Each report is a
 JetStream publish, awaited for its ack and retried on failure (stamina,
 PUBLISH_RETRY_FIRST_S doubling to PUBLISH_RETRY_MAX_S, no limit but the
 caller's drain timeout and the fence), with the message id
-`<job>.<attempt>.<seq>` so a retry is stored once.
+`names.status_msg_id` so a retry is stored once.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from nats.js import JetStreamContext
 from lorafleet import log
 from lorafleet._bus import encode
 from lorafleet.log import Event
-from lorafleet.names import Header, Names
+from lorafleet.names import Header, Names, status_msg_id
 from lorafleet_schemas.messages import JobState, StartRequest, StatusReport
 from lorafleet_services.agent.metric_views import RUNNING_JOBS
 
@@ -72,7 +72,7 @@ class Reporter:
         """Publish until acknowledged: no limit here, the job's drain timeout
         and the fence bound it."""
         payload = encode(report)
-        headers = {Header.MSG_ID: f"{self.job_id}.{self.attempt}.{report.seq}"}
+        headers = {Header.MSG_ID: status_msg_id(self.job_id, self.attempt, report.seq)}
         async for attempt in stamina.retry_context(
             on=Exception,
             attempts=None,
