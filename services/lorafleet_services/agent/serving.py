@@ -101,7 +101,7 @@ from lorafleet_services.agent.serving_plan import (
     needs_reload,
     remove_stale_copies,
 )
-from lorafleet_services.agent.serving_reports import ServingReporter, Version
+from lorafleet_services.agent.serving_reports import AdapterVersion, ServingReporter
 from lorafleet_services.agent.vllm_client import VllmClient, VllmError, VllmRequestError
 from lorafleet_trainer.layout import ADAPTER_CONFIG
 
@@ -277,7 +277,7 @@ class ServingAgent:
         reload: bool = False,
     ) -> bool:
         """Load `adapter` into `server` (the module doc's steps); True once served."""
-        v = Version(adapter.job_id, model, adapter.served_name, adapter.sha256)
+        v = AdapterVersion(adapter.job_id, model, adapter.served_name, adapter.sha256)
         async with self._lock, VllmClient(server.url, server.api_key) as client:
             try:
                 loaded = loaded_adapters(server, await client.models())
@@ -297,7 +297,7 @@ class ServingAgent:
         server: VllmServer,
         adapter: AdapterToServe,
         probe_base: str,
-        v: Version,
+        v: AdapterVersion,
         loaded: list[str],
     ) -> bool:
         desired = self.desired.on(server.url)
@@ -435,12 +435,14 @@ class ServingAgent:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _version(item: ServeOrder | DesiredAdapter) -> Version:
+def _version(item: ServeOrder | DesiredAdapter) -> AdapterVersion:
     model = item.model if isinstance(item.model, str) else item.model.name
-    return Version(item.job_id, model, item.served_name, item.sha256)
+    return AdapterVersion(item.job_id, model, item.served_name, item.sha256)
 
 
-def _desired(v: Version, adapter: AdapterToServe, probe_base: str, path: Path) -> DesiredAdapter:
+def _desired(
+    v: AdapterVersion, adapter: AdapterToServe, probe_base: str, path: Path
+) -> DesiredAdapter:
     return DesiredAdapter(
         job_id=v.job_id, served_name=v.served_name, sha256=v.sha256, model=v.model,
         base_model=adapter.base_model, model_type=adapter.model_type, probe_base=probe_base,

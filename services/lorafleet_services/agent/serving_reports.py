@@ -28,8 +28,9 @@ REPORT_GIVE_UP_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
-class Version:
-    """Which adapter version a report is about."""
+class AdapterVersion:
+    """The adapter version a serving report is about: its job, the catalog
+    model, the name engines serve it under, and its sha256."""
 
     job_id: str
     model: str
@@ -61,7 +62,7 @@ class ServingReporter:
 
     def report(
         self,
-        v: Version,
+        v: AdapterVersion,
         engine: str,
         state: ServingState,
         reason: str = "",
