@@ -57,6 +57,53 @@ def test_the_state_set_check_sees_a_copy() -> None:
     assert state_sets(Module("m", None, mapping)) == []  # type: ignore[arg-type]
 
 
+def _number(node: ast.expr) -> float | None:
+    """The value of a numeric constant expression (`10.0`, `4 * 1024`), else None."""
+    try:
+        value = eval(compile(ast.Expression(node), "<constant>", "eval"), {"__builtins__": {}})
+    except Exception:  # a name, a call: not a plain number
+        return None
+    return value if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+def numeric_constants(mod: Module) -> dict[str, float]:
+    """`mod`'s module-level UPPER_CASE names bound to a number."""
+    out: dict[str, float] = {}
+    for node in mod.tree.body:
+        if isinstance(node, ast.Assign) and len(node.targets) == 1:
+            target, value = node.targets[0], node.value
+        elif isinstance(node, ast.AnnAssign) and node.value is not None:
+            target, value = node.target, node.value
+        else:
+            continue
+        if isinstance(target, ast.Name) and target.id.lstrip("_").isupper():
+            number = _number(value)
+            if number is not None:
+                out[target.id.lstrip("_")] = number
+    return out
+
+
+def test_a_constant_name_holds_one_value_everywhere() -> None:
+    """Two modules' `STOP_GRACE_S` of 2 and 10 bound different things: each
+    is named for what it bounds. (The same name with the same value is one
+    rule that may be stated twice; two values are two rules under one name.)"""
+    seen: dict[str, dict[float, list[str]]] = {}
+    for mod in modules():
+        for name, value in numeric_constants(mod).items():
+            seen.setdefault(name, {}).setdefault(value, []).append(mod.name)
+    clashes = {name: values for name, values in seen.items() if len(values) > 1}
+    assert clashes == {}, (
+        f"one constant name, different values; name each for what it bounds: {clashes}"
+    )
+
+
+def test_the_constant_check_reads_expressions_and_skips_what_is_no_number() -> None:
+    tree = ast.parse(
+        "A_S = 0.5\nB = 4 * 1024\n_C_S: float = 2\nD = 'x'\nE = f(1)\nF = True\nlow = 1"
+    )
+    assert numeric_constants(Module("m", None, tree)) == {"A_S": 0.5, "B": 4096, "C_S": 2}  # type: ignore[arg-type]
+
+
 _RE_CALLS = {"compile", "match", "fullmatch", "search", "findall", "finditer", "sub", "split"}
 
 
