@@ -22,10 +22,10 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from lorafleet import _bus as bus
 from lorafleet.client import Client as Lorafleet
 from lorafleet.errors import ConflictError, NotFoundError
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     AdapterServeRequest,

@@ -46,7 +46,7 @@ from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway import training_routes as tr
 from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
-from lorafleet_services.gateway.fleet_routes import (
+from lorafleet_services.gateway.fleet_model_location import (
     engine_base_url,
     fine_tuned_parts,
     unserved_hint,
@@ -58,8 +58,8 @@ from lorafleet_services.gateway.http_errors import (
     not_found,
     unavailable,
 )
+from lorafleet_services.gateway.model_location import EngineRoute
 from lorafleet_services.gateway.openai_shapes import Model, Page
-from lorafleet_services.gateway.routing import EngineRoute
 
 #: Seconds an engine has to start answering a completion (a long one
 #: streams; its chunks may come as slowly as the engine makes them).

@@ -34,13 +34,13 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
 from lorafleet import metrics
 from lorafleet._recorder_client import RecorderClient
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
     CheckpointRef,

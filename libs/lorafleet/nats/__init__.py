@@ -1,0 +1,1 @@
+"""NATS: servers, clusters, configs, and lorafleet's own plumbing on nats-py."""

@@ -1,0 +1,1 @@
+"""The trainer's environment on a node."""

@@ -1,0 +1,1 @@
+"""Serving adapters on the node's engines."""

@@ -1,0 +1,1 @@
+"""A training job on the node."""

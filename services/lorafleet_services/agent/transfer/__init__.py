@@ -1,0 +1,1 @@
+"""Bytes between the node and the artifact-store."""

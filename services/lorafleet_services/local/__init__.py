@@ -1,0 +1,1 @@
+"""Tools for this machine: the CPU vLLM, tiny models, a local vLLM server."""
