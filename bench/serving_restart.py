@@ -43,7 +43,7 @@ from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.serving.orders import ServeOrder
 from lorafleet_services.agent.serving.vllm_adapters import served_adapter_name, stage_adapter
 from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError
-from lorafleet_services.agent.transfer.delivery import pack_adapter
+from lorafleet_services.agent.transfer.packing import pack_adapter
 from lorafleet_services.local import vllm_cpu
 from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
 from lorafleet_services.local.vllm_launch import free_port, running_vllm

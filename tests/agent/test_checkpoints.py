@@ -24,7 +24,7 @@ from lorafleet_schemas.messages import (
     JobState,
     StatusReport,
 )
-from lorafleet_services.agent.transfer.delivery import pack_adapter, pack_checkpoint
+from lorafleet_services.agent.transfer.packing import pack_adapter, pack_checkpoint
 from tests.agent.conftest import Bus, Reports, finished, start_request
 from tests.eventually import eventually
 

@@ -25,8 +25,8 @@ from lorafleet_services.agent.transfer.delivery import (
     DeliveryError,
     chunk_size_for,
     deliver,
-    pack_adapter,
 )
+from lorafleet_services.agent.transfer.packing import pack_adapter
 from tests.eventually import eventually
 
 NAMES = Names()

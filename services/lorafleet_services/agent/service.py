@@ -177,7 +177,7 @@ class Agent:
                 f"(attempt {running.req.attempt})",
                 running_job=running.job_id,
             )
-        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.auto_serve)
+        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.job_delivered)
         self.job = run
         run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)

@@ -4,7 +4,7 @@ engines, kept there, and reported.
 Asked three ways, each answered off the job's path (a task of its own; the
 agent takes the next job meanwhile):
 
-- auto-serve: `auto_serve(order)`, called by the job once its artifacts
+- auto-serve: `job_delivered(...)`, called by the job once its artifacts
   are delivered, with the adapter already staged out of the job directory
   (`<work_dir>/served/<name>/`), unless the job says `serve: false`. Every
   engine on the node that serves the job's model gets it; with
@@ -48,7 +48,7 @@ import asyncio
 import contextlib
 import shutil
 import time
-from collections.abc import Coroutine
+from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -58,11 +58,13 @@ from lorafleet import log
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import (
+    ArtifactKind,
     Engine,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
     ServingState,
+    StartRequest,
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment import environments as environment
@@ -77,6 +79,7 @@ from lorafleet_services.agent.serving.orders import (
     fetch_adapter,
     matching_engines,
     model_base,
+    order_from_job,
     read_model_type,
 )
 from lorafleet_services.agent.serving.plan import (
@@ -168,6 +171,22 @@ class ServingAgent:
     def auto_serve(self, order: ServeOrder) -> None:
         """A finished job's adapter (staged): serve it where its model runs."""
         self._spawn(self._auto(order))
+
+    async def job_delivered(
+        self,
+        req: StartRequest,
+        adapter_dir: Path,
+        base_dir: Path,
+        shas: Mapping[ArtifactKind, str],
+        files: Mapping[ArtifactKind, Path],
+        job_dir: Path,
+    ) -> None:
+        """A job's artifacts are delivered: stage its adapter out of the job
+        directory (which goes once this returns), then auto-serve it."""
+        order = await asyncio.to_thread(
+            order_from_job, req, self.cfg, adapter_dir, base_dir, shas, files, job_dir
+        )
+        self.auto_serve(order)
 
     async def serve_request(self, req: NodeServeRequest) -> NodeServeReply:
         order = ServeOrder(

@@ -30,9 +30,8 @@ from lorafleet_services.agent.serving.vllm_adapters import (
     serves_model,
     stage_adapter,
 )
-from lorafleet_services.agent.training.resume import unpack
-from lorafleet_services.agent.transfer.delivery import pack_adapter
 from lorafleet_services.agent.transfer.fetch import fetch_checked
+from lorafleet_services.agent.transfer.packing import pack_adapter, unpack
 
 #: ServingReport.engine when no engine on the node serves the model.
 NO_ENGINE = ""

@@ -40,7 +40,7 @@ import asyncio
 import contextlib
 import shutil
 import signal
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -66,12 +66,10 @@ from lorafleet_services.agent.node.card_memory import MemorySampler
 from lorafleet_services.agent.node.cards import CardChoice, NoCardError
 from lorafleet_services.agent.node.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.node.process import ManagedProcess, ProcessResult
-from lorafleet_services.agent.serving import orders as serve_orders
-from lorafleet_services.agent.serving.orders import ServeOrder
 from lorafleet_services.agent.training import resume
 from lorafleet_services.agent.training.status_reports import Reporter
 from lorafleet_services.agent.training.trainer_lines import TrainerLines, job_estimate_mib
-from lorafleet_services.agent.transfer import delivery
+from lorafleet_services.agent.transfer import delivery, packing
 from lorafleet_services.agent.transfer.checkpoints import CheckpointSender
 from lorafleet_services.agent.transfer.fetch import (
     DATA_FILE,
@@ -247,6 +245,16 @@ class StopRequest:
         return cls(None, "fenced")
 
 
+#: The serving agent's hand-off, in plain fields (training knows nothing of
+#: serving): the request, the adapter and base directories, the delivered
+#: artifacts' sha256s and files, and the job directory (removed once it
+#: returns, so the adapter is staged out of it before).
+Delivered = Callable[
+    [StartRequest, Path, Path, Mapping[ArtifactKind, str], Mapping[ArtifactKind, Path], Path],
+    Awaitable[None],
+]
+
+
 class JobRun:
     """One StartRequest's pipeline, as a task. `stop()` ends it from anywhere."""
 
@@ -256,11 +264,12 @@ class JobRun:
         names: Names,
         cfg: AgentConfig,
         req: StartRequest,
-        on_delivered: Callable[[ServeOrder], None] | None = None,
+        on_delivered: Delivered | None = None,
     ) -> None:
         self.js = js
-        #: Given the staged adapter once the artifacts are delivered (the
-        #: serving agent's auto-serve); None: nothing is served.
+        #: Told of the job once its artifacts are delivered (the serving
+        #: agent's auto-serve), before the job directory goes; None: nothing
+        #: is served.
         self.on_delivered = on_delivered
         self.names = names
         self.cfg = cfg
@@ -368,7 +377,7 @@ class JobRun:
         )  # fmt: skip
         if ArtifactKind.PEFT in self.req.artifacts:
             packed = self.job_dir / "adapter.tar.gz"
-            await asyncio.to_thread(delivery.pack_adapter, adapter_dir, packed)
+            await asyncio.to_thread(packing.pack_adapter, adapter_dir, packed)
             files.append((ArtifactKind.PEFT, packed))
         if ArtifactKind.GGUF in self.req.artifacts:
             files.append((ArtifactKind.GGUF, gguf))
@@ -411,14 +420,11 @@ class JobRun:
         if self.on_delivered is None or self.req.serve is False:
             return
         try:
-            order = await asyncio.to_thread(
-                serve_orders.order_from_job, self.req, self.cfg, adapter_dir, base_dir, shas,
-                dict(files), self.job_dir,
-            )  # fmt: skip
+            await self.on_delivered(
+                self.req, adapter_dir, base_dir, shas, dict(files), self.job_dir
+            )
         except Exception as e:
             self.logger.warning(Event.SERVING_CHANGED, state="not staged", error=repr(e))
-            return
-        self.on_delivered(order)
 
     def _make_dir(self) -> None:
         shutil.rmtree(self.job_dir, ignore_errors=True)

@@ -20,7 +20,6 @@ it is not retryable.
 from __future__ import annotations
 
 import asyncio
-import shutil
 import tarfile
 from pathlib import Path
 from typing import Any
@@ -31,6 +30,7 @@ from lorafleet import objects
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, CheckpointRef
 from lorafleet_services.agent.transfer.fetch import fetch_object
+from lorafleet_services.agent.transfer.packing import unpack
 
 
 class ResumeFetchError(Exception):
@@ -49,19 +49,6 @@ def describe(ref: CheckpointRef) -> str:
     if ref.kind is ArtifactKind.CHECKPOINT:
         return f"the checkpoint at step {ref.step} of job {ref.job_id} (attempt {ref.attempt})"
     return f"the {ref.kind.value} artifact of job {ref.job_id}"
-
-
-def unpack(archive: Path, target: Path) -> None:
-    """Unpack the tar (or tar.gz) `archive` into `target` (made afresh).
-
-    tarfile's "data" filter refuses what could leave `target` or change the
-    node (absolute names, `..`, links pointing outside, devices) and drops
-    set-id bits: the archive came over the network.
-    """
-    shutil.rmtree(target, ignore_errors=True)
-    target.mkdir(parents=True, mode=0o755)
-    with tarfile.open(archive, mode="r:*") as tar:
-        tar.extractall(target, filter="data")
 
 
 async def fetch_resume(

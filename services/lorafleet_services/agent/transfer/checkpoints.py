@@ -35,7 +35,7 @@ from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, TrainerCheckpoint
-from lorafleet_services.agent.transfer import delivery
+from lorafleet_services.agent.transfer import delivery, packing
 
 
 def inside(root: Path, path: str) -> Path | None:
@@ -141,7 +141,7 @@ class CheckpointSender:
     async def _send(self, line: TrainerCheckpoint, path: Path) -> None:
         tar = self.root.parent / f"checkpoint-{line.step}.tar"
         try:
-            await asyncio.to_thread(delivery.pack_checkpoint, path, tar)
+            await asyncio.to_thread(packing.pack_checkpoint, path, tar)
             await delivery.deliver(
                 self.js,
                 self.names,
