@@ -46,7 +46,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder
 from lorafleet_services.scheduler.dispatch import start_request
-from lorafleet_services.scheduler.logic import Node
+from lorafleet_services.scheduler.node_table import Node
 from lorafleet_services.scheduler.service import Scheduler
 from lorafleet_services.scheduler.serving import (
     engine_refusal,
