@@ -16,7 +16,6 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
-from lorafleet_services.gateway.app import with_model
 from lorafleet_services.gateway.fleet_model_location import (
     OverrideRoutes,
     engine_base_url,
@@ -25,6 +24,7 @@ from lorafleet_services.gateway.fleet_model_location import (
     routes_in,
     unserved_hint,
 )
+from lorafleet_services.gateway.inference_routes import with_model
 from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
 from lorafleet_services.gateway.model_location import EngineRoute
 
