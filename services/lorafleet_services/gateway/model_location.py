@@ -10,9 +10,10 @@ catalog base or a fine-tuned adapter (`ft:<base>:<suffix>:<job>`);
 its base and every adapter it has loaded), the answers reused for
 `ttl_s` seconds; a model not in them asks again at once, so an adapter
 loaded a moment ago is found. `forget` drops a route its engine has just
-answered 404 for (an adapter unloaded within the TTL). `fleet_routes.FleetRoutes` implements the
-same interface from the serving records (which node's engine serves which
-adapter, kept by the control plane) and the nodes' heartbeats.
+answered 404 for (an adapter unloaded within the TTL).
+`fleet_model_location.FleetRoutes` implements the same interface from the
+serving records (which node's engine serves which adapter, kept by the
+control plane) and the nodes' heartbeats.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ a node cannot provide one.
 Its two kinds live in agent/environment/environments.py: `EngineEnvironment` (the
 node's engine Python, its overlay and user) and `StandinEnvironment` (the
 stand-in trainer's: the agent's own Python and user). The job pipeline
-(agent/training/job_run.py) and the conversion (agent/environment/gguf_conversion.py) see only this
+(training/job_run.py) and the conversion (gguf_conversion.py) see only this
 protocol.
 """
 

@@ -15,31 +15,31 @@ agent takes the next job meanwhile):
 - `node.<node>.unserve` (`unserve`): unloaded from each engine (or the one
   named), its staged copy removed once no engine holds it.
 
-Each load: `loading`, then preflight (adapter_serving.preflight), eviction
-when `--max-cpu-loras` is full (serving_plan.eviction_choice: the least
+Each load: `loading`, then preflight (vllm_adapters.preflight), eviction
+when `--max-cpu-loras` is full (plan.eviction_choice: the least
 recently served of the agent's own, reported `unloaded`, "evicted for
 <name>"; the preflight's refusal stands when none can go), the PEFT
 reference (the adapter's probe.json, else the probe program in the engine's
-Python: adapter_serving.adapter_reference, once per version), load
+Python: vllm_adapters.adapter_reference, once per version), load
 and confirm; then `served` (with the probe's error), `refused` or
 `failed`. One change at a time on the node (a lock): slots are counted
 from one /v1/models read, and a second load must not take the slot the
 first counted as free.
 
-The desired set (serving_plan.DesiredSet, desired.json) says which versions
+The desired set (plan.DesiredSet, desired.json) says which versions
 each engine should hold. The engine watch (engine_watch.py) re-reads the
 engines every `engines_refresh_s`; an engine whose process changed, or
 whose /v1/models lacks one it should hold, gets it loaded again: the
 bound from the engine's return to `served` is one refresh plus one load
 and probe (measured in tests/vllm/test_agent_serving.py). A reload that
 fails is tried again after one refresh, then after twice as long each time,
-up to RELOAD_BACKOFF_MAX_S (serving_plan.ReloadBackoff).
+up to RELOAD_BACKOFF_MAX_S (plan.ReloadBackoff).
 
-llama.cpp (llamacpp_serving.py): llama-server takes adapters only at its
+llama.cpp (llamacpp.py): llama-server takes adapters only at its
 start, so the GGUF goes where the node's llama-server reads adapters
 (`llamacpp_adapters_dir`) and the report is `restart_required` with `lift`
 the flag to add; on auto-serve only when a llama-server runs here or the
-job says `serve: true`. Reports: serving_reports.py.
+job says `serve: true`. Reports: reports.py.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@
 the queue in order to `<prefix>.status.<node>.<job>.serving` (the status
 stream), each with the message id `<node>.serving.<seq>` so a retried
 publish is stored once, and retried for `REPORT_TIMEOUT_S` before it is
-dropped (logged: serving.report_dropped). `seq` is serving_plan.ReportSeq:
+dropped (logged: serving.report_dropped). `seq` is plan.ReportSeq:
 per node, growing across restarts.
 """
 

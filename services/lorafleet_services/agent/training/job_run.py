@@ -167,7 +167,7 @@ def trainer_env(
     env: TrainerEnvironment, choice: CardChoice, job_dir: Path | None = None
 ) -> dict[str, str]:
     """The trainer process's environment: the environment's (its card and
-    `environment_protocol.RUN_ENV` included), and the job's directory."""
+    `protocol.RUN_ENV` included), and the job's directory."""
     return env.process_env(choice, None if job_dir is None else {JOB_DIR_VAR: str(job_dir)})
 
 
