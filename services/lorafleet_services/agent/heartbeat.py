@@ -57,6 +57,7 @@ from pathlib import Path
 import nats.js.errors
 from nats.js import JetStreamContext
 
+import lorafleet_services.agent.node.cards as cards_mod
 from lorafleet import log
 from lorafleet.log import Event
 from lorafleet.nats._bus import encode
@@ -64,7 +65,6 @@ from lorafleet.nats._natspy import client_of, move_to_another_server
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Card, EngineRef, EnginesInstalled, Heartbeat
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.node import cards as cards_mod
 from lorafleet_services.agent.node.installed_engines import find_engines
 
 #: Seconds one NVML read may take before the beat goes out with the last cards.

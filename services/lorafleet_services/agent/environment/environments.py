@@ -25,9 +25,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import lorafleet_services.agent.environment.gguf_conversion as conversion
+import lorafleet_services.agent.node.installed_engines as engines
 import lorafleet_trainer
 from lorafleet_services.agent.config import AgentConfig, EngineUser
-from lorafleet_services.agent.environment import gguf_conversion as conversion
 from lorafleet_services.agent.environment.engines_user import chown_tree, self_user, settle_user
 from lorafleet_services.agent.environment.overlay import ensure_overlay
 from lorafleet_services.agent.environment.protocol import (
@@ -37,7 +38,6 @@ from lorafleet_services.agent.environment.protocol import (
     TrainerSetupError,
 )
 from lorafleet_services.agent.environment.setup_runs import SYSTEM_PATH
-from lorafleet_services.agent.node import installed_engines as engines
 from lorafleet_services.agent.node.cards import CardChoice
 from lorafleet_trainer.standin import gguf_bytes
 

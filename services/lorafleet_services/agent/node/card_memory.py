@@ -11,7 +11,7 @@ import threading
 
 import psutil
 
-from lorafleet_services.agent.node import cards as cards_mod
+import lorafleet_services.agent.node.cards as cards_mod
 
 #: Seconds between NVML samples of the trainer's card memory.
 NVML_SAMPLE_S = 1.0

@@ -54,6 +54,7 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
+import lorafleet_services.agent.environment.environments as environment
 from lorafleet import log
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -67,7 +68,6 @@ from lorafleet_schemas.messages import (
     StartRequest,
 )
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import environments as environment
 from lorafleet_services.agent.environment.protocol import TrainerSetupError
 from lorafleet_services.agent.node.cards import CardChoice
 from lorafleet_services.agent.serving.engine_watch import EngineView, EngineWatch

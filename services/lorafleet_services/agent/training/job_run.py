@@ -48,28 +48,29 @@ from typing import Any
 import msgspec
 from nats.js import JetStreamContext
 
+import lorafleet_services.agent.environment.environments as environment
+import lorafleet_services.agent.environment.gguf_conversion as conversion
+import lorafleet_services.agent.node.cards as cards_mod
+import lorafleet_services.agent.training.resume as resume
+import lorafleet_services.agent.transfer.delivery as delivery
+import lorafleet_services.agent.transfer.packing as packing
 from lorafleet import log
 from lorafleet._process import die_with_parent
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, JobState, StartRequest, TrainerDone
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import environments as environment
-from lorafleet_services.agent.environment import gguf_conversion as conversion
 from lorafleet_services.agent.environment.protocol import (
     ConversionRequest,
     TrainerEnvironment,
     TrainerSetupError,
 )
-from lorafleet_services.agent.node import cards as cards_mod
 from lorafleet_services.agent.node.card_memory import MemorySampler
 from lorafleet_services.agent.node.cards import CardChoice, NoCardError
 from lorafleet_services.agent.node.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.node.process import ManagedProcess, ProcessResult
-from lorafleet_services.agent.training import resume
 from lorafleet_services.agent.training.status_reports import Reporter
 from lorafleet_services.agent.training.trainer_lines import TrainerLines, job_estimate_mib
-from lorafleet_services.agent.transfer import delivery, packing
 from lorafleet_services.agent.transfer.checkpoints import CheckpointSender
 from lorafleet_services.agent.transfer.fetch import (
     DATA_FILE,

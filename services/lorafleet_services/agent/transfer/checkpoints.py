@@ -31,11 +31,12 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
+import lorafleet_services.agent.transfer.delivery as delivery
+import lorafleet_services.agent.transfer.packing as packing
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import ArtifactKind, TrainerCheckpoint
-from lorafleet_services.agent.transfer import delivery, packing
 
 
 def inside(root: Path, path: str) -> Path | None:
