@@ -15,14 +15,15 @@ The public surface is what this package exports:
 - the public modules beside them: `names` (every subject, stream, bucket
   and header), `states` (the job state machine), `log` (the event
   vocabulary dashboards select on), `artifacts` and `objects` (artifact
-  records, downloads), `permissions` and `natsserver` (server configs, an
+  records, downloads), `access/` and `nats/` (server configs, an
   embedded server).
 
-Modules whose names start with `_` are plumbing for lorafleet's own
-services (`_bus` connections and requests, `_micro` endpoints, `_runtime`
-the service lifecycle, `_consumer` the JetStream pull loop,
-`_recorder_client` the control plane's client of the recorder, `_natspy`
-the nats-py workarounds): they change without notice.
+Modules whose names start with `_`, here or in a subpackage, are plumbing
+for lorafleet's own services (`nats._bus` connections and requests,
+`nats._micro` endpoints, `_runtime` the service lifecycle, `nats._consumer`
+the JetStream pull loop, `_recorder_client` the control plane's client of
+the recorder, `nats._natspy` the nats-py workarounds): they change without
+notice. Every other module is public.
 
 Import roots point downward only: `lorafleet_schemas` <- `lorafleet` <- `lorafleet_services`.
 """

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from lorafleet_services.agent.adapter_serving import AdapterToServe
-from lorafleet_services.agent.conversion import ConversionError, check_adapter
+from lorafleet_services.agent.environment.gguf_conversion import ConversionError, check_adapter
 from lorafleet_services.agent.peft_adapter import AdapterConfigError, PeftAdapterConfig
+from lorafleet_services.agent.serving.vllm_adapters import AdapterToServe
 
 LORA: dict[str, Any] = {
     "peft_type": "LORA",

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
-from lorafleet_services.agent.conversion import (
+from lorafleet_services.agent.environment.gguf_conversion import (
     COMPLETE_MARKER,
     ConversionError,
     conversion_dir,
@@ -21,7 +21,7 @@ from lorafleet_services.agent.conversion import (
     find_llamacpp_tag,
     local_conversion_source,
 )
-from lorafleet_services.agent.engines import find_engines
+from lorafleet_services.agent.node.installed_engines import find_engines
 from tests.conversion import llamacpp_source
 from tests.conversion.conftest import SourceServer
 

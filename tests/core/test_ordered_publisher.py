@@ -1,4 +1,4 @@
-"""The one ordered publisher (lorafleet/ordered_publisher.py), against a real
+"""The one ordered publisher (lorafleet/nats/_publisher.py), against a real
 nats-server: in order, each until acknowledged, a retry stored once."""
 
 from __future__ import annotations
@@ -10,8 +10,8 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 from nats.js.api import StreamConfig
 
-from lorafleet import _bus as bus
-from lorafleet.ordered_publisher import OrderedPublisher, Outgoing
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._publisher import OrderedPublisher, Outgoing
 from lorafleet.settings import Settings
 from tests.eventually import eventually
 

@@ -7,6 +7,7 @@ Every field is `LORAFLEET_AGENT_<FIELD>` in the environment, or a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -14,7 +15,6 @@ from typing import Any
 
 from lorafleet.names import check_token
 from lorafleet.settings import SettingsError, read_env, write_env
-from lorafleet_services.agent.engines import LlamacppTagError, check_llamacpp_tag
 
 #: What training needs besides the engine's Python, pinned. Installed with
 #: --no-deps: their dependencies are the engine's own, and resolving them
@@ -26,6 +26,25 @@ DEFAULT_RUN_AS = "lorafleet-engine"
 
 #: Where llama.cpp's source is fetched from, by release tag ({tag}).
 DEFAULT_CONVERSION_SOURCE = "https://github.com/ggml-org/llama.cpp/archive/refs/tags/{tag}.tar.gz"
+
+
+#: A configured llama.cpp release tag: it becomes part of a path and a URL.
+_LLAMACPP_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class LlamacppTagError(ValueError):
+    """A configured llama.cpp release tag that cannot be one."""
+
+
+def check_llamacpp_tag(tag: str, what: str) -> str:
+    """`tag`, when it can name a llama.cpp release; else LlamacppTagError
+    saying so (`what`: where it came from, e.g. the variable)."""
+    if not _LLAMACPP_TAG_RE.fullmatch(tag):
+        raise LlamacppTagError(
+            f"{what}={tag!r} is not a llama.cpp release tag; use one like b4000 "
+            "(letters, digits, '.', '_' and '-')"
+        )
+    return tag
 
 
 class AgentConfigError(SettingsError):

@@ -10,7 +10,7 @@ killed at any moment):
 - `sweeper`: orphaned object chunks of a dead store, deliveries gone idle;
 - `api`: `api.artifacts.list/get`.
 
-This module wires them to the durable pull consumer (`lorafleet._consumer`:
+This module wires them to the durable pull consumer (`lorafleet.nats._consumer`:
 the sweeper's tick runs between batches, and every `idle_check_s / 2`
 seconds without one) and runs the process (`runtime.serve(PROGRAM)`).
 """
@@ -27,15 +27,15 @@ from nats.js import JetStreamContext
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log
-from lorafleet._bus import ensure_layout, layout_for
-from lorafleet._consumer import PullConsumer, PullConsumerConfig
-from lorafleet._micro import start_service
-from lorafleet._natspy import use_read_buffer
 from lorafleet._recorder_client import RecorderClient
+from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
 from lorafleet.names import Names
-from lorafleet.permissions import owned_layout_parts
+from lorafleet.nats._bus import ensure_layout, layout_for
+from lorafleet.nats._consumer import PullConsumer, PullConsumerConfig
+from lorafleet.nats._micro import start_service
+from lorafleet.nats._natspy import use_read_buffer
 from lorafleet.settings import Settings
 from lorafleet_services.artifact_store.api import ArtifactApi
 from lorafleet_services.artifact_store.delivery import RETRY_DELAY_S, Deliveries
