@@ -77,6 +77,14 @@ def fine_tuned_model_name(base: str, suffix: str | None, job_id: str) -> str:
     return f"ft:{base}:{suffix or ''}:{job_id}"
 
 
+def fine_tuned_parts(model: str) -> tuple[str, str] | None:
+    """(base, job id) of a `fine_tuned_model_name`, its inverse; None for another name."""
+    parts = model.split(":")
+    if len(parts) < 4 or parts[0] != "ft" or not parts[-1]:
+        return None
+    return parts[1], parts[-1]
+
+
 def status_of(job: JobRecord, fields: JobFields) -> str:
     if job.state in ON_NODE:
         return "running"
