@@ -15,7 +15,7 @@ from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
-from lorafleet_services.cli._app import EMBEDDED_NATS_PORT, app, err
+from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
@@ -187,7 +187,7 @@ async def up_agent_config(
 def demo_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: a new temporary directory."),
     out: Path = typer.Option(Path("lorafleet-demo-artifacts"), help="Where artifacts go."),
-    engine: Engine = typer.Option(Engine.LLAMACPP, help="llamacpp also makes a GGUF."),
+    engine: Engine = typer.Option(DEMO_ENGINE, help="llamacpp also makes a GGUF."),
     serve: bool = typer.Option(
         False,
         "--serve",
