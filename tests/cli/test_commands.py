@@ -275,8 +275,9 @@ async def _bad_files(up: Up, expect: Callable[..., Awaitable[str]]) -> None:
     assert "--eval-data" in err and "no.jsonl: no such file" in err, err
     blocker = tmp / "a-file"
     blocker.write_text("")
-    err = await expect(Exit.BAD_FILE, "auth", "--dir", str(blocker / "sub"))
-    assert "--dir" in err and "not a directory" in err, err
+    for command in (("auth", "--dir"), ("demo", "--out"), ("up", "--data-dir")):
+        err = await expect(Exit.BAD_FILE, *command, str(blocker / "sub"))
+        assert f"{command[-1]} {blocker / 'sub'}: not a directory" in err, err
 
 
 async def _transition(up: Up, job_id: str, from_state: str, to_state: str) -> None:

@@ -133,5 +133,14 @@ def unwritable(path: Path, option: str, e: OSError) -> NoReturn:
     fail(f"{option} {path}: {_os_reason(e)}: give a path this user can write", Exit.BAD_FILE)
 
 
+def writable_dir(path: Path, option: str) -> Path:
+    """`path`, made if missing; one line and Exit.BAD_FILE when it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        unwritable(path, option, e)
+    return path
+
+
 def _os_reason(e: OSError) -> str:
     return (e.strerror or type(e).__name__).lower()

@@ -26,6 +26,7 @@ from lorafleet_services.cli._app import (
     run_client,
     show,
     unwritable,
+    writable_dir,
 )
 from lorafleet_services.cli.exits import Exit
 from lorafleet_services.cli.follow import human_bytes
@@ -67,10 +68,7 @@ def download(
 
     async def go(c: Client) -> list[Downloaded]:
         kinds = kind or [a.kind for a in await c.artifacts(job_id) if a.kind in RESULTS]
-        try:
-            out.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            unwritable(out, "--out", e)
+        writable_dir(out, "--out")
         files = []
         for k in kinds:
             path = out / download_name(job_id, k)

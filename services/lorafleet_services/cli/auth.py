@@ -120,13 +120,7 @@ def auth_cmd(
     if directory is None:
         fail("give --dir DIR (the identity directory), or a command (api-key)", Exit.USAGE)
     try:
-        if (tls_cert is None) != (tls_key is None):
-            raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
-        if verify_clients and not tls_cert:
-            raise PermissionsError("--verify-clients needs TLS: give --tls-cert and --tls-key")
-        server_tls = (
-            ServerTls(tls_cert, tls_key, tls_ca, verify_clients) if tls_cert and tls_key else None
-        )
+        server_tls = checked_tls(tls_cert, tls_key, tls_ca, verify_clients)
         store = IdentityStore(directory)
         identities, made = ensure_fleet(store, node, client)
         names = Settings.from_env().names
@@ -149,6 +143,18 @@ def auth_cmd(
         highlight=False,
         markup=False,
     )
+
+
+def checked_tls(
+    cert: str | None, key: str | None, ca: str | None, verify_clients: bool
+) -> ServerTls | None:
+    """The server's TLS from the options, or none; PermissionsError saying
+    what to give when they do not go together."""
+    if (cert is None) != (key is None):
+        raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
+    if verify_clients and not cert:
+        raise PermissionsError("--verify-clients needs TLS: give --tls-cert and --tls-key")
+    return ServerTls(cert, key, ca, verify_clients) if cert and key else None
 
 
 class IdentityLine(msgspec.Struct):

@@ -34,7 +34,7 @@ MEANINGS: dict[Exit, str] = {
     Exit.UNREACHABLE: "nothing to talk to: no NATS server answered, no lorafleet service "
     "answered, or the connection ended before the watched job did",
     Exit.BAD_FILE: "a file named on the command line cannot be read or written, or is "
-    "malformed (`--params`, `--data`, `--eval-data`, `--png`, `--out`, `--dir`)",
+    "malformed (`--params`, `--data`, `--eval-data`, `--png`, `--out`, `--dir`, `--data-dir`)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",
 }
 

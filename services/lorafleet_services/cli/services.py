@@ -15,7 +15,7 @@ from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
-from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err
+from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err, writable_dir
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
@@ -117,7 +117,7 @@ def up_cmd(
     from lorafleet import log
 
     base = runtime.read_or_exit("up", Settings.from_env)
-    directory = data_dir or Path(base.data_dir)
+    directory = writable_dir(data_dir or Path(base.data_dir), "--data-dir")
     log.configure("up", base.log_level)
     # The services log JSON into a pipe; a person at a terminal reads them rendered.
     echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
@@ -199,6 +199,9 @@ def demo_cmd(
     the CPU through the whole system, then download and check its artifacts."""
     from lorafleet_services.demo import run_demo
 
+    if data_dir is not None:
+        writable_dir(data_dir, "--data-dir")
+    writable_dir(out, "--out")
     code = asyncio.run(
         run_demo(data_dir=data_dir, out_dir=out, engine=engine, console=err, serve=serve)
     )
