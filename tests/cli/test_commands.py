@@ -311,3 +311,35 @@ async def _interrupted_watch(up: Up, job_id: str) -> Exit:
         if proc.returncode is None:
             proc.kill()
             await proc.wait()
+
+
+async def test_each_command_shows_a_view_and_with_json_prints_json(up: Up) -> None:
+    """The one grammar of output: the same data for a person by default
+    and as JSON with --json (a done job's, and the fleet's)."""
+    job_id = await up.submit(5, "--no-serve", "--watch", "--plain")
+    showing: dict[tuple[str, ...], str] = {
+        ("jobs", "list"): job_id,
+        ("jobs", "get", job_id): "attempt 1 of 1",
+        ("jobs", "show", job_id): "state changes",
+        ("jobs", "curve", job_id): "state changes",
+        ("artifacts", job_id): "peft",
+        ("models", "list"): "tiny",
+        ("nodes",): "local",
+        ("top",): "nodes (1)",
+        ("adapters",): "adapters (0)",
+    }
+    for args, seen in showing.items():
+        rc, view, err = await up.lorafleet(*args)
+        assert rc == 0 and seen in view and not _is_json(view), (args, view, err)
+        rc, out, err = await up.lorafleet(*args, "--json")
+        assert rc == 0 and _is_json(out), (args, out, err)
+    rc, out, _ = await up.lorafleet("top", "--json")
+    assert [n["heartbeat"]["node"] for n in json.loads(out)["nodes"]] == ["local"]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True
