@@ -235,6 +235,11 @@ async def test_each_exit_code_comes_from_the_real_command(up: Up) -> None:
     assert rc == Exit.USAGE and "Missing option '--data'" in err and "Traceback" not in err
     unreachable = {"LORAFLEET_NATS_URL": "nats://127.0.0.1:9"}
     await expect(Exit.UNREACHABLE, "jobs", "list", env=unreachable)
+    database = f"sqlite+aiosqlite:///{up.data_dir.parent / 'alone.db'}"
+    rc, _, err = await up.lorafleet(
+        "recorder", env={**unreachable, "LORAFLEET_DATABASE_URL": database}
+    )
+    assert rc == Exit.UNREACHABLE and "no NATS server answered" in err, err
     await _bad_files(up, expect)
 
     done = await up.submit(5, "--no-serve", "--watch", "--plain")

@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 from typer._click.exceptions import UsageError
 
+from lorafleet import _runtime as runtime
 from lorafleet_services.cli import app
 from lorafleet_services.cli._help import tidied_command
 from lorafleet_services.cli.exits import MEANINGS, Exit, markdown_table
@@ -25,6 +26,9 @@ def test_each_code_has_one_meaning_and_usage_is_clicks() -> None:
     assert len(set(MEANINGS.values())) == len(MEANINGS)
     # Click exits with its own code on a malformed command line, before any of ours runs.
     assert UsageError.exit_code == Exit.USAGE
+    # A service run as a command (`lorafleet recorder`) exits 2 on a bad setting
+    # as the runtime does; its 1 for no NATS server becomes Exit.UNREACHABLE.
+    assert runtime.EXIT_SETTINGS == Exit.USAGE
 
 
 def test_the_docs_print_the_table() -> None:

@@ -32,7 +32,8 @@ MEANINGS: dict[Exit, str] = {
     Exit.JOB_FAILED: "(`watch`, `submit --watch`) the job failed",
     Exit.JOB_CANCELLED: "(`watch`, `submit --watch`) the job was cancelled",
     Exit.UNREACHABLE: "nothing to talk to: no NATS server answered, no lorafleet service "
-    "answered, or the connection ended before the watched job did",
+    "answered (`lorafleet recorder`: nor its database), or the connection ended before the "
+    "watched job did",
     Exit.BAD_FILE: "a file named on the command line cannot be read or written, or is "
     "malformed (`--params`, `--data`, `--eval-data`, `--png`, `--out`, `--dir`, `--data-dir`)",
     Exit.INTERRUPTED: "interrupted (Ctrl-C)",

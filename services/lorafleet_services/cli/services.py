@@ -6,7 +6,7 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -16,6 +16,7 @@ from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
 from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err, writable_dir
+from lorafleet_services.cli.exits import Exit
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
@@ -25,37 +26,51 @@ from lorafleet_services.stack import (
     next_steps,
 )
 
+if TYPE_CHECKING:
+    from lorafleet._runtime import Program
+
 #: Seconds between two looks of `lorafleet up` at its children.
 UP_WATCH_INTERVAL_S = 0.5
 #: Where `lorafleet up`'s first process serves /metrics (the others: 9461, ...).
 UP_METRICS_ADDR = "127.0.0.1:9460"
 
 
+def run_service(program: Program) -> None:
+    """Run a service as this process, its exit codes in the CLI's table: a
+    bad setting is Exit.USAGE as it is; no NATS server (or, for the
+    recorder, no database) is Exit.UNREACHABLE, not the runtime's 1."""
+    from lorafleet import _runtime as runtime
+
+    try:
+        runtime.main(program)
+    except SystemExit as e:
+        if e.code == runtime.EXIT_CONNECT:
+            raise typer.Exit(Exit.UNREACHABLE) from None
+        raise
+
+
 @app.command("recorder", rich_help_panel="Services")
 def recorder_cmd() -> None:
     """Run the recorder (the system of record) until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.recorder.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("scheduler", rich_help_panel="Services")
 def scheduler_cmd() -> None:
     """Run the scheduler until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.scheduler.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("artifact-store", rich_help_panel="Services")
 def artifact_store_cmd() -> None:
     """Run the artifact-store until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.artifact_store.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("gateway", rich_help_panel="Services")
@@ -92,7 +107,7 @@ def agent_cmd(
         overrides["allow_cpu"] = True
     from lorafleet_services.agent.service import program
 
-    runtime.main(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
+    run_service(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
 
 
 @app.command("up", rich_help_panel="Services")
