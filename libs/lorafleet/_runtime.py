@@ -64,15 +64,16 @@ from lorafleet._metrics_http import MetricsServer
 from lorafleet._tasks import stop_tasks
 from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.errors import ConnectError
+from lorafleet.exits import Exit
 from lorafleet.log import Event
 from lorafleet.settings import Settings, SettingsError
 
 T = TypeVar("T")
 
-#: Exit code of a process stopped by a setting it cannot use.
-EXIT_SETTINGS = 2
-#: Exit code of a process that found no NATS server to connect to.
-EXIT_CONNECT = 1
+#: Exit codes from the one table (lorafleet/exits.py), for a process run as
+#: `python -m` as for the same service run as a `lorafleet` command.
+EXIT_SETTINGS = Exit.USAGE
+EXIT_CONNECT = Exit.UNREACHABLE
 #: Seconds a service keeps asking for its layout at start: the member it is
 #: on may be cut off from the others (a minority partition answers no
 #: JetStream request until it is back) or electing a leader. Found by

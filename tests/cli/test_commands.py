@@ -12,7 +12,7 @@ import signal
 import struct
 from collections.abc import Awaitable, Callable
 
-from lorafleet_services.cli.exits import Exit
+from lorafleet.exits import Exit
 from tests.cli.conftest import Up, queued_id
 from tests.eventually import eventually
 
@@ -216,7 +216,7 @@ ERRORS = {Exit.REFUSED, Exit.USAGE, Exit.UNREACHABLE, Exit.BAD_FILE}
 
 
 async def test_each_exit_code_comes_from_the_real_command(up: Up) -> None:
-    """Every code of the table (cli/exits.py), each produced by the command
+    """Every code of the table (lorafleet/exits.py), each produced by the command
     against `up`'s nats-server, or against none; each error one line."""
     seen: dict[Exit, str] = {}
 

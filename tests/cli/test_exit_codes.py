@@ -1,4 +1,4 @@
-"""The one table of exit codes (cli/exits.py): each code one meaning, the
+"""The one table of exit codes (lorafleet/exits.py): each code one meaning, the
 same table in docs/cli.md and at the end of `lorafleet --help`. That each
 code comes from the real command: test_commands.py's
 test_each_exit_code_comes_from_the_real_command."""
@@ -12,9 +12,9 @@ import pytest
 from typer._click.exceptions import UsageError
 
 from lorafleet import _runtime as runtime
+from lorafleet.exits import MEANINGS, Exit, markdown_table
 from lorafleet_services.cli import app
 from lorafleet_services.cli._help import tidied_command
-from lorafleet_services.cli.exits import MEANINGS, Exit, markdown_table
 from tests.cli.test_help import help_of
 
 DOCS = Path(__file__).resolve().parents[2] / "docs" / "cli.md"
@@ -29,6 +29,7 @@ def test_each_code_has_one_meaning_and_usage_is_clicks() -> None:
     # A service run as a command (`lorafleet recorder`) exits 2 on a bad setting
     # as the runtime does; its 1 for no NATS server becomes Exit.UNREACHABLE.
     assert runtime.EXIT_SETTINGS == Exit.USAGE
+    assert runtime.EXIT_CONNECT == Exit.UNREACHABLE
 
 
 def test_the_docs_print_the_table() -> None:

@@ -7,6 +7,7 @@ import datetime as dt
 
 import msgspec
 
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactRecord,
@@ -16,7 +17,6 @@ from lorafleet_schemas.messages import (
     JobState,
     TrainerParams,
 )
-from lorafleet_services.cli.exits import Exit
 from lorafleet_services.cli.follow import (
     JobView,
     PlainPacer,

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import msgspec
 
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import Engine, JobRecord, JobState, ServingReport, ServingState
 from lorafleet_services.agent.serving.plan import ReportSeq
-from lorafleet_services.cli.exits import Exit
 from tests.system.conftest import DATA, Stack
 from tests.vllm_server import free_port
 

@@ -18,10 +18,10 @@ from rich.markup import escape
 
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
+from lorafleet.exits import Exit, help_epilog
 from lorafleet.nats._bus import redact_url
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine
-from lorafleet_services.cli.exits import Exit, help_epilog
 
 T = TypeVar("T")
 

@@ -15,6 +15,7 @@ from lorafleet.artifacts import (
     download_name,
 )
 from lorafleet.client import Client
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 from lorafleet_services.cli._app import (
     JOB_ARGUMENT,
@@ -28,7 +29,6 @@ from lorafleet_services.cli._app import (
     unwritable,
     writable_dir,
 )
-from lorafleet_services.cli.exits import Exit
 from lorafleet_services.cli.follow import human_bytes
 
 

@@ -24,11 +24,11 @@ from lorafleet.access.identities import (
     server_config,
 )
 from lorafleet.access.permissions import PermissionsError
+from lorafleet.exits import Exit
 from lorafleet.names import Names
 from lorafleet.nats.config import ServerTls
 from lorafleet.settings import Settings
 from lorafleet_services.cli._app import JSON_OPTION, app, err, fail, show, unwritable
-from lorafleet_services.cli.exits import Exit
 
 #: The server config's file name in the identity directory.
 CONFIG_NAME = "nats-server.conf"

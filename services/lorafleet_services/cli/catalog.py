@@ -8,6 +8,7 @@ import typer
 from rich.table import Table
 
 from lorafleet.estimate import with_architecture
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import Engine, ModelRecord, ModelSpec
 from lorafleet_services.cli._app import (
     DEMO_ENGINE,
@@ -20,7 +21,6 @@ from lorafleet_services.cli._app import (
     show,
     unwritable,
 )
-from lorafleet_services.cli.exits import Exit
 
 
 @models_app.command("add")

@@ -12,6 +12,7 @@ from typing import Any
 import msgspec
 import typer
 
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import JobEstimate, JobEstimateRequest, TrainerParams
 from lorafleet_services.cli._app import (
     JSON_OPTION,
@@ -21,7 +22,6 @@ from lorafleet_services.cli._app import (
     read_input,
     run_client,
 )
-from lorafleet_services.cli.exits import Exit
 
 
 def estimate_text(answer: JobEstimate, gpu_memory_mib: int | None = None) -> str:

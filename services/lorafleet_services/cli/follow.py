@@ -13,7 +13,7 @@ a bus; `follow()` wires them to a client and a console:
   one per step;
 - json: every event as one JSON line on stdout.
 
-The exit code says how the job ended (`exit_code`, cli/exits.py); with
+The exit code says how the job ended (`exit_code`, lorafleet/exits.py); with
 `--until-served`, a done job whose adapter no engine serves once its
 serving settles (`follow_serving`) is Exit.NOT_SERVED.
 """
@@ -34,6 +34,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lorafleet.client import Client, job_order
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactRecord,
     JobEvent,
@@ -42,7 +43,6 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
-from lorafleet_services.cli.exits import Exit
 
 Mode = Literal["live", "plain", "json"]
 

@@ -11,6 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lorafleet.client import Client
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactRecord,
     JobCurve,
@@ -34,7 +35,6 @@ from lorafleet_services.cli._app import (
     unwritable,
 )
 from lorafleet_services.cli.estimate import parse_params, show_estimate
-from lorafleet_services.cli.exits import Exit
 from lorafleet_services.cli.follow import (
     PLAIN_EVERY_S,
     choose_mode,

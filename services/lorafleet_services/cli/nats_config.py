@@ -6,9 +6,9 @@ import sys
 
 import typer
 
+from lorafleet.exits import Exit
 from lorafleet.settings import Settings
 from lorafleet_services.cli._app import app, fail, print_json
-from lorafleet_services.cli.exits import Exit
 
 
 @app.command("nats-config", rich_help_panel="Access")

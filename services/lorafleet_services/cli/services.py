@@ -19,7 +19,6 @@ from lorafleet_services.agent.environment.gguf_conversion import (
     local_conversion_source,
 )
 from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err, writable_dir
-from lorafleet_services.cli.exits import Exit
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
@@ -39,17 +38,11 @@ UP_METRICS_ADDR = "127.0.0.1:9460"
 
 
 def run_service(program: Program) -> None:
-    """Run a service as this process, its exit codes in the CLI's table: a
-    bad setting is Exit.USAGE as it is; no NATS server (or, for the
-    recorder, no database) is Exit.UNREACHABLE, not the runtime's 1."""
+    """Run a service as this process (its exit codes are the table's:
+    `_runtime` uses lorafleet/exits.py)."""
     from lorafleet import _runtime as runtime
 
-    try:
-        runtime.main(program)
-    except SystemExit as e:
-        if e.code == runtime.EXIT_CONNECT:
-            raise typer.Exit(Exit.UNREACHABLE) from None
-        raise
+    runtime.main(program)
 
 
 @app.command("recorder", rich_help_panel="Services")
