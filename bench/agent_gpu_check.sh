@@ -26,8 +26,8 @@ chmod +x "$NS"
 ln -sf "$NS" "$(dirname "$(python3 -c 'import sys; print(sys.executable)')")/nats-server"
 nvidia-smi --query-gpu=index,name,memory.total,memory.free --format=csv
 python3 -c "import torch, transformers, peft, accelerate; print('torch', torch.__version__, torch.cuda.is_available(), 'transformers', transformers.__version__, 'peft', peft.__version__, 'accelerate', accelerate.__version__)"
-python3 -c "from lorafleet_services.agent.cards import read_cards, nvml_available; print(nvml_available(), read_cards())"
-python3 -c "from lorafleet.natsserver import binary; print(binary())"
+python3 -c "from lorafleet_services.agent.node.cards import read_cards, nvml_available; print(nvml_available(), read_cards())"
+python3 -c "from lorafleet.nats.server import binary; print(binary())"
 export LORAFLEET_TEST_WHEEL_DIR=$PWD/.whl/overlay
 timeout 330 python3 -m pytest tests/agent -v -p no:cacheprovider -W ignore::DeprecationWarning -W ignore::FutureWarning --durations=10 2>&1 | tail -80
 timeout 60 python3 bench/agent_heartbeat_pace.py --seconds 5 2>&1 | grep -v '"event"'

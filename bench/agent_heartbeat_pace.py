@@ -33,9 +33,9 @@ from pathlib import Path
 
 import msgspec
 
-from lorafleet import _bus as bus
 from lorafleet import log
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,

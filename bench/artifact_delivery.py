@@ -35,17 +35,17 @@ import psutil
 from nats.aio.client import Client
 from nats.js.api import StorageType, StreamConfig
 
-from lorafleet._bus import ensure_layout, layout_for
 from lorafleet.artifacts import (
     AsyncPublisher,
     download_artifact,
     get_record,
 )
 from lorafleet.names import Names, artifact_object_name, object_meta_subject
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats._bus import ensure_layout, layout_for
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind
-from lorafleet_services.agent.delivery import DEFAULT_CHUNK_BYTES, WINDOW_CHUNKS, deliver
+from lorafleet_services.agent.transfer.delivery import DEFAULT_CHUNK_BYTES, WINDOW_CHUNKS, deliver
 
 N = Names()
 QA = '{"q": "2+2?", "a": "4"}\n'

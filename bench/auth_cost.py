@@ -41,12 +41,12 @@ from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
-from lorafleet import _bus as bus
+from lorafleet.access.identities import IdentityStore, ensure_fleet
+from lorafleet.access.identities import server_config as identities_config
 from lorafleet.client import Client
-from lorafleet.identities import IdentityStore, ensure_fleet
-from lorafleet.identities import server_config as identities_config
-from lorafleet.natsconfig import ServerTls
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.config import ServerTls
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,
@@ -57,7 +57,7 @@ from lorafleet_schemas.messages import (
     StartRequest,
     StatusReport,
 )
-from lorafleet_services.agent.delivery import deliver
+from lorafleet_services.agent.transfer.delivery import deliver
 from lorafleet_services.stack import ServiceProcess
 from scheduler_common import Fleet, percentile, summary
 

@@ -43,7 +43,7 @@ __all__ = [
     "trainer_pids",
 ]
 
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 
 
 @asynccontextmanager

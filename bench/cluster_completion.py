@@ -5,7 +5,7 @@
 The same system (bench/cluster_common.py: PostgreSQL, recorder, scheduler,
 artifact-store, one agent with the stand-in trainer, 40 steps of 0.02 s)
 first on one nats-server (the baseline), then on a three-server cluster
-(lorafleet.natscluster, `sync_interval: always`, every stream, KV and
+(lorafleet.nats.cluster, `sync_interval: always`, every stream, KV and
 object store at R3, every process given all three URLs). Each trial
 submits a job and times submit -> `done` (the artifact stored and
 verified). The ratio is what replication (and fsync on every write) costs
@@ -22,8 +22,8 @@ import time
 from pathlib import Path
 
 from cluster_common import Stack, summary, system
-from lorafleet.natscluster import NatsCluster
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.cluster import NatsCluster
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import JobState
 
 STANDIN = {"LORAFLEET_STANDIN_STEPS": "40", "LORAFLEET_STANDIN_STEP_S": "0.02"}

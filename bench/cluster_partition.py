@@ -35,7 +35,7 @@ from cluster_common import (
     system,
     trainer_pids,
 )
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import JobState
 
 POLL_S = 0.02

@@ -29,7 +29,7 @@ sys.path.insert(0, str(ROOT))
 from tests.conversion import llamacpp_source  # noqa: E402
 from tests.conversion.adapters import base_for_gguf, make_adapter  # noqa: E402
 
-from lorafleet_services.tiny import build_tiny_model  # noqa: E402
+from lorafleet_services.local.tiny_model import build_tiny_model  # noqa: E402
 
 VARIANTS = {
     "O0": llamacpp_source.BUILD_TYPE_FLAGS,

@@ -20,9 +20,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from lorafleet import _bus as bus
 from lorafleet import objects
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 
 

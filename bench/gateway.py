@@ -49,7 +49,7 @@ from typing import TypeVar
 import httpx2
 
 from lorafleet.client import Client
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.gateway.api_keys import make_key
 from lorafleet_services.gateway.config import API_KEYS_FILE_NAME

@@ -31,9 +31,9 @@ from pathlib import Path
 import httpx2
 
 from gateway import percentile, start_engine
-from lorafleet import _bus as bus
 from lorafleet.client import Client
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     Engine,

@@ -42,7 +42,7 @@ from typing import Any
 from urllib.parse import urlparse
 
 from lorafleet import log
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from recorder_reports import make_jobs, make_reports, publish, recorder_rate
 from scheduler_common import StartTimes, bench_stack, percentile, recording_fleet, summary

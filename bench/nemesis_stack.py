@@ -2,7 +2,7 @@
 the tests' own stack code, and the faults that can be done to it.
 
 `fleet(root, ...)` yields a `Fleet`: a three-server NATS cluster (R3,
-`sync_interval: always`; lorafleet.natscluster), a PostgreSQL of the run's
+`sync_interval: always`; lorafleet.nats.cluster), a PostgreSQL of the run's
 own (initdb + pg_ctl on a free port, as the `postgres` user, when the
 binaries are here; else a throwaway database on the shared server, never
 restarted), two recorders, two schedulers, the artifact-store
@@ -37,7 +37,7 @@ from tests.pg import PrivatePostgres, throwaway_database
 from tests.system.conftest import Stack, running_stack, system_settings
 
 from lorafleet.names import Names
-from lorafleet.natscluster import NatsCluster
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_services.stack import ServiceProcess
 
 #: The agents' node names.

@@ -27,9 +27,9 @@ from pathlib import Path
 import psycopg
 from sqlalchemy.engine import make_url
 
-from lorafleet import _bus as bus
 from lorafleet import log
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, StatusReport
 from lorafleet_services.recorder import db, store

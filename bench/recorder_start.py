@@ -32,9 +32,9 @@ from pathlib import Path
 import nats
 import nats.errors
 
-from lorafleet import _bus as bus
 from lorafleet import log
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.recorder import service
 from lorafleet_services.stack import ServiceProcess

@@ -27,7 +27,7 @@ import time
 from pathlib import Path
 
 from cluster_common import Stack, kill_pid, summary, system, trainer_pids
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import JobRecord, JobState
 
 POLL_S = 0.02

@@ -33,9 +33,9 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import Header
 
-from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.polling import poll_until
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (

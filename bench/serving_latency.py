@@ -52,13 +52,13 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.*, tes
 from bench.serving_common import adapter, engine_python, scanned, tiny_model, to_serve
 from tests.vllm_server import RunningVllm, running_vllm
 
-from lorafleet_services.agent.adapter_serving import (
+from lorafleet_services.agent.serving.vllm_adapters import (
     Served,
     adapter_reference,
     serve_adapter,
     unserve_adapter,
 )
-from lorafleet_services.agent.vllm_client import PROBE_REQUEST_TIMEOUT_S, VllmClient
+from lorafleet_services.agent.serving.vllm_client import PROBE_REQUEST_TIMEOUT_S, VllmClient
 
 PROMPT = "What is the capital of France?"
 TARGET_RATIO = 10.0

@@ -56,7 +56,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.*, tes
 from bench.serving_common import adapter, engine_python, scanned, tiny_model, to_serve
 from tests.vllm_server import running_vllm
 
-from lorafleet_services.agent.adapter_serving import (
+from lorafleet_services.agent.serving.running_engines import VllmServer
+from lorafleet_services.agent.serving.vllm_adapters import (
     PROBE_TOLERANCE,
     Continuation,
     ProbeReference,
@@ -66,8 +67,11 @@ from lorafleet_services.agent.adapter_serving import (
     stage_adapter,
     unserve_adapter,
 )
-from lorafleet_services.agent.running_engines import VllmServer
-from lorafleet_services.agent.vllm_client import PROBE_REQUEST_TIMEOUT_S, VllmClient, VllmError
+from lorafleet_services.agent.serving.vllm_client import (
+    PROBE_REQUEST_TIMEOUT_S,
+    VllmClient,
+    VllmError,
+)
 
 #: Questions of the tiny tokenizer's text: its merges make them short.
 PROMPTS = [

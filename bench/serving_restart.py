@@ -5,7 +5,7 @@ the bound from an engine's restart to the adapter served again.
     .venv/bin/python bench/serving_restart.py
 
 One nats-server, one vLLM at a time (the engines cache's CPU build,
-lorafleet_services/vllm_local.py) on a tiny Llama built on the spot, and
+lorafleet_services/local/vllm_launch.py) on a tiny Llama built on the spot, and
 the agent's ServingAgent in this process: its engine watch (refresh 1 s),
 preflight, staging, load, PEFT probe and reports, as in the agent.
 
@@ -33,20 +33,20 @@ from pathlib import Path
 
 import msgspec
 
-from lorafleet import _bus as bus
 from lorafleet.artifacts import file_sha256
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine, ModelRecord, ServingReport, ServingState
-from lorafleet_services.agent import vllm_cpu
-from lorafleet_services.agent.adapter_serving import served_adapter_name, stage_adapter
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.delivery import pack_adapter
-from lorafleet_services.agent.serve_orders import ServeOrder
-from lorafleet_services.agent.serving import ServingAgent
-from lorafleet_services.agent.vllm_client import VllmClient, VllmError
-from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
-from lorafleet_services.vllm_local import free_port, running_vllm
+from lorafleet_services.agent.serving.agent import ServingAgent
+from lorafleet_services.agent.serving.orders import ServeOrder
+from lorafleet_services.agent.serving.vllm_adapters import served_adapter_name, stage_adapter
+from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError
+from lorafleet_services.agent.transfer.packing import pack_adapter
+from lorafleet_services.local import vllm_cpu
+from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
+from lorafleet_services.local.vllm_launch import free_port, running_vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
 from tests.conversion.adapters import make_adapter

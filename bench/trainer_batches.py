@@ -41,7 +41,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
+from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
 from lorafleet_trainer import rendering  # noqa: E402
 from lorafleet_trainer.batches import plan_grouped, plan_steps, split_records, to_batch  # noqa: E402
 from lorafleet_trainer.loop import Progress, eval_loss, prepare_training, train_steps  # noqa: E402

@@ -44,7 +44,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
+from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tokenizer  # noqa: E402
 from lorafleet_trainer import checkpoints  # noqa: E402
 from lorafleet_trainer.batches import to_batch  # noqa: E402
 from lorafleet_trainer.checkpoints import Checkpointer  # noqa: E402

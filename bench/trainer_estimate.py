@@ -77,7 +77,7 @@ def build_base(out: Path, tiny: bool) -> dict[str, Any]:
     import torch
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
-    from lorafleet_services.tiny import TINY_SIZES, build_tokenizer
+    from lorafleet_services.local.tiny_model import TINY_SIZES, build_tokenizer
 
     tok = build_tokenizer()
     dims = dict(TINY_SIZES, vocab_size=len(tok)) if tiny else dict(QWEN25_05B)
@@ -92,7 +92,7 @@ def build_data(path: Path, n: int, seq_len: int) -> str:
     """n records whose answers run past seq_len tokens; answers the sha256."""
     import random
 
-    from lorafleet_services.tiny import TOKENIZER_TEXT
+    from lorafleet_services.local.tiny_model import TOKENIZER_TEXT
 
     words = " ".join(TOKENIZER_TEXT).split()
     rng = random.Random(0)

@@ -11,7 +11,8 @@ directory:
 - a Llama with random weights: "100m" is hidden 768, 12 layers, 12 heads,
   intermediate 2048, vocabulary 32000 (so the LM head costs what a real
   one does), about 134M parameters; "tiny" is the tests' 64-wide model;
-- the tests' byte-level tokenizer and chat template (services/lorafleet_services/tiny.py);
+- the tests' byte-level tokenizer and chat template
+  (services/lorafleet_services/local/tiny_model.py);
 - Q/A records whose answers run past --seq-len, so every record is cut to
   exactly --seq-len tokens and every step holds batch-size x seq-len tokens.
 
@@ -100,7 +101,7 @@ def build_base(size: str, out: Path, seq_len: int) -> int:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lorafleet_services.tiny import build_tokenizer
+    from lorafleet_services.local.tiny_model import build_tokenizer
 
     tok = build_tokenizer()
     dims = dict(SIZES[size])
@@ -122,7 +123,7 @@ def build_base(size: str, out: Path, seq_len: int) -> int:
 
 def build_data(path: Path, n: int, seq_len: int) -> str:
     """n Q/A records with answers long enough to be cut at seq_len; answer the sha256."""
-    from lorafleet_services.tiny import TOKENIZER_TEXT
+    from lorafleet_services.local.tiny_model import TOKENIZER_TEXT
 
     words = " ".join(TOKENIZER_TEXT).split()
     rng = random.Random(0)

@@ -2,7 +2,7 @@
 
     .venv/bin/python bench/trainer_overhead.py [--steps 40] [--rounds 5]
 
-Both run in this process on the same tiny Llama (services/lorafleet_services/tiny.py)
+Both run in this process on the same tiny Llama (services/lorafleet_services/local/tiny_model.py)
 with the same peft LoRA, the same AdamW, and the same micro-batches, built
 once beforehand:
 
@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 
 from tests.trainer.harness import qa_records  # noqa: E402
 
-from lorafleet_services.tiny import build_tiny_model  # noqa: E402
+from lorafleet_services.local.tiny_model import build_tiny_model  # noqa: E402
 from lorafleet_trainer.batches import plan_steps, to_batch  # noqa: E402
 from lorafleet_trainer.loop import Progress, peak_mib, prepare_training, train_steps  # noqa: E402
 from lorafleet_trainer.params import Params  # noqa: E402

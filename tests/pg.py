@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from lorafleet.natscluster import free_ports
+from lorafleet.nats.cluster import free_ports
 
 #: Where CREATE/DROP DATABASE run; LORAFLEET_TEST_PG_ADMIN overrides it.
 PG_ADMIN_DSN = os.environ.get(

@@ -7,8 +7,9 @@
 
 The public surface is what this package exports (`Client`, `Settings`, the
 errors) and its public modules (`names`, `states`, `log`, `artifacts`,
-`objects`, ...). Modules whose names start with `_` are plumbing for
-lorafleet's own services and change without notice (docs/architecture.md).
+`objects`, `access/`, `nats/`, ...). Modules whose names start with `_`,
+here or in a subpackage, are plumbing for lorafleet's own services and
+change without notice (docs/architecture.md).
 """
 
 from importlib.metadata import PackageNotFoundError, version

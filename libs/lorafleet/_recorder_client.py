@@ -18,7 +18,7 @@ from typing import Any, TypeVar
 
 from nats.aio.client import Client
 
-import lorafleet._bus as bus
+import lorafleet.nats._bus as bus
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
 from lorafleet.states import FINAL, ON_NODE, loss_outcome

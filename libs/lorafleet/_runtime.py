@@ -29,14 +29,14 @@ from nats.aio.client import Client
 from nats.js import JetStreamContext
 
 import lorafleet
-import lorafleet._bus as bus
 import lorafleet.log as log
 import lorafleet.metrics as metrics
+import lorafleet.nats._bus as bus
 from lorafleet._metrics_http import MetricsServer
 from lorafleet._tasks import stop_tasks
+from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.errors import ConnectError
 from lorafleet.log import Event
-from lorafleet.permissions import owned_layout_parts
 from lorafleet.settings import Settings, SettingsError
 
 T = TypeVar("T")
@@ -242,7 +242,7 @@ class LayoutRefusal:
 async def ensure_layout_if_allowed(nc: Client, settings: Settings, refusal: LayoutRefusal) -> None:
     """Create the JetStream layout, unless these credentials may not.
 
-    A node's credentials (lorafleet.permissions) do not allow creating
+    A node's credentials (lorafleet.access.permissions) do not allow creating
     streams: the services create them. A refused request is not answered,
     so the refusal (heard by `refusal`, the connection's `on_refused`) ends
     the attempt at once instead of a request timeout later.

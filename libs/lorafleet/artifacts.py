@@ -25,7 +25,8 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 import lorafleet.names as _names
-from lorafleet._natspy import (
+from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
+from lorafleet.nats._natspy import (
     AsyncPublisher,
     NoStreamError,
     ObjectChunksMissingError,
@@ -33,7 +34,6 @@ from lorafleet._natspy import (
     PublishRefusedError,
     download_object,
 )
-from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
 __all__ = [

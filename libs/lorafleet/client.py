@@ -29,7 +29,7 @@ import msgspec
 import nats.js.errors
 from nats.aio.client import Client as Nats
 
-import lorafleet._bus as bus
+import lorafleet.nats._bus as bus
 from lorafleet.estimate import with_architecture
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.settings import Settings
@@ -161,7 +161,7 @@ class Client:
         store = await self.js.object_store(self.names.datasets_bucket)
         # The name is the content's sha256: a stored one is this data already.
         # Putting it again would also purge the old chunks, which a client
-        # identity may not do (lorafleet.permissions.client_permissions).
+        # identity may not do (lorafleet.access.permissions.client_permissions).
         with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
             info = await store.get_info(name)
             if info.size == len(data) and not info.deleted:

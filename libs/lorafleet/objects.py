@@ -5,7 +5,7 @@
 `names.msg_get_subject(bucket)` can read datasets, and the checkpoint or
 adapter a resumed job starts from; `download_object` uses nats-py's own
 get, written into a file (for users that may do more). Both
-work around nats-py and live in lorafleet._natspy; this is their public face.
+work around nats-py and live in lorafleet.nats._natspy; this is their public face.
 
 `ObjectWriter` publishes an object's chunks with a window of
 acknowledgements in flight (nats-py's `put` waits for each chunk's before
@@ -29,14 +29,6 @@ from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
 from lorafleet import log
-from lorafleet._natspy import (
-    AsyncPublisher,
-    ObjectDamagedError,
-    ObjectNotFoundError,
-    client_of,
-    download_object,
-    read_object,
-)
 from lorafleet.artifacts import decode_info, object_digest
 from lorafleet.names import (
     ROLLUP_SUBJECT,
@@ -44,6 +36,14 @@ from lorafleet.names import (
     object_chunk_subject,
     object_meta_subject,
     object_stream,
+)
+from lorafleet.nats._natspy import (
+    AsyncPublisher,
+    ObjectDamagedError,
+    ObjectNotFoundError,
+    client_of,
+    download_object,
+    read_object,
 )
 
 __all__ = [

@@ -6,7 +6,7 @@ a count bound too.
         raise NatsServerError("the cluster did not become ready within 30 s ...")
 
 `poll_until` is for coroutines, `poll_until_sync` for code that holds no
-event loop (vLLM's start, `vllm_local`); both answer whether `check` said
+event loop (vLLM's start, `local.vllm_launch`); both answer whether `check` said
 yes, so the caller raises its own error, naming what it waited for. An
 exception from `check` propagates (a process that died while starting is
 not "not yet"). The tests' own waits are tests/eventually.py.

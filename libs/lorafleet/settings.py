@@ -75,7 +75,7 @@ class Settings:
     log_level: str = "info"
     #: Seconds the server waits for the recorder's ack of a status report
     #: before redelivering it; default 10. A batch the recorder is still
-    #: applying is kept from redelivery ("in progress", lorafleet._consumer),
+    #: applying is kept from redelivery ("in progress", lorafleet.nats._consumer),
     #: so this bounds only how long a report a killed recorder held, or a
     #: dying NATS server had in flight to it, waits to come back (fault
     #: tests use a few seconds).

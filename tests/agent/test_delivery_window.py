@@ -1,4 +1,4 @@
-"""The publisher window and the chunk reader of agent/delivery.py, without a bus.
+"""The publisher window and the chunk reader of agent/transfer/delivery.py, without a bus.
 
 A fake publisher records every publish and hands back a future the test
 settles, so the window's rules (how many in flight, the last one after all
@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import pytest
 
 from lorafleet.artifacts import NoStreamError, PublishRefusedError
-from lorafleet_services.agent import delivery
-from lorafleet_services.agent.delivery import (
+from lorafleet_services.agent.transfer import delivery
+from lorafleet_services.agent.transfer.delivery import (
     MAX_TRIES,
     NO_STREAM_MAX_TRIES,
     Chunk,

@@ -9,7 +9,7 @@ from pathlib import Path
 import msgspec
 
 from lorafleet_schemas.messages import Heartbeat, JobState
-from lorafleet_services.agent.cards import read_cards
+from lorafleet_services.agent.node.cards import read_cards
 from tests.agent.conftest import Bus, start_request
 
 

@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import CardReader, Heartbeater

@@ -10,8 +10,8 @@ import asyncio
 import contextlib
 from pathlib import Path
 
-from lorafleet import _bus as bus
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import (

@@ -15,9 +15,9 @@ import psutil
 import pytest
 from nats.js.kv import KeyValue
 
-from lorafleet import _bus as bus
 from lorafleet.names import Header
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import (
     ArtifactChunkHeader,
     ArtifactKind,
@@ -28,7 +28,7 @@ from lorafleet_schemas.messages import (
     StartRequest,
     StatusReport,
 )
-from lorafleet_services.agent.cards import read_cards
+from lorafleet_services.agent.node.cards import read_cards
 from lorafleet_trainer.standin import adapter_files, gguf_bytes
 from tests.agent.conftest import Bus, Reports, finished, start_request
 from tests.eventually import eventually

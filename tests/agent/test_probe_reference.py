@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet_services.agent.adapter_serving import (
+from lorafleet_services.agent.serving.vllm_adapters import (
     Continuation,
     ProbeError,
     adapter_reference,
@@ -85,7 +85,7 @@ async def test_the_program_runs_from_the_package_copy(tmp_path: Path) -> None:
     # engine's Python has no lorafleet): a copy that exits 3 is what ran.
     import sys
 
-    from lorafleet_services.agent.environment import copy_trainer_package
+    from lorafleet_services.agent.environment.environments import copy_trainer_package
 
     package = copy_trainer_package(tmp_path / "probe")
     assert (package / "probe.py").is_file() and not list(package.glob("__pycache__"))

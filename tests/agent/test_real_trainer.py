@@ -12,8 +12,8 @@ import tarfile
 import pytest
 
 from lorafleet_schemas.messages import ArtifactKind, JobState, TrainerParams
-from lorafleet_services.agent.cards import read_cards
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.agent.node.cards import read_cards
+from lorafleet_services.local.tiny_model import build_tiny_model
 from lorafleet_trainer.probe import PROBE_FILE
 from tests.agent.conftest import Bus, start_request
 from tests.agent.test_job import delivered

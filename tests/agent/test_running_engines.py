@@ -8,18 +8,18 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet_services.agent.adapter_serving import (
-    AdapterToServe,
-    ServeRefused,
-    preflight,
-    served_adapter_name,
-)
-from lorafleet_services.agent.running_engines import (
+from lorafleet_services.agent.serving.running_engines import (
     VllmServer,
     is_vllm_server,
     parse_configured,
     parse_server_argv,
     runtime_updating,
+)
+from lorafleet_services.agent.serving.vllm_adapters import (
+    AdapterToServe,
+    ServeRefused,
+    preflight,
+    served_adapter_name,
 )
 
 PY = "/opt/engines/vllm/0.32.0/bin/python3"

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import (
     ArtifactKind,
     Engine,
@@ -20,7 +20,7 @@ from lorafleet_schemas.messages import (
     ServingState,
     StartRequest,
 )
-from lorafleet_services.agent.serve_orders import NO_ENGINE
+from lorafleet_services.agent.serving.orders import NO_ENGINE
 from lorafleet_trainer.standin import gguf_bytes
 from tests.agent.conftest import Bus, finished, start_request
 from tests.serving_reports import ServingReports, of

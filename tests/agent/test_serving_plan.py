@@ -19,17 +19,15 @@ from lorafleet_schemas.messages import (
     StartRequest,
     TrainerParams,
 )
-from lorafleet_services.agent.adapter_serving import AdapterToServe, served_adapter_name
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
-from lorafleet_services.agent.running_engines import VllmServer
-from lorafleet_services.agent.serve_orders import (
+from lorafleet_services.agent.serving.orders import (
     lora_flag,
     matching_engines,
     order_from_job,
     place_gguf,
     read_model_type,
 )
-from lorafleet_services.agent.serving_plan import (
+from lorafleet_services.agent.serving.plan import (
     DesiredAdapter,
     DesiredSet,
     DesiredSetError,
@@ -39,6 +37,8 @@ from lorafleet_services.agent.serving_plan import (
     needs_reload,
     remove_stale_copies,
 )
+from lorafleet_services.agent.serving.running_engines import VllmServer
+from lorafleet_services.agent.serving.vllm_adapters import AdapterToServe, served_adapter_name
 
 ENGINE = "http://127.0.0.1:8000"
 

@@ -10,19 +10,23 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet_services.agent.card_memory import MemorySampler, session_pids
-from lorafleet_services.agent.cards import read_cards
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
-from lorafleet_services.agent.engines import find_engines, newest_vllm_python, version_order
-from lorafleet_services.agent.environment import find_python
+from lorafleet_services.agent.environment.environments import find_python
 from lorafleet_services.agent.heartbeat import (
     BUCKET_OUTAGE_PATIENCE_S,
     FENCE_MARGIN_S,
     fence_reason,
 )
-from lorafleet_services.agent.job import trainer_failure
-from lorafleet_services.agent.leftovers import remove_job_dirs
-from lorafleet_services.agent.process import ProcessResult
+from lorafleet_services.agent.node.card_memory import MemorySampler, session_pids
+from lorafleet_services.agent.node.cards import read_cards
+from lorafleet_services.agent.node.installed_engines import (
+    find_engines,
+    newest_vllm_python,
+    version_order,
+)
+from lorafleet_services.agent.node.leftovers import remove_job_dirs
+from lorafleet_services.agent.node.process import ProcessResult
+from lorafleet_services.agent.training.job_run import trainer_failure
 from lorafleet_trainer.standin import adapter_files
 
 

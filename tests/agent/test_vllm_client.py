@@ -12,8 +12,8 @@ from typing import ClassVar
 
 import pytest
 
-from lorafleet_services.agent.engine_watch import EngineWatch
-from lorafleet_services.agent.vllm_client import VllmClient, VllmRequestError
+from lorafleet_services.agent.serving.engine_watch import EngineWatch
+from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmRequestError
 from tests.vllm_server import free_port
 
 ERRORS = {

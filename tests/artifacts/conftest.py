@@ -14,12 +14,12 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet._bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record, msg_id
 from lorafleet.names import Header, Names, object_meta_subjects, object_stream
+from lorafleet.nats._bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
-from lorafleet_services.agent.delivery import deliver
+from lorafleet_services.agent.transfer.delivery import deliver
 from tests.procs import ServiceProcess
 
 NAMES = Names()

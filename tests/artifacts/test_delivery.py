@@ -18,10 +18,15 @@ from nats.js.api import ConsumerConfig, DeliverPolicy, StreamConfig
 
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.names import Header, Names
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
-from lorafleet_services.agent import delivery
-from lorafleet_services.agent.delivery import DeliveryError, chunk_size_for, deliver, pack_adapter
+from lorafleet_services.agent.transfer import delivery
+from lorafleet_services.agent.transfer.delivery import (
+    DeliveryError,
+    chunk_size_for,
+    deliver,
+)
+from lorafleet_services.agent.transfer.packing import pack_adapter
 from tests.eventually import eventually
 
 NAMES = Names()

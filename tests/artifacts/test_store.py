@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
-from lorafleet._bus import connect, drain_quietly
 from lorafleet.names import Header, Names
+from lorafleet.nats._bus import connect, drain_quietly
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState
 from lorafleet_services.artifact_store.service import ArtifactStore

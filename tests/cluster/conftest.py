@@ -1,5 +1,5 @@
 """Cluster tests: the system's real processes on a real three-server NATS
-cluster (lorafleet.natscluster), with every stream, KV and object store at
+cluster (lorafleet.nats.cluster), with every stream, KV and object store at
 R3 and every process given all three URLs.
 
 `nats_cluster` starts the cluster; the system tests' `stack` fixture runs
@@ -18,8 +18,8 @@ from typing import Any
 
 import pytest
 
-from lorafleet.natscluster import NatsCluster
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.cluster import NatsCluster
+from lorafleet.nats.server import NatsServer
 from tests.cluster.helpers import RECORDER_ACK_WAIT_S
 from tests.system.conftest import stack  # noqa: F401 (the fixture, run on the cluster)
 

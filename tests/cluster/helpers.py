@@ -14,7 +14,7 @@ import pytest
 
 from lorafleet import Client
 from lorafleet.names import kv_stream
-from lorafleet.natscluster import NatsCluster, stream_leader
+from lorafleet.nats.cluster import NatsCluster, stream_leader
 from lorafleet_schemas.messages import JobState, StatusReport
 from tests.eventually import NeverHappenedError, eventually
 from tests.procs import ServiceProcess

@@ -12,8 +12,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet.identities import IdentityStore
-from lorafleet.natscluster import NatsCluster
+from lorafleet.access.identities import IdentityStore
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
 from lorafleet_services.cli import app
 from tests.permissions.conftest import IdentityFleet, identity_settings

@@ -16,7 +16,7 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from lorafleet.permissions import identity_inbox_prefix
+from lorafleet.access.permissions import identity_inbox_prefix
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.cli import app

@@ -5,7 +5,7 @@ the node timeout; the control plane runs on the other two."""
 
 from __future__ import annotations
 
-from lorafleet.natscluster import NatsCluster
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
 from tests.cluster.helpers import (  # noqa: F401 (control_plane_on_the_first_two: a fixture)
     END_TIMEOUT_S,

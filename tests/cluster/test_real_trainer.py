@@ -10,9 +10,9 @@ import sys
 import pytest
 
 from lorafleet.names import kv_stream
-from lorafleet.natscluster import NatsCluster
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.cluster.helpers import assert_each_step_once, leader_of, no_false_loss, story
 from tests.eventually import eventually
 from tests.system.conftest import Stack

@@ -10,7 +10,7 @@ import asyncio
 import signal
 
 from lorafleet.names import kv_stream
-from lorafleet.natscluster import NatsCluster
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
 from tests.cluster.helpers import (
     END_TIMEOUT_S,

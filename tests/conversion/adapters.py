@@ -71,7 +71,7 @@ def _sentencepiece_model() -> bytes:
 
     import sentencepiece as spm
 
-    from lorafleet_services.tiny import TOKENIZER_TEXT
+    from lorafleet_services.local.tiny_model import TOKENIZER_TEXT
 
     buf = io.BytesIO()
     spm.SentencePieceTrainer.train(

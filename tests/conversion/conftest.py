@@ -6,7 +6,7 @@
   name and recording each request, so the agent's real fetch runs.
 - `fetched`: an AgentConfig whose work_dir already holds the conversion code,
   fetched once per session through `source_server`.
-- `tiny`: the tiny Llama and Qwen2 (services/lorafleet_services/tiny.py) with a real
+- `tiny`: the tiny Llama and Qwen2 (services/lorafleet_services/local/tiny_model.py) with a real
   PEFT LoRA adapter each; `converted`: each adapter converted once by
   `convert_to_gguf`, with an interpreter wrapper that records how it was run.
 """
@@ -26,9 +26,12 @@ from pathlib import Path
 import pytest
 
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import convert_to_gguf, ensure_conversion_code
-from lorafleet_services.agent.environment import EngineEnvironment
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.agent.environment.environments import EngineEnvironment
+from lorafleet_services.agent.environment.gguf_conversion import (
+    convert_to_gguf,
+    ensure_conversion_code,
+)
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.conversion import llamacpp_source
 from tests.conversion.adapters import make_adapter
 

@@ -34,7 +34,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from lorafleet_services.agent import conversion
+from lorafleet_services.agent.environment import gguf_conversion as conversion
 
 # The same pinned sdist the demo repacks: one pin, in the package.
 SDIST_NAME = conversion.PYPI_SDIST_FILE

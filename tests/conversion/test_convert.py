@@ -15,13 +15,13 @@ from gguf import GGUFReader
 from safetensors.numpy import load_file
 
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import (
+from lorafleet_services.agent.environment.gguf_conversion import (
     ConversionCancelledError,
     ConversionError,
     check_adapter,
     convert_to_gguf,
 )
-from lorafleet_services.tiny import TINY_SIZES
+from lorafleet_services.local.tiny_model import TINY_SIZES
 from tests.conversion.adapters import ALPHA, RANK, TARGETS
 from tests.conversion.conftest import (
     ARCHES,

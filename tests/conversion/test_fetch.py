@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import (
+from lorafleet_services.agent.environment.gguf_conversion import (
     COMPLETE_MARKER,
     ConversionError,
     conversion_dir,

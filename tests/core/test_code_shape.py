@@ -12,6 +12,10 @@ Why not import-linter: its layers contract would say the roots' order
 its acyclic-siblings contract checks siblings of one package, not the
 whole graph. The search below is Tarjan's, 40 lines, tested with a cycle
 of its own, and reads function-level imports as import-linter does.
+
+Package folders are kept small (at most MAX_FOLDER_MODULES modules each),
+and docs/architecture.md's module map lists every folder and module: a
+module missing from it, or listed there but gone, fails here.
 """
 
 from __future__ import annotations
@@ -44,6 +48,14 @@ SELF_CONTAINED = ("lorafleet_trainer",)
 MAX_MODULE_LINES = 600
 MAX_CLASS_LINES = 350
 MAX_FUNCTION_LINES = 60
+#: Modules one package folder may hold: the `*.py` directly in it, its
+#: `__init__.py` and `__main__.py` not counted (as shape.py counts them).
+MAX_FOLDER_MODULES = 20
+#: Not counted in a folder, nor listed in the module map: the folder stands for them.
+PACKAGE_FILES = ("__init__.py", "__main__.py")
+#: The one module map: a section of docs/architecture.md.
+ARCHITECTURE = ROOT / "docs" / "architecture.md"
+MAP_HEADING = "## Module map"
 #: Written by a generator (and checked fresh by `./dev check`), not by hand.
 GENERATED_MARK = "do not edit."
 
@@ -206,3 +218,83 @@ def test_package_code_never_asserts() -> None:
         )
     ]
     assert not found, "asserts in package code:\n" + "\n".join(found)
+
+
+def folder_modules() -> dict[str, set[str]]:
+    """Each package folder (its path from the repository root) and the
+    modules directly in it, PACKAGE_FILES left out."""
+    out: dict[str, set[str]] = {}
+    for folder in PACKAGES.values():
+        for path in folder.rglob("*.py"):
+            names = out.setdefault(path.parent.relative_to(ROOT).as_posix(), set())
+            if path.name not in PACKAGE_FILES:
+                names.add(path.name)
+    return out
+
+
+def overfull(folders: dict[str, set[str]], limit: int) -> list[str]:
+    return sorted(f"{f} holds {len(m)} modules" for f, m in folders.items() if len(m) > limit)
+
+
+def test_no_package_folder_grows_past_one_readers_hold() -> None:
+    over = overfull(folder_modules(), MAX_FOLDER_MODULES)
+    assert not over, (
+        f"package folders over {MAX_FOLDER_MODULES} modules; group them into subpackages named "
+        "for what each holds:\n" + "\n".join(over)
+    )
+
+
+def test_an_overfull_folder_is_found() -> None:
+    folders = {"agent": {f"m{i}.py" for i in range(21)}, "small": {"a.py"}}
+    assert overfull(folders, 20) == ["agent holds 21 modules"]
+
+
+def mapped_modules(text: str) -> dict[str, set[str]]:
+    """The module map's folders (`### <folder>/` headings) and the modules
+    listed under each (lines starting with `` - `name.py` ``)."""
+    if MAP_HEADING not in text:
+        return {}
+    section = text.split(MAP_HEADING, 1)[1].split("\n## ", 1)[0]
+    out: dict[str, set[str]] = {}
+    folder: str | None = None
+    for line in section.splitlines():
+        if line.startswith("### "):
+            folder = line[4:].strip().rstrip("/")
+            out[folder] = set()
+        elif line.startswith("- `") and folder is not None:
+            out[folder].add(line[3:].split("`", 1)[0])
+    return out
+
+
+def map_differences(actual: dict[str, set[str]], mapped: dict[str, set[str]]) -> list[str]:
+    missing = [
+        f"missing from the map: {folder}/{name}"
+        if folder in mapped
+        else f"missing from the map: the folder {folder}/"
+        for folder, names in actual.items()
+        for name in sorted(names - mapped.get(folder, set())) or ([] if folder in mapped else [""])
+    ]
+    gone = [
+        f"listed in the map but gone: {folder}/{name}"
+        for folder, names in mapped.items()
+        for name in sorted(names - actual.get(folder, set())) or ([] if folder in actual else [""])
+    ]
+    return sorted(set(missing)) + sorted(set(gone))
+
+
+def test_the_module_map_lists_every_module() -> None:
+    wrong = map_differences(folder_modules(), mapped_modules(ARCHITECTURE.read_text()))
+    assert not wrong, (
+        f"docs/architecture.md's {MAP_HEADING!r} disagrees with the tree; list each module "
+        "with a few words, under its folder:\n" + "\n".join(wrong)
+    )
+
+
+def test_a_map_difference_is_found() -> None:
+    text = "## Module map\n\n### pkg/\n\n- `kept.py`: here\n- `gone.py`: was here\n\n## Next\n"
+    actual = {"pkg": {"kept.py", "new.py"}, "pkg/sub": {"x.py"}}
+    assert map_differences(actual, mapped_modules(text)) == [
+        "missing from the map: pkg/new.py",
+        "missing from the map: the folder pkg/sub/",
+        "listed in the map but gone: pkg/gone.py",
+    ]

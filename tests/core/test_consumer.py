@@ -1,4 +1,4 @@
-"""The one pull-consumer loop (lorafleet._consumer) against a real nats-server."""
+"""The one pull-consumer loop (lorafleet.nats._consumer) against a real nats-server."""
 
 from __future__ import annotations
 
@@ -13,9 +13,9 @@ from nats.js import JetStreamContext
 from nats.js.api import DeliverPolicy, StreamConfig
 from structlog.testing import capture_logs
 
-from lorafleet import _bus as bus
-from lorafleet._consumer import PullConsumer, PullConsumerConfig
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._consumer import PullConsumer, PullConsumerConfig
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.consumers import redeliveries
 from tests.eventually import eventually

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lorafleet_services.agent.config import DEFAULT_CONVERSION_SOURCE
-from lorafleet_services.agent.conversion import ConversionError
+from lorafleet_services.agent.environment.gguf_conversion import ConversionError
 from lorafleet_services.cli import up_agent_config
 from lorafleet_services.stack import LOCAL_NODE, local_agent_config
 

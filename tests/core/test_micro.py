@@ -11,9 +11,9 @@ import nats.errors
 import pytest
 from nats.micro.service import Service
 
-from lorafleet import _bus as bus
-from lorafleet._micro import Route, start_service
 from lorafleet.errors import BadRequestError
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._micro import Route, start_service
 from lorafleet.settings import Settings
 
 

@@ -5,9 +5,9 @@ from __future__ import annotations
 import nats
 import pytest
 
-from lorafleet import _bus as bus
 from lorafleet.errors import ConnectError
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 
 

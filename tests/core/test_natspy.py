@@ -1,4 +1,4 @@
-"""Pins of the nats-py behaviour lorafleet._natspy works around, and its workarounds.
+"""Pins of the nats-py behaviour lorafleet.nats._natspy works around, and its workarounds.
 
 Each `test_upstream_*` asserts what nats-py (2.16) does today. When one
 fails after an upgrade, upstream has fixed or changed that behaviour: drop
@@ -29,10 +29,12 @@ from nats.micro import add_service
 from nats.micro.request import Request
 from nats.micro.service import EndpointConfig, ServiceConfig
 
-from lorafleet import _natspy, names, passwords
+from lorafleet import names
+from lorafleet.access import passwords
 from lorafleet.names import Names, msg_get_subject
-from lorafleet.natscluster import NatsCluster
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _natspy
+from lorafleet.nats.cluster import NatsCluster
+from lorafleet.nats.server import NatsServer
 from tests.eventually import eventually
 
 #: Seconds a pin waits to be sure something upstream does not happen.

@@ -10,10 +10,10 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from lorafleet import _bus as bus
 from lorafleet._recorder_client import CAS_ATTEMPTS, RecorderClient
 from lorafleet.errors import ConflictError, error_body
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     ErrorCode,

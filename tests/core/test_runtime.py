@@ -15,7 +15,7 @@ from nats.aio.client import Client
 
 from lorafleet import _runtime as runtime
 from lorafleet import log
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually
 

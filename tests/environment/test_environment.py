@@ -17,13 +17,17 @@ from pathlib import Path
 import psutil
 import pytest
 
-from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig, EngineUser
-from lorafleet_services.agent.engine_user import resolve_user
-from lorafleet_services.agent.environment import EngineEnvironment, find_python, prepare
-from lorafleet_services.agent.environment_protocol import TrainerSetupError
-from lorafleet_services.agent.overlay import OVERLAY_MARKER, ensure_overlay, overlay_dir
-from lorafleet_services.agent.process import run_process
+from lorafleet_services.agent.environment.engines_user import resolve_user
+from lorafleet_services.agent.environment.environments import (
+    EngineEnvironment,
+    find_python,
+    prepare,
+)
+from lorafleet_services.agent.environment.overlay import OVERLAY_MARKER, ensure_overlay, overlay_dir
+from lorafleet_services.agent.environment.protocol import TrainerSetupError
+from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.node.process import run_process
 from tests.environment.conftest import Engines, make_engines
 from tests.eventually import eventually
 
@@ -154,7 +158,7 @@ def test_not_root_runs_as_itself(engine_user: str, user_engine_venv: Path, open_
     """Really not root: resolve_user run by the test user itself."""
     code = (
         "from pathlib import Path; from lorafleet_services.agent.config import AgentConfig; "
-        "from lorafleet_services.agent.engine_user import resolve_user; "
+        "from lorafleet_services.agent.environment.engines_user import resolve_user; "
         "import json; "
         f"print(json.dumps(resolve_user(AgentConfig(node='n', work_dir=Path('{open_dir}/w-nr')))))"
     )
@@ -300,7 +304,7 @@ async def _agent_process(cfg: AgentConfig, python: str, stdout: int) -> asyncio.
     code = (
         "import asyncio, sys; from pathlib import Path; "
         "from lorafleet_services.agent.config import AgentConfig; "
-        "from lorafleet_services.agent.overlay import ensure_overlay; "
+        "from lorafleet_services.agent.environment.overlay import ensure_overlay; "
         "e, w, h, py = sys.argv[1:]; "
         "print(asyncio.run(ensure_overlay(AgentConfig(node='n2', engines_dir=Path(e), "
         "work_dir=Path(w), wheel_dir=h), py)))"

@@ -13,11 +13,11 @@ import pytest
 
 import lorafleet_trainer
 from lorafleet_schemas.messages import TrainerError, TrainerLine, TrainerLog
-from lorafleet_services.agent.cards import CardChoice
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.environment import EngineEnvironment, prepare
-from lorafleet_services.agent.process import run_process
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.agent.environment.environments import EngineEnvironment, prepare
+from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.node.process import run_process
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.environment.conftest import make_engines
 from tests.trainer.harness import ndjson, qa_records, write_job
 

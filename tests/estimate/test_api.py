@@ -15,10 +15,10 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from lorafleet import _bus as bus
 from lorafleet.client import Client
 from lorafleet.errors import BadRequestError
 from lorafleet.estimate import estimate_memory
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     Engine,
@@ -30,10 +30,10 @@ from lorafleet_schemas.messages import (
     TrainerParams,
 )
 from lorafleet_services.cli.estimate import estimate_text
+from lorafleet_services.local.tiny_model import build_tiny_model
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.api import job_estimate, memory_checked
 from lorafleet_services.recorder.service import Recorder
-from lorafleet_services.tiny import build_tiny_model
 
 ARCH = ModelArchitecture(
     num_hidden_layers=32,
@@ -167,7 +167,7 @@ async def test_estimate_and_submit_through_the_recorder(running: Running, tmp_pa
 
 def test_the_agent_refines_the_estimate_with_the_real_lengths() -> None:
     from lorafleet_schemas.messages import StartRequest, TrainerLengths
-    from lorafleet_services.agent.trainer_lines import job_estimate_mib, lengths_note
+    from lorafleet_services.agent.training.trainer_lines import job_estimate_mib, lengths_note
 
     # Checkpointing fixed: with "auto" shorter rows may take less of it instead.
     every_layer = msgspec.structs.replace(PARAMS, gradient_checkpointing=True)

@@ -15,7 +15,7 @@ import pytest
 from lorafleet import estimate
 from lorafleet.estimate import EstimateError, architecture_from_config, estimate_memory
 from lorafleet_schemas.messages import ModelArchitecture, ModelSpec, TrainerParams
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.local.tiny_model import build_tiny_model
 from lorafleet_trainer import memory
 from tests.estimate.measure import measure_step
 from tests.trainer.harness import fake_hf_cache

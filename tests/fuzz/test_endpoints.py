@@ -35,10 +35,10 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from sqlalchemy.engine import make_url
 
-from lorafleet import _bus as bus
 from lorafleet import log
 from lorafleet.names import Names, kv_stream
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import (
     AdapterList,
     AdapterListRequest,

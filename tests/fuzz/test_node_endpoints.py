@@ -37,9 +37,9 @@ from hypothesis import strategies as st
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from lorafleet import _bus as bus
 from lorafleet.names import Names, kv_stream
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet_schemas.messages import (
     ErrorCode,
     Heartbeat,

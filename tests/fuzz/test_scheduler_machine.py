@@ -1,4 +1,4 @@
-"""The scheduler's pure rules (scheduler/logic.py) driven as a state machine.
+"""The scheduler's pure rules (scheduler/node_table.py, placement.py, reconcile.py) driven as a state machine.
 
 Hypothesis submits, dispatches, cancels and resumes jobs, starts, kills and
 restarts agents, lets time pass (live agents beat every heartbeat), sweeps,
@@ -28,8 +28,8 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 
 from lorafleet.states import FINAL, ON_NODE, can_requeue, loss_outcome
 from lorafleet_schemas.messages import Card, Heartbeat, JobRecord, JobState
-from lorafleet_services.scheduler import logic
-from lorafleet_services.scheduler.logic import NodeTable
+from lorafleet_services.scheduler import node_table, placement, reconcile
+from lorafleet_services.scheduler.node_table import NodeTable
 from tests.records import job_record
 
 T0 = dt.datetime(2026, 12, 1, tzinfo=dt.UTC)
@@ -240,8 +240,8 @@ class SchedulerMachine(RuleBasedStateMachine):
             (j for j in w.jobs.values() if j.state is JobState.QUEUED),
             key=lambda j: (j.created_at, int(j.id[1:])),
         )
-        busy = logic.busy_nodes(w.on_node(), w.table.nodes, w.first_seen)
-        plan = logic.plan_dispatch(queued, w.table.nodes, busy, w.now)
+        busy = placement.busy_nodes(w.on_node(), w.table.nodes, w.first_seen)
+        plan = placement.plan_dispatch(queued, w.table.nodes, busy, w.now)
         nodes = [node for _, node in plan.send]
         assert len(nodes) == len(set(nodes)), plan.send
         for job, node in plan.send:
@@ -281,25 +281,27 @@ class SchedulerMachine(RuleBasedStateMachine):
         lost = self.w.table.expire(name)
         self._nodes_lost([lost] if lost is not None else [])
 
-    def _nodes_lost(self, lost: list[logic.Node]) -> None:
+    def _nodes_lost(self, lost: list[node_table.Node]) -> None:
         for node in lost:
             assert not self.w.agents[node.name].beating, f"{node.name} beats but was lost"
-            for job in logic.jobs_lost_with(node, self.w.on_node(), self.w.first_seen):
-                self.w.lose(job, logic.node_lost_message(node), logic.node_lost_cause(node))
+            for job in reconcile.jobs_lost_with(node, self.w.on_node(), self.w.first_seen):
+                self.w.lose(job, reconcile.node_lost_message(node), reconcile.node_lost_cause(node))
             # Requeued or failed at once, by its attempts (World.lose checks
             # which); only a delivered upload stays on the lost node.
             held = [
                 j.id
                 for j in self.w.on_node()
                 if j.node == node.name
-                and not logic.is_delivered(j, node, self.w.first_seen.get(j.id))
+                and not placement.is_delivered(j, node, self.w.first_seen.get(j.id))
             ]
             assert held == [], (node.name, held)
 
     @rule()
     def reconcile(self) -> None:
         w = self.w
-        r = logic.reconcile(w.on_node(), w.table.nodes, w.now, w.first_seen, sent_here=w.sent_here)
+        r = reconcile.reconcile(
+            w.on_node(), w.table.nodes, w.now, w.first_seen, sent_here=w.sent_here
+        )
         for fail in r.fail:
             node = w.table.nodes.get(str(fail.job.node))
             agent = w.agents.get(str(fail.job.node))
@@ -311,7 +313,7 @@ class SchedulerMachine(RuleBasedStateMachine):
             if agent.beating and agent.running is None:
                 agent.pending = resend.job.id
         for check in r.check:
-            if logic.should_cancel_on_node(w.jobs.get(check.job_id), check.node):
+            if reconcile.should_cancel_on_node(w.jobs.get(check.job_id), check.node):
                 w.agents[check.node].running = None
 
     @rule()
@@ -319,7 +321,8 @@ class SchedulerMachine(RuleBasedStateMachine):
         """Past the timeout and every grace: no job is held on a node whose agent
         does not run it (a dead agent's, or a restarted one's)."""
         self.time_passes(
-            int((TIMEOUT_S + logic.SWEEP_MARGIN_S + logic.RECONCILE_GRACE_S) / HEARTBEAT_S) + 2
+            int((TIMEOUT_S + node_table.SWEEP_MARGIN_S + reconcile.RECONCILE_GRACE_S) / HEARTBEAT_S)
+            + 2
         )
         self.sweep()
         self.reconcile()

@@ -17,7 +17,7 @@ import pytest
 import pytest_asyncio
 from openai import AsyncOpenAI
 
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from lorafleet_services.gateway.api_keys import make_key
 from tests.pg import throwaway_database
 from tests.procs import ServiceProcess

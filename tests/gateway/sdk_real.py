@@ -23,11 +23,11 @@ import openai
 from openai import AsyncOpenAI
 from openai.types.fine_tuning import FineTuningJob
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import NodeServeReply, NodeUnserveRequest
-from lorafleet_services.agent.adapter_serving import loaded_adapters
-from lorafleet_services.agent.running_engines import VllmServer
-from lorafleet_services.agent.vllm_client import VllmClient
+from lorafleet_services.agent.serving.running_engines import VllmServer
+from lorafleet_services.agent.serving.vllm_adapters import loaded_adapters
+from lorafleet_services.agent.serving.vllm_client import VllmClient
 from tests.eventually import eventually
 from tests.gateway.conftest import sdk_for
 from tests.procs import ServiceProcess

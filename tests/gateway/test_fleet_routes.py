@@ -16,8 +16,7 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
-from lorafleet_services.gateway.app import with_model
-from lorafleet_services.gateway.fleet_routes import (
+from lorafleet_services.gateway.fleet_model_location import (
     OverrideRoutes,
     engine_base_url,
     fine_tuned_parts,
@@ -25,8 +24,9 @@ from lorafleet_services.gateway.fleet_routes import (
     routes_in,
     unserved_hint,
 )
+from lorafleet_services.gateway.inference_routes import with_model
 from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
-from lorafleet_services.gateway.routing import EngineRoute
+from lorafleet_services.gateway.model_location import EngineRoute
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000/v1"

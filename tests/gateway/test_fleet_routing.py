@@ -15,7 +15,7 @@ import httpx2
 import openai
 import pytest
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import (
     Engine,
     EngineRef,

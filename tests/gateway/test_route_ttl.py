@@ -11,7 +11,7 @@ import httpx2
 import openai
 import pytest
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import Engine, ServingReport, ServingState
 from tests.eventually import eventually
 from tests.gateway.conftest import Gateway

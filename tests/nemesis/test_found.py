@@ -15,7 +15,6 @@ import pytest
 from nats.aio.client import Client
 
 from lorafleet import Client as FleetClient
-from lorafleet import _bus as bus
 from lorafleet.artifacts import (
     ArtifactChunkMissingError,
     ArtifactNotFoundError,
@@ -23,8 +22,9 @@ from lorafleet.artifacts import (
     download_artifact,
 )
 from lorafleet.names import Names, object_chunk_subject
-from lorafleet.natscluster import NatsCluster
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.cluster import NatsCluster
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobState
 from lorafleet_services.artifact_store.assembly import Key

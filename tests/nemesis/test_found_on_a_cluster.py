@@ -9,7 +9,7 @@ import os
 import signal
 
 from lorafleet.names import kv_stream
-from lorafleet.natscluster import NatsCluster
+from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
 from tests.cluster import conftest as cluster_tests
 from tests.cluster.helpers import (  # noqa: F401 (control_plane_on_the_first_two: a fixture)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats.server import NatsServer
 from tests.partition.netns import NetnsLink, available
 from tests.system.conftest import stack, stack_settings  # noqa: F401 (fixtures; the server on the link)
 

@@ -1,5 +1,5 @@
 """Permission tests: a real nats-server with lorafleet's users and permissions
-(lorafleet.passwords.server_config), services and agents as real processes
+(lorafleet.access.passwords.server_config), services and agents as real processes
 logging in as those users."""
 
 from __future__ import annotations
@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from lorafleet.identities import IdentityStore, ensure_fleet
-from lorafleet.identities import server_config as identities_config
+from lorafleet.access.identities import IdentityStore, ensure_fleet
+from lorafleet.access.identities import server_config as identities_config
+from lorafleet.access.passwords import SERVICE_USER, fleet_users, server_config
 from lorafleet.names import Names, node_inbox_prefix
-from lorafleet.natsconfig import ServerTls
-from lorafleet.natsserver import NatsServer
-from lorafleet.passwords import SERVICE_USER, fleet_users, server_config
+from lorafleet.nats.config import ServerTls
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.permissions.certs import Certs, make_certs
 

@@ -11,9 +11,9 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from lorafleet import _bus as bus
 from lorafleet.client import INLINE_DATA_MAX_BYTES, Client
 from lorafleet.log import Event
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import ArtifactKind, Engine, JobRecord, JobSpec, ModelSpec
 from tests.permissions.conftest import IdentityFleet
 from tests.procs import ServiceProcess, agent_process

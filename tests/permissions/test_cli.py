@@ -11,12 +11,12 @@ import nats.errors
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet import _bus as bus
+from lorafleet.access.passwords import SERVICE_USER, service_permissions
+from lorafleet.access.permissions import agent_permissions
 from lorafleet.errors import ConnectError
 from lorafleet.names import Names
-from lorafleet.natsserver import NatsServer
-from lorafleet.passwords import SERVICE_USER, service_permissions
-from lorafleet.permissions import agent_permissions
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.cli import app
 

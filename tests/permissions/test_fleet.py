@@ -16,9 +16,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
 from lorafleet.log import Event
+from lorafleet.nats import _bus as bus
 from lorafleet_services.agent.config import AgentConfig
 from tests.eventually import eventually
 from tests.permissions.conftest import Fleet

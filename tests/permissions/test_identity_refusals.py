@@ -19,12 +19,11 @@ from nats.aio.client import Client
 from nats.aio.msg import Msg
 from nats.js.api import AckPolicy, ConsumerConfig
 
-from lorafleet import _bus as bus
 from lorafleet import objects
-from lorafleet._consumer import PullConsumer
+from lorafleet.access.identities import IdentityStore, ensure_fleet
+from lorafleet.access.identities import server_config as identities_config
+from lorafleet.access.permissions import LAYOUT_OWNERS
 from lorafleet.errors import ConnectError
-from lorafleet.identities import IdentityStore, ensure_fleet
-from lorafleet.identities import server_config as identities_config
 from lorafleet.names import (
     artifact_object_name,
     js_api_subject,
@@ -32,7 +31,8 @@ from lorafleet.names import (
     object_meta_subject,
     object_stream,
 )
-from lorafleet.permissions import LAYOUT_OWNERS
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._consumer import PullConsumer
 from lorafleet_services.recorder.service import consumer_config
 from tests.eventually import eventually
 from tests.permissions.conftest import IdentityFleet

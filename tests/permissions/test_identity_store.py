@@ -10,9 +10,8 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from lorafleet.identities import IdentityError, IdentityStore, ensure_fleet, process_env
-from lorafleet.names import Names
-from lorafleet.permissions import (
+from lorafleet.access.identities import IdentityError, IdentityStore, ensure_fleet, process_env
+from lorafleet.access.permissions import (
     LAYOUT_OWNERS,
     SERVICES,
     PermissionsError,
@@ -22,6 +21,7 @@ from lorafleet.permissions import (
     identity_inbox_prefix,
     owned_layout_parts,
 )
+from lorafleet.names import Names
 from lorafleet.settings import Settings, SettingsError
 from lorafleet_services.cli import app
 

@@ -14,10 +14,10 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
 from lorafleet import objects
 from lorafleet.errors import ConnectError
 from lorafleet.names import dataset_object_name, object_stream
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import Heartbeat
 from tests.eventually import eventually
 from tests.permissions.conftest import Fleet

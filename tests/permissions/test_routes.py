@@ -11,8 +11,8 @@ from typing import Any
 import pytest
 from nats.aio.client import Client
 
+from lorafleet.access.permissions import allows, identity_block
 from lorafleet.names import Names
-from lorafleet.permissions import allows, identity_block
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.service import Agent

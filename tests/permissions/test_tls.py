@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet import _bus as bus
 from lorafleet.errors import ConnectError
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import JobState
 from tests.permissions.conftest import IdentityFleet, start_identity_fleet
 from tests.permissions.flow import identity_system

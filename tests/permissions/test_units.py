@@ -8,24 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet._bus import redact_url
-from lorafleet._natspy import permissions_violation_message
-from lorafleet.names import InvalidNameError, Names, msg_get_subject
-from lorafleet.natsserver import binary
-from lorafleet.passwords import (
+from lorafleet.access.passwords import (
     SERVICE_USER,
     client_env,
     fleet_users,
     server_config,
     service_permissions,
 )
-from lorafleet.permissions import (
+from lorafleet.access.permissions import (
     PermissionsError,
     agent_permissions,
     allows,
     identity_block,
     subject_matches,
 )
+from lorafleet.names import InvalidNameError, Names, msg_get_subject
+from lorafleet.nats._bus import redact_url
+from lorafleet.nats._natspy import permissions_violation_message
+from lorafleet.nats.server import binary
 from lorafleet.settings import Settings, SettingsError
 
 N = Names()

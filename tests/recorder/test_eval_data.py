@@ -12,8 +12,8 @@ from typing import Any
 import nats
 import pytest
 
-from lorafleet import _bus as bus
 from lorafleet.names import dataset_object_name
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder

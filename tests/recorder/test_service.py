@@ -17,9 +17,9 @@ import nats.js.errors
 import pytest
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
 from lorafleet.names import Header, Names, dataset_object_name
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder

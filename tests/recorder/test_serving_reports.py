@@ -10,8 +10,8 @@ import asyncio
 import json
 from typing import Any
 
-from lorafleet import _bus as bus
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import ServingState
 from tests.eventually import eventually
 from tests.recorder.test_service import Running, _spec, add_model, raw, running, wait_job

@@ -13,7 +13,7 @@ from lorafleet_schemas.messages import (
     ServingReport,
     ServingState,
 )
-from lorafleet_services.agent.serving_plan import ReportSeq
+from lorafleet_services.agent.serving.plan import ReportSeq
 from lorafleet_services.recorder import servings, store
 from lorafleet_services.recorder.db import Sessions
 from tests.recorder.test_store import SHA, T0, new_job

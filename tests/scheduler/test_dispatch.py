@@ -34,7 +34,7 @@ from lorafleet_schemas.messages import (
     TransitionRequest,
 )
 from lorafleet_services.scheduler.dispatch import AgentRequests, Dispatcher
-from lorafleet_services.scheduler.logic import NodeTable
+from lorafleet_services.scheduler.node_table import NodeTable
 from tests.scheduler.test_logic import T0, hb, job
 
 

@@ -10,9 +10,9 @@ import structlog
 from nats.aio.client import Client
 from structlog.testing import capture_logs
 
-from lorafleet import _bus as bus
-from lorafleet._bus import LEADER_TTL_S
 from lorafleet.log import Event
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._bus import LEADER_TTL_S
 from lorafleet.settings import Settings
 from lorafleet_services.scheduler.leadership import LEADER_KEY, LEADER_SAFETY_S, Leadership
 from tests.eventually import eventually

@@ -10,17 +10,11 @@ from lorafleet_schemas.messages import (
     JobRecord,
     JobState,
 )
-from lorafleet_services.scheduler import logic
-from lorafleet_services.scheduler.logic import (
-    LET_GO_GRACE_S,
-    BeatChange,
-    Node,
-    NodeTable,
-    busy_nodes,
-    lost_nodes,
-    plan_dispatch,
-    reconcile,
-)
+from lorafleet_services.scheduler import node_table, placement
+from lorafleet_services.scheduler import reconcile as reconcile_mod
+from lorafleet_services.scheduler.node_table import BeatChange, Node, NodeTable, lost_nodes
+from lorafleet_services.scheduler.placement import busy_nodes, plan_dispatch
+from lorafleet_services.scheduler.reconcile import LET_GO_GRACE_S, reconcile
 from tests.records import job_record
 
 T0 = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
@@ -114,7 +108,7 @@ def test_lost_nodes_by_silence() -> None:
 def test_sweep_waits_for_the_margin_and_marks_lost() -> None:
     t = table(hb("a"), now=10.0)
     assert t.sweep(13.0, 3) == []  # the expiry marker is the primary signal
-    lost = t.sweep(13.0 + logic.SWEEP_MARGIN_S, 3)
+    lost = t.sweep(13.0 + node_table.SWEEP_MARGIN_S, 3)
     assert [n.name for n in lost] == ["a"]
     assert t.sweep(20.0, 3) == []  # once
 
@@ -304,9 +298,9 @@ def test_reconcile_asks_about_jobs_nodes_run_that_the_recorder_does_not_hold() -
     t = table(hb("a", cpu=True, job="stale"), hb("b", cpu=True, job="j"))
     result = reconcile([job("j", node="b", state=JobState.RUNNING)], t.nodes, 100.0, {})
     assert [(c.node, c.job_id) for c in result.check] == [("a", "stale")]
-    assert logic.should_cancel_on_node(job("stale", state=JobState.CANCELLED))
-    assert logic.should_cancel_on_node(None)
-    assert not logic.should_cancel_on_node(job("stale", state=JobState.STARTING))
+    assert reconcile_mod.should_cancel_on_node(job("stale", state=JobState.CANCELLED))
+    assert reconcile_mod.should_cancel_on_node(None)
+    assert not reconcile_mod.should_cancel_on_node(job("stale", state=JobState.STARTING))
 
 
 def test_uploading_job_after_delivery_is_kept_unless_the_agent_restarted() -> None:
@@ -326,11 +320,11 @@ def test_delivered_uploads_by_wall_clock_when_the_scheduler_did_not_see_the_job_
     uploading = job("j", node="a", state=JobState.UPLOADING, started_at=sent)
     # The node's clock runs 3 s ahead: within the skew allowance, not a restart.
     t = table(hb("a", cpu=True, started_at=sent + dt.timedelta(seconds=3)))
-    assert logic.is_delivered(uploading, t.nodes["a"])
+    assert placement.is_delivered(uploading, t.nodes["a"])
     # An agent that started well after the job was sent has restarted since.
-    later = sent + dt.timedelta(seconds=logic.CLOCK_SKEW_S + 1)
+    later = sent + dt.timedelta(seconds=placement.CLOCK_SKEW_S + 1)
     t.beat(hb("a", cpu=True, started_at=later), 101.0)
-    assert not logic.is_delivered(uploading, t.nodes["a"])
+    assert not placement.is_delivered(uploading, t.nodes["a"])
     assert [f.job.id for f in reconcile([uploading], t.nodes, 102.0, {}).fail] == ["j"]
 
 
@@ -353,16 +347,16 @@ def test_jobs_lost_with_a_node() -> None:
         job("delivered", node="a", state=JobState.UPLOADING, started_at=sent),
         job("elsewhere", node="b", state=JobState.RUNNING),
     ]
-    assert [j.id for j in logic.jobs_lost_with(node, jobs)] == ["run", "start"]
-    assert "node a stopped heartbeating" in logic.node_lost_message(node)
+    assert [j.id for j in reconcile_mod.jobs_lost_with(node, jobs)] == ["run", "start"]
+    assert "node a stopped heartbeating" in reconcile_mod.node_lost_message(node)
 
 
 def test_lost_nodes_are_forgotten_after_a_day() -> None:
     t = table(hb("a"), now=10.0)
     t.expire("a")
-    t.sweep(10.0 + logic.FORGET_AFTER_S - 1, 3)
+    t.sweep(10.0 + node_table.FORGET_AFTER_S - 1, 3)
     assert "a" in t.nodes and [i.alive for i in t.infos()] == [False]
-    t.sweep(10.0 + logic.FORGET_AFTER_S + 1, 3)
+    t.sweep(10.0 + node_table.FORGET_AFTER_S + 1, 3)
     assert t.nodes == {}
 
 
@@ -398,7 +392,7 @@ def test_a_lost_node_gives_its_jobs_a_cause_for_the_requeue() -> None:
     running = job("j", node="a", state=JobState.RUNNING)
     (lost,) = reconcile([running], t.nodes, 101.0, {}).fail
     assert lost.cause == "node a was lost (last beat 12:00:00 UTC)"
-    assert lost.message == logic.node_lost_message(node)
+    assert lost.message == reconcile_mod.node_lost_message(node)
 
 
 def test_resume_ref_prefers_the_own_checkpoint_then_the_others() -> None:
@@ -413,17 +407,21 @@ def test_resume_ref_prefers_the_own_checkpoint_then_the_others() -> None:
     their_cp, their_peft = ref("o", ArtifactKind.CHECKPOINT, 9), ref("o", ArtifactKind.PEFT, 0)
     other = job_record(id="o", checkpoint=their_cp, adapter=their_peft)
     mine = job_record(id="j", resume_from="o")
-    assert logic.resume_ref(job_record(id="j", checkpoint=own, resume_from="o"), other) == own
-    assert logic.resume_ref(mine, other) == their_cp
-    assert logic.resume_ref(mine, job_record(id="o", adapter=their_peft)) == their_peft
-    assert logic.resume_ref(mine, job_record(id="o")) is None
-    assert logic.resume_ref(job_record(id="j"), None) is None
+    assert (
+        reconcile_mod.resume_ref(job_record(id="j", checkpoint=own, resume_from="o"), other) == own
+    )
+    assert reconcile_mod.resume_ref(mine, other) == their_cp
+    assert reconcile_mod.resume_ref(mine, job_record(id="o", adapter=their_peft)) == their_peft
+    assert reconcile_mod.resume_ref(mine, job_record(id="o")) is None
+    assert reconcile_mod.resume_ref(job_record(id="j"), None) is None
 
 
 def test_a_node_running_a_requeued_or_moved_job_is_told_to_stop() -> None:
     requeued = job_record(id="j", state=JobState.QUEUED, attempt=1)
-    assert logic.should_cancel_on_node(requeued)
-    assert not logic.should_cancel_on_node(job_record(id="j", state=JobState.QUEUED, attempt=0))
+    assert reconcile_mod.should_cancel_on_node(requeued)
+    assert not reconcile_mod.should_cancel_on_node(
+        job_record(id="j", state=JobState.QUEUED, attempt=0)
+    )
     moved = job_record(id="j", state=JobState.RUNNING, node="b", attempt=2)
-    assert logic.should_cancel_on_node(moved, "a")
-    assert not logic.should_cancel_on_node(moved, "b")
+    assert reconcile_mod.should_cancel_on_node(moved, "a")
+    assert not reconcile_mod.should_cancel_on_node(moved, "b")

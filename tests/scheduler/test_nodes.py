@@ -23,7 +23,7 @@ from structlog.testing import capture_logs
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch, behind
-from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S
+from lorafleet_services.scheduler.node_table import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
 from tests.scheduler.test_logic import hb

@@ -12,9 +12,9 @@ from collections.abc import AsyncIterator, Callable
 import pytest
 from structlog.testing import capture_logs
 
-from lorafleet import _bus as bus
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Heartbeat, NodeList, NodeListRequest
 from lorafleet_services.scheduler.leadership import LEADER_KEY

@@ -22,10 +22,10 @@ import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
 
-from lorafleet import _bus as bus
 from lorafleet.client import Client as Lorafleet
 from lorafleet.errors import ConflictError, NotFoundError
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     AdapterServeRequest,
@@ -46,7 +46,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.recorder import db
 from lorafleet_services.recorder.service import Recorder
 from lorafleet_services.scheduler.dispatch import start_request
-from lorafleet_services.scheduler.logic import Node
+from lorafleet_services.scheduler.node_table import Node
 from lorafleet_services.scheduler.service import Scheduler
 from lorafleet_services.scheduler.serving import (
     engine_refusal,

@@ -22,9 +22,9 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
-from lorafleet import _bus as bus
 from lorafleet.errors import raise_for_error
-from lorafleet.natsserver import NatsServer
+from lorafleet.nats import _bus as bus
+from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import (

@@ -13,7 +13,7 @@ from pathlib import Path
 import msgspec
 
 from lorafleet_schemas.messages import Engine, JobRecord, JobState, ServingReport, ServingState
-from lorafleet_services.agent.serving_plan import ReportSeq
+from lorafleet_services.agent.serving.plan import ReportSeq
 from lorafleet_services.cli.follow import NOT_SERVED_EXIT
 from tests.system.conftest import DATA, Stack
 from tests.vllm_server import free_port

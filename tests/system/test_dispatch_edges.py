@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 from nats.aio.msg import Msg
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import JobState, StartReply
 from tests.system.conftest import Stack
 

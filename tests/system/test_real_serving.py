@@ -27,7 +27,7 @@ import msgspec
 import pytest
 from openai import AsyncOpenAI
 
-from lorafleet import _bus as bus
+from lorafleet.nats import _bus as bus
 from lorafleet_schemas.messages import (
     JobState,
     ModelList,
@@ -37,11 +37,11 @@ from lorafleet_schemas.messages import (
     ServingReport,
     ServingState,
 )
-from lorafleet_services.agent import vllm_cpu
-from lorafleet_services.agent.adapter_serving import PROBE_TOLERANCE, loaded_adapters
-from lorafleet_services.agent.running_engines import VllmServer
-from lorafleet_services.agent.vllm_client import VllmClient
+from lorafleet_services.agent.serving.running_engines import VllmServer
+from lorafleet_services.agent.serving.vllm_adapters import PROBE_TOLERANCE, loaded_adapters
+from lorafleet_services.agent.serving.vllm_client import VllmClient
 from lorafleet_services.gateway.api_keys import make_key
+from lorafleet_services.local import vllm_cpu
 from lorafleet_trainer.probe import PROBE_FILE
 from tests.eventually import eventually
 from tests.gateway import sdk_real

@@ -9,7 +9,7 @@ import sys
 import pytest
 
 from lorafleet_schemas.messages import JobState
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.eventually import eventually
 from tests.system.conftest import Stack, pid_alive, start_requests, trainer_pids
 

@@ -14,7 +14,7 @@ from safetensors.torch import load_file
 
 from lorafleet.artifacts import download_artifact, file_sha256
 from lorafleet_schemas.messages import ArtifactKind, JobRecord, JobState
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.eventually import eventually
 from tests.system.conftest import Stack, kill_agent
 

@@ -8,7 +8,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet_services.tiny import build_tiny_model
+from lorafleet_services.local.tiny_model import build_tiny_model
 from tests.trainer.harness import (
     TrainerRun,
     ndjson,

@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet_services.tiny import build_tokenizer
+from lorafleet_services.local.tiny_model import build_tokenizer
 from lorafleet_trainer.batches import GROUP_WINDOW_BATCHES, plan_grouped, plan_steps, to_batch
 from lorafleet_trainer.records import parse_record
 from lorafleet_trainer.rendering import Tokens, _render, encode_conversation, encode_many, renderer

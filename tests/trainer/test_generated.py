@@ -10,7 +10,7 @@ import msgspec
 import pytest
 
 from lorafleet_schemas.messages import TrainerParams
-from lorafleet_services.trainer import generate
+from lorafleet_services.paramgen import generate
 from lorafleet_trainer.jobfile import parse_params
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import BadInputError
@@ -19,7 +19,7 @@ from lorafleet_trainer.protocol import BadInputError
 def test_the_trainers_parameters_module_is_fresh() -> None:
     assert not generate.is_stale(), (
         f"{generate.MODULE} differs from TrainerParams: "
-        "run python -m lorafleet_services.trainer.generate"
+        "run python -m lorafleet_services.paramgen.generate"
     )
 
 

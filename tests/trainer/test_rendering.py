@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 
 import lorafleet_trainer
-from lorafleet_services.tiny import build_tokenizer
+from lorafleet_services.local.tiny_model import build_tokenizer
 from lorafleet_trainer.batches import collate, plan_steps, split_records, to_batch
 from lorafleet_trainer.protocol import BadInputError
 from lorafleet_trainer.records import parse_record

@@ -105,5 +105,5 @@ def test_the_line_events_are_the_schemas() -> None:
 
 
 def test_the_exit_codes_are_pinned() -> None:
-    """The agent tells a retryable failure by them (agent/job.py trainer_failure)."""
+    """The agent tells a retryable failure by them (agent/training/job_run.py trainer_failure)."""
     assert [int(c) for c in ExitCode] == [0, 1, 2, 3, 143]

@@ -1,5 +1,5 @@
 """The trainer as the agent ships it: the package copied into a job
-directory, run from there with `python -m` (agent/job.py trainer_argv)."""
+directory, run from there with `python -m` (agent/training/job_run.py trainer_argv)."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ import sys
 from pathlib import Path
 
 import lorafleet_trainer
-from lorafleet_services.agent.job import trainer_argv
+from lorafleet_services.agent.training.job_run import trainer_argv
 
 
 def _ship(job_dir: Path) -> Path:

@@ -8,8 +8,8 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 from packaging.requirements import Requirement
 
-from lorafleet_services.agent import vllm_cpu
-from lorafleet_services.agent.engines import newest_vllm_python, vllm_versions
+from lorafleet_services.agent.node.installed_engines import newest_vllm_python, vllm_versions
+from lorafleet_services.local import vllm_cpu
 
 
 def test_the_lock_pins_every_package_with_a_hash() -> None:

@@ -18,7 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet_services.agent.adapter_serving import (
+from lorafleet_services.agent.serving.running_engines import (
+    VllmServer,
+    running_vllm_servers,
+    scan_vllm_processes,
+)
+from lorafleet_services.agent.serving.vllm_adapters import (
     PROBE_TOLERANCE,
     AdapterToServe,
     Continuation,
@@ -33,12 +38,7 @@ from lorafleet_services.agent.adapter_serving import (
     serve_adapter,
     unserve_adapter,
 )
-from lorafleet_services.agent.running_engines import (
-    VllmServer,
-    running_vllm_servers,
-    scan_vllm_processes,
-)
-from lorafleet_services.agent.vllm_client import (
+from lorafleet_services.agent.serving.vllm_client import (
     VllmClient,
     VllmRequestError,
     VllmUnreachableError,

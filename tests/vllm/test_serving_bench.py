@@ -23,8 +23,8 @@ from bench.serving_load import (
     variation,
 )
 
-from lorafleet_services.agent.adapter_serving import Continuation, loaded_adapters
-from lorafleet_services.agent.vllm_client import PROBE_REQUEST_TIMEOUT_S, VllmClient
+from lorafleet_services.agent.serving.vllm_adapters import Continuation, loaded_adapters
+from lorafleet_services.agent.serving.vllm_client import PROBE_REQUEST_TIMEOUT_S, VllmClient
 from tests.vllm_server import RunningVllm
 
 

@@ -10,7 +10,7 @@ the trainer is another process, card reads (NVML calls block) run in a
 thread with a timeout, and the installed engines are re-read in a thread every
 `ENGINES_RESCAN_S`, and the running ones (`serving`: each engine with the
 adapters it has loaded) come from the engine watch's last read
-(agent/engine_watch.py, every `engines_refresh_s`), never from a call made
+(agent/serving/engine_watch.py, every `engines_refresh_s`), never from a call made
 for the beat. The beats keep a fixed cadence (deadline-based sleeps,
 so a slow publish does not push every later beat back).
 
@@ -57,15 +57,15 @@ from pathlib import Path
 import nats.js.errors
 from nats.js import JetStreamContext
 
+import lorafleet_services.agent.node.cards as cards_mod
 from lorafleet import log
-from lorafleet._bus import encode
-from lorafleet._natspy import client_of, move_to_another_server
 from lorafleet.log import Event
+from lorafleet.nats._bus import encode
+from lorafleet.nats._natspy import client_of, move_to_another_server
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Card, EngineRef, EnginesInstalled, Heartbeat
-from lorafleet_services.agent import cards as cards_mod
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.engines import find_engines
+from lorafleet_services.agent.node.installed_engines import find_engines
 
 #: Seconds one NVML read may take before the beat goes out with the last cards.
 CARD_READ_TIMEOUT_S = 0.5
@@ -126,7 +126,7 @@ class Heartbeater:
         self.cfg = cfg
         self.version = version
         self.current_job = current_job
-        #: The running engines' last read (agent/engine_watch.py): never waited for.
+        #: The running engines' last read (agent/serving/engine_watch.py): never waited for.
         self.serving = serving
         self.started_at = dt.datetime.now(dt.UTC)
         self.cards = card_reader or CardReader()

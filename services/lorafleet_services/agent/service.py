@@ -2,7 +2,7 @@
 
 Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`,
 `.cancel`, `.serve` and `.unserve`), so a node can run with credentials
-limited to them. Serving (agent/serving.py) runs beside the jobs: a
+limited to them. Serving (agent/serving/agent.py) runs beside the jobs: a
 finished job's adapter is loaded into the node's engines in a task of its
 own while the node takes the next job. One job at a time:
 
@@ -46,11 +46,11 @@ from nats.micro.request import Request
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
-from lorafleet._bus import encode
-from lorafleet._micro import Route, endpoint
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
+from lorafleet.nats._bus import encode
+from lorafleet.nats._micro import Route, endpoint
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import (
     JobState,
@@ -64,10 +64,10 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater, fence_bound_s, fence_reason
-from lorafleet_services.agent.job import JobRun, StopRequest
-from lorafleet_services.agent.leftovers import kill_leftover_trainers, remove_job_dirs
 from lorafleet_services.agent.metric_views import RUNNING_JOBS
-from lorafleet_services.agent.serving import ServingAgent
+from lorafleet_services.agent.node.leftovers import kill_leftover_trainers, remove_job_dirs
+from lorafleet_services.agent.serving.agent import ServingAgent
+from lorafleet_services.agent.training.job_run import JobRun, StopRequest
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -177,7 +177,7 @@ class Agent:
                 f"(attempt {running.req.attempt})",
                 running_job=running.job_id,
             )
-        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.auto_serve)
+        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.job_delivered)
         self.job = run
         run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
@@ -294,13 +294,13 @@ class Agent:
 
 
 def answering(route: Route) -> Callable[[Msg], Awaitable[None]]:
-    """A plain subscription's callback for `route`, through lorafleet._micro's
+    """A plain subscription's callback for `route`, through lorafleet.nats._micro's
     `endpoint()`: strict decoding, the same error replies as every service
     (Nats-Service-Error headers and the JSON error body).
 
     Not a micro service: micro also subscribes to `$SRV.>` (PING, INFO,
     STATS), which a node's credentials do not allow
-    (lorafleet.permissions.agent_permissions); the server would refuse those
+    (lorafleet.access.permissions.agent_permissions); the server would refuse those
     subscriptions.
     """
     handle = endpoint(route.request_type, route.fn, route.subject)

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 from nats.js import JetStreamContext
 
-from lorafleet._micro import Route
 from lorafleet.artifacts import get_record, list_records
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
+from lorafleet.nats._micro import Route
 from lorafleet_schemas.messages import (
     ArtifactGetRequest,
     ArtifactList,

@@ -2,9 +2,9 @@
 
 This module wires its pieces (assembly, delivery, streams, sweeper, api:
 the module table and why it stays exact when killed at any moment are in
-DESIGN.md) to the durable pull consumer (`lorafleet._consumer`: the
-sweeper's tick runs between batches, and every `idle_check_s / 2` seconds
-without one) and runs the process (`runtime.serve(PROGRAM)`).
+DESIGN.md) to the durable pull consumer (`lorafleet.nats._consumer`:
+the sweeper's tick runs between batches, and every `idle_check_s / 2`
+seconds without one) and runs the process (`runtime.serve(PROGRAM)`).
 """
 
 from __future__ import annotations
@@ -19,15 +19,15 @@ from nats.js import JetStreamContext
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log
-from lorafleet._bus import ensure_layout, layout_for
-from lorafleet._consumer import PullConsumer, PullConsumerConfig
-from lorafleet._micro import start_service
-from lorafleet._natspy import use_read_buffer
 from lorafleet._recorder_client import RecorderClient
+from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.artifacts import AsyncPublisher
 from lorafleet.log import Event
 from lorafleet.names import Names
-from lorafleet.permissions import owned_layout_parts
+from lorafleet.nats._bus import ensure_layout, layout_for
+from lorafleet.nats._consumer import PullConsumer, PullConsumerConfig
+from lorafleet.nats._micro import start_service
+from lorafleet.nats._natspy import use_read_buffer
 from lorafleet.settings import Settings
 from lorafleet_services.artifact_store.api import ArtifactApi
 from lorafleet_services.artifact_store.delivery import RETRY_DELAY_S, Deliveries

@@ -15,9 +15,9 @@ import nats.errors
 import typer
 from rich.console import Console
 
-from lorafleet._bus import redact_url
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
+from lorafleet.nats._bus import redact_url
 from lorafleet.settings import Settings
 
 T = TypeVar("T")

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import typer
 
-from lorafleet.identities import (
+from lorafleet.access.identities import (
     ClientTls,
     Identity,
     IdentityStore,
@@ -21,9 +21,9 @@ from lorafleet.identities import (
     process_env,
     server_config,
 )
+from lorafleet.access.permissions import PermissionsError
 from lorafleet.names import Names
-from lorafleet.natsconfig import ServerTls
-from lorafleet.permissions import PermissionsError
+from lorafleet.nats.config import ServerTls
 from lorafleet.settings import Settings
 from lorafleet_services.cli._app import app
 

@@ -25,7 +25,7 @@ def nats_config_cmd(
     LORAFLEET_* settings each process runs with, as comments."""
     import secrets
 
-    from lorafleet import passwords as perms
+    from lorafleet.access import passwords as perms
 
     names = Settings.from_env().names
     try:

@@ -14,7 +14,10 @@ from lorafleet._metrics_http import endpoints_text
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.conversion import ConversionError, local_conversion_source
+from lorafleet_services.agent.environment.gguf_conversion import (
+    ConversionError,
+    local_conversion_source,
+)
 from lorafleet_services.cli._app import EMBEDDED_NATS_PORT, app, err
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (

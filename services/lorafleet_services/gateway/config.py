@@ -30,7 +30,7 @@ class GatewayConfig:
     engines: base URLs of OpenAI-compatible engines (vLLM's `/v1`), comma
         separated, that the completions are routed to by the models each
         lists (`GET <url>/models`), before the fleet's (the serving records
-        and the nodes' heartbeats: fleet_routes.py); default none (the
+        and the nodes' heartbeats: fleet_model_location.py); default none (the
         fleet's only).
     engine_api_key: the Bearer key the engines want; default none.
     api_keys_file: the hashed API keys (`lorafleet auth api-key`); default

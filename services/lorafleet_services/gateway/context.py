@@ -17,7 +17,7 @@ from lorafleet.client import Client
 from lorafleet.objects import ObjectNotFoundError, read_object
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.http_errors import not_found
-from lorafleet_services.gateway.routing import ModelRoutes
+from lorafleet_services.gateway.model_location import ModelRoutes
 from lorafleet_services.gateway.state import GatewayState
 
 _encoder = msgspec.json.Encoder()

@@ -27,8 +27,8 @@ from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.app import make_app
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.context import GatewayContext
-from lorafleet_services.gateway.fleet_routes import FleetRoutes, OverrideRoutes
-from lorafleet_services.gateway.routing import EngineModels, EngineRoute, ModelRoutes
+from lorafleet_services.gateway.fleet_model_location import FleetRoutes, OverrideRoutes
+from lorafleet_services.gateway.model_location import EngineModels, EngineRoute, ModelRoutes
 from lorafleet_services.gateway.state import GatewayState
 from lorafleet_services.gateway.uploads import CheckWorkers
 

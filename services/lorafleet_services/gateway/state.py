@@ -24,7 +24,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorafleet._natspy import kv_values
+from lorafleet.nats._natspy import kv_values
 from lorafleet_services.gateway.openai_shapes import Hyperparameters, LorafleetOptions
 
 T = TypeVar("T")

@@ -15,11 +15,11 @@ from typing import Any, Protocol
 import msgspec
 
 from lorafleet import estimate, log, metrics, training_data
-from lorafleet._bus import encode
-from lorafleet._micro import Route
 from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
+from lorafleet.nats._bus import encode
+from lorafleet.nats._micro import Route
 from lorafleet.states import FINAL, IllegalTransitionError, is_final
 from lorafleet_schemas.messages import (
     AdapterListRequest,

@@ -1,7 +1,7 @@
 """The recorder on NATS: micro endpoints and the durable status consumer.
 
 Thin glue around api.RecorderApi. The status consumer is the one pull
-loop of lorafleet._consumer (`names.recorder_consumer` on
+loop of lorafleet.nats._consumer (`names.recorder_consumer` on
 `names.status_stream`): it hands over up to FETCH_BATCH reports at a time,
 which are applied in one transaction, acked after commit, and the job
 events published after that. A crash between commit and ack redelivers
@@ -27,14 +27,14 @@ from nats.micro.service import Service
 from sqlalchemy.ext.asyncio import AsyncEngine
 
 import lorafleet
-from lorafleet import _bus as bus
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
-from lorafleet._consumer import PullConsumer, PullConsumerConfig
-from lorafleet._micro import start_service
-from lorafleet._natspy import download_object
+from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.log import Event
-from lorafleet.permissions import owned_layout_parts
+from lorafleet.nats import _bus as bus
+from lorafleet.nats._consumer import PullConsumer, PullConsumerConfig
+from lorafleet.nats._micro import start_service
+from lorafleet.nats._natspy import download_object
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ServingReport, StatusReport
 from lorafleet_services.recorder import db, servings, store

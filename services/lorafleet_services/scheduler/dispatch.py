@@ -2,14 +2,15 @@
 
 One round (`Dispatcher.round`, the leader's, one at a time): fail the jobs
 of nodes lost since the last round, plan and send queued jobs
-(`logic.plan_dispatch`), say why the others wait, and every
+(`placement.plan_dispatch`), say why the others wait, and every
 `RECONCILE_EVERY_S` compare what the recorder holds on nodes with what the
-nodes run (`logic.reconcile`). Every decision is in logic.py; this module
-applies them through the recorder's compare-and-set (queued -> starting
-*before* the start goes out, so two schedulers cannot both send it) and
-sends the requests to agents off the round, so that a silent agent holds up
-nobody else. `cancel` is any replica's. What a refused or unanswered start
-does: scheduler/DESIGN.md.
+nodes run (`reconcile.reconcile`). Every decision is in node_table.py,
+placement.py and reconcile.py; this module applies them through the
+recorder's compare-and-set (queued -> starting *before* the start goes
+out, so two schedulers cannot both send it) and sends the requests to
+agents off the round, so that a silent agent holds up nobody else.
+`cancel` is any replica's. What a refused or unanswered start does:
+scheduler/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -21,13 +22,13 @@ from typing import Any
 import nats.errors
 from nats.aio.client import Client
 
-from lorafleet import _bus as bus
 from lorafleet import metrics
 from lorafleet._recorder_client import RecorderClient
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
 from lorafleet.log import Event
 from lorafleet.names import Names
+from lorafleet.nats import _bus as bus
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
     CheckpointRef,
@@ -45,8 +46,8 @@ from lorafleet_schemas.messages import (
     StartRequest,
     TransitionRequest,
 )
-from lorafleet_services.scheduler import logic
-from lorafleet_services.scheduler.logic import Node, NodeTable
+from lorafleet_services.scheduler import placement, reconcile
+from lorafleet_services.scheduler.node_table import Node, NodeTable
 
 #: Seconds between reconcile passes (each asks the recorder about jobs nodes
 #: run that it does not hold active); default 1.
@@ -180,9 +181,9 @@ class Dispatcher:
         )
         failed: set[str] = set()
         for node in lost:
-            for job in logic.jobs_lost_with(node, on_node, self.first_seen):
-                cause = logic.node_lost_cause(node)
-                if await self.lose_on_node(job, cause, logic.node_lost_message(node)):
+            for job in reconcile.jobs_lost_with(node, on_node, self.first_seen):
+                cause = reconcile.node_lost_cause(node)
+                if await self.lose_on_node(job, cause, reconcile.node_lost_message(node)):
                     failed.add(job.id)
         if queued:
             await self._dispatch_queued(queued, on_node, now)
@@ -193,8 +194,8 @@ class Dispatcher:
     async def _dispatch_queued(
         self, queued: list[JobRecord], on_node: list[JobRecord], now: float
     ) -> None:
-        busy = logic.busy_nodes(on_node, self.table.nodes, self.first_seen)
-        plan = logic.plan_dispatch(queued, self.table.nodes, busy, now)
+        busy = placement.busy_nodes(on_node, self.table.nodes, self.first_seen)
+        plan = placement.plan_dispatch(queued, self.table.nodes, busy, now)
         by_id = {j.id: j for j in queued}
         for job_id, message in plan.waiting.items():
             await self._say_waiting(by_id[job_id], message)
@@ -284,7 +285,7 @@ class Dispatcher:
         if job.checkpoint is not None or job.resume_from is None:
             return job.checkpoint
         other = await self.recorder.get_job(job.resume_from)
-        ref = logic.resume_ref(job, other)
+        ref = reconcile.resume_ref(job, other)
         if ref is None:
             return (
                 f"job {job.resume_from} (resume_from) has no checkpoint or adapter stored "
@@ -357,7 +358,7 @@ class Dispatcher:
         self.sent &= ids
         for job in on_node:
             self.first_seen.setdefault(job.id, now)
-        result = logic.reconcile(
+        result = reconcile.reconcile(
             on_node,
             self.table.nodes,
             now,
@@ -371,7 +372,7 @@ class Dispatcher:
             await self._resend(resend.job, resend.node)
         for check in result.check:
             found = await self.recorder.get_job(check.job_id)
-            if logic.should_cancel_on_node(found, check.node):
+            if reconcile.should_cancel_on_node(found, check.node):
                 why = (
                     "unknown to the recorder"
                     if found is None
@@ -430,7 +431,7 @@ def start_request(
     job: JobRecord, model: ModelRecord, resume: CheckpointRef | None = None
 ) -> StartRequest:
     """What an agent is sent to start `job` (as the recorder holds it after
-    the move to `starting`), from `resume` (`logic.resume_ref`) if any."""
+    the move to `starting`), from `resume` (`reconcile.resume_ref`) if any."""
     return StartRequest(
         resume=resume,
         job_id=job.id,

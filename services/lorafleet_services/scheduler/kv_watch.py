@@ -23,10 +23,10 @@ import stamina
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorafleet._natspy import watch_consumer_info
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import kv_stream
+from lorafleet.nats._natspy import watch_consumer_info
 
 #: Seconds before the first retry of a failed watch; default 0.5.
 WATCH_RETRY_S = 0.5

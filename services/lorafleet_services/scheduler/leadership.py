@@ -22,10 +22,10 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
-from lorafleet._bus import LEADER_TTL_S
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE, Header, Names, kv_stream
+from lorafleet.nats._bus import LEADER_TTL_S
 from lorafleet_services.scheduler.kv_watch import KeyWatch
 
 #: Seconds between renewals of the leader key (its TTL is bus.LEADER_TTL_S).

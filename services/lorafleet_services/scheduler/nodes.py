@@ -24,7 +24,13 @@ from lorafleet import metrics
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
 from lorafleet_schemas.messages import Heartbeat
-from lorafleet_services.scheduler.logic import SWEEP_MARGIN_S, BeatChange, Node, NodeTable, utc_hms
+from lorafleet_services.scheduler.node_table import (
+    SWEEP_MARGIN_S,
+    BeatChange,
+    Node,
+    NodeTable,
+    utc_hms,
+)
 
 
 class Departure(enum.Enum):

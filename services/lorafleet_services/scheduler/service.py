@@ -30,10 +30,10 @@ from nats.js import JetStreamContext
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
-from lorafleet._micro import Route, start_service
 from lorafleet._recorder_client import RecorderClient
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
+from lorafleet.nats._micro import Route, start_service
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (

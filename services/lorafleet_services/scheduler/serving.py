@@ -42,7 +42,7 @@ from lorafleet_schemas.messages import (
     ServingState,
 )
 from lorafleet_services.scheduler.dispatch import AgentRequests
-from lorafleet_services.scheduler.logic import Node, NodeTable, utc_hms
+from lorafleet_services.scheduler.node_table import Node, NodeTable, utc_hms
 
 #: Most records one unserve reads (a job's records: one per node and engine).
 RECORDS_LIMIT = 1000

@@ -1,6 +1,6 @@
 """A job's trained tokens (JobRecord.tokens_seen, the trainer's done summary),
 and `servings.last_seq` made big: an agent's ServingReport.seq is its clock
-in microseconds (serving_plan.ReportSeq), past a 32-bit integer, which
+in microseconds (plan.ReportSeq), past a 32-bit integer, which
 PostgreSQL refused for every report (the batch retried forever).
 
 Revision ID: 0006

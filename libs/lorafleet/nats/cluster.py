@@ -1,0 +1,332 @@
+"""A NATS cluster of embedded nats-servers on one host (tests, benches, trials).
+
+Each member is a `NatsServer` with its own client, cluster (route) and
+monitoring port and its own store directory, all run from one config file
+that reads what differs between members from the environment (the contract
+of compose/nats-cluster/nats.conf, which the compose test boots here):
+JetStream on with `sync_interval: always` (with the default lazy fsync an
+acknowledged write can be lost on power failure, as Jepsen's 2025 analysis
+of NATS showed), and routes to the other two. The ports are chosen once
+and kept, so a member restarts where it was.
+
+Ready means more than "Server is ready" on each: JetStream's meta group has
+a leader and every peer is current (`/jsz` on each member's monitoring
+port), so a stream or KV created at R3 right away gets its replicas.
+
+The helpers the fault tests need: `meta_leader()`, `stream_leader()` (from
+`$JS.API.STREAM.INFO`'s cluster.leader), `member_of_url()` (which member a
+connection is on), `kill()` (SIGKILL) and `restart()`; with the default
+config also `isolate()` and `rejoin()`: a member cut off from the other two
+while its clients stay connected to it (a minority partition), done by
+reloading the members' configs without its routes (nats-server drops a
+removed route; no member is told of the cut one, so none routes to it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import signal
+import socket
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from nats.js import JetStreamContext
+
+from lorafleet.nats.server import NatsServer, NatsServerError, binary
+from lorafleet.polling import poll_until
+
+#: Seconds to wait for the meta leader and every peer to be current.
+CLUSTER_READY_TIMEOUT_S = 30.0
+#: Seconds between polls of the monitoring endpoints while waiting.
+POLL_S = 0.1
+#: Seconds one monitoring request may take.
+MONITOR_TIMEOUT_S = 1.0
+#: Members of the cluster (the config routes each to the other two).
+CLUSTER_SIZE = 3
+
+
+@dataclass(frozen=True, slots=True)
+class MemberPorts:
+    client: int
+    cluster: int
+    monitor: int
+
+
+#: The members' config when none is given: the contract of
+#: compose/nats-cluster/nats.conf (what differs between members comes from
+#: the environment), without its comments.
+DEFAULT_CONFIG = """
+server_name: $NATS_SERVER_NAME
+listen: $NATS_CLIENT_LISTEN
+http: $NATS_HTTP_LISTEN
+jetstream {
+  store_dir: $NATS_STORE_DIR
+  sync_interval: always
+}
+cluster {
+  name: lorafleet
+  listen: $NATS_CLUSTER_LISTEN
+  routes: [
+    $NATS_ROUTE_A
+    $NATS_ROUTE_B
+  ]
+}
+"""
+
+
+def member_env(
+    name: str, host: str, ports: MemberPorts, store_dir: Path | str, routes: list[str]
+) -> dict[str, str]:
+    """The environment one member's config reads (see DEFAULT_CONFIG): its
+    name, listen addresses, store and the routes to the other two."""
+    if len(routes) != 2:
+        raise ValueError("the cluster config routes to exactly two other members")
+    return {
+        "NATS_SERVER_NAME": name,
+        "NATS_CLIENT_LISTEN": f"{host}:{ports.client}",
+        "NATS_CLUSTER_LISTEN": f"{host}:{ports.cluster}",
+        "NATS_HTTP_LISTEN": f"{host}:{ports.monitor}",
+        "NATS_STORE_DIR": str(store_dir),
+        "NATS_ROUTE_A": routes[0],
+        "NATS_ROUTE_B": routes[1],
+    }
+
+
+class _Member(NatsServer):
+    """A member runs from its config alone (listen, JetStream, store, routes)."""
+
+    def _args(self) -> list[str]:
+        return [binary(), "-c", str(self.config_file)]
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free right now (held open together while chosen)."""
+    socks = []
+    try:
+        for _ in range(count):
+            s = socket.socket()
+            s.bind((host, 0))
+            socks.append(s)
+        return [s.getsockname()[1] for s in socks]
+    finally:
+        for s in socks:
+            s.close()
+
+
+class NatsCluster:
+    """Three nats-servers on `host`, routed to each other, JetStream on.
+
+    root: a directory for the config and the members' stores (`<root>/<name>/`).
+    config_file: the members' config, reading what differs between them from
+        the environment (`member_env`); default: DEFAULT_CONFIG, written
+        for each member with its environment filled in (`<root>/<name>.conf`,
+        which `isolate` rewrites). compose/nats-cluster/nats.conf is one.
+    Members are named nats-1, nats-2, nats-3 (as in compose).
+    """
+
+    def __init__(
+        self, root: str | Path, host: str = "127.0.0.1", config_file: str | Path | None = None
+    ) -> None:
+        size = CLUSTER_SIZE
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.host = host
+        #: The members' shared config; None: DEFAULT_CONFIG, a file per member
+        #: (its routes can be changed and reloaded: `isolate`).
+        self.config_file = Path(config_file) if config_file is not None else None
+        self.isolated: set[str] = set()
+        self.names = [f"nats-{i + 1}" for i in range(size)]
+        flat = free_ports(3 * size, host)
+        self.ports = {
+            n: MemberPorts(flat[3 * i], flat[3 * i + 1], flat[3 * i + 2])
+            for i, n in enumerate(self.names)
+        }
+        self.servers: dict[str, NatsServer] = {}
+        for name in self.names:
+            self.servers[name] = self._member(name)
+
+    def _routes(self, name: str) -> list[str]:
+        return [
+            f"nats-route://{self.host}:{self.ports[other].cluster}"
+            for other in self.names
+            if other != name
+        ]
+
+    def _member(self, name: str) -> NatsServer:
+        ports = self.ports[name]
+        store = self.root / name / "store"
+        env = member_env(name, self.host, ports, store, self._routes(name))
+        config = self.config_file
+        if config is None:
+            config = self._write_config(name, env)
+        return _Member(
+            store,
+            port=ports.client,
+            host=self.host,
+            config_file=config,
+            monitor_port=ports.monitor,
+            env=env,
+        )
+
+    def _write_config(self, name: str, env: dict[str, str]) -> Path:
+        """`name`'s file: the default config with `env` written in, minus the
+        routes to and from isolated members."""
+        text = DEFAULT_CONFIG
+        peers = [n for n in self.names if n != name]  # in _routes' order
+        for var, peer in zip(("NATS_ROUTE_A", "NATS_ROUTE_B"), peers, strict=True):
+            if name in self.isolated or peer in self.isolated:
+                text = text.replace(f"${var}", "")
+        for var, value in env.items():
+            text = text.replace(f"${var}", value)
+        path = self.root / f"{name}.conf"
+        path.write_text(text)
+        return path
+
+    # --- addresses --------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        """Every member's client URL, comma separated (what LORAFLEET_NATS_URL takes)."""
+        return ",".join(self.servers[n].url for n in self.names)
+
+    def urls(self, members: list[str] | None = None) -> list[str]:
+        return [self.servers[n].url for n in members or self.names]
+
+    def member_of_url(self, url: str) -> str:
+        """The member whose client port `url` names (e.g. a client's connected_url)."""
+        for name, ports in self.ports.items():
+            if url.rstrip("/").endswith(f":{ports.client}"):
+                return name
+        raise KeyError(f"no member of this cluster listens at {url}")
+
+    def running(self) -> list[str]:
+        return [n for n in self.names if self.servers[n].proc is not None]
+
+    # --- lifecycle --------------------------------------------------------
+
+    async def start(self) -> NatsCluster:
+        try:
+            await asyncio.gather(*(s.start() for s in self.servers.values()))
+            await self.wait_ready()
+        except BaseException:
+            await self.stop()
+            raise
+        return self
+
+    async def stop(self) -> None:
+        await asyncio.gather(*(s.stop() for s in self.servers.values()))
+
+    async def kill(self, name: str) -> None:
+        """SIGKILL one member (its store stays; `restart` brings it back)."""
+        await self.servers[name].stop(kill=True)
+
+    async def restart(self, name: str, kill: bool = True) -> None:
+        """Stop (SIGKILL unless told otherwise) and start again, on its ports
+        and store; returns once it is current with the cluster again."""
+        await self.servers[name].stop(kill=kill)
+        await self.servers[name].start()
+        await self.wait_ready()
+
+    async def isolate(self, name: str) -> None:
+        """Cut `name` off from the other members (its clients stay connected):
+        every member reloads its config without the routes to or from it;
+        returns once its routes are gone."""
+        await self._reroute(add=name)
+
+        async def cut_off() -> bool:
+            routez = await self.monitor(name, "/routez")
+            return not routez.get("routes")
+
+        if not await poll_until(cut_off, timeout_s=CLUSTER_READY_TIMEOUT_S, interval_s=POLL_S):
+            raise NatsServerError(
+                f"{name}'s routes did not go within {CLUSTER_READY_TIMEOUT_S:.0f} s"
+            )
+
+    async def rejoin(self, name: str) -> None:
+        """Undo `isolate(name)`; returns once the cluster is ready again."""
+        await self._reroute(remove=name)
+        await self.wait_ready()
+
+    async def _reroute(self, add: str | None = None, remove: str | None = None) -> None:
+        if self.config_file is not None:
+            raise NatsServerError("isolate() needs the default config (a file per member)")
+        if add:
+            self.isolated.add(add)
+        if remove:
+            self.isolated.discard(remove)
+        for name in self.names:
+            member = self.servers[name]
+            self._write_config(name, member.env)
+            if member.proc is not None:
+                member.proc.send_signal(signal.SIGHUP)
+
+    async def __aenter__(self) -> NatsCluster:
+        return await self.start()
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.stop()
+
+    # --- what the cluster says about itself -------------------------------
+
+    async def monitor(self, name: str, path: str) -> dict[str, Any]:
+        """GET `path` (e.g. "/jsz?streams=true") of one member's monitoring port."""
+        url = f"http://{self.host}:{self.ports[name].monitor}{path}"
+
+        def get() -> dict[str, Any]:
+            try:
+                with urllib.request.urlopen(url, timeout=MONITOR_TIMEOUT_S) as r:
+                    body: dict[str, Any] = json.loads(r.read())
+            except urllib.error.HTTPError as e:  # /healthz answers 503 with a body
+                body = json.loads(e.read() or b"{}")
+            return body
+
+        return await asyncio.to_thread(get)
+
+    async def meta_leader(self) -> str | None:
+        """The JetStream meta leader as the running members see it (None: none now)."""
+        for name in self.running():
+            with contextlib.suppress(OSError, ValueError):
+                meta = (await self.monitor(name, "/jsz")).get("meta_cluster") or {}
+                if meta.get("leader"):
+                    return str(meta["leader"])
+        return None
+
+    async def _ready_now(self) -> bool:
+        running = self.running()
+        for name in running:
+            try:
+                meta = (await self.monitor(name, "/jsz")).get("meta_cluster") or {}
+                health = await self.monitor(name, "/healthz")
+            except (OSError, ValueError):
+                return False
+            if not meta.get("leader") or health.get("status") != "ok":
+                return False
+            if meta.get("leader") == name:
+                peers = meta.get("replicas") or []
+                current = [p for p in peers if p.get("current") and p.get("name") in running]
+                if len(current) < len(running) - 1:
+                    return False
+        return True
+
+    async def wait_ready(self, timeout_s: float = CLUSTER_READY_TIMEOUT_S) -> None:
+        """Until the running members have a meta leader, every one reports
+        healthy (JetStream current) and the leader sees every peer current."""
+        if not await poll_until(self._ready_now, timeout_s=timeout_s, interval_s=POLL_S):
+            raise NatsServerError(
+                f"the cluster ({', '.join(self.running())}) did not become ready "
+                f"within {timeout_s:.0f} s: no meta leader, or a member not current"
+            )
+
+
+async def stream_leader(js: JetStreamContext, stream: str) -> str:
+    """The member that leads `stream` now (`$JS.API.STREAM.INFO` cluster.leader)."""
+    info = await js.stream_info(stream)
+    leader = info.cluster.leader if info.cluster is not None else None
+    if not leader:
+        raise NatsServerError(f"stream {stream} has no leader right now")
+    return leader

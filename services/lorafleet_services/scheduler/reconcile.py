@@ -1,0 +1,210 @@
+"""Reconcile: the jobs the recorder holds on nodes against what the nodes
+say they run, as plain functions over plain data (no bus, no clock).
+
+Every function takes `now` (monotonic seconds) from its caller, so the tests
+drive time by hand. The node watcher (nodes.py) and the dispatcher
+(dispatch.py) feed these functions with what the KV watch and the recorder
+say, and apply their answers through the recorder's compare-and-set;
+nothing here talks to NATS.
+
+Its rules (the others: node_table.py, placement.py, reconcile.py):
+
+- Reconcile: a job the recorder holds on a live node whose heartbeats say
+  it runs nothing, past `grace_s` after the scheduler first saw it there,
+  was lost by the agent (restarted, or never got it) — except a `starting`
+  job whose start this scheduler did not send itself (a leader before it
+  may have died between the move to `starting` and the send): its start
+  is sent again, same attempt (the agent takes a start idempotently by
+  job and attempt), since a start that never arrived is not an attempt.
+  A job on a node that is not alive was lost with the node. A job a node
+  runs that the recorder does not hold active there is checked, and
+  cancelled on the node if the recorder holds it final.
+- A lost job (its node lost, its agent without it, a re-sent start
+  refused) is not lost by its own fault: it goes back to the queue when it
+  has attempts left, else fails with the message it always had
+  (`lorafleet.states.loss_outcome`, applied by RecorderClient.lose_job).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Container, Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+
+from lorafleet.states import ON_NODE
+from lorafleet_schemas.messages import (
+    CheckpointRef,
+    JobRecord,
+    JobState,
+)
+from lorafleet_services.scheduler.node_table import Node, utc_hms
+from lorafleet_services.scheduler.placement import is_delivered
+
+#: Seconds after the scheduler first sees a job on a node before a heartbeat
+#: without it counts as "the agent lost it": the agent needs a moment to take
+#: the start request and beat again. The effective grace is at least two of
+#: the node's own heartbeat periods.
+RECONCILE_GRACE_S = 2.0
+#: Seconds a job the same agent stopped naming (it ended there) may stay
+#: active in the recorder before reconcile fails it: the agent lets go only
+#: once its final report is stored in the status stream, but the recorder
+#: applies it later, by seconds when that stream or its consumer has just
+#: changed leader on a cluster.
+LET_GO_GRACE_S = 30.0
+
+
+def node_lost_cause(node: Node) -> str:
+    """Why a job requeued after its node's loss went back to the queue."""
+    return f"node {node.name} was lost (last beat {utc_hms(node.heartbeat.time)})"
+
+
+def agent_lost_cause(node: str) -> str:
+    return f"the agent on {node} no longer runs the job (it restarted, or the job ended there)"
+
+
+def node_lost_message(node: Node) -> str:
+    return (
+        f"node {node.name} stopped heartbeating (last beat {utc_hms(node.heartbeat.time)}); "
+        "the job was lost with it — submit it again"
+    )
+
+
+def jobs_lost_with(
+    node: Node, on_node_jobs: Iterable[JobRecord], first_seen: Mapping[str, float] | None = None
+) -> list[JobRecord]:
+    """The recorder's jobs on `node` that die with it (delivered uploads survive)."""
+    seen = first_seen or {}
+    return [
+        j
+        for j in on_node_jobs
+        if j.node == node.name and j.state in ON_NODE and not is_delivered(j, node, seen.get(j.id))
+    ]
+
+
+@dataclass(frozen=True, slots=True)
+class FailJob:
+    """`job` was lost (not by its own fault): requeue it with attempts left,
+    saying `cause`, else fail it with `message` (RecorderClient.lose_job)."""
+
+    job: JobRecord
+    message: str
+    cause: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class ResendStart:
+    """Send `job`'s start to `node` again (same attempt): it may never have arrived."""
+
+    job: JobRecord
+    node: str
+
+
+@dataclass(frozen=True, slots=True)
+class CheckRunning:
+    """`node` runs `job_id`, which the recorder does not hold active there:
+    look it up, and cancel it on the node when the recorder holds it final."""
+
+    node: str
+    job_id: str
+
+
+@dataclass
+class Reconciliation:
+    fail: list[FailJob] = field(default_factory=list)
+    resend: list[ResendStart] = field(default_factory=list)
+    check: list[CheckRunning] = field(default_factory=list)
+
+
+def reconcile(
+    active_jobs: Sequence[JobRecord],
+    nodes: Mapping[str, Node],
+    now: float,
+    first_seen: Mapping[str, float],
+    grace_s: float = RECONCILE_GRACE_S,
+    view_since: float = -math.inf,
+    sent_here: Container[str] | None = None,
+) -> Reconciliation:
+    """Compare what the recorder holds on nodes with what the nodes say they run.
+
+    active_jobs: the recorder's jobs in an on-node state. first_seen: job id
+    -> monotonic seconds when this scheduler sent it or first saw it on its
+    node (the grace runs from there; the caller records it). A job missing
+    from `first_seen` is given its grace from `now`. Only call this once the
+    node table holds the KV bucket's current content: a node missing from
+    it is a node that is gone. sent_here: the jobs whose start this scheduler
+    sent (or sent again); a `starting` job not in it is sent its start again
+    instead of lost. None: every start counts as sent.
+    """
+    out = Reconciliation()
+    held: set[tuple[str, str]] = set()
+    for job in active_jobs:
+        if job.state not in ON_NODE or job.node is None:
+            continue
+        held.add((job.node, job.id))
+        node = nodes.get(job.node)
+        if node is None or not node.alive:
+            if node is None:
+                msg = (
+                    f"node {job.node} is not heartbeating; the job was lost with it — "
+                    "submit it again"
+                )
+                out.fail.append(FailJob(job, msg, f"node {job.node} is not heartbeating"))
+            elif not is_delivered(job, node, first_seen.get(job.id)):
+                out.fail.append(FailJob(job, node_lost_message(node), node_lost_cause(node)))
+            continue
+        if node.running == job.id:
+            continue
+        if job.state is JobState.UPLOADING:
+            if not is_delivered(job, node, first_seen.get(job.id)):
+                out.fail.append(_agent_lost(job, job.node))
+            continue
+        if node.let_go == job.id and now - node.let_go_at < LET_GO_GRACE_S:
+            continue  # it ended there: its final report is on its way to the recorder
+        grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
+        since = max(first_seen.get(job.id, now), view_since)
+        # The beat must also be newer than the grace: a beat that left the agent
+        # before it took the job says nothing about it.
+        if now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s:
+            unsent = sent_here is not None and job.id not in sent_here
+            if job.state is JobState.STARTING and unsent:
+                out.resend.append(ResendStart(job, job.node))
+            else:
+                out.fail.append(_agent_lost(job, job.node))
+    for node in nodes.values():
+        if node.alive and node.running is not None and (node.name, node.running) not in held:
+            out.check.append(CheckRunning(node.name, node.running))
+    return out
+
+
+def _agent_lost(job: JobRecord, node: str) -> FailJob:
+    return FailJob(job, agent_lost_message(node), agent_lost_cause(node))
+
+
+def agent_lost_message(node: str) -> str:
+    return (
+        f"the agent on {node} restarted and no longer runs this job "
+        "(or never received it) — submit it again"
+    )
+
+
+def should_cancel_on_node(job: JobRecord | None, node: str | None = None) -> bool:
+    """A node runs a job the recorder holds final (or does not know), or holds
+    queued again (that run's attempt was given up), or, given `node`, holds on
+    another node: stop it there."""
+    if job is None or job.state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED):
+        return True
+    if job.state is JobState.QUEUED and job.attempt > 0:
+        return True
+    return node is not None and job.node is not None and job.node != node
+
+
+def resume_ref(job: JobRecord, other: JobRecord | None) -> CheckpointRef | None:
+    """What `job` starts from: its own newest checkpoint (continue), else
+    the newest checkpoint, else the adapter, of `other` (its resume_from:
+    weights only); None: nothing (from the base weights, or, with a
+    resume_from, nothing stored any more)."""
+    if job.checkpoint is not None:
+        return job.checkpoint
+    if other is None:
+        return None
+    return other.checkpoint or other.adapter
