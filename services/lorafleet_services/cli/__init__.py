@@ -4,8 +4,10 @@ One module per command group: services.py (the services, up, demo),
 catalog.py, jobs.py (with follow.py: watching a job, plots.py: its plots),
 nodes.py, top.py, serving.py, artifacts.py, auth.py (nkey identities),
 nats_config.py (the older passwords); _app.py holds the Typer apps and what
-they share, _help.py tidies what --help shows. A new command goes in its
-group's module.
+they share (`show`: a view for a person, or JSON with --json; the JOB
+argument; reading and writing the files a command names), exits.py the one
+table of exit codes, _help.py tidies what --help shows. A new command goes
+in its group's module.
 """
 
 from __future__ import annotations
