@@ -1,23 +1,18 @@
-"""`--help` tidied where Typer's rendering falls short (typer 0.29, its rich
-markup mode). Each is a workaround; tests/cli/test_help.py pins the
-upstream behaviour, so a Typer that fixes one says so by failing there.
+"""`--help` tidied where Typer's rendering falls short (typer 0.29, rich markup
+mode); tests/cli/test_help.py pins each upstream behaviour, so a Typer that
+fixes one says so by failing there.
 
-- A flag takes no value, yet Typer shows a type for it (`--watch <bool>`,
-  `--help <bool>`): every flag gets an empty metavar, which Typer shows in
-  place of the type.
-- Typer keeps a docstring's single line breaks in the commands' panel (and
-  in the paragraphs after the first), so the help breaks mid-sentence at
-  80 columns: each paragraph becomes one line, which rich wraps to the
-  terminal's width. A paragraph Click keeps verbatim (starting with \\b)
-  stays as written.
-- Typer writes a required argument as `{JOB}` in the usage line, a
-  notation no other program uses: it is written `JOB`, Click's way (an
-  optional one stays `[JOB]`).
-- Typer renders every help text as rich markup, so `lorafleet[train]`
-  shows as `lorafleet`: each text is escaped (none of ours uses markup).
-
-An option that takes a list of values names them itself (`--param
-KEY=VALUE`, `--node NODE`): Typer's `<list[str]>` says nothing to a reader.
+- A flag takes no value, yet Typer shows a type for it (`--watch <bool>`):
+  every flag gets an empty metavar.
+- Typer keeps a docstring's single line breaks, so the help breaks
+  mid-sentence: each paragraph becomes one line, which rich wraps (a
+  paragraph starting with \\b stays as written).
+- Typer writes a required argument as `{JOB}` in the usage line: it is
+  written `JOB`, Click's way (an optional one stays `[JOB]`).
+- Typer renders every help text as rich markup, so `lorafleet[train]` shows
+  as `lorafleet`: each text is escaped (none of ours uses markup).
+- A list option names its values itself (`--param KEY=VALUE`): Typer's
+  `<list[str]>` says nothing to a reader.
 """
 
 from __future__ import annotations

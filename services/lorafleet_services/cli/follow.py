@@ -1,21 +1,12 @@
 """Following a job: the live display, the plain lines, the JSON lines, the summary.
 
-The view is fed the job's events (the recorder publishes one per committed
-change; `Client.watch` yields them) and never asks the server for more while
-the job runs. Its pieces are plain functions of a `JobView`, tested without
-a bus; `follow()` wires them to a client and a console:
-
-- live (a terminal): one Rich Live display redrawn in place — state, a bar
-  over step/steps, loss and eval loss, tokens/s, ETA, peak MiB, node, the
-  latest message — with state changes and new messages printed above it;
-- plain (piped, or --plain): a line per state change and one per
-  `PlainPacer` period (a tenth of the steps, or `every_s` seconds), never
-  one per step;
-- json: every event as one JSON line on stdout.
-
-The exit code says how the job ended (`exit_code`, lorafleet/exits.py); with
-`--until-served`, a done job whose adapter no engine serves once its
-serving settles (`follow_serving`) is Exit.NOT_SERVED.
+The view is fed the job's events (`Client.watch`) and never asks the server
+for more while the job runs. Its pieces are plain functions of a `JobView`,
+tested without a bus; `follow()` wires them to a client and a console: a
+Rich Live display on a terminal, a line per state change and per
+`PlainPacer` period when piped (never one per step), or every event as a
+JSON line. The exit code says how the job ended (`exit_code`,
+`follow_serving`; the table: lorafleet/exits.py).
 """
 
 from __future__ import annotations
