@@ -1,44 +1,16 @@
 """How a lorafleet service process runs, written once: `serve()`.
 
-Each service describes itself as a `Program` and its `__main__` ends with
-
-    if __name__ == "__main__":
-        runtime.main(PROGRAM)
-
-`main(program)` reads `Settings` from the environment, configures JSON
-logging, and runs `serve(program, settings)` until SIGTERM or SIGINT.
-`serve()` does, in order:
-
-0. serves Prometheus metrics (lorafleet.metrics) on `settings.metrics_addr`
-   when it is set, until the very end; a port in use is a SettingsError;
-1. `program.before_connect(settings)`, if given (the recorder migrates its
-   database, waiting for it to answer; the agent kills what an earlier run
-   left behind); a stop signal meanwhile cancels it and ends the process;
-2. connects to NATS (`bus.connect`, client name `lorafleet-<name>` unless
-   `program.client_name` says otherwise);
-3. ensures the JetStream layout: `layout="ensure"` (the services: a
-   request that times out, meets no responders or finds JetStream
-   unavailable is tried again for LAYOUT_RETRY_S, then ends the process)
-   or `layout="if_allowed"` (the agent: a node's credentials may not create
-   streams; the refusal is logged and the agent goes on);
-4. `service = await program.make(nc, settings)`, then `await service.start()`
-   and logs `service.started` (with `version`, `metrics` (the endpoint's
-   URL, when one is served) and `program.started_fields`): `start()`
-   returns once the service answers requests;
-5. waits for the stop signal, then `await service.stop()`, drains the
-   connection and logs `service.stopped` (also when a step above failed).
-
-A service object needs only `start()` and `stop()` (the `Service`
-protocol); if it also has `reconnected()` (no arguments, not async: the
-`Reconnects` protocol), that is called after each reconnect to NATS (the
-scheduler re-reads its KV).
-
-Exit codes of `main`: 0 after a clean stop; 2 with one line on stderr for
-a bad setting (any `SettingsError`, the agent's `AgentConfigError` too,
-wherever it is raised); 1 with one line on stderr when no NATS server
-answers (`ConnectError`; the recorder's database too); other failures end with a traceback (1).
-Tests and the embedded stack call `serve(program, settings, stop=event)`
-in-process instead.
+Each service describes itself as a `Program`; its `__main__` calls
+`runtime.main(PROGRAM)`, which reads `Settings`, configures logging and runs
+`serve()` until SIGTERM or SIGINT. `serve()` serves metrics, runs
+`before_connect` (the recorder's migration, the agent's leftovers), connects,
+ensures the JetStream layout (`"ensure"`, tried again for `LAYOUT_RETRY_S`; or
+`"if_allowed"`: a node's credentials may not create streams), starts the
+service (`service.started`), and on the stop signal stops it and drains
+(`service.stopped`). A service needs only `start()`/`stop()` (`Service`);
+`reconnected()` (`Reconnects`) is called after each reconnect. Exit codes:
+`EXIT_SETTINGS`, `EXIT_CONNECT`, a traceback (1) otherwise. Tests and the
+embedded stack call `serve(program, settings, stop=event)` in-process.
 """
 
 from __future__ import annotations
@@ -64,19 +36,20 @@ from lorafleet._metrics_http import MetricsServer
 from lorafleet._tasks import stop_tasks
 from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.errors import ConnectError
+from lorafleet.exits import Exit
 from lorafleet.log import Event
 from lorafleet.settings import Settings, SettingsError
 
 T = TypeVar("T")
 
-#: Exit code of a process stopped by a setting it cannot use.
-EXIT_SETTINGS = 2
-#: Exit code of a process that found no NATS server to connect to.
-EXIT_CONNECT = 1
+#: Exit codes from the one table (lorafleet/exits.py), for a process run as
+#: `python -m` as for the same service run as a `lorafleet` command.
+EXIT_SETTINGS = Exit.USAGE
+EXIT_CONNECT = Exit.UNREACHABLE
 #: Seconds a service keeps asking for its layout at start: the member it is
 #: on may be cut off from the others (a minority partition answers no
-#: JetStream request until it is back) or electing a leader. Found by
-#: bench/nemesis.py (seed 3): a scheduler restarted then exited.
+#: JetStream request until it is back) or electing a leader
+#: (tests/nemesis/test_found.py pins it).
 LAYOUT_RETRY_S = 30.0
 #: Seconds between those tries.
 LAYOUT_RETRY_PAUSE_S = 1.0

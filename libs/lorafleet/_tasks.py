@@ -4,8 +4,7 @@ On Python 3.11 a cancellation can be lost: when it lands just as the
 future inside an `asyncio.wait_for` completes, wait_for returns the result
 and the task goes on (CPython gh-86296, fixed in 3.12). nats-py wraps every
 request in wait_for, so a loop stopped by one `cancel()` could run for good
-and its `stop()` hang — seen once in the suite, a scheduler's teardown
-waiting 180 s. `stop_tasks` cancels again until each task has ended.
+and its `stop()` hang. `stop_tasks` cancels again until each task has ended.
 """
 
 from __future__ import annotations

@@ -6,26 +6,11 @@
         async for event in lf.watch(job.id):
             print(event.job.state, event.job.loss)
 
-Every call is a NATS request to a lorafleet service (see docs/api.md); a
-service's error reply raises its `lorafleet.errors.ApiError` subclass with
-the message and the field at fault, so callers catch by class:
-
-    try:
-        job = await lf.get(job_id)
-    except NotFoundError:
-        ...
-
-`BadRequestError` (change the request as the message says), `NotFoundError`
-(the job, model or artifact named does not exist), `ConflictError` (it does
-not fit the current state), `UnavailableError` (try again later),
-`InternalError` (the service failed; its log says why). A request nobody
-answers is sent again for `settings.no_responders_retry_s` (default 5 s),
-so a restarting recorder, or one of two, goes unseen; a read (get, list,
-curve, estimate, nodes, artifacts, adapters) that timed out is sent once more, as the
-recorder that held it may have been killed. No service answering after
-that raises nats-py's `nats.errors.NoRespondersError`, and none replying
-within `request_timeout_s` `TimeoutError` (a write is never sent twice: a
-submit that timed out may or may not have queued its job).
+Every call is a NATS request to a lorafleet service (docs/api.md); an error
+reply raises its `lorafleet.errors.ApiError` subclass, so callers catch by
+class. A request nobody answers is sent again for
+`settings.no_responders_retry_s`, and a read that timed out once more (the
+recorder that held it may have been killed); a write is never sent twice.
 """
 
 from __future__ import annotations

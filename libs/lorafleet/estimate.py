@@ -1,30 +1,13 @@
 """The peak card memory of a LoRA training job, estimated before it runs.
 
 `estimate_memory(arch, params)` is a pure function of the model's shapes (a
-`ModelArchitecture`, from its config.json) and the trainer's parameters. It
-answers a `MemoryEstimate` whose lines add up to the total:
-
-- weights: every base parameter in the training dtype (the trainer loads the
-  weights in it: bf16 on a card by default, fp32 on the CPU);
-- adapter: the LoRA A and B matrices of each targeted linear layer, in fp32
-  (peft keeps them so under a bf16/fp16 base);
-- gradients: one fp32 gradient per adapter parameter (the base is frozen);
-- optimizer states: AdamW's two fp32 moments per adapter parameter, and on the
-  CPU its step counter (a 4-byte tensor per adapter matrix; on a card it stays
-  in host memory);
-- activations: what one micro-batch of batch_size rows of seq_len tokens keeps
-  for the backward pass at its peak (see `activation_bytes`);
-- CUDA context and allocator slack (cards only): what NVML counts for the
-  process beyond torch's tensors.
-
-The model family is the Llama-shaped decoder (Llama, Mistral, Qwen2, ...:
-q/k/v/o attention projections with grouped key/value heads, a gated MLP,
-RMSNorm): target module names outside that family get no estimate
-(`EstimateError`), as does a catalog model without its architecture.
-
-`architecture_from_config(config)` turns a config.json's fields into a
-`ModelArchitecture`; `read_architecture(...)` finds that file in a local
-directory or the Hugging Face cache, without downloading anything.
+`ModelArchitecture`, from its config.json) and the trainer's parameters; it
+answers a `MemoryEstimate` whose lines (weights, adapter, gradients,
+optimizer states, activations, CUDA context, allocator slack) add up to the
+total. Only the Llama-shaped decoder family is estimated; other target
+modules, or a model without its architecture, get `EstimateError`.
+`read_architecture(...)` finds config.json locally or in the Hugging Face
+cache, never downloading. What each line counts: libs/lorafleet/DESIGN.md.
 """
 
 from __future__ import annotations

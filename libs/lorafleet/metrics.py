@@ -1,27 +1,12 @@
 """Prometheus metrics of every lorafleet process, defined once.
 
-Every metric lorafleet exports is defined in this module, named the
-Prometheus way (base units: seconds and bytes; counters end in `_total`).
-A service updates them with one call per event (`metrics.JOBS_SUBMITTED.inc()`).
-Importing this module changes nothing outside it: `register(service)`, at
-the service's start (`runtime.serve()` calls it for every Program), puts
-that service's metrics and the live gauges on prometheus_client's
-process-wide registry; the endpoint that serves them is private
-(`lorafleet._metrics_http`).
-
-Two kinds of metric:
-
-- event metrics (counters, histograms) on prometheus_client's process-wide
-  registry, which also carries its `process_*` and `python_*` collectors;
-- live gauges (`LIVE`), computed at each scrape by the views the services
-  add at start (each beside its service: the scheduler's node table, the
-  agent's running jobs, the recorder's jobs by state). Their labels are
-  bounded by what exists now: a finished job's series stay
-  `metrics_linger_s` seconds (so that the last scrape sees its final
-  values), then go away; a forgotten node's series go with it.
-
-Label names: `node`, `job_id` (never `job`: Prometheus uses it for the
-scrape job), `card`, `state`, `kind`, `endpoint`, `code`.
+Every metric is defined here, named the Prometheus way, and updated by one
+call per event (`metrics.JOBS_SUBMITTED.inc()`). Importing this module
+registers nothing: `register(service)`, at the service's start, puts that
+service's metrics and the live gauges (`LIVE`, computed at each scrape by
+the views each service adds) on prometheus_client's registry; the endpoint
+is private (`lorafleet._metrics_http`). The labels and every metric:
+docs/metrics.md; the rules for a new one: libs/lorafleet/DESIGN.md.
 """
 
 from __future__ import annotations

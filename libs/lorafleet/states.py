@@ -5,24 +5,13 @@
     starting..uploading -> queued          (requeue: the control plane, a loss not the job's own)
     failed | cancelled -> queued           (resume: api.jobs.resume, by hand)
 
-A job may skip forward along the happy path (an agent that has no GGUF to make
-goes from running straight to uploading), never back — except by the two
-edges to `queued`, which are not in `ALLOWED` because no status report may
-take them; only the recorder's own operations do:
-
-- requeue (`can_requeue`, `loss_outcome`): a job on a node (starting ..
-  uploading) whose node was lost, whose agent restarted without it, or
-  whose trainer failed for a cause not its own (a retryable failure)
-  goes back to the queue when it has attempts left (attempt <
-  max_attempts); else it fails, with the message it always had. The move
-  is a compare-and-set on the state like any other, so a cancel that came
-  first wins, and a queued job can be cancelled. Event `job.requeued`.
-- resume (`can_resume`): a failed or cancelled job is queued again, from
-  its newest checkpoint, as a new attempt (its max_attempts grows).
-
-On either edge `node` goes back to the node the submitter named (None: any
-node with room), step and loss stay as the progress shown, and the next
-dispatch (queued -> starting) counts the next attempt.
+A job may skip forward along the happy path (no GGUF to make: running ->
+uploading), never back, except by the two edges to `queued`, which are not
+in `ALLOWED` because no status report may take them: requeue
+(`can_requeue`, `loss_outcome`: a loss with attempts left) and resume
+(`can_resume`: from the newest checkpoint, as a new attempt). On either
+edge `node` goes back to the node the submitter named, and the next
+dispatch counts the next attempt. Who takes which move: docs/architecture.md.
 """
 
 from __future__ import annotations

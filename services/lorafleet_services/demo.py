@@ -1,16 +1,11 @@
 """`lorafleet demo`: the main job, end to end, on the embedded default.
 
-It starts the embedded stack (nats-server from the wheel, SQLite, recorder,
-scheduler, artifact-store, one local agent that trains on the CPU), builds a
-tiny Llama on the spot (no download), adds it to the catalog, submits a job
-with generated question/answer pairs, follows its progress, and downloads
-every artifact with its sha256 checked. With `--engine llamacpp` (the
-default) the adapter is also converted to GGUF with llama.cpp's own
-conversion code, taken from the llama.cpp copy that llama-cpp-python's
-source distribution on PyPI carries. With `--serve` the adapter is then
-served by a real CPU vLLM the demo installs (once) and starts, and the
-base model and the adapter answer one question side by side
-(demo_serve.py).
+It starts the embedded stack with one local agent that trains on the CPU,
+builds a tiny Llama (no download), adds it to the catalog, submits a job
+with generated question/answer pairs, follows it, and downloads every
+artifact with its sha256 checked. With `--engine llamacpp` (the default)
+the adapter is also converted to GGUF (docs/gguf-conversion.md); with
+`--serve` it is then served by a real CPU vLLM (demo_serve.py).
 """
 
 from __future__ import annotations

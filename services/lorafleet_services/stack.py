@@ -100,7 +100,8 @@ def next_steps(data_dir: Path, node: str | None) -> list[str]:
         f"data (NATS store, SQLite database, agent work): {data_dir}",
         "next, in another terminal:",
         "  lorafleet models add-demo                      # a tiny Llama, built here",
-        f"  lorafleet submit --model tiny-llama --gpu-mib 1 --data {data_dir / DEMO_DATA_FILE}"
+        "  lorafleet submit --model tiny-llama --gpu-memory-mib 1"
+        + f" --data {data_dir / DEMO_DATA_FILE}"
         + (f" --node {node}" if node else "")
         + " --watch",
         "  lorafleet watch JOB                            # follow a job (Ctrl-C leaves it be)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import socket
 import sys
 from collections.abc import Iterator
@@ -79,10 +80,10 @@ class Up:
         return proc.returncode, out.decode(), err.decode()
 
     async def submit(self, steps: int, *more: str) -> str:
-        """Queue a stand-in job of `steps` steps; its id."""
-        rc, out, err = await self.submit_raw("--param", f"max_steps={steps}", *more)
+        """Queue a stand-in job of `steps` steps; its id (from the line saying it is queued)."""
+        rc, _, err = await self.submit_raw("--param", f"max_steps={steps}", *more)
         assert rc == 0, err
-        return str(json.loads(out)["id"])
+        return queued_id(err)
 
     async def submit_raw(self, *more: str) -> tuple[int, str, str]:
         """`lorafleet submit` of model tiny with the pairs and `more`: (rc, stdout, stderr)."""
@@ -90,7 +91,16 @@ class Up:
 
     def submit_args(self, *more: str) -> tuple[str, ...]:
         """The arguments of `lorafleet submit` of model tiny with the pairs and `more`."""
-        return ("submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(self.pairs), *more)
+        return (
+            "submit", "--model", "tiny", "--gpu-memory-mib", "1", "--data", str(self.pairs), *more
+        )  # fmt: skip
+
+
+def queued_id(err: str) -> str:
+    """The job id `lorafleet submit` says it queued, on stderr."""
+    found = re.search(r"^queued job (\S+) \(", err, re.M)
+    assert found, err
+    return found[1]
 
 
 def up_env(tmp: Path) -> dict[str, str]:

@@ -8,9 +8,12 @@ import asyncio
 import contextlib
 import json
 import re
+import signal
 import struct
+from collections.abc import Awaitable, Callable
 
-from tests.cli.conftest import Up
+from lorafleet.exits import Exit
+from tests.cli.conftest import Up, queued_id
 from tests.eventually import eventually
 
 STEP = re.compile(r"step (\d+)/(\d+)")
@@ -74,8 +77,8 @@ async def test_watch_redraws_one_display_in_place_and_top_lists_the_job(up: Up) 
 
 
 async def test_submit_watch_on_a_terminal_ends_with_its_summary(up: Up) -> None:
-    """The summary is the answer on a terminal; the job's record (about 70
-    lines of JSON) is `jobs get`'s, or stdout's when stdout is a pipe."""
+    """The summary is the answer, on a terminal or not; the job's record
+    (about 70 lines of JSON) is `jobs get --json`'s."""
     t = up.terminal
     window = t.new_window()
     t.type(window, *up.argv(*up.submit_args("--param", "max_steps=20", "--watch")),
@@ -85,6 +88,8 @@ async def test_submit_watch_on_a_terminal_ends_with_its_summary(up: Up) -> None:
     assert "exit=0" in end and "final loss" in history, history
     assert not [ln for ln in history.splitlines() if ln.lstrip().startswith(("{", '"'))], history
     rc, out, err = await up.lorafleet(*up.submit_args("--param", "max_steps=20", "--watch"))
+    assert rc == 0 and out == "" and "final loss" in err, (out, err)
+    rc, out, err = await up.lorafleet("jobs", "get", queued_id(err), "--json")
     assert rc == 0 and json.loads(out)["state"] == "done", err
 
 
@@ -93,7 +98,7 @@ async def test_piped_watch_prints_a_line_per_tenth_never_per_step(up: Up) -> Non
     # last steps on a busy machine (a CLI start is seconds there, the job 2 s).
     rc, out, err = await up.submit_raw("--param", "max_steps=100", "--watch")
     assert rc == 0, err
-    job_id = str(json.loads(out)["id"])
+    job_id = queued_id(err)
     progress = [ln for ln in err.splitlines() if STEP.search(ln) and "tok/s" in ln]
     assert 3 <= len(progress) <= 11, err
     assert "final loss" in err and "peft:" in err, err
@@ -110,7 +115,7 @@ async def test_jobs_show_draws_the_loss_curve_and_writes_a_png(up: Up) -> None:
     job_id = await up.submit(
         40, "--param", "epochs=4", "--eval-data", str(held), "--watch", "--plain"
     )
-    rc, out, _ = await up.lorafleet("jobs", "curve", job_id)
+    rc, out, _ = await up.lorafleet("jobs", "curve", job_id, "--json")
     assert [p["step"] for p in json.loads(out)["evals"]] == [10, 20, 30, 40]
     png = up.data_dir.parent / "loss.png"
     rc, out, err = await up.lorafleet("jobs", "show", job_id, "--png", str(png))
@@ -127,31 +132,31 @@ async def test_jobs_show_draws_the_loss_curve_and_writes_a_png(up: Up) -> None:
 
 async def test_errors_say_what_to_do_in_one_line(up: Up) -> None:
     rc, _, err = await up.lorafleet("watch", "no-such-job")
-    assert rc == 1 and _one_line(err) and "no job no-such-job" in err, err
+    assert rc == Exit.REFUSED and _one_line(err) and "no job no-such-job" in err, err
     bad = up.data_dir.parent / "bad.jsonl"
     bad.write_text('{"q": "only a question"}\n')
     rc, _, err = await up.lorafleet(
-        "submit", "--model", "tiny", "--gpu-mib", "1", "--data", str(bad)
+        "submit", "--model", "tiny", "--gpu-memory-mib", "1", "--data", str(bad)
     )
-    assert rc == 1 and _one_line(err) and "bad_request" in err, err
+    assert rc == Exit.REFUSED and _one_line(err) and "bad_request" in err, err
     rc, _, err = await up.lorafleet(
         "jobs", "list", env={"LORAFLEET_NATS_URL": "nats://127.0.0.1:9"}
     )
-    assert rc == 2 and _one_line(err) and "no NATS server answered" in err, err
+    assert rc == Exit.UNREACHABLE and _one_line(err) and "no NATS server answered" in err, err
     rc, _, err = await up.lorafleet("recorder", env={"LORAFLEET_LOG_FORMAT": "pretty"})
-    assert rc == 2 and _one_line(err) and "set it to json or console" in err, err
+    assert rc == Exit.USAGE and _one_line(err) and "set it to json or console" in err, err
 
 
 def _one_line(err: str) -> bool:
     return len(err.strip().splitlines()) == 1 and "Traceback" not in err
 
 
-async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
+async def test_a_cancelled_job_ends_the_watch_with_its_exit_code(up: Up) -> None:
     job_id = await up.submit(3000)
     watch = asyncio.create_task(up.lorafleet("watch", job_id, "--plain", timeout_s=60))
     try:
         await eventually(
-            lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+            lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job to run",
             until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
         )  # fmt: skip
         rc, _, err = await up.lorafleet("cancel", job_id, "--reason", "enough")
@@ -161,25 +166,25 @@ async def test_a_cancelled_job_ends_the_watch_with_exit_2(up: Up) -> None:
         watch.cancel()  # a no-op once it has ended; kills the command otherwise
         with contextlib.suppress(asyncio.CancelledError, AssertionError):
             await watch
-    assert rc == 2 and "cancelled" in err, err
+    assert rc == Exit.JOB_CANCELLED and "cancelled" in err, err
 
 
 async def test_resume_refuses_clearly_then_queues_from_the_checkpoint(up: Up) -> None:
     import nats
 
     rc, _, err = await up.lorafleet("resume", "no-such-job")
-    assert rc == 1 and _one_line(err) and "no job no-such-job" in err, err
+    assert rc == Exit.REFUSED and _one_line(err) and "no job no-such-job" in err, err
     job_id = await up.submit(3000)
     await eventually(
-        lambda: up.lorafleet("jobs", "get", job_id), "the job to run",
+        lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job to run",
         until=lambda r: json.loads(r[1])["state"] == "running", interval_s=0.2,
     )  # fmt: skip
     rc, _, err = await up.lorafleet("resume", job_id)
-    assert rc == 1 and _one_line(err) and "is running" in err, err
+    assert rc == Exit.REFUSED and _one_line(err) and "is running" in err, err
     rc, _, err = await up.lorafleet("cancel", job_id)
     assert rc == 0, err
     rc, _, err = await up.lorafleet("resume", job_id)
-    assert rc == 1 and _one_line(err) and "no checkpoint stored" in err, err
+    assert rc == Exit.REFUSED and _one_line(err) and "no checkpoint stored" in err, err
     # The artifact-store's report of a checkpoint, as it sends it.
     nc = await nats.connect((up.data_dir / "nats-url").read_text().strip())
     try:
@@ -190,17 +195,156 @@ async def test_resume_refuses_clearly_then_queues_from_the_checkpoint(up: Up) ->
         await nc.request("lorafleet.store.jobs.artifact", json.dumps(body).encode(), timeout=10)
     finally:
         await nc.close()
-    rc, out, err = await up.lorafleet("resume", job_id, "--attempts", "2")
+    rc, out, err = await up.lorafleet("resume", job_id, "--attempts", "2", "--json")
     assert rc == 0, err
     resumed = json.loads(out)
     assert resumed["state"] == "queued" and resumed["max_attempts"] == 3, resumed
     assert "attempt 2 of 3 resumes from the checkpoint at step 7" in resumed["message"]
     rc, out, err = await up.lorafleet("jobs", "show", job_id)
     assert rc == 0 and "of 3" in out and "step 7 (attempt 1, 2.0 KiB)" in out, out
-    rc, out, err = await up.submit_raw("--max-attempts", "2", "--resume-from", job_id)
+    rc, out, err = await up.submit_raw("--max-attempts", "2", "--resume-from", job_id, "--json")
     assert rc == 0, err
     second = json.loads(out)
     assert second["resume_from"] == job_id and second["max_attempts"] == 2, second
     for stop in (job_id, second["id"]):
         rc, _, err = await up.lorafleet("cancel", stop)
         assert rc == 0, err
+
+
+#: The codes of a command that could not do its work (the others say how a job ended).
+ERRORS = {Exit.REFUSED, Exit.USAGE, Exit.UNREACHABLE, Exit.BAD_FILE}
+
+
+async def test_each_exit_code_comes_from_the_real_command(up: Up) -> None:
+    """Every code of the table (lorafleet/exits.py), each produced by the command
+    against `up`'s nats-server, or against none; each error one line."""
+    seen: dict[Exit, str] = {}
+
+    async def expect(code: Exit, *args: str, env: dict[str, str] | None = None) -> str:
+        rc, out, err = await up.lorafleet(*args, env=env)
+        assert rc == code, (args, rc, out, err)
+        assert code not in ERRORS or _one_line(err), (args, err)
+        seen[code] = " ".join(args)
+        return err
+
+    await expect(Exit.OK, "jobs", "list")
+    await expect(Exit.REFUSED, "jobs", "get", "no-such-job")
+    err = await expect(Exit.USAGE, *up.submit_args("--param", "rank"))
+    assert "--param 'rank': write it as key=value" in err, err
+    rc, _, err = await up.lorafleet("submit", "--model", "tiny")  # Click's own: a box
+    assert rc == Exit.USAGE and "Missing option '--data'" in err and "Traceback" not in err
+    unreachable = {"LORAFLEET_NATS_URL": "nats://127.0.0.1:9"}
+    await expect(Exit.UNREACHABLE, "jobs", "list", env=unreachable)
+    database = f"sqlite+aiosqlite:///{up.data_dir.parent / 'alone.db'}"
+    rc, _, err = await up.lorafleet(
+        "recorder", env={**unreachable, "LORAFLEET_DATABASE_URL": database}
+    )
+    assert rc == Exit.UNREACHABLE and "no NATS server answered" in err, err
+    await _bad_files(up, expect)
+
+    done = await up.submit(5, "--no-serve", "--watch", "--plain")
+    await expect(Exit.OK, "watch", done)
+    err = await expect(Exit.NOT_SERVED, "watch", done, "--until-served")
+    assert "serving: off for this job" in err, err
+    # A node that never comes keeps a job queued, to end by hand.
+    failed = await up.submit(5, "--node", "nowhere")
+    await _transition(up, failed, "queued", "failed")
+    await expect(Exit.JOB_FAILED, "watch", failed, "--plain")
+    cancelled = await up.submit(5, "--node", "nowhere")
+    await expect(Exit.OK, "cancel", cancelled)
+    await expect(Exit.JOB_CANCELLED, "watch", cancelled, "--plain")
+    waiting = await up.submit(5, "--node", "nowhere")
+    seen[await _interrupted_watch(up, waiting)] = "watch, then Ctrl-C"
+    await expect(Exit.OK, "cancel", waiting)
+    assert set(seen) == set(Exit), {code: seen.get(code) for code in Exit}
+
+
+async def _bad_files(up: Up, expect: Callable[..., Awaitable[str]]) -> None:
+    """Each file a command reads or writes, given wrong: one line naming it, Exit.BAD_FILE."""
+    tmp = up.data_dir.parent
+    estimate = ("estimate", "--model", "tiny", "--params")
+    err = await expect(Exit.BAD_FILE, *estimate, str(tmp / "missing.json"))
+    assert "missing.json: no such file or directory" in err, err
+    for text, says in (
+        ("{rank: 8", "not JSON"),
+        ("[8]", "holds a JSON list, not an object"),
+        ('{"rnak": 8}', "unknown field `rnak`"),
+    ):
+        params = tmp / "params.json"
+        params.write_text(text)
+        err = await expect(Exit.BAD_FILE, *estimate, str(params))
+        assert f"--params {params}: " in err and says in err, err
+    err = await expect(Exit.BAD_FILE, *up.submit_args()[:-1], str(tmp))
+    assert f"--data {tmp}: is a directory" in err, err
+    err = await expect(Exit.BAD_FILE, *up.submit_args("--eval-data", str(tmp / "no.jsonl")))
+    assert "--eval-data" in err and "no.jsonl: no such file" in err, err
+    blocker = tmp / "a-file"
+    blocker.write_text("")
+    for command in (("auth", "--dir"), ("demo", "--out"), ("up", "--data-dir")):
+        err = await expect(Exit.BAD_FILE, *command, str(blocker / "sub"))
+        assert f"{command[-1]} {blocker / 'sub'}: not a directory" in err, err
+
+
+async def _transition(up: Up, job_id: str, from_state: str, to_state: str) -> None:
+    """The scheduler's compare-and-set, sent as it sends it."""
+    import nats
+
+    nc = await nats.connect((up.data_dir / "nats-url").read_text().strip())
+    try:
+        body = {"id": job_id, "from_state": from_state, "to_state": to_state, "message": "test"}
+        await nc.request("lorafleet.store.jobs.transition", json.dumps(body).encode(), timeout=10)
+    finally:
+        await nc.close()
+
+
+async def _interrupted_watch(up: Up, job_id: str) -> Exit:
+    """Ctrl-C (SIGINT) in a `watch` that has begun: its exit code."""
+    proc = await asyncio.create_subprocess_exec(
+        *up.argv("watch", job_id, "--plain"), env=up.env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE,
+    )  # fmt: skip
+    try:
+        assert proc.stderr is not None
+        line = await asyncio.wait_for(proc.stderr.readline(), 60)
+        assert job_id in line.decode(), line
+        proc.send_signal(signal.SIGINT)
+        _, err = await asyncio.wait_for(proc.communicate(), 60)
+        assert "stopped watching" in err.decode() and "Traceback" not in err.decode(), err
+        assert proc.returncode is not None
+        return Exit(proc.returncode)
+    finally:
+        if proc.returncode is None:
+            proc.kill()
+            await proc.wait()
+
+
+async def test_each_command_shows_a_view_and_with_json_prints_json(up: Up) -> None:
+    """The one grammar of output: the same data for a person by default
+    and as JSON with --json (a done job's, and the fleet's)."""
+    job_id = await up.submit(5, "--no-serve", "--watch", "--plain")
+    showing: dict[tuple[str, ...], str] = {
+        ("jobs", "list"): job_id,
+        ("jobs", "get", job_id): "attempt 1 of 1",
+        ("jobs", "show", job_id): "state changes",
+        ("jobs", "curve", job_id): "state changes",
+        ("artifacts", job_id): "peft",
+        ("models", "list"): "tiny",
+        ("nodes",): "local",
+        ("top",): "nodes (1)",
+        ("adapters",): "adapters (0)",
+    }
+    for args, seen in showing.items():
+        rc, view, err = await up.lorafleet(*args)
+        assert rc == 0 and seen in view and not _is_json(view), (args, view, err)
+        rc, out, err = await up.lorafleet(*args, "--json")
+        assert rc == 0 and _is_json(out), (args, out, err)
+    rc, out, _ = await up.lorafleet("top", "--json")
+    assert [n["heartbeat"]["node"] for n in json.loads(out)["nodes"]] == ["local"]
+
+
+def _is_json(text: str) -> bool:
+    try:
+        json.loads(text)
+    except json.JSONDecodeError:
+        return False
+    return True

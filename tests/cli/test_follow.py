@@ -7,6 +7,7 @@ import datetime as dt
 
 import msgspec
 
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactRecord,
@@ -96,9 +97,9 @@ def test_plain_lines_come_per_tenth_of_the_steps_or_per_period_never_per_step() 
 
 
 def test_exit_codes_scripts_rely_on() -> None:
-    assert exit_code(record(state=JobState.DONE)) == 0
-    assert exit_code(record(state=JobState.FAILED)) == 1
-    assert exit_code(record(state=JobState.CANCELLED)) == 2
+    assert exit_code(record(state=JobState.DONE)) == Exit.OK == 0
+    assert exit_code(record(state=JobState.FAILED)) == Exit.JOB_FAILED
+    assert exit_code(record(state=JobState.CANCELLED)) == Exit.JOB_CANCELLED
 
 
 def test_the_summary_has_final_and_best_eval_loss_duration_and_artifacts() -> None:
@@ -129,7 +130,7 @@ def test_a_requeue_is_a_state_change_line_and_the_watch_goes_on() -> None:
     back = record(state=JobState.QUEUED, node=None, step=47, message=said, updated_at=at(2))
     [line] = view.update(JobEvent(kind="state", job=back))
     assert "j1 queued at step 47/300" in line and said in line
-    assert exit_code(view.job) == 1  # not final: a watch cut here is not a success
+    assert exit_code(view.job) == Exit.UNREACHABLE  # not final: a cut watch is no success
     again = record(state=JobState.STARTING, node="gpu-2", attempt=2, step=47, updated_at=at(3))
     [line] = view.update(JobEvent(kind="state", job=again))
     assert "j1 starting on gpu-2" in line

@@ -1,6 +1,8 @@
 """`--help` as a reader sees it at 80 columns: no type shown for a flag, no
-`<list[str]>`, no sentence broken where the docstring's lines end — and
-the Typer behaviour each workaround in cli/_help.py answers, pinned."""
+`<list[str]>`, no sentence broken where the docstring's lines end, no
+`{JOB}` and no bracket eaten as markup, every option and argument with
+its help, every command that shows data with --json — and the Typer
+behaviour each workaround in cli/_help.py answers, pinned."""
 
 from __future__ import annotations
 
@@ -10,6 +12,7 @@ from collections.abc import Callable, Iterator
 import pytest
 import typer
 import typer.main
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 from lorafleet_services.cli import app
 from lorafleet_services.cli._help import tidied_command, unwrapped
@@ -56,13 +59,15 @@ def test_upstream_typer_shows_a_flag_type_and_keeps_docstring_breaks(
         and its second line."""
 
     @plain.command("two")
-    def two() -> None:
-        """Another."""
+    def two(job: str = typer.Argument(..., metavar="JOB")) -> None:
+        """Needs lorafleet[train]."""
 
     listing = help_of(typer.main.get_command(plain), capsys=capsys)
     assert re.search(r"First line of the doc\s*│\n│\s+and its second line", listing), listing
     page = help_of(typer.main.get_command(plain), "one", capsys=capsys)
     assert re.search(r"--flag\s+<bool>", page) and re.search(r"--help\s+<bool>", page), page
+    page = help_of(typer.main.get_command(plain), "two", capsys=capsys)
+    assert "[OPTIONS] {JOB}" in page and "Needs lorafleet." in page, page
 
 
 def test_no_help_page_shows_a_flag_type_or_a_python_list(
@@ -103,3 +108,65 @@ def test_the_command_list_wraps_at_the_width_not_at_docstring_lines(
 def test_unwrapped_joins_lines_and_keeps_paragraphs_and_verbatim_blocks() -> None:
     text = "One line\n    and the next.\n\nA second\nparagraph.\n\n\bkept\n  as is"
     assert unwrapped(text) == "One line and the next.\n\nA second paragraph.\n\n\bkept\n  as is"
+
+
+def command_tree(
+    command: TyperCommand | TyperGroup, path: tuple[str, ...] = ()
+) -> Iterator[tuple[tuple[str, ...], TyperCommand | TyperGroup]]:
+    yield path, command
+    if isinstance(command, TyperGroup):
+        for name, sub in command.commands.items():
+            assert isinstance(sub, TyperCommand | TyperGroup)
+            yield from command_tree(sub, (*path, name))
+
+
+def tidied_tree() -> dict[tuple[str, ...], TyperCommand | TyperGroup]:
+    command = tidied_command(app)
+    assert isinstance(command, TyperGroup)
+    return dict(command_tree(command))
+
+
+def test_every_option_and_argument_says_what_it_is() -> None:
+    tree = tidied_tree()
+    assert len(tree) > 25  # the walk reaches every command
+    bare = [
+        f"lorafleet {' '.join(path)} {param.name}"
+        for path, command in tree.items()
+        for param in command.params
+        if isinstance(param, TyperOption | TyperArgument) and not (param.help or "").strip()
+    ]
+    assert not bare, bare
+    no_doc = [" ".join(path) for path, command in tree.items() if not (command.help or "").strip()]
+    assert not no_doc, no_doc
+
+
+def test_no_help_page_shows_a_placeholder_or_eats_a_bracket(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    command = tidied_command(app)
+    for path, shown in tidied_tree().items():
+        page = help_of(command, *path, capsys=capsys)
+        [usage] = [ln for ln in page.splitlines() if "Usage:" in ln]
+        assert "{" not in usage and "}" not in usage, usage
+        flat = re.sub(r"[\s│]+", " ", page)
+        texts = [shown.help or "", *(p.help or "" for p in shown.params if hasattr(p, "help"))]
+        written = {m for text in texts for m in re.findall(r"\[[^\]\s]+\]", text)}
+        eaten = [m for m in written if m not in flat]
+        assert not eaten, (path, eaten, page)
+
+
+#: Commands that show no data (they run a service, or write files and say
+#: where): every other command takes --json.
+NO_DATA = {
+    ("recorder",), ("scheduler",), ("artifact-store",), ("gateway",), ("agent",), ("up",),
+    ("demo",), ("nats-config",), ("auth", "api-key"), ("models",), ("jobs",), (),
+}  # fmt: skip
+
+
+def test_every_command_that_shows_data_takes_json() -> None:
+    without = {
+        path
+        for path, command in tidied_tree().items()
+        if not any(isinstance(p, TyperOption) and "--json" in p.opts for p in command.params)
+    }
+    assert without == NO_DATA

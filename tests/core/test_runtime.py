@@ -15,6 +15,7 @@ from nats.aio.client import Client
 
 from lorafleet import _runtime as runtime
 from lorafleet import log
+from lorafleet.exits import Exit
 from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually
@@ -45,7 +46,7 @@ async def test_a_bad_setting_exits_2_with_one_line(tmp_path: Path) -> None:
     assert lines[0].startswith("lorafleet recorder: LORAFLEET_NODE_TIMEOUT_S='soon'"), lines
 
 
-async def test_no_nats_server_exits_1_with_one_line(tmp_path: Path) -> None:
+async def test_no_nats_server_exits_unreachable_with_one_line(tmp_path: Path) -> None:
     code, lines = await run_module(
         "lorafleet_services.recorder",
         {
@@ -54,7 +55,7 @@ async def test_no_nats_server_exits_1_with_one_line(tmp_path: Path) -> None:
             "LORAFLEET_DATABASE_URL": f"sqlite+aiosqlite:///{tmp_path / 'r.db'}",
         },
     )
-    assert code == 1
+    assert code == Exit.UNREACHABLE
     # JSON log lines (service.stopped) and exactly one plain line, the error.
     plain = [ln for ln in lines if not ln.startswith("{")]
     assert len(plain) == 1, lines

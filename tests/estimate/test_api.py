@@ -217,8 +217,9 @@ async def lorafleet(settings: Settings, *args: str) -> tuple[int, str, str]:
 async def test_the_command_line_estimates_and_dry_runs(running: Running, tmp_path: Path) -> None:
     base = build_tiny_model("llama", tmp_path / "tiny")
     rc, out, err = await lorafleet(
-        running.settings, "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(base)
-    )
+        running.settings, "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(base),
+        "--json",
+    )  # fmt: skip
     assert rc == 0, err
     assert json.loads(out)["architecture"]["num_hidden_layers"] == 2
     rc, out, err = await lorafleet(
@@ -236,7 +237,7 @@ async def test_the_command_line_estimates_and_dry_runs(running: Running, tmp_pat
     )
     data = tmp_path / "pairs.jsonl"
     data.write_text(QA)
-    dry = ("submit", "--model", "tiny", "--data", str(data), "--dry-run", "--gpu-mib", "10")
+    dry = ("submit", "--model", "tiny", "--data", str(data), "--dry-run", "--gpu-memory-mib", "10")
     rc, out, err = await lorafleet(running.settings, *dry)
     assert rc == 1 and "refused: gpu_memory_mib 10 is below the memory estimate" in out
     rc, out, err = await lorafleet(running.settings, "estimate", "--model", "bare", "--json")

@@ -1,4 +1,4 @@
-"""The scheduler's pure rules (scheduler/logic.py) driven as a state machine.
+"""The scheduler's pure rules (scheduler/node_table, placement, reconcile) as a state machine.
 
 Hypothesis submits, dispatches, cancels and resumes jobs, starts, kills and
 restarts agents, lets time pass (live agents beat every heartbeat), sweeps,

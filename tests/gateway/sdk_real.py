@@ -12,7 +12,7 @@ do; after unserving, the 404 says it was unloaded.
 
 The checks are run by tests/system/test_real_serving.py, whose first job
 is this one: the stack, the agent and the real training are paid once for
-both (they were two tests with a stack and a training each).
+both.
 """
 
 from __future__ import annotations

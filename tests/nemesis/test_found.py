@@ -21,6 +21,7 @@ from lorafleet.artifacts import (
     AsyncPublisher,
     download_artifact,
 )
+from lorafleet.exits import Exit
 from lorafleet.names import Names, object_chunk_subject
 from lorafleet.nats import _bus as bus
 from lorafleet.nats.cluster import NatsCluster
@@ -219,7 +220,9 @@ async def test_a_recorder_whose_database_never_answers_exits_saying_so(
     recorder = ServiceProcess("lorafleet_services.recorder", s)
     with pytest.raises(ServiceStartError):
         await recorder.start(timeout_s=EXIT_S)
-    assert recorder.proc is not None and recorder.proc.returncode == 1, recorder.tail()
+    assert recorder.proc is not None and recorder.proc.returncode == Exit.UNREACHABLE, (
+        recorder.tail()
+    )
     said = recorder.tail()
     assert "did not answer within LORAFLEET_DATABASE_WAIT_S=2 s" in said, said
     assert "raise LORAFLEET_DATABASE_WAIT_S" in said and "Traceback" not in said, said

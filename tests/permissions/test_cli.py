@@ -24,7 +24,7 @@ _LINE = re.compile(r"^#   (\S+): LORAFLEET_NATS_URL=nats://([^:]+):(\S+)@h:1(.*)
 
 
 async def test_the_printed_config_runs_a_server_with_those_users(tmp_path: Path) -> None:
-    out = CliRunner().invoke(app, ["nats-config", "--node", "node-1", "--host", "h:1"])
+    out = CliRunner().invoke(app, ["nats-config", "--node", "node-1", "--url", "h:1"])
     assert out.exit_code == 0, out.output
     creds = {m[1]: (m[3], m[4]) for ln in out.output.splitlines() if (m := _LINE.match(ln))}
     assert set(creds) == {SERVICE_USER, "node-1"}

@@ -303,7 +303,16 @@ async def test_a_job_keeps_its_serve_wish_from_the_cli_to_the_start_request(
     data.write_text(QA)
     wishes = {}
     for flag in ("--serve", "--no-serve", None):
-        argv = ["submit", "--model", "tiny", "--gpu-mib", "100", "--data", str(data)]
+        argv = [
+            "submit",
+            "--model",
+            "tiny",
+            "--gpu-memory-mib",
+            "100",
+            "--data",
+            str(data),
+            "--json",
+        ]
         code, out, err = await cli(fleet, *argv, *([flag] if flag else []))
         assert code == 0, err
         wishes[flag] = json.loads(out)

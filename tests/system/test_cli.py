@@ -7,14 +7,15 @@ import datetime as dt
 import hashlib
 import json
 import os
+import re
 import sys
 from pathlib import Path
 
 import msgspec
 
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import Engine, JobRecord, JobState, ServingReport, ServingState
 from lorafleet_services.agent.serving.plan import ReportSeq
-from lorafleet_services.cli.follow import NOT_SERVED_EXIT
 from tests.system.conftest import DATA, Stack
 from tests.vllm_server import free_port
 
@@ -31,12 +32,19 @@ async def lorafleet(stack: Stack, *args: str) -> tuple[int, str, str]:
     return proc.returncode, out.decode(), err.decode()
 
 
+def queued_id(err: str) -> str:
+    """The job id `lorafleet submit` says it queued, on stderr."""
+    found = re.search(r"^queued job (\S+) \(", err, re.M)
+    assert found, err
+    return found[1]
+
+
 async def test_the_command_line_drives_a_job_from_catalog_to_download(stack: Stack) -> None:
     await stack.agent("node-1", env={"LORAFLEET_STANDIN_STEPS": "4"})
     weights = stack.tmp_path / "models" / "tiny"
     weights.mkdir(parents=True)
     rc, out, err = await lorafleet(
-        stack, "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(weights)
+        stack, "models", "add", "tiny", "--engine", "vllm", "--local-dir", str(weights), "--json"
     )
     assert rc == 0, err
     assert json.loads(out)["name"] == "tiny"
@@ -46,17 +54,18 @@ async def test_the_command_line_drives_a_job_from_catalog_to_download(stack: Sta
     data = stack.tmp_path / "pairs.jsonl"
     data.write_text(DATA)
     rc, out, err = await lorafleet(
-        stack, "submit", "--model", "tiny", "--gpu-mib", "100", "--data", str(data),
+        stack, "submit", "--model", "tiny", "--gpu-memory-mib", "100", "--data", str(data),
         "--node", "node-1", "--param", "rank=4", "--param", "lr_scheduler=linear", "--watch",
     )  # fmt: skip
-    assert rc == 0, err
+    assert rc == 0 and out == "", err  # the summary, on stderr, is the answer
+    assert "step 4/4" in err  # progress was shown while it ran
+    rc, out, err = await lorafleet(stack, "jobs", "get", queued_id(err), "--json")
     job = json.loads(out)
     assert job["state"] == "done" and job["params"]["rank"] == 4
-    assert "step 4/4" in err  # progress was shown while it ran
 
     rc, out, _ = await lorafleet(stack, "jobs", "list", "--json", "--state", "done")
     assert [j["id"] for j in json.loads(out)] == [job["id"]]
-    rc, out, _ = await lorafleet(stack, "jobs", "curve", job["id"])
+    rc, out, _ = await lorafleet(stack, "jobs", "curve", job["id"], "--json")
     assert [p["step"] for p in json.loads(out)["points"]] == [1, 2, 3, 4]
 
     dest = stack.tmp_path / "dl"
@@ -71,12 +80,21 @@ async def test_the_command_line_says_what_to_change(stack: Stack) -> None:
     bad = stack.tmp_path / "bad.jsonl"
     bad.write_text('{"q": "only a question"}\n')
     rc, _, err = await lorafleet(
-        stack, "submit", "--model", "nope", "--gpu-mib", "1", "--data", str(bad)
+        stack, "submit", "--model", "nope", "--gpu-memory-mib", "1", "--data", str(bad)
     )
     assert rc == 1
     assert "not_found" in err and "$.model" in err
     rc, _, err = await lorafleet(
-        stack, "submit", "--model", "x", "--gpu-mib", "1", "--data", str(bad), "--param", "rank=0"
+        stack,
+        "submit",
+        "--model",
+        "x",
+        "--gpu-memory-mib",
+        "1",
+        "--data",
+        str(bad),
+        "--param",
+        "rank=0",
     )
     assert rc == 2 and "rank" in err
     rc, _, err = await lorafleet(stack, "jobs", "get", "no-such-job")
@@ -94,7 +112,7 @@ async def test_an_unreachable_server_is_a_clear_error(tmp_path: Path) -> None:
         stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
     )  # fmt: skip
     _, err = await asyncio.wait_for(proc.communicate(), 60)
-    assert proc.returncode == 2
+    assert proc.returncode == Exit.UNREACHABLE
     assert b"no NATS server answered at nats://127.0.0.1:9" in err
 
 
@@ -112,8 +130,8 @@ async def test_watch_until_served_follows_the_adapter_to_its_engine(stack: Stack
 
     async def submitted(*flags: str) -> JobRecord:
         rc, out, err = await lorafleet(
-            stack, "submit", "--model", "tiny", "--gpu-mib", "100", "--data", str(data),
-            "--node", "node-1", *flags,
+            stack, "submit", "--model", "tiny", "--gpu-memory-mib", "100", "--data", str(data),
+            "--node", "node-1", *flags, "--json",
         )  # fmt: skip
         assert rc == 0, err
         return await stack.wait_state(json.loads(out)["id"], JobState.DONE)
@@ -123,19 +141,19 @@ async def test_watch_until_served_follows_the_adapter_to_its_engine(stack: Stack
     rc, _, err = await lorafleet(
         stack, "watch", refused.id, "--plain", "--until-served", "--serve-timeout-s", "60"
     )
-    assert rc == NOT_SERVED_EXIT, err
+    assert rc == Exit.NOT_SERVED, err
     text = err.replace("\n", "")
     assert "serving: refused on node-1 as" in text and "no vLLM on node-1 serves" in text, err
     # serve: false: said at once.
     off = await submitted("--no-serve")
     rc, _, err = await lorafleet(stack, "watch", off.id, "--plain", "--until-served")
-    assert rc == NOT_SERVED_EXIT and "serving: off for this job" in err, err
+    assert rc == Exit.NOT_SERVED and "serving: off for this job" in err, err
     # Nothing reported at all: the bound, and what to do.
     quiet = await submitted()
     rc, _, err = await lorafleet(
         stack, "watch", quiet.id, "--plain", "--until-served", "--serve-timeout-s", "2"
     )
-    assert rc == NOT_SERVED_EXIT and "nothing reported within 2 s" in err, err
+    assert rc == Exit.NOT_SERVED and "nothing reported within 2 s" in err, err
     assert f"lorafleet serve {quiet.id}" in err.replace("\n", "")
 
     # Loading, then served (reports as an agent sends them): the watch

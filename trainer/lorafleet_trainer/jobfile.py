@@ -1,53 +1,11 @@
 """The job file: what the agent writes into the job directory as job.json and
-the trainer (and its stand-in) reads. One JSON object; every key required
-unless a default is given:
+the trainer (and its stand-in) reads.
 
-    job_id       str
-    base         {"hf_repo": str | null, "hf_revision": str (default "main"),
-                  "local_dir": str | null}; exactly one of hf_repo and local_dir.
-                 hf_repo is read from the Hugging Face cache (HF_HOME, set by the
-                 agent) with huggingface_hub.snapshot_download; local_dir is a
-                 directory holding config.json, tokenizer files and *.safetensors.
-    data_path    str: the records (lorafleet_trainer.records).
-    data_sha256  str: lowercase hex sha256 of the data file; a mismatch is refused.
-    eval_data_path, eval_data_sha256  str | null (default null), both or neither:
-                 an evaluation set in the same format, checked the same way. With
-                 one, every record of data_path is trained on and the eval loss is
-                 computed on these (params.eval_fraction unused); without, the
-                 trainer holds out params.eval_fraction of data_path.
-    out_dir      str: the adapter goes to <out_dir>/adapter (lorafleet_trainer.layout).
-    params       object: the TrainerParams fields (lorafleet_schemas.messages),
-                 each optional with the same defaults and bounds
-                 (lorafleet_trainer.params). max_steps 0 means as many as epochs
-                 take, > 0 wins over epochs; dtype "auto" is bf16 on cards with
-                 bf16, fp16 on other cards, fp32 on the CPU. Unknown keys are refused.
-    device       "cuda" | "cpu" (default "cuda"); with cuda the first visible card.
-    gpu_memory_mib  int | null (default null): on a card, what the whole process
-                 may use, CUDA context included: torch's allocator is capped at
-                 it less the context, so going over is an out-of-memory of this
-                 process alone, reported with the budget. On either device
-                 params.gradient_checkpointing "auto" chooses by it
-                 (lorafleet_trainer.memory); on the CPU nothing caps the process.
-    estimate_mib int | null (default null): the job's memory estimate, named in
-                 that report.
-    hf_offline   bool (default true): read the Hugging Face cache only.
-    checkpoint_dir  str | null (default null): where checkpoints go (created if
-                 missing; .tmp-* leftovers of crashed writes are cleared); null:
-                 none, whatever params.checkpoint_every_* say.
-    resume       {"dir": str, "mode": "continue" | "weights"} | null (default
-                 null). dir: a checkpoint directory (holding checkpoint.json), or
-                 a directory of them (its newest complete step-*), or for
-                 "weights" also a peft adapter directory (adapter_model.safetensors).
-                 "continue": this job's own checkpoint; checkpoint.json and its
-                 fingerprint are checked (bad input naming what differs), the
-                 adapter, optimizer, LR scheduler, GradScaler and RNG states and
-                 the data-plan position restored, and training goes on with the
-                 step after the checkpoint's: the same losses and, on the CPU,
-                 the same adapter as a run never interrupted. "weights": only the
-                 adapter weights are loaded (same rank and target modules, else
-                 bad input) and the job trains from step 1, on its own schedule.
-
-`JobFile.parse` refuses anything else with a BadInputError naming the key.
+One JSON object: the fields of `JobFile`, each required unless it has a
+default there (`Base` and `Resume` are its nested objects), with paths as
+strings and `params` the TrainerParams fields (lorafleet_trainer.params).
+`JobFile.parse` refuses anything else with a BadInputError naming the key;
+`to_json` writes what `parse` reads.
 """
 
 from __future__ import annotations
@@ -72,8 +30,14 @@ DEVICES = ("cuda", "cpu")
 
 @dataclasses.dataclass(frozen=True)
 class Base:
+    """Exactly one of hf_repo and local_dir."""
+
+    #: Read from the Hugging Face cache (HF_HOME, set by the agent) with
+    #: huggingface_hub.snapshot_download.
     hf_repo: str | None
+    #: Default "main".
     hf_revision: str
+    #: A directory holding config.json, tokenizer files and *.safetensors.
     local_dir: str | None
 
     @property
@@ -87,8 +51,13 @@ class Resume:
     #: A checkpoint directory, a directory of them (the newest complete one is
     #: used) or, for "weights", a peft adapter directory.
     dir: Path
-    #: "continue": the job's own checkpoint, everything restored, on from its
-    #: step; "weights": only the adapter weights, the job trains from step 1.
+    #: "continue": this job's own checkpoint; checkpoint.json and its
+    #: fingerprint are checked (bad input naming what differs), the adapter,
+    #: optimizer, LR scheduler, GradScaler and RNG states and the data-plan
+    #: position restored, and training goes on with the step after it: the same
+    #: losses and, on the CPU, the same adapter as a run never interrupted.
+    #: "weights": only the adapter weights are loaded (same rank and target
+    #: modules, else bad input) and the job trains from step 1.
     mode: str
 
 
@@ -96,21 +65,35 @@ class Resume:
 class JobFile:
     job_id: str
     base: Base
+    #: The records (lorafleet_trainer.records).
     data_path: Path
+    #: Lowercase hex sha256 of the data file; a mismatch is refused.
     data_sha256: str
+    #: The adapter goes to <out_dir>/adapter (lorafleet_trainer.layout).
     out_dir: Path
+    #: The TrainerParams fields, each optional with the same defaults and bounds;
+    #: unknown keys are refused. max_steps > 0 wins over epochs; dtype "auto" is
+    #: bf16 on cards with bf16, fp16 on other cards, fp32 on the CPU.
     params: Params = dataclasses.field(default_factory=Params)
+    #: "cuda" (the first visible card) or "cpu".
     device: str = "cuda"
+    #: Read the Hugging Face cache only.
     hf_offline: bool = True
-    #: The card memory the whole process may use (CUDA context included); None: no cap.
+    #: The card memory the whole process may use (CUDA context included): torch's
+    #: allocator is capped at it less the context, so going over is an
+    #: out-of-memory of this process alone. params.gradient_checkpointing "auto"
+    #: chooses by it on either device (lorafleet_trainer.memory). None: no cap.
     gpu_memory_mib: int | None = None
     #: The job's memory estimate, for the message when the budget is exceeded.
     estimate_mib: int | None = None
-    #: Where checkpoints go (each a step-NNNNNNNN directory); None: none are written.
+    #: Where checkpoints go (each a step-NNNNNNNN directory; created if missing,
+    #: .tmp-* leftovers of crashed writes cleared); None: none are written.
     checkpoint_dir: Path | None = None
     #: Where the job starts from, when not from scratch.
     resume: Resume | None = None
-    #: The evaluation set and its sha256; None: eval_fraction of the data is held out.
+    #: The evaluation set and its sha256, both or neither, checked as the data
+    #: is; with one every record of the data is trained on. None:
+    #: params.eval_fraction of the data is held out.
     eval_data_path: Path | None = None
     eval_data_sha256: str | None = None
 
@@ -136,7 +119,7 @@ class JobFile:
 
     @classmethod
     def parse(cls, raw: Any) -> JobFile:
-        """The job file's decoded JSON, checked (see the module docstring)."""
+        """The job file's decoded JSON, checked against `JobFile`'s fields."""
         if not isinstance(raw, dict):
             raise BadInputError("the job file must hold a JSON object")
         base = parse_base(raw.get("base"))

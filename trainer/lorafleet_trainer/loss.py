@@ -1,16 +1,14 @@
 """The loss, without the whole logits: a batch's cross-entropy from the last
-hidden state and the output projection.
+hidden state and the output projection (why: trainer/DESIGN.md).
 
 `answer_loss(model, batch)` answers it summed over the answer tokens (the
-loop divides by `Batch.answer_tokens`: the mean per answer token, as a
-causal LM's own loss). Only the answer positions' hidden states are projected, and only
-`chunk_rows(vocab)` of them at a time (lorafleet_trainer.memory.LOSS_CHUNK_BYTES
-of fp32 logits); the backward pass recomputes each chunk's logits instead of
-keeping them. On a card with cut-cross-entropy or liger-kernel importable
-their fused kernel does the same; otherwise `chunked_cross_entropy` does it
-in plain torch (any device). The model's own logits are used only for a
-model whose head does more than a bias-free projection and an optional
-soft-cap (`fused_head` says which).
+loop divides by `Batch.answer_tokens`, as a causal LM's own loss does),
+projecting only the answer positions, `chunk_rows(vocab)` at a time, their
+logits recomputed in the backward pass: by cut-cross-entropy's or
+liger-kernel's fused kernel on a card when importable, else by
+`chunked_cross_entropy` in plain torch. A head that does more than a
+bias-free projection and a soft-cap (`fused_head`) takes the model's own
+logits.
 """
 
 from __future__ import annotations

@@ -6,7 +6,7 @@ gradient checkpointing by it before the weights load. Standard library only.
 `estimate_lines(arch, params, ...)` answers (name, bytes, note) lines that add
 up to the peak: weights, adapter, gradients, optimizer states, activations,
 and on a card the CUDA context and the allocator's slack (each line's rule:
-lorafleet.estimate's docstring). `choose_checkpointing(...)` answers the least
+libs/lorafleet/DESIGN.md). `choose_checkpointing(...)` answers the least
 gradient checkpointing (`every` 0: none; k: every k-th decoder layer, 1:
 every layer) whose estimate fits a budget. `architecture_from_config` reads a
 config.json's sizes. `arch` is anything with `Architecture`'s fields (the

@@ -1,39 +1,19 @@
 """PEFT's answer on a fixed prompt: the reference a served adapter is checked
 against (the agent's adapter_serving confirms vLLM's answer against it).
 
-Computed two ways, one implementation (`probe_reference`):
+One implementation (`probe_reference`), run two ways: by the trainer right
+after it saves an fp32-trained adapter (written as PROBE_FILE into the
+adapter directory, so it travels inside the PEFT artifact), and as this
+program for adapters without one, in the engine's Python with its overlay:
 
-- by the trainer, right after it saves the adapter (the trained model is
-  still loaded): written as PROBE_FILE into the adapter directory, so it
-  travels inside the PEFT artifact and serving need not load anything;
-- by this program, for adapters without one (older ones, or trained in
-  bf16/fp16), run in the engine's Python with its overlay:
+    python -m lorafleet_trainer.probe BASE_DIR ADAPTER_DIR [TEXT]
 
-      python -m lorafleet_trainer.probe BASE_DIR ADAPTER_DIR [TEXT]
-
-  prints the same JSON object.
-
-The object: `text`, `dtype` ("float32"), `token_ids` (TEXT tokenized by the
-base's tokenizer, its special tokens included), then `adapter` and `base`,
-each the greedy continuation of PROBE_TOKENS tokens (`ids`, end of sequence
-ignored) and the log-probability of each (`logprobs`), by the adapted model
-in eval mode (no dropout) and by the same model with the adapter disabled.
-
-The dtype rule: the reference is float32, the program's (the same numbers on
-every node, whatever card the engine uses). The trainer writes PROBE_FILE
-only when it trained in fp32 (its weights are then the program's, on the
-CPU or a card: a card's float32 differs by about 1e-6, far inside the
-agent's tolerance); a bf16/fp16 model's weights and arithmetic are not the
-program's, so it writes none and the agent runs the program.
-
-Why a continuation and not the prompt's own log-probabilities: vLLM 0.32's
-prompt logprobs for a LoRA request batched with other requests crash its
-engine (the LoRA logits path gets the whole batch's indices: "einsum():
-subscript b has size 5 ... does not broadcast"); sampled-token logprobs take
-the ordinary path.
-
-Standard library at import; torch (and, for the program, transformers and
-peft) when called.
+The object: `text`, `dtype` ("float32"), `token_ids`, then `adapter` and
+`base`: each the greedy continuation of PROBE_TOKENS tokens (`ids`) and
+their log-probabilities (`logprobs`), with the adapter on and off. Why
+float32 only, and why a continuation rather than the prompt's own
+log-probabilities: trainer/DESIGN.md and docs/serving.md. Standard library
+at import; torch, transformers and peft when called.
 """
 
 from __future__ import annotations

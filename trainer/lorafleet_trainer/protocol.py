@@ -1,35 +1,14 @@
 """The trainer's line protocol and exit codes: what the agent reads of it.
 
 stdout carries one JSON object per line, its field "event" naming it
-(`Event`); the agent decodes them as `TrainerLine` (lorafleet_schemas.messages):
-
-    log         {"message", "level": "info"|"warning"}; the first names the
-                process: "uid=... gid=... pid=..." (the stand-in's: "pid=...
-                child_pid=...").
-    state       {"state": "preparing"|"running"|"saving", "message"};
-                preparing repeats while the records are tokenized
-                ("tokenizing: N of M records").
-    step        {"step", "steps", "loss", "learning_rate", "tokens_per_s",
-                "eta_s", "peak_mib", "epoch"}, one per optimizer step: loss
-                is the mean over the step's micro-batches, tokens_per_s counts
-                real tokens (not padding), peak_mib is torch's peak reserved
-                MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
-    lengths     {"records_tokenized", "records_cut", "records_skipped", "min",
-                "p50", "p95", "max", "mean"}, once, before the weights load:
-                the token counts of the records tokenized by then.
-    eval        {"step", "epoch", "eval_loss"}, after each epoch and at the end
-                when eval_fraction > 0: the mean cross-entropy per answer token
-                over the held-out records.
-    checkpoint  {"step", "path", "epoch"}: a complete checkpoint of the state
-                after optimizer step `step` is at `path` (lorafleet_trainer.layout).
-                It may come a few steps after its step: the writing is off the
-                training loop.
-    done        {"adapter_dir", "base_dir", "summary"}
-    error       {"message"}, before a failure's exit when it can.
-
-Anything else (warnings, tracebacks, library chatter) goes to stderr. The exit
-status is an `ExitCode`; each failure is raised as the exception that names
-its code (`BadInputError`, ...) and turned into the code once, by `__main__`.
+(`Event`: log, state, step, lengths, eval, checkpoint, done, error); the
+agent decodes them as `TrainerLine`, whose Structs
+(lorafleet_schemas.messages.trainer_lines) say what each field means. The
+trainer cannot import them (it runs in the engine's Python), so the event
+names are here. Anything else (warnings, tracebacks, library chatter) goes
+to stderr. The exit status is an `ExitCode`; each failure is raised as the
+exception that names its code (`BadInputError`, ...) and turned into the
+code once, by `__main__`.
 """
 
 from __future__ import annotations
@@ -45,7 +24,7 @@ from typing import Any, TextIO
 
 
 class Event(enum.StrEnum):
-    """The "event" of a protocol line (fields: the module docstring)."""
+    """The "event" of a protocol line (its fields: lorafleet_schemas.messages.trainer_lines)."""
 
     LOG = "log"
     STATE = "state"

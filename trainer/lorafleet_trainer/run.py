@@ -1,24 +1,10 @@
 """The job: the data read and tokenized, the base loaded, the training run,
 the adapter and its summary saved.
 
-What it writes: <out_dir>/adapter/{adapter_model.safetensors,
-adapter_config.json, chat_template.jinja, training_summary.json, probe.json}
-(probe.json: the PEFT probe's reference, lorafleet_trainer.probe; only when
-trained in fp32). The summary
-(also the "done" line's) holds job_id, final_loss, eval_loss (null without a
-held-out part), params, base {hf_repo, hf_revision, local_dir, base_dir},
-data_sha256, records, records_train, records_eval, records_cut,
-records_skipped (both of the records tokenized), eval_data_sha256 (null
-without an evaluation set; with one records_eval counts its records), records_tokenized (fewer than
-records when max_steps ends the job before the data does), token_lengths
-{min, p50, p95, max, mean} of those, chat_template ("tokenizer" | "plain"),
-steps, epochs, tokens_seen (padding not counted), padding_tokens, train_time_s,
-wall_time_s, peak_mib, device, dtype, trainable_parameters, versions {python, torch,
-transformers, peft, accelerate, safetensors}, resumed_from (null, or {mode, dir,
-step}: the checkpoint's step, 0 for "weights") and checkpoints (written by this
-run). A run resumed ("continue") from a checkpoint goes on from the progress
-it holds: its steps, tokens_seen, padding_tokens and train_time_s count every
-step since step 1, those trained before the checkpoint too.
+It writes <out_dir>/adapter/: the peft adapter, chat_template.jinja,
+training_summary.json (`describe_inputs`, `describe_training` and the
+run's versions, resume and checkpoints; also the "done" line's summary)
+and, when trained in fp32, probe.json (lorafleet_trainer.probe).
 """
 
 from __future__ import annotations
@@ -324,6 +310,8 @@ def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, A
         "records": len(inputs.records) - (len(held_out) if job.eval_data_path else 0),
         "records_train": len(train),
         "records_eval": len(held_out),
+        # Cut and skipped are of the records tokenized: fewer than `records`
+        # when max_steps ends the job before the data does.
         "records_cut": tokens.cut,
         "records_skipped": tokens.skipped,
         "records_tokenized": tokens.done,
@@ -335,13 +323,15 @@ def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, A
 def describe_training(
     progress: Progress, epochs: int, device: Any, dtype: str, started: float
 ) -> dict[str, Any]:
-    """The training summary's account of the run itself."""
+    """The training summary's account of the run itself. A run resumed
+    ("continue") counts its steps, tokens and train time from step 1, those
+    trained before the checkpoint too."""
     return {
         "final_loss": progress.last_loss,
         "eval_loss": progress.last_eval,
         "steps": progress.step,
         "epochs": epochs,
-        "tokens_seen": progress.tokens,
+        "tokens_seen": progress.tokens,  # padding not counted
         "padding_tokens": progress.padding,
         "train_time_s": round(progress.train_s, 3),
         "wall_time_s": round(time.time() - started, 3),

@@ -2,38 +2,15 @@
 
     python -m lorafleet_trainer.standin job.json
 
-It reads the same job file as the real trainer (lorafleet_trainer.jobfile)
-and prints the same lines on stdout (lorafleet_trainer.protocol), without
-training anything: a falling loss, a
-peak MiB, eval lines, and a small adapter directory whose bytes depend only
-on the job id (`adapter_files`), so tests can compare what was delivered.
-It imports only the standard library, like the real trainer.
-
-Checkpoints and resume follow the real trainer's protocol, cheaply: with
-the job's `checkpoint_dir` and params.checkpoint_every_steps (or
-checkpoint_every_s) it writes checkpoints in the layout of
-lorafleet_trainer.layout (a small adapter_model.safetensors stand-in, then
-checkpoint.json: format, step, epoch, position, fingerprint, time, files)
-and prints their "checkpoint" lines; never after the last step. `resume`
-{"dir", "mode"}: "continue" reads dir's checkpoint.json (a .tmp-*
-directory, or one without a valid checkpoint.json, is refused: exit 2) and
-goes on with the step after its own; the losses
-depend only on the step, so a resumed run prints the uninterrupted one's.
-"weights" needs a checkpoint or an adapter_model.safetensors in dir and
-starts from step 1. A dir holding step-* directories means its newest
-complete one.
-
-Tokens: every step trains TOKENS_PER_STEP; a checkpoint's progress holds the
-count, a "continue" goes on from it, so the done summary's tokens_seen is
-the uninterrupted run's. Evaluation: with the job's evaluation set
-(eval_data_path, its sha256 checked as the data's) the eval loss is the
-step's loss plus a thousandth per record of that set, so a test can tell
-which set was evaluated; without one it is the step's loss.
-
-Knobs: the LORAFLEET_STANDIN_* settings in the job's environment, listed
-once in docs/operations.md ("A dry run: the stand-in trainer").
-Its first log line names its pids: "pid=<pid> child_pid=<pid or 0>"; the
-next stdout line is not JSON (as library chatter would be), for the agent to skip.
+It reads the same job file and prints the same lines as the real trainer,
+without training anything: a loss that depends only on the step, a peak
+MiB, eval lines (with an evaluation set, the step's loss plus a thousandth
+per record, so a test can tell which set was evaluated), TOKENS_PER_STEP
+tokens a step, and a small adapter whose bytes depend only on the job id
+(`adapter_files`). Checkpoints and resume follow lorafleet_trainer.layout
+and the real trainer's rules cheaply, so a resumed run prints the
+uninterrupted one's lines. Standard library only, like the real trainer.
+Its knobs (LORAFLEET_STANDIN_*): docs/operations.md.
 """
 
 from __future__ import annotations

@@ -1,58 +1,18 @@
 """NATS permissions for lorafleet: what a node's agent and the services may do.
 
 The blocks are nats-server's own shape (`{"publish": {"allow": [...]},
-"subscribe": {"allow": [...]}, "allow_responses": true}`), usable in a
-server config (`lorafleet.nats.config` renders one), an operator's JWT
-tooling, or read by a person. Everything not allowed is denied.
-
-An agent of node N may only:
-- put its heartbeat: `$KV.<nodes bucket>.N` (a publish with a JetStream
-  ack; the delete on a clean stop is a publish there too);
-- publish its status reports and artifact chunks: `<prefix>.status.N.>`,
-  `<prefix>.artifacts.N.>`;
-- read datasets: `$JS.API.STREAM.MSG.GET.OBJ_<datasets bucket>`, the one
-  JetStream API call `lorafleet.objects.read_object` makes
-  (`names.msg_get_subject`);
-- read artifacts the same way, `$JS.API.STREAM.MSG.GET.OBJ_<artifacts
-  bucket>`: a job that resumes fetches the checkpoint (or adapter) it
-  starts from (agent/training/resume.py). A message get reads; it cannot write,
-  purge or delete, so the artifact-store stays the bucket's only writer;
-- receive its own start, cancel, serve and unserve requests,
-  `<prefix>.node.N.{start,cancel,serve,unserve}`, and answer them
-  (`allow_responses`: one reply to each request received); its serving
-  reports go on its status subjects (`<prefix>.status.N.<job>.serving`);
-- receive replies on its own inboxes, `_INBOX_N.>` (the agent runs with
-  LORAFLEET_NATS_INBOX_PREFIX=_INBOX_N), so it reads no one else's replies.
-
-So it cannot put another node's heartbeat, status or artifacts, receive
-another node's start or cancel, call the recorder's internal
-`<prefix>.store.jobs.*`, create or change streams, or change the artifacts.
-
-With nkey identities (`lorafleet auth`, `identities.ensure_fleet`) each service
-has its own block, allowed only what it uses, and creates only the
-JetStream pieces it owns (`LAYOUT_OWNERS`):
-- recorder: answers `api.jobs.{submit,get,list,curve,estimate,resume}`, `api.models.*`,
-  `api.adapters.list` and `store.jobs.*`; publishes `events.jobs.*`; owns the STATUS stream and
-  reads it through its durable consumer alone; owns the datasets bucket;
-- scheduler: answers `api.jobs.cancel`, `api.nodes.list` and
-  `api.adapters.{serve,unserve}`; asks the recorder (`api.jobs.{get,list}`,
-  `api.models.list`, `api.adapters.list`, `store.jobs.transition`) and the
-  nodes (`node.*.{start,cancel,serve,unserve}`); hears
-  `events.jobs.*`; owns and reads the nodes and leader KV buckets and
-  writes only the leader's;
-- artifact-store: answers `api.artifacts.*`; reports to
-  `store.jobs.artifact`; owns the ARTIFACTS stream (its durable consumer,
-  message gets and purges) and the artifacts bucket;
-- a client (operators, the CLI): `<prefix>.api.>`, puts datasets, reads
-  artifacts and hears `events.jobs.*`; nothing internal;
-- gateway (the OpenAI-shaped HTTP service): a client's rights, its own
-  KV bucket (file objects, jobs' OpenAI fields), which it owns, and purges
-  of the datasets bucket's stream: an upload's chunks are put while its
-  records are checked, and purged when they are refused (a client may
-  already overwrite any dataset's info, so this adds little it could undo).
-Each reads replies on its own inboxes (`identity_inbox_prefix`). The
-older password form, one user for every service, is `lorafleet.access.passwords`
-(why it is kept is written there).
+"subscribe": {"allow": [...]}, "allow_responses": true}`), built from
+names.py's subject builders, usable in a server config
+(`lorafleet.nats.config`), an operator's JWT tooling, or read by a person.
+Everything not allowed is denied. The agent of node N may only put its own
+heartbeat, publish its own status reports and artifact chunks, read the
+datasets and artifacts buckets by message gets (which cannot write, purge
+or delete: a resumed job fetches its checkpoint), receive its own
+start/cancel/serve/unserve requests and answer them, and read replies on
+its own inboxes (`_INBOX_N.>`). With nkey identities each service has its
+own block, allowed only what it uses, and creates only the JetStream pieces
+it owns (`LAYOUT_OWNERS`); who may do what, per identity:
+docs/operations.md. The older shared-password form is `lorafleet.access.passwords`.
 """
 
 from __future__ import annotations

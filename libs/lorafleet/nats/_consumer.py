@@ -1,70 +1,14 @@
 """The one JetStream pull-consumer loop: fetch batches, hand them over, ack after apply.
 
 Every service that consumes a stream (the recorder's status reports, the
-artifact-store's chunks) runs one `PullConsumer`:
-
-    consumer = PullConsumer(
-        js,
-        PullConsumerConfig(
-            stream=names.status_stream,
-            durable=names.recorder_consumer,
-            filter_subject=names.status_subjects,
-            ack_wait_s=30.0,
-            max_ack_pending=20_000,
-            batch=256,
-        ),
-        handle=apply_batch,               # async (list[Msg]) -> None
-        ensure_stream=ensure_layout,      # optional: re-create the stream too
-        on_tick=check_idle, tick_s=30.0,  # optional: a periodic hook
-    )
-    await consumer.start()   # creates the durable consumer if missing
-    ...
-    await consumer.stop()    # the batch in hand is finished first
-
-What it does for you:
-
-- The next batch is fetched while the handler works on this one (a queue
-  of one batch): fetching only between batches leaves the service idle for
-  a round trip and a batch's transfer.
-- Ack after apply: `handle(msgs)` acks each message itself, once its effect
-  is durable (a poison message it cannot decode it may ack at once). The
-  loop never acks. If `handle` raises, every message of the batch it has
-  not acked is nakked (redelivered after `RETRY_WAIT_INITIAL_S`) and the
-  loop pauses, longer after each failure in a row (stamina back-off, reset
-  by a batch that goes through). A message neither acked nor nakked comes
-  back after `ack_wait_s`. Handle a bad *message* inside `handle` (log it,
-  ack or nak it) so that one bad message does not nak its whole batch.
-- A nats-server restart or a lost connection: fetch errors are logged
-  (`nats.error`, where "<durable> fetch") and retried with a stamina
-  back-off; nats-py re-subscribes on reconnect, and the durable consumer
-  lives in the server's store, so delivery goes on where it stopped.
-- A deleted durable consumer (someone ran `nats consumer rm`, or the server
-  came back with a fresh store) is re-created: after a fetch error, and
-  after `check_every_s` seconds of idle fetching, the loop asks the server
-  for the consumer and, when it is gone, calls `ensure_stream()` (if given;
-  the stream may be gone too) and subscribes again. A new consumer replays
-  the stream from its start (DeliverPolicy.ALL): the handler must make a
-  replay change nothing.
-- `on_tick()` (if given) runs before each batch is handled and after every
-  `tick_s` seconds without one, in the handler's task (never at the same
-  time as `handle`): the artifact-store checks idle deliveries there. An
-  exception from it is logged and the loop goes on.
-- A batch held longer than a third of the ack wait (the handler is slow:
-  the database is under load, or the batch waits in the queue behind a slow
-  one) is kept from redelivery: each of its messages not yet acked is told
-  "in progress" every third of the ack wait, for at most `max_hold_s`, past
-  which the handler is taken for stuck and its messages go back to the
-  stream (`consumer.hold_expired`). So the ack wait only bounds how long a
-  message the server sent and nobody got (a dying server had it in
-  flight) waits before it comes back, and it can be short.
-- The durable consumer keeps the settings it was created with; `start()`
-  brings an existing one's ack wait and max ack pending to this config's
-  (`consumer.updated`), so a changed setting takes effect on restart.
-- `stop()`: no new fetch starts; the fetch in flight (at most
-  `fetch_wait_s`) and the batches already fetched are handled, so nothing
-  is left waiting for `ack_wait_s`; then the subscription is removed (a
-  late fetch reply left in it would hold up the connection's drain). After
-  `STOP_TIMEOUT_S` the loop is cancelled instead.
+artifact-store's chunks) runs one `PullConsumer(js, PullConsumerConfig(...),
+handle=...)`: the next batch is fetched while `handle` applies this one;
+`handle` acks each message once its effect is durable (the loop never
+acks; what it leaves is nakked when it raises, and the loop backs off); a
+slow batch is kept from redelivery for up to `max_hold_s`; fetch errors are
+retried, a deleted durable re-created (it replays the stream: a replay must
+change nothing), and a changed ack wait applied at start; `stop()` finishes
+the batches in hand. Each behaviour and why: libs/lorafleet/DESIGN.md.
 """
 
 from __future__ import annotations

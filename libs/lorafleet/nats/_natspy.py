@@ -77,8 +77,8 @@ async def move_to_another_server(nc: Client, within_s: float) -> bool:
     `_reconnection_task`, ends once connected). The pool cannot simply lose
     the server left for the move: the INFO of the server moved to lists the
     cluster's members, which nats-py adds back under a new entry, so the
-    server left came to be in the pool twice and a later move could "move"
-    to its second entry (bench/nemesis.py, seed 4). So the move steers
+    server left can be in the pool twice, and a later move "moves" to its
+    second entry (tests/core/test_natspy.py pins both). So the move steers
     nats-py's reconnect loop through its server-choice hook
     (`_reconnect_to_server_handler`, the `reconnect_to_server_handler`
     connect option, which lorafleet does not set otherwise): each other
@@ -394,10 +394,10 @@ async def download_object(
     sha256 differs from the info's.
 
     Upstream: `ObjectStore.get` reads the chunks through an ordered consumer
-    with no bound, so an info whose chunks are gone waits for ever (found by
-    bench/nemesis.py, seed 4); and without `writeinto` it appends each chunk
-    to an immutable bytes value, copying everything read so far for each
-    chunk: quadratic in the object's size.
+    with no bound, so an info whose chunks are gone waits for ever; and
+    without `writeinto` it appends each chunk to an immutable bytes value,
+    copying everything read so far for each chunk: quadratic in the
+    object's size.
     """
     obs = await js.object_store(bucket)
     info = await obs.get_info(name)
@@ -493,11 +493,11 @@ async def kv_values(
     marker (None) when the consumer's info says nothing is pending and the
     subscription has received nothing yet; but the server may have sent
     every value before answering the info, and the info's reply overtake
-    them, so the marker comes first and a listing reads as empty (25 jobs
-    listed as none, once in CI). Here how many keys there are comes from the
-    stream's per-subject counts, and the end of the current values from the
-    last one's own count of what is still pending (0); deletes are watched
-    too, so every message is an entry and that last one is never swallowed.
+    them, so the marker comes first and a listing reads as empty. Here how
+    many keys there are comes from the stream's per-subject counts, and the
+    end of the current values from the last one's own count of what is
+    still pending (0); deletes are watched too, so every message is an entry
+    and that last one is never swallowed.
     """
     loop = asyncio.get_running_loop()
     deadline = loop.time() + timeout_s

@@ -1,25 +1,16 @@
 """A NATS cluster of embedded nats-servers on one host (tests, benches, trials).
 
-Each member is a `NatsServer` with its own client, cluster (route) and
-monitoring port and its own store directory, all run from one config file
-that reads what differs between members from the environment (the contract
-of compose/nats-cluster/nats.conf, which the compose test boots here):
-JetStream on with `sync_interval: always` (with the default lazy fsync an
-acknowledged write can be lost on power failure, as Jepsen's 2025 analysis
-of NATS showed), and routes to the other two. The ports are chosen once
-and kept, so a member restarts where it was.
-
-Ready means more than "Server is ready" on each: JetStream's meta group has
-a leader and every peer is current (`/jsz` on each member's monitoring
-port), so a stream or KV created at R3 right away gets its replicas.
-
-The helpers the fault tests need: `meta_leader()`, `stream_leader()` (from
-`$JS.API.STREAM.INFO`'s cluster.leader), `member_of_url()` (which member a
-connection is on), `kill()` (SIGKILL) and `restart()`; with the default
-config also `isolate()` and `rejoin()`: a member cut off from the other two
-while its clients stay connected to it (a minority partition), done by
-reloading the members' configs without its routes (nats-server drops a
-removed route; no member is told of the cut one, so none routes to it).
+Three `NatsServer`s, each with its own client, route and monitoring port
+(chosen once and kept across restarts) and store, run from one config that
+reads what differs from the environment (compose/nats-cluster/nats.conf's
+contract), with JetStream's `sync_interval: always`: with the default lazy
+fsync an acknowledged write can be lost on power failure (Jepsen's 2025
+analysis of NATS). Ready means JetStream's meta group has a leader that
+sees every peer current, so a stream made at R3 at once gets its replicas.
+The fault tests' helpers: `meta_leader()`, `stream_leader()`,
+`member_of_url()`, `kill()`, `restart()`, and `isolate()`/`rejoin()` (a
+member's routes reloaded away while its clients stay on it). More:
+libs/lorafleet/DESIGN.md.
 """
 
 from __future__ import annotations

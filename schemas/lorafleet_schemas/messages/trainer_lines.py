@@ -12,6 +12,7 @@ class TrainerState(msgspec.Struct, kw_only=True, tag="state", tag_field="event")
     """A state change inside the trainer: "preparing" (loading), "running", "saving"."""
 
     state: Literal["preparing", "running", "saving"]
+    #: "preparing" repeats while the records are tokenized ("tokenizing: N of M records").
     message: str = ""
 
 
@@ -20,24 +21,31 @@ class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event"):
 
     step: int
     steps: int
+    #: The mean over the step's micro-batches.
     loss: float
     learning_rate: float
+    #: Real tokens, padding not counted.
     tokens_per_s: float
     eta_s: float
     #: torch's peak reserved MiB on a card; peak RSS MiB on the CPU.
     peak_mib: int
+    #: Counted from 1.
     epoch: int = 0
 
 
 class TrainerEval(msgspec.Struct, kw_only=True, tag="eval", tag_field="event"):
     step: int
     epoch: int
+    #: After each epoch and at the end, when there is an evaluation set: the
+    #: mean cross-entropy per answer token over it.
     eval_loss: float
 
 
 class TrainerLog(msgspec.Struct, kw_only=True, tag="log", tag_field="event"):
     """Something a person should read (records cut at max length, ...)."""
 
+    #: The first names the process: "uid=... gid=... pid=..." (the stand-in's:
+    #: "pid=... child_pid=...").
     message: str
     level: Literal["info", "warning"] = "info"
 
@@ -50,6 +58,7 @@ class TrainerDone(msgspec.Struct, kw_only=True, tag="done", tag_field="event"):
 
 
 class TrainerError(msgspec.Struct, kw_only=True, tag="error", tag_field="event"):
+    #: Printed before a failure's exit when it can be.
     message: str
 
 
@@ -57,8 +66,9 @@ class TrainerCheckpoint(msgspec.Struct, kw_only=True, tag="checkpoint", tag_fiel
     """A complete checkpoint is on disk (written to a temporary name, then
     renamed): the state after optimizer step `step`."""
 
+    #: It may come a few steps after its step: the writing is off the training loop.
     step: int
-    #: The checkpoint directory.
+    #: The checkpoint directory (lorafleet_trainer.layout).
     path: str
     epoch: int = 0
 

@@ -1,49 +1,16 @@
-"""The node's heartbeat: its record in KV `lorafleet_nodes`, with a per-message TTL.
+"""The node's heartbeat, and the fence: its record in KV `<prefix>_nodes`, with a
+per-message TTL.
 
 Every `heartbeat_s` seconds the agent publishes its `Heartbeat` to
-`$KV.<bucket>.<node>` with `msg_ttl=node_timeout_s` (whole seconds): when
-the last beat expires the server leaves a MaxAge purge marker, which is how
-the scheduler's KV watcher learns the node is gone.
-
-The beat is its own asyncio task and nothing training does can hold it up:
-the trainer is another process, card reads (NVML calls block) run in a
-thread with a timeout, and the installed engines are re-read in a thread every
-`ENGINES_RESCAN_S`, and the running ones (`serving`: each engine with the
-adapters it has loaded) come from the engine watch's last read
-(agent/serving/engine_watch.py, every `engines_refresh_s`), never from a call made
-for the beat. The beats keep a fixed cadence (deadline-based sleeps,
-so a slow publish does not push every later beat back).
-
-The time of the last acknowledged beat is what fencing measures: an agent
-whose beats have not been acknowledged for `node_timeout_s` is presumed
-dead by the scheduler, which has failed its job. But a beat can fail while
-NATS is fine: on a cluster, the bucket's stream has no leader for seconds
-after its leader's server died (the put is answered at once: no
-responders), and the scheduler, as blind as the agent, judges nobody then.
-So a failed beat is followed by a round trip to the server (PING/PONG,
-`REACH_TIMEOUT_S`): `last_reached` is the last time the server answered at
-all, and fencing tells "I cannot reach NATS" from "the bucket is electing".
-A message that came in while the beat waited counts as an answer too (and
-saves the PING): on a link the agent's own artifact chunks fill, the beat's
-ack and the PONG queue behind them past their timeouts while the chunks'
-acks keep arriving, and without it a delivery over a slow link fenced.
-
-A beat that fails while the server answers may also mean that this server
-is cut off from the rest of the cluster (its routes are down, its clients'
-links are not): there the bucket never comes back, while the scheduler on
-the majority's side sees the node fall silent and fails its job. So the
-agent then moves to another server of the cluster
-(`_natspy.move_to_another_server`; its pool learns the cluster's members
-from the server), at most once per `move_every_s` (half the node timeout):
-during an election the move is harmless (every server says the same), and
-a node whose server was cut off beats again from the other side within the
-node timeout. A beat left unanswered (the server frozen, or cut off) moves
-the same way. The move comes before the PING, and tries every other
-address of the pool in turn, never the one it leaves, within the fence's
-bound (the last acknowledged beat plus the node timeout): bench/nemesis.py,
-seed 4, found an agent that moved back to the server it left, and one
-whose single 1 s try, begun after a 1 s PING, found no other server in
-time.
+`$KV.<bucket>.<node>` with `msg_ttl=node_timeout_s`: when the last beat
+expires the server leaves a MaxAge marker, which is how the scheduler
+learns the node is gone. The beat is its own task at a fixed cadence, and
+nothing training does can hold it up: card reads run in a thread with a
+timeout, the installed engines are re-read in a thread every
+`ENGINES_RESCAN_S`, and the running ones come from the engine watch's last
+read, never from a call made for the beat. When the agent fences, and when
+it moves to another server first (`fence_reason`, `fence_bound_s`,
+`Heartbeater`'s move), is stated once in agent/DESIGN.md ("Fencing").
 """
 
 from __future__ import annotations
@@ -215,8 +182,7 @@ class Heartbeater:
             # So is any message that came in meanwhile: on a link our own
             # artifact chunks fill, the beat's ack and a PING's PONG can
             # wait behind them longer than their timeouts while the chunks'
-            # acks go on arriving (tests/partition: a 64 kbit/s link fenced
-            # an agent mid-delivery, "NATS unreachable for 2.6 s").
+            # acks go on arriving (tests/partition pins it on a slow link).
             # (Reached when the beat went out, at the latest: the message
             # may have been sent any time since.)
             heard = answered or nc.stats["in_msgs"] > received
@@ -226,8 +192,8 @@ class Heartbeater:
                 self.last_reached = max(self.last_reached, sent_at)
             # The move comes first, before any PING: on a cut-off or frozen
             # server the node timeout is all the time there is, and the
-            # move must try every other server within it (bench/nemesis.py,
-            # seed 4: a move begun after a 1 s PING found none in time).
+            # move must try every other server within it
+            # (tests/agent/test_heartbeat_moves.py).
             # A cut link reaches none, and the fence goes on as it was.
             why = "the server answered but stored no beat" if answered else "no answer to the beat"
             moved = nc.is_connected and await self._move(why)
@@ -315,10 +281,9 @@ BUCKET_OUTAGE_PATIENCE_S = 30.0
 
 #: Seconds before the node timeout an agent that cannot reach NATS fences.
 #: The beat's TTL runs from when the server stored it, a little before its
-#: ack came back, and the fence is checked every quarter second: fencing
-#: at the node timeout itself, an agent was still holding its job (its
-#: artifacts on their way) 0.14 s after the scheduler had lost the node and
-#: sent the job elsewhere (bench/nemesis.py, seed 4: the one-node rule).
+#: ack came back, and the fence is checked every quarter second: at the node
+#: timeout itself the agent could still hold a job the scheduler has just
+#: sent elsewhere (tests/agent/test_units.py).
 FENCE_MARGIN_S = 0.5
 
 

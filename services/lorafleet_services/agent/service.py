@@ -1,33 +1,14 @@
 """The node agent process: heartbeat, start and cancel requests, fencing.
 
 Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`,
-`.cancel`, `.serve` and `.unserve`), so a node can run with credentials
-limited to them. Serving (agent/serving/agent.py) runs beside the jobs: a
-finished job's adapter is loaded into the node's engines in a task of its
-own while the node takes the next job. One job at a time:
-
-- a start while idle is accepted and runs as a `JobRun` task;
-- a start for the job (and attempt) it runs already is a retried request:
-  accepted again, nothing started twice; one for a job and attempt it has
-  already finished is refused, saying how it ended;
-- any other start while busy is answered busy, naming the running job.
-
-Fencing: when no heartbeat has been acknowledged for `node_timeout_s` and
-NATS does not answer either, the scheduler may declare this node lost and
-fail its job, so the agent stops its trainer (`agent.fenced`) half a second
-before that (heartbeat.FENCE_MARGIN_S) and drops
-the job's unsent reports. A server that answers while the heartbeat bucket
-elects a leader is no reason to fence (heartbeat.fence_reason). Once a beat
-is acknowledged again it heartbeats with no job, and reports the fenced job
-failed, saying it fenced itself (the scheduler usually failed it first; a
-final job keeps its first failure).
-
-At start no job survives from a previous run: processes an earlier agent
-left (found by LORAFLEET_JOB_DIR in their environment) are killed and
-stale job directories removed. While it runs, its trainer has a
-parent-death signal, so an agent killed outright takes its trainer along.
-On SIGTERM the running job is stopped and reported `failed`, and the
-node's heartbeat key is deleted so the scheduler knows at once.
+`.cancel`, `.serve`, `.unserve`), so a node can run with credentials limited
+to them. One job at a time (a retried start of the running job is accepted
+again, one of a job that ended here refused, any other answered busy);
+serving (serving/agent.py) runs beside it. Fenced (agent/DESIGN.md,
+"Fencing"), it stops the job and later reports it failed. At start it kills
+what an earlier agent left (node/leftovers.py); its trainer dies with it
+(a parent-death signal); on SIGTERM the job is stopped and reported
+`failed`, and the heartbeat key deleted so the scheduler knows at once.
 """
 
 from __future__ import annotations

@@ -1,17 +1,13 @@
-"""Chunk assembly and verification, as plain code with no bus.
+"""Chunk assembly and verification, and the delivery rules: plain code, no bus.
 
-An artifact arrives as chunks on `<prefix>.artifacts.<node>.<job>.<kind>`,
-each with an `ArtifactChunkHeader` (JSON in the `Lorafleet-Chunk` header).
-`Assembly` takes chunks in any order and any number of times, hands back
-the bytes that have become contiguous (so the caller can stream them into
-the object store while the delivery goes on), and, once the last chunk is
-known and nothing is missing, says whether count, size and sha256 agree.
-Beside it, the delivery rules: who may deliver (`delivery_refusal_reason`),
-whether the object is stored already (`is_stored`), whether a checkpoint
-may replace the stored one (`superseded`), whether the recorder is owed a
-report (`report_owed`), which deliveries ended (`EndedDeliveries`).
-
-Everything here decides; nothing here talks to NATS.
+`Assembly` takes an artifact's chunks in any order and any number of times,
+hands back the bytes that have become contiguous (so the caller streams them
+into the object store while the delivery goes on), and once the last chunk
+is known and nothing is missing says whether count, size and sha256 agree.
+Beside it, the rules: who may deliver (`delivery_refusal_reason`), whether
+the object is stored already (`is_stored`), whether a checkpoint may replace
+the stored one (`superseded`), whether the recorder is owed a report
+(`report_owed`), which deliveries ended (`EndedDeliveries`).
 """
 
 from __future__ import annotations

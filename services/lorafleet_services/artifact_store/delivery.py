@@ -56,11 +56,9 @@ MISSING_GRACE_S = 1.0
 #: Seconds before a chunk put back (nak) after an error is delivered again.
 RETRY_DELAY_S = 2.0
 #: Seconds a delivery may go on failing to be stored, each try put back,
-#: before its job is failed saying why. A full disk under the object store's
-#: stream halts that stream: its writes time out with no error of their
-#: own, and stay halted once the space is back, until that nats-server
-#: restarts (tests/nemesis/test_found.py); retried for ever, the job stayed
-#: `uploading` with nothing said.
+#: before its job is failed saying why: a full disk halts the object store's
+#: stream until its nats-server restarts, and nothing else would end the
+#: tries (docs/operations.md; tests/nemesis/test_found.py pins it).
 STORE_PATIENCE_S = 60.0
 
 
@@ -345,8 +343,8 @@ class Deliveries:
             base_model=job.model, now=dt.datetime.now(dt.UTC), nuid=d.nuid,
         )  # fmt: skip
         # Before the publish: a member's fault can store the info and lose its
-        # ack (nemesis seed 4), and a drop that then purged the chunks left a
-        # done job's artifact listed, without its bytes.
+        # ack, and a drop that then purged the chunks would leave a done job's
+        # artifact listed without its bytes (tests/nemesis/test_found.py).
         d.committed = True
         await self.streams.commit(d.key, info)
 

@@ -1,16 +1,8 @@
 """The artifact-store: assembles chunked deliveries into whole, verified objects.
 
-The pieces, each in its own module (DESIGN.md says why it stays exact when
-killed at any moment):
-
-- `assembly`: chunks put in order and verified, the delivery rules (plain code);
-- `delivery`: the delivery state machine (opened, read back, taken,
-  finished, failed, discarded, dropped);
-- `streams`: the JetStream I/O it needs (the artifacts stream, the object store);
-- `sweeper`: orphaned object chunks of a dead store, deliveries gone idle;
-- `api`: `api.artifacts.list/get`.
-
-This module wires them to the durable pull consumer (`lorafleet.nats._consumer`:
+This module wires its pieces (assembly, delivery, streams, sweeper, api:
+the module table and why it stays exact when killed at any moment are in
+DESIGN.md) to the durable pull consumer (`lorafleet.nats._consumer`:
 the sweeper's tick runs between batches, and every `idle_check_s / 2`
 seconds without one) and runs the process (`runtime.serve(PROGRAM)`).
 """

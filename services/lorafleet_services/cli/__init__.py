@@ -1,31 +1,13 @@
-"""The `lorafleet` command.
-
-Services:   lorafleet up | demo | recorder | scheduler | artifact-store | agent --node NAME
-Catalog:    lorafleet models add NAME --engine vllm|llamacpp
-                (--hf-repo R [--revision V] | --local-dir D)
-            lorafleet models list
-            lorafleet models add-demo
-Jobs:       lorafleet submit --model M [--gpu-mib N] --data FILE [--dry-run]
-                [--node N] [--param key=value ...] [--watch [--plain|--json]] [--ignore-estimate]
-                [--max-attempts N] [--resume-from JOB]
-            lorafleet estimate --model M [--param key=value ...] [--gpu-mib N]
-            lorafleet jobs list|get|show|curve ...,  lorafleet watch ID,  lorafleet cancel ID
-            lorafleet resume ID [--attempts N]
-Fleet:      lorafleet top,  lorafleet nodes
-Serving:    lorafleet serve ID [--node N] [--engine URL],  lorafleet unserve ID [--node N]
-            lorafleet adapters [--job J ...] [--node N] [--model M] [--state S]
-Artifacts:  lorafleet artifacts ID,  lorafleet download ID [--kind peft|gguf] [--out DIR]
-NATS:       lorafleet auth --dir DIR [--node N ...] [--client C ...] [--tls-cert ...]
-            lorafleet nats-config --node N [--node N ...] [--blocks]   (passwords; older)
+"""The `lorafleet` command (every command and option: docs/cli.md).
 
 One module per command group: services.py (the services, up, demo),
-catalog.py, jobs.py (with follow.py: watching a job, plots.py: its
-plots), nodes.py, top.py, serving.py, artifacts.py, auth.py (nkey identities),
-nats_config.py (the older passwords); _app.py holds the Typer apps and
-what they share, _help.py tidies what --help shows. A new command goes in its group's module.
-
-Without LORAFLEET_NATS_URL the commands use the NATS server of a running
-`lorafleet up` (its URL is kept in the data directory).
+catalog.py, jobs.py (with follow.py: watching a job, plots.py: its plots),
+nodes.py, top.py, serving.py, artifacts.py, auth.py (nkey identities),
+nats_config.py (the older passwords); _app.py holds the Typer apps and what
+they share (`show`: a view for a person, or JSON with --json; the JOB
+argument; reading and writing the files a command names), exits.py the one
+table of exit codes, _help.py tidies what --help shows. A new command goes
+in its group's module.
 """
 
 from __future__ import annotations

@@ -13,25 +13,22 @@ from typing import Any, NoReturn, TypeVar
 import msgspec
 import nats.errors
 import typer
-from rich.console import Console
+from rich.console import Console, RenderableType
+from rich.markup import escape
 
 from lorafleet.client import Client
 from lorafleet.errors import ApiError, ConnectError
+from lorafleet.exits import Exit, help_epilog
 from lorafleet.nats._bus import redact_url
 from lorafleet.settings import Settings
+from lorafleet_schemas.messages import Engine
 
 T = TypeVar("T")
-
-#: Exit codes (docs/cli.md): 0 done; 1 the job failed, or a request was
-#: refused (unknown job, invalid data); 2 the job was cancelled, a usage
-#: error, or nothing to talk to; 130 interrupted (Ctrl-C).
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_INTERRUPTED = 130
 
 app = typer.Typer(
     name="lorafleet",
     help="Train LoRA adapters on the GPU nodes that serve your LLMs.",
+    epilog=help_epilog(),
     no_args_is_help=True,
     pretty_exceptions_enable=False,
 )
@@ -42,6 +39,10 @@ app.add_typer(jobs_app, name="jobs", rich_help_panel="Jobs")
 
 console = Console()
 err = Console(stderr=True)
+
+#: The engine of the demo's tiny model, for `demo` and `models add-demo`
+#: alike: llama.cpp, so that the job also makes a GGUF.
+DEMO_ENGINE = Engine.LLAMACPP
 
 #: `lorafleet up` listens here unless told otherwise (4222 is often taken).
 EMBEDDED_NATS_PORT = 4250
@@ -70,27 +71,76 @@ def run_client(fn: Callable[[Client], Awaitable[T]], interrupted: str = "") -> T
     try:
         return asyncio.run(main())
     except ApiError as e:
-        fail(str(e), EXIT_FAILED)
+        fail(str(e), Exit.REFUSED)
     except ConnectError as e:
-        fail(str(e), EXIT_USAGE)
+        fail(str(e), Exit.UNREACHABLE)
     except (nats.errors.NoRespondersError, nats.errors.TimeoutError, TimeoutError):
         url = redact_url(settings_from_env().nats_url)
         fail(
             f"no lorafleet service answered on {url}: start them (`lorafleet up`, or "
             "`lorafleet recorder`, `scheduler`, `artifact-store`) or set LORAFLEET_NATS_URL",
-            EXIT_USAGE,
+            Exit.UNREACHABLE,
         )
     except KeyboardInterrupt:
         if interrupted:
             err.print(interrupted, highlight=False, soft_wrap=True)
-        raise typer.Exit(EXIT_INTERRUPTED) from None
+        raise typer.Exit(Exit.INTERRUPTED) from None
 
 
-def fail(message: str, code: int) -> NoReturn:
+def fail(message: str, code: Exit) -> NoReturn:
     """One line on stderr saying what to change, then exit `code` (no traceback)."""
-    err.print(f"[red]error[/red] {message}", highlight=False, soft_wrap=True)
+    err.print(f"[red]error[/red] {escape(message)}", highlight=False, soft_wrap=True)
     raise typer.Exit(code)
 
 
 def print_json(value: Any) -> None:
     sys.stdout.write(msgspec.json.format(msgspec.json.encode(value)).decode() + "\n")
+
+
+#: The JOB argument of every command about one job.
+JOB_ARGUMENT = typer.Argument(
+    ..., metavar="JOB", help="The job's id (`lorafleet jobs list` lists them)."
+)
+
+#: `--json` of every command that shows data.
+JSON_OPTION = typer.Option(
+    False,
+    "--json",
+    help="Print JSON (the API's records) on stdout instead of the view for a person.",
+)
+
+
+def show(value: T, as_json: bool, view: Callable[[T], RenderableType | str]) -> None:
+    """What every command that shows data does with it: JSON on stdout with
+    --json, else `view(value)` for a person."""
+    if as_json:
+        print_json(value)
+    else:
+        console.print(view(value), highlight=False, soft_wrap=True)
+
+
+def read_input(path: Path, option: str) -> bytes:
+    """The bytes of the file given as `option`; one line and Exit.BAD_FILE
+    when it cannot be read (missing, a directory, no permission)."""
+    try:
+        return path.read_bytes()
+    except OSError as e:
+        fail(f"{option} {path}: {_os_reason(e)}: give a readable file", Exit.BAD_FILE)
+
+
+def unwritable(path: Path, option: str, e: OSError) -> NoReturn:
+    """One line and Exit.BAD_FILE for a file or directory `option` names that cannot be written."""
+    fail(f"{option} {path}: {_os_reason(e)}: give a path this user can write", Exit.BAD_FILE)
+
+
+def writable_dir(path: Path, option: str) -> Path:
+    """`path`, made if missing; one line and Exit.BAD_FILE when it cannot be."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        unwritable(path, option, e)
+    return path
+
+
+def _os_reason(e: OSError) -> str:
+    return (e.strerror or type(e).__name__).lower()

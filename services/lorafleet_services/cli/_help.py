@@ -1,26 +1,28 @@
-"""`--help` tidied where Typer's rendering falls short (typer 0.29, its rich
-markup mode). Each is a workaround; tests/cli/test_help.py pins the
-upstream behaviour, so a Typer that fixes one says so by failing there.
+"""`--help` tidied where Typer's rendering falls short (typer 0.29, rich markup
+mode); tests/cli/test_help.py pins each upstream behaviour, so a Typer that
+fixes one says so by failing there.
 
-- A flag takes no value, yet Typer shows a type for it (`--watch <bool>`,
-  `--help <bool>`): every flag gets an empty metavar, which Typer shows in
-  place of the type.
-- Typer keeps a docstring's single line breaks in the commands' panel (and
-  in the paragraphs after the first), so the help breaks mid-sentence at
-  80 columns: each paragraph becomes one line, which rich wraps to the
-  terminal's width. A paragraph Click keeps verbatim (starting with \\b)
-  stays as written.
-
-An option that takes a list of values names them itself (`--param
-KEY=VALUE`, `--node NODE`): Typer's `<list[str]>` says nothing to a reader.
+- A flag takes no value, yet Typer shows a type for it (`--watch <bool>`):
+  every flag gets an empty metavar.
+- Typer keeps a docstring's single line breaks, so the help breaks
+  mid-sentence: each paragraph becomes one line, which rich wraps (a
+  paragraph starting with \\b stays as written).
+- Typer writes a required argument as `{JOB}` in the usage line: it is
+  written `JOB`, Click's way (an optional one stays `[JOB]`).
+- Typer renders every help text as rich markup, so `lorafleet[train]` shows
+  as `lorafleet`: each text is escaped (none of ours uses markup).
+- A list option names its values itself (`--param KEY=VALUE`): Typer's
+  `<list[str]>` says nothing to a reader.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from functools import partial
 
 import typer.main
-from typer.core import TyperCommand, TyperGroup, TyperOption
+from rich.markup import escape
+from typer.core import TyperArgument, TyperCommand, TyperGroup, TyperOption
 
 #: What Click treats as a verbatim paragraph (no rewrapping).
 VERBATIM_MARK = "\b"
@@ -38,7 +40,16 @@ def unwrapped(text: str) -> str:
 def tidy(command: TyperCommand | TyperGroup) -> None:
     """Tidy the help of `command` and of every command under it, in place."""
     if command.help:
-        command.help = unwrapped(command.help)
+        command.help = escape(unwrapped(command.help))
+    if command.short_help:
+        command.short_help = escape(command.short_help)
+    if command.epilog:
+        command.epilog = escape(command.epilog)
+    for param in command.params:
+        if isinstance(param, TyperOption | TyperArgument) and param.help:
+            param.help = escape(param.help)
+        if isinstance(param, TyperArgument):
+            param.get_usage_pieces = partial(_usage_pieces, param)  # type: ignore[method-assign]
     options = [p for p in command.params if isinstance(p, TyperOption)]
     help_option = command.get_help_option(command.context_class(command))
     if isinstance(help_option, TyperOption):
@@ -50,6 +61,12 @@ def tidy(command: TyperCommand | TyperGroup) -> None:
         for sub in command.commands.values():
             if isinstance(sub, TyperCommand | TyperGroup):
                 tidy(sub)
+
+
+def _usage_pieces(argument: TyperArgument, ctx: object) -> list[str]:
+    name = argument.display_name_raw
+    name = name if argument.required else f"[{name}]"
+    return [name + ("..." if argument.nargs != 1 else "")]
 
 
 def tidied_command(app: typer.Typer) -> Callable[..., object]:

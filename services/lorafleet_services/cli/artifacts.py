@@ -4,7 +4,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import msgspec
 import typer
+from rich.table import Table
 
 from lorafleet.artifacts import (
     RESULTS,
@@ -13,37 +15,74 @@ from lorafleet.artifacts import (
     download_name,
 )
 from lorafleet.client import Client
-from lorafleet_schemas.messages import ArtifactKind
-from lorafleet_services.cli._app import EXIT_FAILED, app, err, fail, print_json, run_client
+from lorafleet.exits import Exit
+from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
+from lorafleet_services.cli._app import (
+    JOB_ARGUMENT,
+    JSON_OPTION,
+    app,
+    err,
+    fail,
+    print_json,
+    run_client,
+    show,
+    unwritable,
+    writable_dir,
+)
+from lorafleet_services.cli.follow import human_bytes
+
+
+class Downloaded(msgspec.Struct):
+    """One file `download` wrote, as its --json prints it."""
+
+    path: str
+    artifact: ArtifactRecord
+
+
+def artifacts_table(stored: list[ArtifactRecord]) -> Table:
+    table = Table("kind", "size", "sha256", "node", "stored", title=f"artifacts ({len(stored)})")
+    for a in stored:
+        stored_at = a.stored_at.astimezone().strftime("%Y-%m-%d %H:%M:%S")
+        table.add_row(a.kind.value, human_bytes(a.size), a.sha256, a.node, stored_at)
+    return table
 
 
 @app.command("artifacts", rich_help_panel="Artifacts")
-def artifacts(job_id: str) -> None:
-    """A job's stored artifacts, as JSON."""
-    print_json(run_client(lambda c: c.artifacts(job_id)))
+def artifacts(job_id: str = JOB_ARGUMENT, as_json: bool = JSON_OPTION) -> None:
+    """A job's stored artifacts: kind, size, sha256 (and a checkpoint's step)."""
+    show(run_client(lambda c: c.artifacts(job_id)), as_json, artifacts_table)
 
 
 @app.command("download", rich_help_panel="Artifacts")
 def download(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     kind: list[ArtifactKind] = typer.Option(
         [],
         metavar="|".join(ArtifactKind),
         help="Repeatable. Default: what the job made (peft, gguf); a checkpoint only when named.",
     ),
     out: Path = typer.Option(Path("."), help="Directory to write into."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
-    """Download a job's artifacts (sha256 checked)."""
+    """Download a job's artifacts (sha256 checked), a line per file on stderr."""
 
-    async def go(c: Client) -> None:
+    async def go(c: Client) -> list[Downloaded]:
         kinds = kind or [a.kind for a in await c.artifacts(job_id) if a.kind in RESULTS]
-        out.mkdir(parents=True, exist_ok=True)
+        writable_dir(out, "--out")
+        files = []
         for k in kinds:
             path = out / download_name(job_id, k)
             try:
                 rec = await c.download(job_id, k, path)
             except (ArtifactNotFoundError, ArtifactDigestError) as e:
-                fail(str(e), EXIT_FAILED)
-            err.print(f"{path}  {rec.size} bytes  sha256 {rec.sha256} (checked)")
+                fail(str(e), Exit.REFUSED)
+            except OSError as e:
+                unwritable(path, "--out", e)
+            # A person's view, as each file arrives; --json adds the list on stdout.
+            err.print(f"{path}  {rec.size} bytes  sha256 {rec.sha256} (checked)", highlight=False)
+            files.append(Downloaded(str(path), rec))
+        return files
 
-    run_client(go)
+    files = run_client(go)
+    if as_json:
+        print_json(files)

@@ -10,7 +10,9 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+import msgspec
 import typer
+from rich.text import Text
 
 from lorafleet.access.identities import (
     ClientTls,
@@ -22,10 +24,11 @@ from lorafleet.access.identities import (
     server_config,
 )
 from lorafleet.access.permissions import PermissionsError
+from lorafleet.exits import Exit
 from lorafleet.names import Names
 from lorafleet.nats.config import ServerTls
 from lorafleet.settings import Settings
-from lorafleet_services.cli._app import app
+from lorafleet_services.cli._app import JSON_OPTION, app, err, fail, show, unwritable
 
 #: The server config's file name in the identity directory.
 CONFIG_NAME = "nats-server.conf"
@@ -109,22 +112,15 @@ def auth_cmd(
         help="Mutual TLS: the server wants a certificate signed by --tls-ca from every "
         "process (each then needs LORAFLEET_NATS_TLS_CERT and LORAFLEET_NATS_TLS_KEY).",
     ),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """See AUTH_HELP."""
-    err = typer.echo
     if ctx.invoked_subcommand is not None:
         return
     if directory is None:
-        err("error: give --dir DIR (the identity directory), or a command (api-key)", err=True)
-        raise typer.Exit(2)
+        fail("give --dir DIR (the identity directory), or a command (api-key)", Exit.USAGE)
     try:
-        if (tls_cert is None) != (tls_key is None):
-            raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
-        if verify_clients and not tls_cert:
-            raise PermissionsError("--verify-clients needs TLS: give --tls-cert and --tls-key")
-        server_tls = (
-            ServerTls(tls_cert, tls_key, tls_ca, verify_clients) if tls_cert and tls_key else None
-        )
+        server_tls = checked_tls(tls_cert, tls_key, tls_ca, verify_clients)
         store = IdentityStore(directory)
         identities, made = ensure_fleet(store, node, client)
         names = Settings.from_env().names
@@ -132,19 +128,53 @@ def auth_cmd(
         client_tls = ClientTls(str(Path(tls_ca).resolve())) if tls_ca else None
         config = write_outputs(names, store, identities, text, url, client_tls)
     except (PermissionsError, ValueError) as e:
-        err(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), Exit.REFUSED)
+    except OSError as e:
+        unwritable(directory, "--dir", e)
     new = {i.label for i in made}
-    for ident in identities:
-        state = "made" if ident.label in new else "kept"
-        sys.stdout.write(f"{state}  {ident.label:<28} {ident.public_key}  {ident.seed_file}\n")
-    err(f"server config: {config}   env files: {store.root / ENV_DIR}/", err=True)
-    err("give each process only its own seed and env file; the config holds no secret", err=True)
+    said = [
+        IdentityLine("made" if i.label in new else "kept", i.label, i.public_key, str(i.seed_file))
+        for i in identities
+    ]
+    show(said, as_json, identity_lines)
+    err.print(
+        f"server config: {config}   env files: {store.root / ENV_DIR}/\n"
+        "give each process only its own seed and env file; the config holds no secret",
+        highlight=False,
+        markup=False,
+    )
+
+
+def checked_tls(
+    cert: str | None, key: str | None, ca: str | None, verify_clients: bool
+) -> ServerTls | None:
+    """The server's TLS from the options, or none; PermissionsError saying
+    what to give when they do not go together."""
+    if (cert is None) != (key is None):
+        raise PermissionsError("--tls-cert and --tls-key go together: give both or neither")
+    if verify_clients and not cert:
+        raise PermissionsError("--verify-clients needs TLS: give --tls-cert and --tls-key")
+    return ServerTls(cert, key, ca, verify_clients) if cert and key else None
+
+
+class IdentityLine(msgspec.Struct):
+    """One identity as `lorafleet auth` reports it (made now, or kept)."""
+
+    state: str
+    label: str
+    public_key: str
+    seed_file: str
+
+
+def identity_lines(said: list[IdentityLine]) -> Text:
+    return Text("\n".join(f"{i.state}  {i.label:<28} {i.public_key}  {i.seed_file}" for i in said))
 
 
 @auth_app.command("api-key")
 def api_key_cmd(
-    name: str = typer.Argument(..., help="The client the key is for (letters, digits, - and _)."),
+    name: str = typer.Argument(
+        ..., metavar="NAME", help="The client the key is for (letters, digits, - and _)."
+    ),
     keys_file: Path | None = typer.Option(
         None,
         "--file",
@@ -162,7 +192,8 @@ def api_key_cmd(
         path = keys_file or GatewayConfig.from_env().keys_file(Settings.from_env().data_dir)
         key = make_key(path, name)
     except (ApiKeysError, ValueError) as e:
-        typer.echo(f"error: {e}", err=True)
-        raise typer.Exit(1) from None
+        fail(str(e), Exit.REFUSED)
+    except OSError as e:
+        unwritable(keys_file or Path("the keys file"), "--file", e)
     sys.stdout.write(key + "\n")
     typer.echo(f"API key of {name!r} (shown this once; its hash is in {path})", err=True)

@@ -1,21 +1,12 @@
 """Following a job: the live display, the plain lines, the JSON lines, the summary.
 
-The view is fed the job's events (the recorder publishes one per committed
-change; `Client.watch` yields them) and never asks the server for more while
-the job runs. Its pieces are plain functions of a `JobView`, tested without
-a bus; `follow()` wires them to a client and a console:
-
-- live (a terminal): one Rich Live display redrawn in place — state, a bar
-  over step/steps, loss and eval loss, tokens/s, ETA, peak MiB, node, the
-  latest message — with state changes and new messages printed above it;
-- plain (piped, or --plain): a line per state change and one per
-  `PlainPacer` period (a tenth of the steps, or `every_s` seconds), never
-  one per step;
-- json: every event as one JSON line on stdout.
-
-Exit codes scripts rely on: 0 done, 1 failed, 2 cancelled (`exit_code`);
-with `--until-served`, a done job whose adapter no engine serves once its
-serving settles (`follow_serving`) is 3.
+The view is fed the job's events (`Client.watch`) and never asks the server
+for more while the job runs. Its pieces are plain functions of a `JobView`,
+tested without a bus; `follow()` wires them to a client and a console: a
+Rich Live display on a terminal, a line per state change and per
+`PlainPacer` period when piped (never one per step), or every event as a
+JSON line. The exit code says how the job ended (`exit_code`,
+`follow_serving`; the table: lorafleet/exits.py).
 """
 
 from __future__ import annotations
@@ -34,6 +25,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lorafleet.client import Client, job_order
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactRecord,
     JobEvent,
@@ -46,7 +38,11 @@ from lorafleet_schemas.messages import (
 Mode = Literal["live", "plain", "json"]
 
 #: Exit code of a follow that saw the job end in each final state.
-EXIT_CODES: dict[JobState, int] = {JobState.DONE: 0, JobState.FAILED: 1, JobState.CANCELLED: 2}
+EXIT_CODES: dict[JobState, Exit] = {
+    JobState.DONE: Exit.OK,
+    JobState.FAILED: Exit.JOB_FAILED,
+    JobState.CANCELLED: Exit.JOB_CANCELLED,
+}
 #: A plain line at least every this many seconds while steps advance.
 PLAIN_EVERY_S = 30.0
 #: ... and at least every this fraction of the steps.
@@ -56,13 +52,12 @@ LIVE_REFRESH_PER_S = 4
 #: Seconds without an event after which the job is read once, in case an
 #: event was missed (a reconnect); progress itself comes only from events.
 RESYNC_AFTER_S = 15.0
-#: `--until-served`: the job is done, but no engine serves its adapter.
-NOT_SERVED_EXIT = 3
 
 
-def exit_code(job: JobRecord) -> int:
-    """0 done, 1 failed, 2 cancelled; 1 for a job that is not final (the watch was cut)."""
-    return EXIT_CODES.get(job.state, 1)
+def exit_code(job: JobRecord) -> Exit:
+    """How the job ended; a job not final when its events stopped: the watch
+    was cut (Exit.UNREACHABLE), never a success."""
+    return EXIT_CODES.get(job.state, Exit.UNREACHABLE)
 
 
 @dataclass
@@ -307,13 +302,13 @@ def serving_line(r: ServingRecord) -> str:
 
 async def follow_serving(
     client: Client, job: JobRecord, mode: Mode, console: Console, timeout_s: float
-) -> int:
+) -> Exit:
     """A done job's serving, a line (or a JSON event) per change, until it
     settles or `timeout_s` passes: 0 when an engine serves it, else
-    NOT_SERVED_EXIT."""
+    Exit.NOT_SERVED."""
     if job.serve is False:
         _say(console, "serving: off for this job (serve: false)")
-        return NOT_SERVED_EXIT
+        return Exit.NOT_SERVED
     latest: dict[tuple[str, str, str], ServingRecord] = {}
     async for r in client.serving_changes(job.id, timeout_s):
         latest[(r.node, r.engine, r.served_name)] = r
@@ -327,6 +322,6 @@ async def follow_serving(
             f"serving: nothing reported within {timeout_s:g} s: no engine on {job.node} "
             f"serves {job.model}? (`lorafleet serve {job.id} --engine URL` names one)",
         )
-        return NOT_SERVED_EXIT
+        return Exit.NOT_SERVED
     served = any(r.state == ServingState.SERVED for r in latest.values())
-    return 0 if served else NOT_SERVED_EXIT
+    return Exit.OK if served else Exit.NOT_SERVED

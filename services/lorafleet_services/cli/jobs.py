@@ -6,10 +6,12 @@ from pathlib import Path
 
 import msgspec
 import typer
+from rich.console import Group, RenderableType
 from rich.table import Table
 from rich.text import Text
 
 from lorafleet.client import Client
+from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
     ArtifactRecord,
     JobCurve,
@@ -19,14 +21,18 @@ from lorafleet_schemas.messages import (
     JobState,
 )
 from lorafleet_services.cli._app import (
-    EXIT_USAGE,
+    JOB_ARGUMENT,
+    JSON_OPTION,
     app,
     console,
     err,
     fail,
     jobs_app,
     print_json,
+    read_input,
     run_client,
+    show,
+    unwritable,
 )
 from lorafleet_services.cli.estimate import parse_params, show_estimate
 from lorafleet_services.cli.follow import (
@@ -45,7 +51,7 @@ _MAX_ATTEMPTS = typer.Option(
     1,
     min=1,
     max=100,
-    help="Times the job may be sent to a node: with attempts left, a job whose node "
+    help="Attempts in all (the job's max_attempts): with attempts left, a job whose node "
     "is lost goes back to the queue and resumes from its newest checkpoint.",
 )
 _RESUME_FROM = typer.Option(
@@ -57,8 +63,12 @@ _EVAL_DATA = typer.Option(
     None,
     help="An evaluation set (the same records): the eval loss is computed on it and "
     "every record of --data is trained on (eval_fraction unused).",
-    exists=True,
-    dir_okay=False,
+)
+_PARAMS = typer.Option(None, help="Trainer parameters as a JSON file (an object); --param wins.")
+_SUBMIT_JSON = typer.Option(
+    False,
+    "--json",
+    help="Print JSON on stdout: the job's record; with --watch, every event as a JSON line.",
 )
 _SERVE = typer.Option(
     None,
@@ -70,25 +80,23 @@ _SERVE = typer.Option(
 @app.command("submit", rich_help_panel="Jobs")
 def submit(
     model: str = typer.Option(..., help="The catalog model the adapter is for."),
-    gpu_mib: int | None = typer.Option(
+    gpu_memory_mib: int | None = typer.Option(
         None, help="MiB of one card the job needs (default: the memory estimate + its margin)."
     ),
-    data: Path = typer.Option(
-        ..., help="NDJSON of {q, a} or {messages} records.", exists=True, dir_okay=False
-    ),
+    data: Path = typer.Option(..., help="NDJSON of {q, a} or {messages} records."),
     eval_data: Path | None = _EVAL_DATA,
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
     param: list[str] = _PARAM,
-    params: Path | None = typer.Option(None, help="Trainer parameters as a JSON file."),
+    params: Path | None = _PARAMS,
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
     plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),
-    as_json: bool = typer.Option(False, "--json", help="With --watch: events as JSON lines."),
+    as_json: bool = _SUBMIT_JSON,
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Show the memory estimate; queue nothing."
     ),
     ignore_estimate: bool = typer.Option(
-        False, help="Queue even when --gpu-mib is below the memory estimate."
+        False, help="Queue even when --gpu-memory-mib is below the memory estimate."
     ),
     max_attempts: int = _MAX_ATTEMPTS,
     resume_from: str | None = _RESUME_FROM,
@@ -96,15 +104,15 @@ def submit(
 ) -> None:
     """Queue a training job. Data (and an evaluation set) over 512 KiB goes
     to the datasets bucket first."""
-    body = data.read_bytes()
-    eval_body = None if eval_data is None else eval_data.read_bytes()
+    body = read_input(data, "--data")
+    eval_body = None if eval_data is None else read_input(eval_data, "--eval-data")
     trainer = parse_params(param, params)
     if dry_run:
-        show_estimate(model, trainer, gpu_mib)
+        show_estimate(model, trainer, gpu_memory_mib)
         return
     spec = JobSpec(
         model=model,
-        gpu_memory_mib=gpu_mib,
+        gpu_memory_mib=gpu_memory_mib,
         node=node,
         name=name,
         params=trainer,
@@ -127,30 +135,28 @@ def submit(
 
 
 def _submitted(job: JobRecord, watched: bool, as_json: bool) -> None:
-    """The job's record on stdout; after a watch, the exit code says how it ended."""
+    """The job as queued (after a watch the summary said it all); after a
+    watch, the exit code says how the job ended."""
     if not watched:
-        print_json(job)
+        show(job, as_json, lambda j: job_details(j, []))
         return
-    # After the summary, the record is for a program reading stdout (`> job.json`).
-    if not as_json and not console.is_terminal:
-        print_json(job)
     raise typer.Exit(exit_code(job))
 
 
 @jobs_app.command("list")
 def jobs_list(
-    state: JobState | None = typer.Option(None),
-    node: str | None = typer.Option(None),
-    model: str | None = typer.Option(None),
-    limit: int = typer.Option(50),
-    as_json: bool = typer.Option(False, "--json"),
+    state: JobState | None = typer.Option(None, help="Only jobs in this state."),
+    node: str | None = typer.Option(None, help="Only jobs placed on this node."),
+    model: str | None = typer.Option(None, help="Only jobs of this catalog model."),
+    limit: int = typer.Option(50, min=1, help="At most this many jobs."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Jobs, newest first."""
     req = JobListRequest(state=state, node=node, model=model, limit=limit)
-    jobs = run_client(lambda c: c.jobs(req))
-    if as_json:
-        print_json(jobs)
-        return
+    show(run_client(lambda c: c.jobs(req)), as_json, jobs_table)
+
+
+def jobs_table(jobs: list[JobRecord]) -> Table:
     table = Table("id", "name", "model", "node", "state", "step", "loss", "peak MiB", "message")
     for j in jobs:
         table.add_row(
@@ -164,40 +170,59 @@ def jobs_list(
             str(j.peak_mib or ""),
             j.message,
         )
-    console.print(table)
+    return table
 
 
 @jobs_app.command("get")
-def jobs_get(job_id: str) -> None:
-    """One job, as JSON."""
-    print_json(run_client(lambda c: c.get(job_id)))
+def jobs_get(job_id: str = JOB_ARGUMENT, as_json: bool = JSON_OPTION) -> None:
+    """One job's record."""
+    show(run_client(lambda c: c.get(job_id)), as_json, lambda job: job_details(job, []))
+
+
+class JobShown(msgspec.Struct):
+    """What `jobs show` shows, as its --json prints it."""
+
+    job: JobRecord
+    curve: JobCurve
+    artifacts: list[ArtifactRecord]
 
 
 @jobs_app.command("show")
 def jobs_show(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     png: Path | None = typer.Option(None, "--png", help="Also write the loss plot to this PNG."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Everything about a job: its record, state changes, artifacts, and the
     loss curve drawn in the terminal (--png FILE writes it as an image too)."""
 
-    async def go(c: Client) -> tuple[JobRecord, JobCurve, list[ArtifactRecord]]:
-        return await c.get(job_id), await c.curve(job_id), await c.artifacts(job_id)
+    async def go(c: Client) -> JobShown:
+        return JobShown(await c.get(job_id), await c.curve(job_id), await c.artifacts(job_id))
 
-    job, curve, stored = run_client(go)
-    console.print(job_details(job, stored))
-    if curve.events:
-        console.print(job_history(curve))
-    if curve.points:
-        console.print(Text.from_ansi(terminal_plot(job, curve, console.width - 2)))
-    else:
-        console.print("no loss points yet", style="dim")
+    shown = run_client(go)
+    show(shown, as_json, lambda s: job_page(s.job, s.curve, s.artifacts))
     if png is not None:
         try:
-            write_png(job, curve, png)
+            write_png(shown.job, shown.curve, png)
         except PlotsMissingError as e:
-            fail(str(e), EXIT_USAGE)
+            fail(str(e), Exit.REFUSED)
+        except OSError as e:
+            unwritable(png, "--png", e)
         err.print(f"wrote {png}")
+
+
+def job_page(job: JobRecord, curve: JobCurve, stored: list[ArtifactRecord]) -> Group:
+    """`jobs show` for a person: the details, the state changes, the curves."""
+    parts: list[RenderableType] = [job_details(job, stored)]
+    parts += [job_history(curve)] if curve.events else []
+    parts.append(curve_view(job, curve))
+    return Group(*parts)
+
+
+def curve_view(job: JobRecord, curve: JobCurve) -> RenderableType:
+    if not curve.points:
+        return Text("no loss points yet", style="dim")
+    return Text.from_ansi(terminal_plot(job, curve, console.width - 2))
 
 
 def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
@@ -268,14 +293,23 @@ def job_history(curve: JobCurve) -> Table:
 
 
 @jobs_app.command("curve")
-def jobs_curve(job_id: str) -> None:
-    """A job's loss curve and state changes, as JSON."""
-    print_json(run_client(lambda c: c.curve(job_id)))
+def jobs_curve(job_id: str = JOB_ARGUMENT, as_json: bool = JSON_OPTION) -> None:
+    """A job's loss and eval-loss points and its state changes (drawn, or
+    with --json every point)."""
+    if as_json:
+        print_json(run_client(lambda c: c.curve(job_id)))
+        return
+
+    async def go(c: Client) -> JobShown:
+        return JobShown(await c.get(job_id), await c.curve(job_id), [])
+
+    shown = run_client(go)
+    console.print(Group(job_history(shown.curve), curve_view(shown.job, shown.curve)))
 
 
 @app.command("watch", rich_help_panel="Jobs")
 def watch(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     plain: bool = typer.Option(False, "--plain", help="Lines, no live display."),
     as_json: bool = typer.Option(False, "--json", help="The events as JSON lines on stdout."),
     every_s: float = typer.Option(
@@ -289,8 +323,8 @@ def watch(
     ),
 ) -> None:
     """Follow a job until it ends: a live display on a terminal, a line per
-    state change and per tenth of the steps otherwise. Exit 0 done, 1 failed,
-    2 cancelled; with --until-served, 3 when done but no engine serves it."""
+    state change and per tenth of the steps otherwise. The exit code says how
+    it ended (the table at the end of `lorafleet --help`)."""
     mode = choose_mode(plain, as_json, err)
 
     async def go(c: Client) -> int:
@@ -305,21 +339,36 @@ def watch(
     raise typer.Exit(code)
 
 
+_REASON = typer.Option("", help="Why, for the job's history.")
+
+
+def job_line(job: JobRecord) -> Text:
+    """A job in one line: what `cancel` and `resume` leave it as."""
+    said = f"job {job.id} {job.state.value}" + (f": {job.message}" if job.message else "")
+    return Text(said)
+
+
 @app.command("cancel", rich_help_panel="Jobs")
-def cancel(job_id: str, reason: str = typer.Option("")) -> None:
+def cancel(job_id: str = JOB_ARGUMENT, reason: str = _REASON, as_json: bool = JSON_OPTION) -> None:
     """Cancel a job: a queued one is never sent, a running one is stopped on its node."""
-    print_json(run_client(lambda c: c.cancel(job_id, reason)))
+    show(run_client(lambda c: c.cancel(job_id, reason)), as_json, job_line)
 
 
 @app.command("resume", rich_help_panel="Jobs")
 def resume(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     attempts: int = typer.Option(
-        1, "--attempts", min=1, max=100, help="Attempts it gets from now on."
+        1,
+        "--attempts",
+        min=1,
+        max=100,
+        help="More attempts, from now on (the API's attempts: its max_attempts grows so "
+        "that this many are left).",
     ),
-    reason: str = typer.Option("", help="Why, for the job's history."),
+    reason: str = _REASON,
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Queue a failed or cancelled job again from its newest checkpoint, as a
     new attempt. A job with no checkpoint cannot resume: submit a new job
     with --resume-from JOB to start from its adapter."""
-    print_json(run_client(lambda c: c.resume(job_id, attempts, reason)))
+    show(run_client(lambda c: c.resume(job_id, attempts, reason)), as_json, job_line)

@@ -2,19 +2,19 @@
 
 from __future__ import annotations
 
-import typer
 from rich.table import Table
 
-from lorafleet_services.cli._app import app, console, print_json, run_client
+from lorafleet_schemas.messages import NodeList
+from lorafleet_services.cli._app import JSON_OPTION, app, run_client, show
 
 
 @app.command("nodes", rich_help_panel="Fleet")
-def nodes(as_json: bool = typer.Option(False, "--json")) -> None:
+def nodes(as_json: bool = JSON_OPTION) -> None:
     """Nodes heartbeating now, with their cards and jobs."""
-    reply = run_client(lambda c: c.nodes())
-    if as_json:
-        print_json(reply)
-        return
+    show(run_client(lambda c: c.nodes()), as_json, nodes_table)
+
+
+def nodes_table(reply: NodeList) -> Table:
     table = Table("node", "alive", "job", "cards", "engines", "last beat")
     for n in reply.nodes:
         hb = n.heartbeat
@@ -31,4 +31,4 @@ def nodes(as_json: bool = typer.Option(False, "--json")) -> None:
             engines or "-",
             hb.time.isoformat(timespec="seconds"),
         )
-    console.print(table)
+    return table

@@ -6,7 +6,7 @@ import asyncio
 import signal
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -18,7 +18,7 @@ from lorafleet_services.agent.environment.gguf_conversion import (
     ConversionError,
     local_conversion_source,
 )
-from lorafleet_services.cli._app import EMBEDDED_NATS_PORT, app, err
+from lorafleet_services.cli._app import DEMO_ENGINE, EMBEDDED_NATS_PORT, app, err, writable_dir
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.stack import (
     LOCAL_NODE,
@@ -28,37 +28,45 @@ from lorafleet_services.stack import (
     next_steps,
 )
 
+if TYPE_CHECKING:
+    from lorafleet._runtime import Program
+
 #: Seconds between two looks of `lorafleet up` at its children.
 UP_WATCH_INTERVAL_S = 0.5
 #: Where `lorafleet up`'s first process serves /metrics (the others: 9461, ...).
 UP_METRICS_ADDR = "127.0.0.1:9460"
 
 
+def run_service(program: Program) -> None:
+    """Run a service as this process (its exit codes are the table's:
+    `_runtime` uses lorafleet/exits.py)."""
+    from lorafleet import _runtime as runtime
+
+    runtime.main(program)
+
+
 @app.command("recorder", rich_help_panel="Services")
 def recorder_cmd() -> None:
     """Run the recorder (the system of record) until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.recorder.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("scheduler", rich_help_panel="Services")
 def scheduler_cmd() -> None:
     """Run the scheduler until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.scheduler.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("artifact-store", rich_help_panel="Services")
 def artifact_store_cmd() -> None:
     """Run the artifact-store until SIGTERM."""
-    from lorafleet import _runtime as runtime
     from lorafleet_services.artifact_store.service import PROGRAM
 
-    runtime.main(PROGRAM)
+    run_service(PROGRAM)
 
 
 @app.command("gateway", rich_help_panel="Services")
@@ -95,7 +103,7 @@ def agent_cmd(
         overrides["allow_cpu"] = True
     from lorafleet_services.agent.service import program
 
-    runtime.main(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
+    run_service(program(runtime.read_or_exit("agent", lambda: AgentConfig.from_env(**overrides))))
 
 
 @app.command("up", rich_help_panel="Services")
@@ -120,7 +128,7 @@ def up_cmd(
     from lorafleet import log
 
     base = runtime.read_or_exit("up", Settings.from_env)
-    directory = data_dir or Path(base.data_dir)
+    directory = writable_dir(data_dir or Path(base.data_dir), "--data-dir")
     log.configure("up", base.log_level)
     # The services log JSON into a pipe; a person at a terminal reads them rendered.
     echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
@@ -190,7 +198,7 @@ async def up_agent_config(
 def demo_cmd(
     data_dir: Path | None = typer.Option(None, help="Default: a new temporary directory."),
     out: Path = typer.Option(Path("lorafleet-demo-artifacts"), help="Where artifacts go."),
-    engine: Engine = typer.Option(Engine.LLAMACPP, help="llamacpp also makes a GGUF."),
+    engine: Engine = typer.Option(DEMO_ENGINE, help="llamacpp also makes a GGUF."),
     serve: bool = typer.Option(
         False,
         "--serve",
@@ -202,6 +210,9 @@ def demo_cmd(
     the CPU through the whole system, then download and check its artifacts."""
     from lorafleet_services.demo import run_demo
 
+    if data_dir is not None:
+        writable_dir(data_dir, "--data-dir")
+    writable_dir(out, "--out")
     code = asyncio.run(
         run_demo(data_dir=data_dir, out_dir=out, engine=engine, console=err, serve=serve)
     )

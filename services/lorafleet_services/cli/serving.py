@@ -15,7 +15,7 @@ from rich.table import Table
 from rich.text import Text
 
 from lorafleet_schemas.messages import NodeServeReply, ServingRecord, ServingState
-from lorafleet_services.cli._app import app, console, print_json, run_client
+from lorafleet_services.cli._app import JOB_ARGUMENT, JSON_OPTION, app, run_client, show
 
 #: How each state is drawn: what is served in green, what needs a person in red.
 STATE_STYLES = {
@@ -64,29 +64,34 @@ def adapters_table(records: list[ServingRecord], now: dt.datetime) -> Table:
 
 @app.command("serve", rich_help_panel="Serving")
 def serve(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     node: str | None = typer.Option(None, "--node", help="Default: the node it trained on."),
     engine: str | None = typer.Option(
         None, "--engine", help="One engine's URL on that node (`lorafleet top` lists them)."
     ),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Load a done job's adapter into the node's running engines that serve
     its model. Another node serving the same model fetches the adapter from
     the store. `lorafleet adapters --job JOB` shows how each load ends."""
     reply = run_client(lambda c: c.serve(job_id, node, engine))
-    console.print(reply_line(job_id, "loads into", reply), highlight=False, soft_wrap=True)
+    show(reply, as_json, lambda r: Text(reply_line(job_id, "loads into", r)))
 
 
 @app.command("unserve", rich_help_panel="Serving")
 def unserve(
-    job_id: str,
+    job_id: str = JOB_ARGUMENT,
     node: str | None = typer.Option(None, "--node", help="Default: every node serving it."),
     engine: str | None = typer.Option(None, "--engine", help="One engine's URL on that node."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Take a job's adapter out of the engines serving it."""
     reply = run_client(lambda c: c.unserve(job_id, node, engine))
-    for one in reply.replies:
-        console.print(reply_line(job_id, "unloads from", one), highlight=False, soft_wrap=True)
+    show(
+        reply,
+        as_json,
+        lambda r: Text("\n".join(reply_line(job_id, "unloads from", one) for one in r.replies)),
+    )
 
 
 @app.command("adapters", rich_help_panel="Serving")
@@ -94,15 +99,12 @@ def adapters(
     job: list[str] = typer.Option(
         [], "--job", metavar="JOB", help="This job only; repeat for several."
     ),
-    node: str | None = typer.Option(None, "--node"),
-    model: str | None = typer.Option(None, "--model"),
-    state: ServingState | None = typer.Option(None, "--state"),
-    as_json: bool = typer.Option(False, "--json"),
+    node: str | None = typer.Option(None, "--node", help="Only this node's records."),
+    model: str | None = typer.Option(None, "--model", help="Only adapters of this base model."),
+    state: ServingState | None = typer.Option(None, "--state", help="Only records in this state."),
+    as_json: bool = JSON_OPTION,
 ) -> None:
     """Where adapters are served: a serving record per job, node and engine,
     newest change first, with why one is refused and the flag that would lift it."""
     records = run_client(lambda c: c.adapters(job, node=node, model=model, state=state))
-    if as_json:
-        print_json(records)
-        return
-    console.print(adapters_table(records, dt.datetime.now(dt.UTC)))
+    show(records, as_json, lambda rs: adapters_table(rs, dt.datetime.now(dt.UTC)))

@@ -25,7 +25,7 @@ from rich.text import Text
 from lorafleet.client import Client
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import JobEvent, JobListRequest, JobRecord, JobState, NodeInfo
-from lorafleet_services.cli._app import app, console, run_client
+from lorafleet_services.cli._app import app, console, run_client, show
 
 #: Seconds between two snapshots of a live `top`.
 TOP_INTERVAL_S = 1.0
@@ -158,6 +158,9 @@ def top(
         TOP_INTERVAL_S, "--interval-s", min=0.2, help="Seconds between two redraws."
     ),
     once: bool = typer.Option(False, "--once", help="Print one snapshot and exit."),
+    as_json: bool = typer.Option(
+        False, "--json", help="Print one snapshot as JSON on stdout (implies --once)."
+    ),
 ) -> None:
     """The fleet at a glance, redrawn in place: nodes (alive, cards, what each
     trains, heartbeat age), their engines and the adapters each has loaded,
@@ -165,8 +168,8 @@ def top(
     for. Ctrl-C leaves."""
 
     async def go(client: Client) -> None:
-        if once or not console.is_terminal:
-            console.print(fleet_view(await snapshot(client)))
+        if once or as_json or not console.is_terminal:
+            show(await snapshot(client), as_json, fleet_view)
             return
         rates = Rates()
         listening = asyncio.create_task(rates.follow(client))

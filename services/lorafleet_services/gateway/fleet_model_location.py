@@ -1,28 +1,15 @@
 """`ModelLocator` from the control plane: the engines that serve a model, as
 the serving records and the nodes' heartbeats say.
 
-- A fine-tuned name, `ft:<base>:<suffix>:<job>` (job_mapping's
-  `fine_tuned_model_name`), goes to each engine holding a served record of
-  `<job>` (`api.adapters.list`, state served) of that base, on a live node
-  whose heartbeat lists that engine; the request's `model` becomes the
-  record's served name (vLLM's lora_name).
-- A catalog base goes to each engine of a live node whose base model is
-  that catalog entry (its name, local_dir or hf_repo); `model` becomes the
-  engine's own name for it (EngineRef.model).
-
-The view (`fleet_view`, a plain function) is made from three requests
-(served records, nodes, catalog) and reused for `ttl_s` seconds, then
-renewed beside the requests (they go on with the old one meanwhile); a
-model not in it asks again at once, so an adapter served a moment ago is
-found; a location whose engine answers 404 is dropped from it (`forget`).
-An engine's url is its url on its node (EngineRef.url, `http://host:port`):
-the gateway must reach it there, so a node names its engines by an address
-the gateway can reach (the agent's configured server URLs), not 127.0.0.1,
-unless both run on one machine. The engines' key is the gateway's
-`engine_api_key` (a node's own keys never leave it).
-
-`ConfiguredFirstLocator` puts LORAFLEET_GATEWAY_ENGINES first: a model those
-engines list goes there (as before), any other to the fleet's.
+A fine-tuned name (`ft:<base>:<suffix>:<job>`) goes to each engine holding
+a served record of `<job>` on a live node whose heartbeat lists that
+engine, `model` rewritten to the record's served name; a catalog base goes
+to each engine of a live node whose base model is that entry. The view
+(`fleet_view`, a plain function of three requests) is reused for `ttl_s`
+and renewed beside the requests; a miss asks again at once; a location whose
+engine answered 404 is dropped (`forget`). `ConfiguredFirstLocator` puts
+LORAFLEET_GATEWAY_ENGINES first. What an operator must give (engine
+addresses the gateway can reach): docs/gateway.md.
 """
 
 from __future__ import annotations

@@ -1,22 +1,10 @@
 """lorafleet's jobs in OpenAI's shapes, and back: pure code, no bus, no HTTP.
 
-Ids: OpenAI's job id is `ftjob-<lorafleet job id>`; a fine-tuned model is
-named `ft:<base>:<suffix>:<lorafleet job id>` (suffix empty when none was
-given, as OpenAI's `ft:base:org::id`), the name an engine serves its
-adapter under.
-
-Status, from lorafleet's state (docs/gateway.md has the table):
-queued -> `queued`; starting, preparing, running, converting, uploading
--> `running`; done -> `succeeded`; failed -> `failed`; cancelled ->
-`cancelled`, or `paused` when the gateway's pause cancelled it.
-`validating_files` is never reported: a file is checked whole when it is
-uploaded and the job's data again when it is submitted, both before the
-create call returns.
-
-Hyperparameters: `n_epochs` is the trainer's `epochs`, `batch_size` its
-`batch_size`, `learning_rate_multiplier` scales its default learning rate
-(2e-4); "auto" (or none) keeps the trainer's default. A job reports the
-values it trains with.
+Ids (`ftjob-<job id>`, a fine-tuned model `ft:<base>:<suffix>:<job id>`),
+the status of each lorafleet state, and the hyperparameters (`n_epochs`,
+`batch_size`, `learning_rate_multiplier` of the trainer's 2e-4; "auto" keeps
+the trainer's default) are written once here; docs/gateway.md has the
+tables.
 """
 
 from __future__ import annotations

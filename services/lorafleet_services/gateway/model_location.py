@@ -1,19 +1,12 @@
 """Where a model is served: the one question the completions routes ask.
 
 `ModelLocator` is the interface: `where(model)` gives the engines (OpenAI
-base URL and the key they want) that serve `model` under that name, a
-catalog base or a fine-tuned adapter (`ft:<base>:<suffix>:<job>`);
-`served()` all of them, for `GET /v1/models`.
-
-`EngineModels` is today's implementation: the engines named in
-`LORAFLEET_GATEWAY_ENGINES`, each asked `GET <url>/models` (vLLM lists
-its base and every adapter it has loaded), the answers reused for
-`ttl_s` seconds; a model not in them asks again at once, so an adapter
-loaded a moment ago is found. `forget` drops a location its engine has just
-answered 404 for (an adapter unloaded within the TTL).
-`fleet_model_location.FleetModelLocator` implements the same interface from the
-serving records (which node's engine serves which adapter, kept by the
-control plane) and the nodes' heartbeats.
+base URL, the key they want, the name to send) that serve `model`, a
+catalog base or a fine-tuned adapter; `served()` all of them, for `GET
+/v1/models`. `EngineModels` asks the engines named in
+`LORAFLEET_GATEWAY_ENGINES` (`GET <url>/models`), reusing the answers for
+`ttl_s`; `fleet_model_location.FleetModelLocator` answers from the serving
+records and the nodes' heartbeats.
 """
 
 from __future__ import annotations

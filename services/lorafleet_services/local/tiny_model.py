@@ -1,22 +1,12 @@
 """Tiny causal LMs built on the spot, for tests and benchmarks: no downloads.
 
 `build_tiny_model("llama" | "qwen2", out_dir)` writes a Hugging Face model
-directory (config.json, model.safetensors, generation_config.json and the
-tokenizer files with a chat template) and answers `out_dir`. Everything is
-deterministic: the same call makes the same weights and the same tokenizer,
-whatever the global random state (it is left untouched).
-
-The tokenizer is a byte-level BPE trained on a small built-in English text
-(`TOKENIZER_TEXT`): every byte sequence encodes (the 256 byte symbols are in
-its alphabet), so any record can be tokenized. Its special tokens are
-`<s>` (bos), `</s>` (eos), `<pad>` and the role markers of `CHAT_TEMPLATE`.
-
-Sizes (`TINY_SIZES`): hidden 64, 2 layers, 4 heads (2 key/value heads),
-intermediate 128, vocabulary = the tokenizer's (about 400). Building one takes
-well under a second; `build_tiny_model` caches the tokenizer per process.
-
-Other areas (conversion, system tests) import this module: keep
-`build_tiny_model`'s signature and the directory layout stable.
+directory (config, safetensors weights, a byte-level BPE tokenizer trained
+on `TOKENIZER_TEXT` with `CHAT_TEMPLATE`'s role markers) in well under a
+second, the same weights and tokenizer for the same call whatever the
+global random state. Sizes: `TINY_SIZES`. Other areas (conversion, system
+tests) import it: keep `build_tiny_model`'s signature and the directory
+layout stable.
 """
 
 from __future__ import annotations

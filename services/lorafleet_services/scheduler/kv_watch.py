@@ -1,28 +1,14 @@
 """One KV watch that lasts: `KeyWatch` re-watches after a failure or a reconnect.
 
-nats-py's `KeyValue.watch` ends with its subscription; after the
-connection came back the scheduler wants every key's last value again (its
-view of the nodes and the leader key may have missed changes), and after a
-failure (JetStream not ready yet after a server restart, a timeout) it
-tries again with stamina's back-off. Every fresh watch delivers each key's
-last value first, then `None`, then every change.
-
-With `probe_s` it also knows whether it can see at all (the nodes bucket's
-watch): every `probe_s` it asks for its consumer's info and the bucket
-stream's info, each within `HEALTH_PROBE_TIMEOUT_S`. The watch's consumer is an
-ordered, single-copy, in-memory consumer on one server; when that server
-dies, nats-py notices only after two missed idle heartbeats (10 s), and
-when the bucket's stream is electing a leader (about 5-7 s after its
-leader died) nothing arrives at all, though nothing is wrong with the
-nodes. A member back from a cut answers while its copy catches up, and
-delivers nothing new meanwhile; after a member's restart a consumer may
-answer and send nothing. So: a probe that fails, a copy behind the leader
-(`behind`), a consumer that sent nothing for two probes while the leader
-held more (`stalled`), or a watch that has not delivered its initial
-values yet, is blindness, reported once to `on_view(False)`; the
-first good probe after it reports `on_view(True)`. A watch blind for
-`REBUILD_AFTER_S` (its consumer gone, or not answering) and delivering
-nothing for as long is rebuilt.
+nats-py's `KeyValue.watch` ends with its subscription; the scheduler wants
+every key's last value again after a reconnect, and tries again after a
+failure with stamina's back-off. Every fresh watch delivers each key's last
+value first, then `None`, then every change. With `probe_s` it also knows
+whether it can see at all (the nodes bucket): a failed probe, a copy behind
+the leader (`behind`), a consumer that sent nothing while the leader held
+more (`stalled`), or initial values not delivered yet, is blindness
+(`on_view(False)`, then `on_view(True)`); a watch blind for
+`REBUILD_AFTER_S` is rebuilt. Why each: scheduler/DESIGN.md.
 """
 
 from __future__ import annotations
@@ -62,7 +48,7 @@ def behind(consumer: Any, stream: Any) -> str | None:
     """Why the copy of the stream the watch's consumer reads is behind its
     leader (None: it is not, or either info lacks the cluster's view). A
     member back from a cut catches up for seconds, its consumers delivering
-    nothing new while they answer (bench/nemesis.py, seed 3)."""
+    nothing new while they answer (pinned by tests/scheduler/test_nodes.py)."""
     host = consumer.cluster.leader if consumer.cluster is not None else None
     if stream.cluster is None or not host or host == stream.cluster.leader:
         return None
@@ -198,13 +184,12 @@ class KeyWatch:
         return behind(consumer, stream) or self.stalled(consumer, stream)
 
     def stalled(self, consumer: Any, stream: Any) -> str | None:
-        """Why the consumer stopped sending (None: it did not). Found by
-        bench/nemesis.py (seeds 4 and 5): after a member's restart a watch's
-        consumer answered its info and sent nothing for 13 s, while the
-        bucket's leader held the beats, until nats-py gave it up (two missed
-        5 s idle heartbeats). Blind once STALLED_PROBES probes in a row saw
-        the leader hold entries past what the consumer had sent, and it sent
-        nothing new between them."""
+        """Why the consumer stopped sending (None: it did not). After a
+        member's restart a consumer may answer its info and send nothing
+        until nats-py gives it up (two missed 5 s idle heartbeats). Blind once
+        STALLED_PROBES probes in a row saw the leader hold entries past what
+        the consumer had sent, and it sent nothing new between them
+        (tests/scheduler/test_nodes.py pins it)."""
         delivered = consumer.delivered.stream_seq if consumer.delivered is not None else 0
         last = stream.state.last_seq if stream.state is not None else 0
         unsent = delivered == self._delivered and last > (delivered or 0)

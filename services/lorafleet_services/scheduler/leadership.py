@@ -1,17 +1,13 @@
 """Which scheduler replica leads: a lease on one key, renewed by compare-and-set.
 
-The key `scheduler` of KV `<prefix>_leader` holds the leader's instance id.
-It is published with `Nats-Expected-Last-Subject-Sequence` (0 for a key
-never written, or the sequence of its delete/expiry marker) and a
-per-message TTL of `bus.LEADER_TTL_S`, and renewed every `LEADER_RENEW_S`
-against the leader's own last revision. A replica counts itself leader only
-until `LEADER_TTL_S - LEADER_SAFETY_S` after the start of its last
-successful publish, so two replicas never both act: the key can expire only
-after that. The others watch the key and try the moment it is deleted (a
-clean stop resigns) or expires.
-
-nats-py's `kv.create` cannot be used: it does not recognise the server's
-expiry marker as a deleted key, and `kv.update` takes no TTL.
+The key `scheduler` of KV `<prefix>_leader` holds the leader's instance id,
+published with `Nats-Expected-Last-Subject-Sequence` and a per-message TTL
+of `bus.LEADER_TTL_S`, renewed every `LEADER_RENEW_S` against its own last
+revision. A replica counts itself leader only until `LEADER_TTL_S -
+LEADER_SAFETY_S` after the start of its last successful publish, so two
+replicas never both act. nats-py's `kv.create` cannot be used: it does not
+recognise the server's expiry marker as a deleted key, and `kv.update`
+takes no TTL.
 """
 
 from __future__ import annotations
@@ -73,8 +69,8 @@ class Leadership:
         #: Monotonic seconds when this replica's newest successful write of the
         #: key began: it reached the cluster's majority then (0: never). A
         #: member cut off from the others still answers reads, as leader of
-        #: its streams, for many seconds (nemesis seed 3); only a write needs
-        #: the majority.
+        #: its streams, for many seconds; only a write needs the majority
+        #: (tests/nemesis/test_found_on_a_cluster.py).
         self.majority_at = 0.0
         self._subject = names.kv_subject(names.leader_bucket, LEADER_KEY)
         self._changed = asyncio.Event()

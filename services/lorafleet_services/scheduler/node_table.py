@@ -1,17 +1,10 @@
-"""The scheduler's node table, as plain data (no bus, no clock): which
-nodes are alive, from their heartbeats, and which were lost.
+"""The scheduler's node table, as plain data (no bus, no clock: `now` comes
+from the caller): which nodes are alive, from their heartbeats, and which
+were lost.
 
-Every function takes `now` (monotonic seconds) from its caller, so the tests
-drive time by hand. The node watcher (nodes.py) and the dispatcher
-(dispatch.py) feed these functions with what the KV watch and the recorder
-say, and apply their answers through the recorder's compare-and-set;
-nothing here talks to NATS.
-
-Its rules (the others: node_table.py, placement.py, reconcile.py):
-
-- A node is *alive* from its first heartbeat until its key is deleted (a
-  clean stop) or its beat expires (the KV MaxAge marker, or the sweep: no
-  beat for `timeout_s`).
+A node is *alive* from its first heartbeat until its key is deleted (a
+clean stop) or its beat expires (the KV MaxAge marker, or the sweep: no
+beat for `timeout_s`). nodes.py feeds it from the KV watch.
 """
 
 from __future__ import annotations

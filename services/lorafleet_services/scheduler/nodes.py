@@ -2,37 +2,13 @@
 
 A `KeyWatch` on the bucket hands every entry to `NodeWatcher.on_entry`:
 first every key's last value, then `None` (the table is complete: `synced`),
-then every beat, every delete and every expiry marker. Nothing here talks
-to NATS, so the tests feed it entries by hand.
-
-How a node goes away, and how each reads in the log:
-
-- its agent stopped cleanly and deleted its key (KV operation DEL):
-  `node.left`, "stopped cleanly (heartbeat deleted)";
-- its beat expired (the server's MaxAge marker, a PURGE): `node.lost`,
-  "heartbeat expired";
-- the sweep found it silent past the timeout (the safety net): `node.lost`,
-  "no heartbeat".
-
-Either way the node is marked lost and queued for the leader, which fails
-the jobs the recorder holds on it (`take_lost`).
-
-A node is lost only when its beats could have been seen and were not, and
-only by the silence as of this replica's last write that reached the
-cluster's majority (the leader key's renewal, every second): a scheduler on
-a member cut off from the others sees no beat, while that member still
-answers every read and probe as leader of the bucket (nemesis seed 3). A
-replica that does not lead writes nothing, so its sweep loses nobody; the
-expiry markers (written by the majority) still reach it.
-While the scheduler's own view of the bucket is blind (the KeyWatch's
-probe fails: the bucket's stream is electing a leader, or the watch's
-consumer died with its server) the sweep loses nobody and departures are
-left to the sweep; when the view comes back, every node counts as just
-seen, as after our own reconnect. An outage of the bucket is not a node
-loss: the agents' beats could not be stored either. A node that really
-died during the outage is lost `node_timeout_s` after the view came back
-(by the sweep's silence on the leader; by the departure itself, applied
-then unless a beat came since, on every replica).
+then every beat, delete (`node.left`) and expiry marker (`node.lost`); the
+sweep is the safety net. A lost node is queued for the leader
+(`take_lost`). A node is lost only when its beats could have been seen and
+were not: while the view is blind or just back, departures are left to the
+sweep, which judges silence as of this replica's last write that reached
+the majority (scheduler/DESIGN.md, "Rules every change keeps"). Nothing
+here talks to NATS, so the tests feed it entries by hand.
 """
 
 from __future__ import annotations
@@ -139,8 +115,8 @@ class NodeWatcher:
         """An entry no newer than the key's last one applied: a rebuilt watch
         whose consumer reads a copy behind the leader delivers older beats.
         Taken as news, such a beat "arrived now" naming the job the node ran
-        before, and reconcile failed the job it runs (bench/nemesis.py, seed 5:
-        the beat from before a dispatch, delivered 1 s after it)."""
+        before, and reconcile would fail the job it runs now
+        (tests/scheduler/test_nodes.py pins it)."""
         if entry.revision is None:
             return False
         if entry.revision <= self._revisions.get(entry.key, 0):
@@ -190,8 +166,8 @@ class NodeWatcher:
         """This replica became leader: count every live node as just seen. It
         judged nobody before, and a leader change comes with the cluster's
         disturbance, when its copy of the bucket may lag the beats (a new
-        leader lost a node at once, its consumer's copy behind: the cluster
-        nemesis test). A node that did die is lost one node_timeout_s later."""
+        leader's consumer may read a copy behind). A node that did die is
+        lost one node_timeout_s later."""
         self.table.touch_all(self.clock())
 
     def view_changed(self, seeing: bool) -> None:
@@ -213,8 +189,8 @@ class NodeWatcher:
         for node in self.table.sweep(at, self.node_timeout_s):
             self._gone(node, Departure.SILENT)
         # A departure left to the sweep is the sweep's only way to lose a node
-        # on a replica that does not lead (it judges no silence): without
-        # this, its nodes.list showed an expired node alive for ever.
+        # on a replica that does not lead (it judges no silence), else its
+        # nodes.list would show an expired node alive for ever.
         for name, (why, seen_at) in list(self._deferred.items()):
             if now - seen_at >= self.node_timeout_s + SWEEP_MARGIN_S:
                 del self._deferred[name]

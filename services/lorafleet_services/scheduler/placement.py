@@ -1,32 +1,15 @@
 """Where a queued job goes, as plain functions over plain data (no bus, no
-clock).
+clock: every function takes `now` from its caller, so tests drive time by
+hand).
 
-Every function takes `now` (monotonic seconds) from its caller, so the tests
-drive time by hand. The node watcher (nodes.py) and the dispatcher
-(dispatch.py) feed these functions with what the KV watch and the recorder
-say, and apply their answers through the recorder's compare-and-set;
-nothing here talks to NATS.
-
-Its rules (the others: node_table.py, placement.py, reconcile.py):
-
-- A node is *idle* when it is alive, its last heartbeat names no job, and
-  the recorder holds no job on it (`busy`). One job per node.
-- A job named for a node goes to that node when it is idle and, if the node
-  has cards, one of them has the job's MiB free. A job without a node goes
-  to the live idle card node whose best card has the most MiB free (at
-  least the job's); a CPU-training node takes such a job only when no card
-  node is alive at all (the embedded default: one machine, no GPU).
-- A job that cannot go anywhere stays queued with a message saying what it
-  waits for.
-- `uploading` is special: once the agent has delivered every chunk to the
-  artifacts stream (JetStream keeps them) it drops the job from its
-  heartbeat and the artifact-store finishes the job. Such a *delivered* job
-  neither holds its node nor is lost with it — unless the agent restarted
-  after the job was sent, which means the delivery may have been cut short.
-  A restart is what the scheduler saw itself (the node's `started_at`
-  changed after it first saw the job there) or, for jobs sent before this
-  scheduler started, an agent `started_at` later than the job's by more
-  than `CLOCK_SKEW_S` (the two times come from different machines' clocks).
+A node is *idle* when it is alive, its last beat names no job and the
+recorder holds none on it (`busy_nodes`): one job per node. A job named for a node
+waits for that node; one without goes to the live idle card node whose best
+card has the most MiB free, a CPU-training node only when no card node is
+alive; a job that cannot go anywhere stays queued saying what it waits for.
+A *delivered* `uploading` job neither holds its node nor is lost with it,
+unless the agent restarted since (`CLOCK_SKEW_S`). Why each rule:
+scheduler/DESIGN.md.
 """
 
 from __future__ import annotations

@@ -1,28 +1,13 @@
-"""Reconcile: the jobs the recorder holds on nodes against what the nodes
-say they run, as plain functions over plain data (no bus, no clock).
+"""Reconcile: the jobs the recorder holds on nodes against what the nodes say
+they run, as plain functions over plain data (no bus, no clock: `now` comes
+from the caller).
 
-Every function takes `now` (monotonic seconds) from its caller, so the tests
-drive time by hand. The node watcher (nodes.py) and the dispatcher
-(dispatch.py) feed these functions with what the KV watch and the recorder
-say, and apply their answers through the recorder's compare-and-set;
-nothing here talks to NATS.
-
-Its rules (the others: node_table.py, placement.py, reconcile.py):
-
-- Reconcile: a job the recorder holds on a live node whose heartbeats say
-  it runs nothing, past `grace_s` after the scheduler first saw it there,
-  was lost by the agent (restarted, or never got it) — except a `starting`
-  job whose start this scheduler did not send itself (a leader before it
-  may have died between the move to `starting` and the send): its start
-  is sent again, same attempt (the agent takes a start idempotently by
-  job and attempt), since a start that never arrived is not an attempt.
-  A job on a node that is not alive was lost with the node. A job a node
-  runs that the recorder does not hold active there is checked, and
-  cancelled on the node if the recorder holds it final.
-- A lost job (its node lost, its agent without it, a re-sent start
-  refused) is not lost by its own fault: it goes back to the queue when it
-  has attempts left, else fails with the message it always had
-  (`lorafleet.states.loss_outcome`, applied by RecorderClient.lose_job).
+A job held on a live node that runs nothing, past `grace_s`, was lost by the
+agent, unless it is a `starting` job this scheduler did not send: that
+start is sent again, same attempt. A job on a node that is not alive was
+lost with it. A job a node runs that the recorder holds final there is
+cancelled on the node. A lost job is requeued with attempts left, else
+failed (`lorafleet.states.loss_outcome`). Why: scheduler/DESIGN.md.
 """
 
 from __future__ import annotations

@@ -1,25 +1,14 @@
 """The scheduler service: one replica, wired from its pieces.
 
-It holds nothing durable. At start it rebuilds its node table from KV
-`<prefix>_nodes`, and everything else it asks the recorder. Kill it at any
-moment: a restarted scheduler (or the other replica) picks up where it
-stopped, and compare-and-set in the recorder keeps a job from being sent
-twice.
-
-What runs (asyncio tasks), and where it is written:
-
-- the node watcher (`nodes.NodeWatcher`, fed by a `kv_watch.KeyWatch` on
-  the nodes bucket): heartbeats into the node table; a delete or expiry
-  marker (or the 1 s sweep) marks a node lost and queues its jobs;
-- the job-event trigger (here): wakes the rounds when a job is queued or ends;
-- leadership (`leadership.Leadership`): one replica leads through a lease
-  on KV `<prefix>_leader`. Only the leader runs rounds; any replica
-  answers `nodes.list`, `jobs.cancel` (cancel is compare-and-set too) and
-  `adapters.serve`/`unserve` (serving.py: checked against the node table,
-  sent to the node);
-- the rounds (here, applied by `dispatch.Dispatcher`): one at a time,
-  woken by the triggers above or every `SWEEP_S`: sweep, fail lost nodes'
-  jobs, dispatch, reconcile.
+It holds nothing durable: at start it rebuilds its node table from KV
+`<prefix>_nodes` and asks the recorder everything else, so a restarted
+scheduler (or the other replica) picks up where it stopped, and
+compare-and-set in the recorder keeps a job from being sent twice. Its
+tasks: the node watcher (nodes.py on a kv_watch.KeyWatch), the job-event
+trigger (here), leadership (leadership.py: only the leader runs rounds; any
+replica answers `nodes.list`, `jobs.cancel`, `adapters.serve`/`unserve`),
+and the rounds (here, applied by dispatch.py): sweep, fail lost nodes'
+jobs, dispatch, reconcile, woken by the triggers or every `SWEEP_S`.
 """
 
 from __future__ import annotations
@@ -70,10 +59,9 @@ SWEEP_S = 1.0
 #: Seconds without a round, as a share of the node timeout, beyond which
 #: the scheduler was not looking (its process paused or starved): the nodes'
 #: silence since is its own and is forgiven, as after a reconnect, before
-#: the sweep. Found by bench/nemesis.py (seed 3): a scheduler SIGSTOPped for
-#: 3.2 s swept before its watch handed it the beats that had come meanwhile,
-#: and judged two live nodes lost. Half the timeout: a shorter stall cannot
-#: age a beat past it (beats come every third of the timeout or oftener).
+#: the sweep, which would otherwise run before the watch hands over the beats
+#: that came meanwhile (tests/nemesis/test_found.py). Half the timeout: a
+#: shorter stall cannot age a beat past it (beats come every third of it).
 STALL_SHARE = 0.5
 #: Seconds between probes of the node watch (is it alive, can it see?):
 #: blindness is noticed within about this plus the probe's 0.5 s timeout,

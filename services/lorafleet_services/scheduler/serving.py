@@ -1,18 +1,13 @@
 """`api.adapters.serve` and `api.adapters.unserve`: a done job's adapter onto
 (or off) a node's engines.
 
-Answered by any scheduler replica, from where node requests are sent
-already (dispatch.AgentRequests). The checks are plain functions over the
-job and the node table (`serve_refusal`, `node_refusal`, `unserve_targets`):
-the job must be done with its PEFT adapter stored, the node alive (its
-heartbeat in KV `nodes`), the engine named one the node runs. Then the
-agent is sent `node.<node>.serve` (NodeServeRequest: the job, its catalog
-model, the adapter's object and sha256) and its answer (NodeServeReply:
-the engines it will load into, or why none) is the reply; each engine's
-outcome follows as a ServingReport the recorder keeps. Unserve goes to
-every node with a record not yet unloaded (or to the one named). An agent
-that does not answer is an UnavailableError naming the node; nothing is
-recorded for it, so a request sent again is safe.
+Answered by any replica. The checks are plain functions over the job and
+the node table (`job_refusal`, `node_refusal`, `engine_refusal`,
+`unserve_targets`); then the agent is sent `node.<node>.serve` and its
+answer is the reply; each engine's outcome follows as a ServingReport the
+recorder keeps. An agent that does not answer is an UnavailableError
+naming the node; nothing is recorded for it, so a request sent again is
+safe (docs/serving.md).
 """
 
 from __future__ import annotations

@@ -1,21 +1,14 @@
 """A trained LoRA adapter to GGUF, with the installed llama.cpp release's own
 conversion code.
 
-A GGUF adapter is read by the llama.cpp that serves the base model, and the
-tensor names and metadata it expects change between releases; so the
-converter is always the one of the installed release (`find_llamacpp_tag`),
-fetched once by tag from `cfg.conversion_source` and cached in the work
-directory (`ensure_conversion_code`). Only the conversion scripts and the
-Python packages they import are kept from the tarball; a link, a device or a
-path leaving its directory among them refuses the whole tarball.
-
-`convert_to_gguf` runs that release's `convert_lora_to_gguf.py` in the
-engine's Python, as the engines' user, with the release's own gguf-py first
-on PYTHONPATH, always with `--base <base dir>` and `--outtype f16`.
-
-`local_conversion_source` makes a release-shaped source from llama-cpp-python's
-sdist on PyPI (which vendors llama.cpp), for the demo on a machine without
-llama.cpp. See docs/gguf-conversion.md.
+The tensor names and metadata a llama.cpp expects of a GGUF adapter change
+between releases, so the converter is always that of the installed release
+(`find_llamacpp_tag`), fetched once by tag from `cfg.conversion_source` and
+cached in the work directory (`ensure_conversion_code`: only the conversion
+scripts and their packages are kept; a link, a device or a path leaving its
+directory refuses the whole tarball). `convert_to_gguf` runs it in the
+engine's Python, as the engines' user. `local_conversion_source` makes such
+a source from llama-cpp-python's sdist, for the demo. docs/gguf-conversion.md.
 """
 
 from __future__ import annotations

@@ -2,44 +2,14 @@
 engines, kept there, and reported.
 
 Asked three ways, each answered off the job's path (a task of its own; the
-agent takes the next job meanwhile):
-
-- auto-serve: `job_delivered(...)`, called by the job once its artifacts
-  are delivered, with the adapter already staged out of the job directory
-  (`<work_dir>/served/<name>/`), unless the job says `serve: false`. Every
-  engine on the node that serves the job's model gets it; with
-  `serve: true` and none, one `refused` report says why.
-- `node.<node>.serve` (`serve_request`): answered at once with the engines
-  it will load into (or why none); the adapter is fetched from the
-  artifacts object store when it is not held here.
-- `node.<node>.unserve` (`unserve`): unloaded from each engine (or the one
-  named), its staged copy removed once no engine holds it.
-
-Each load: `loading`, then preflight (vllm_adapters.preflight), eviction
-when `--max-cpu-loras` is full (plan.eviction_choice: the least
-recently served of the agent's own, reported `unloaded`, "evicted for
-<name>"; the preflight's refusal stands when none can go), the PEFT
-reference (the adapter's probe.json, else the probe program in the engine's
-Python: vllm_adapters.adapter_reference, once per version), load
-and confirm; then `served` (with the probe's error), `refused` or
-`failed`. One change at a time on the node (a lock): slots are counted
-from one /v1/models read, and a second load must not take the slot the
-first counted as free.
-
-The desired set (plan.DesiredSet, desired.json) says which versions
-each engine should hold. The engine watch (engine_watch.py) re-reads the
-engines every `engines_refresh_s`; an engine whose process changed, or
-whose /v1/models lacks one it should hold, gets it loaded again: the
-bound from the engine's return to `served` is one refresh plus one load
-and probe (measured in tests/vllm/test_agent_serving.py). A reload that
-fails is tried again after one refresh, then after twice as long each time,
-up to RELOAD_BACKOFF_MAX_S (plan.ReloadBackoff).
-
-llama.cpp (llamacpp.py): llama-server takes adapters only at its
-start, so the GGUF goes where the node's llama-server reads adapters
-(`llamacpp_adapters_dir`) and the report is `restart_required` with `lift`
-the flag to add; on auto-serve only when a llama-server runs here or the
-job says `serve: true`. Reports: reports.py.
+node takes the next job meanwhile): auto-serve once a job's artifacts are
+delivered (`job_delivered`), `node.<node>.serve` and `node.<node>.unserve`.
+Each load is preflight, eviction when the engine is full (plan.py), the
+PEFT reference, load and confirm (vllm_adapters.py), one change at a time
+on the node (a lock: slots are counted from one /v1/models read). The
+desired set (plan.DesiredSet) is loaded again into an engine that lost it,
+as the engine watch sees; llama.cpp is llamacpp.py's; reports, reports.py.
+How each step behaves, and what an operator sees: docs/serving.md.
 """
 
 from __future__ import annotations

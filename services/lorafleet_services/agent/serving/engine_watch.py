@@ -1,15 +1,11 @@
 """The engines running on this node, re-read every `engines_refresh_s`.
 
-One read is the process scan (`running_engines.running_vllm_servers`, a
-walk of /proc in a thread) and each server's `/v1/models` (what it has
-loaded now), each call bounded by `MODELS_TIMEOUT_S`. A read costs tens of
-milliseconds on a quiet node and seconds on a busy engine, so the
-heartbeat never waits for one: it takes the last (`refs()`), and an engine
-that does not answer keeps its last known adapters and says so in the log.
-
-After each read the watcher calls `on_read(views, previous)`: the serving
-agent compares the two (a process that changed, an adapter it should hold
-missing from /v1/models) and loads again what the engine lost.
+One read is the process scan (a walk of /proc in a thread) and each
+server's `/v1/models`, each call bounded by `MODELS_TIMEOUT_S`: tens of
+milliseconds on a quiet node, seconds on a busy engine, so the heartbeat
+never waits for one but takes the last (`refs()`); an engine that does not
+answer keeps its last known adapters. After each read `on_read(views,
+previous)` lets the serving agent load again what an engine lost.
 """
 
 from __future__ import annotations

@@ -1,19 +1,12 @@
 """What the node should serve, and the choices serving makes: plain functions,
 tested without a bus or an engine.
 
-- `DesiredSet`: which adapter versions each engine (by url) should hold,
-  kept in `<work_dir>/served/desired.json`, written atomically (a temporary
-  file renamed over it): an agent killed mid-write leaves the old set or
-  the new one, never half of one. The agent loads an engine's set again
-  when the engine restarted (`needs_reload`).
-- `eviction_choice`: which adapter to unload when one more would exceed
-  the engine's `--max-cpu-loras`: the least recently served of those the
-  agent put there (one an operator loaded by hand is never taken).
-- `ReportSeq`: ServingReport.seq, growing per node across restarts: the
-  larger of the last one plus one and the wall clock in microseconds, so
-  an agent that restarts starts above everything it reported before
-  (unless the clock went back by more than the time it was down).
-- `ReloadBackoff`: when a reload that failed may be tried again.
+`DesiredSet` (which adapter versions each engine should hold, in
+`<work_dir>/served/desired.json`, written atomically), `eviction_choice`
+(the least recently served of the agent's own; one an operator loaded is
+never taken), `ReportSeq` (ServingReport.seq, growing per node across
+restarts without being stored) and `ReloadBackoff` (when a failed reload may
+be tried again). docs/serving.md says what each means to an operator.
 """
 
 from __future__ import annotations

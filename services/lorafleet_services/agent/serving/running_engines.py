@@ -1,22 +1,12 @@
 """The vLLM servers running on this node, and what each allows for LoRA.
 
-Two sources. The node's configuration (`AgentConfig.vllm_servers`: entries
-`URL` or `URL|API_KEY`) names servers; else the agent scans the processes
-(psutil) for `vllm.entrypoints.openai.api_server` (`python -m`) and
-`vllm serve`, and reads their command lines as vLLM's own parser does:
-`--flag value` and `--flag=value`, `_` for `-` in flag names, `--no-flag`
-for a boolean's off, and vLLM's defaults for the flags not given (port
-8000, `--max-lora-rank` 16, `--max-loras` 1, `--max-cpu-loras`: as
-`--max-loras`). Runtime loading (`/v1/load_lora_adapter`) is on only when
-the process's environment has `VLLM_ALLOW_RUNTIME_LORA_UPDATING` 1 or true;
-a process whose environment the agent may not read says None (unknown).
-A configured server the scan also finds (same port on this host) takes the
-flags the scan read; one it does not find has unknown limits (None), and
-the engine's own answer to a load is then the check.
-
-`parse_server_argv` and `runtime_updating` are pure (tested without
-processes); `scan_vllm_processes` and `running_vllm_servers` read /proc.
-Not read: flags from `--config FILE` (a YAML file of flags).
+The configured servers (`AgentConfig.vllm_servers`), else a psutil scan for
+vLLM's OpenAI server processes, whose command lines are read as vLLM's own
+parser reads them, with vLLM's defaults for the flags not given, and whose
+environment says whether runtime loading is on (None: unknown, left to the
+engine's answer). `parse_server_argv` and `runtime_updating` are pure;
+`scan_vllm_processes` and `running_vllm_servers` read /proc. The flags and
+their defaults: docs/serving.md ("Which engines run on the node").
 """
 
 from __future__ import annotations

@@ -1,34 +1,15 @@
 """Loading one adapter into one running vLLM, and unloading it: plain functions.
 
-`serve_adapter(client, engine, adapter, reference, work_dir)`:
-
-1. preflight (`preflight`, pure): the adapter's rank within the engine's
-   `--max-lora-rank`; its target modules among those vLLM applies LoRA to
-   for the model's architecture; no `modules_to_save`; the engine serves
-   the job's base; `--enable-lora` and runtime updating on; a free slot
-   (fewer adapters loaded than `--max-cpu-loras`, which defaults to
-   `--max-loras`). Each refusal is a `ServeRefused` naming the limit and
-   the engine flag (or the training change) that would lift it; a limit the
-   agent does not know (None) is left to the engine's own answer.
-2. the adapter's files copied to `<work_dir>/served/<name>/`, readable by
-   the engines' user and outliving the job directory; `name` is
-   `served_adapter_name(job, sha256)`, unique to this adapter version: a
-   same-name reload can serve stale cached output, so a name is never
-   reused.
-3. `load_lora_adapter(name, path)`.
-4. confirmed: `/v1/models` lists `name` with the base as parent, and the
-   engine's greedy continuation of the probe prompt has PEFT's tokens, each
-   log-probability within `PROBE_TOLERANCE` of PEFT's (`ProbeReference`:
-   `adapter_reference`, lorafleet_trainer.probe's). A
-   load the engine refuses, or one that is not confirmed, is unloaded
-   again and answers `ServeFailed` with the reason.
-
-`unserve_adapter(client, name, work_dir)` unloads it and removes its copy.
-
-`adapter_reference` answers PEFT's reference: the trainer's, from the
-adapter's probe.json, when it holds the agent's probe (its text and length,
-float32); else the probe program's (`peft_reference`: a process that loads
-base and adapter, seconds: the serving path's cost before probe.json).
+`serve_adapter(client, engine, adapter, reference, work_dir)`: the
+preflight (`preflight`, pure: each refusal a `ServeRefused` naming the limit
+and the flag or training change that lifts it; a limit the agent does not
+know is left to the engine's answer), the copy to
+`<work_dir>/served/<name>/` (`served_adapter_name`: never reused, since a
+same-name reload can serve stale cached output), `load_lora_adapter`, and
+the confirmation against PEFT's reference (`adapter_reference`: the
+adapter's probe.json, else the probe program); a load not confirmed is
+unloaded again (`ServeFailed`). `unserve_adapter` unloads one and removes
+its copy. The steps and their limits: docs/serving.md.
 """
 
 from __future__ import annotations

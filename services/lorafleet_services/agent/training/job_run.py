@@ -1,37 +1,19 @@
 """One job on this node, from a StartRequest to delivered artifacts.
 
-    preparing  fetch the dataset into work_dir/jobs/<job>/, check its sha256,
-               fetch what it resumes from (agent/training/resume.py), prepare the
-               trainer's environment, choose the card, write job.json and
-               copy the trainer package (lorafleet_trainer) beside it
-    running    the trainer in its own session (as the engines' user when
-               there is one); each stdout JSON line becomes a StatusReport,
-               each checkpoint line goes to the CheckpointSender, which
-               delivers the newest meanwhile (agent/transfer/checkpoints.py)
+    preparing  the dataset (and what it resumes from, resume.py) fetched and
+               checked, the trainer's environment, the card, job.json and
+               the trainer package written into work_dir/jobs/<job>/
+    running    the trainer in its own session; its lines become status
+               reports (trainer_lines.py, status_reports.py), its
+               checkpoints delivered meanwhile (transfer/checkpoints.py)
     converting GGUF, when the start request asks for it
-    uploading  the PEFT adapter (tar.gz) and the GGUF, in chunks
+    uploading  the PEFT adapter and the GGUF, in chunks
 
-`done` is not the agent's to say: the artifact-store tells the recorder
-when every artifact is stored and verified. Any failure is one `failed`
-report whose message says what to do (the trainer's "error" line, else the
-last lines of its stderr), `retryable` when the cause is not the job's own
-(`trainer_failure`).
-
-Reports go through a `Reporter` (agent/training/status_reports.py), so a slow or
-absent NATS never blocks reading the trainer's output; the trainer's lines
-are read by `TrainerLines` (agent/training/trainer_lines.py) and its card memory
-sampled by `MemorySampler` (agent/node/card_memory.py).
-
-Stopping: `JobRun.stop(StopRequest)` cancels the pipeline task; whatever
-step it is in stops (the trainer's process group gets SIGTERM, then SIGKILL
-after `cancel_grace_s`), and one final report says why (`cancelled`, or
-`failed` when the agent itself stops). A fenced agent sends no final report:
-its job was failed by the scheduler already, and NATS is out of reach anyway.
-
-The job directory is removed after success or cancel. After a failure it is
-kept, without the data and the adapter, so that job.json, the trainer and
-its stderr (trainer-stderr.txt) can be read; the newest KEEP_FAILED_DIRS are
-kept and every job directory goes when the agent restarts.
+`done` is not the agent's to say: the artifact-store tells the recorder once
+every artifact is stored. A failure is one `failed` report saying what to do,
+`retryable` when the cause is not the job's own (`trainer_failure`).
+`JobRun.stop(StopRequest)` cancels the pipeline wherever it is, with one
+final report saying why. What becomes of the job directory: agent/DESIGN.md.
 """
 
 from __future__ import annotations

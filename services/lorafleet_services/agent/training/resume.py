@@ -1,20 +1,12 @@
 """Starting a job from a stored checkpoint or adapter (StartRequest.resume).
 
 Before the trainer starts, the agent fetches the object the scheduler named
-(`CheckpointRef.object` in the artifacts bucket), checks its size and
-sha256 against the reference, unpacks it into `<job dir>/resume/` and tells
-the trainer in job.json (`resume`: {"dir", "mode"}):
-
-- "continue": the job's own checkpoint (a later attempt): the trainer
-  restores adapter, optimizer, scheduler, RNG states and its place in the
-  data, and goes on from the checkpoint's step;
-- "weights": another job's checkpoint, or a peft adapter: the trainer loads
-  the adapter weights only and trains this job's data from step 0.
-
-Anything wrong (no such object, other bytes than the reference says, an
-archive that is not one or that reaches outside its directory) fails the
-job with a message saying what; retrying would meet the same object, so
-it is not retryable.
+(`CheckpointRef.object` in the artifacts bucket), checks its size and sha256
+against the reference, unpacks it into `<job dir>/resume/`, and names it in
+job.json's `resume` ("continue": the job's own checkpoint; "weights":
+another job's checkpoint or adapter; lorafleet_trainer.jobfile says what
+each restores). Anything wrong fails the job with a message saying what,
+not retryable: a retry would meet the same object.
 """
 
 from __future__ import annotations

@@ -1,24 +1,13 @@
 """Delivering the trainer's checkpoints while it trains.
 
-The trainer writes each checkpoint into `<job dir>/checkpoints/` (to a
-temporary name, renamed `step-<NNNNNNNN>` once complete) and then prints
-`{"event": "checkpoint", "step", "path", "epoch"}`. `CheckpointSender`
-takes that line without waiting for anything (`offer()`, called from the
-line reader, returns at once), and delivers from a task of its own: the
-directory packed as a tar in a thread, then sent with
-`delivery.deliver()` as kind `checkpoint`, header `step`.
-
-One slot, the newest: a checkpoint offered while another is in flight
-waits in the slot; a newer one replaces it there (the one replaced is
-removed from disk, never sent). The one in flight always finishes, then
-the newest goes. The trainer never deletes checkpoints; this removes each
-once a newer one exists, so the disk holds at most three (in flight, in
-the slot, being written).
-
-A checkpoint that cannot be delivered is logged and skipped: training
-goes on, and the store keeps the one before. `stop()` at the end of
-training drops what is in flight (the artifact-store discards a delivery
-that never finishes; the final adapter is what matters then).
+`CheckpointSender.offer()` takes the trainer's checkpoint line without
+waiting for anything (it is called from the line reader), and a task of its
+own packs the directory (a tar, in a thread) and delivers it as kind
+`checkpoint` with its step. One in flight, one slot for the newest: a newer
+checkpoint replaces the one waiting there, which is removed unsent, so the
+disk holds at most three. A checkpoint that cannot be delivered is logged
+and skipped (the store keeps the one before); `stop()` at the end of
+training drops what is in flight: the final adapter is what matters then.
 """
 
 from __future__ import annotations

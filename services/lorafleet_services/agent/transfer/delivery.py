@@ -1,21 +1,14 @@
 """Delivering an artifact to the artifact-store: chunks on a JetStream stream.
 
-`deliver()` streams a file as chunks on `<prefix>.artifacts.<node>.<job>.<kind>`.
-Each chunk carries `Nats-Msg-Id: <job>.<kind>.<attempt>.<seq>` (a retried
-publish is stored once) and `Lorafleet-Chunk` (an ArtifactChunkHeader; the
-last one also carries count, size and sha256). Up to `WINDOW_CHUNKS`
-publishes are in flight at once (asynchronous publish: about twice the
-throughput of waiting for each acknowledgement), fewer on a slow link:
-the window grows while acknowledgements come back as fast as the fastest
-seen and halves once chunks queue for over `QUEUE_TARGET_S`, since the
-node's heartbeat, on the same connection, waits behind every chunk in
-flight (see ChunkWindow); a chunk without an
-acknowledgement within `timeout_s` is published again under the same id.
-The last chunk goes out only after every other chunk is acknowledged, so
-when the artifact-store sees it, the whole delivery is in the stream.
-
-The files it sends are packed by transfer/packing.py. A checkpoint's
-chunks also carry its step (header and message id).
+`deliver()` streams a file as chunks on `<prefix>.artifacts.<node>.<job>.<kind>`,
+each with a message id (a retried publish is stored once) and an
+ArtifactChunkHeader. Up to `WINDOW_CHUNKS` publishes are in flight at once
+(about twice the throughput of waiting for each acknowledgement), fewer on
+a slow link (`ChunkWindow`: the node's heartbeat, on the same connection,
+waits behind every chunk in flight); a chunk not acknowledged within
+`timeout_s` is published again under the same id. The last chunk goes out
+only after every other is acknowledged, so when the artifact-store sees
+it, the whole delivery is in the stream. transfer/packing.py packs the files.
 """
 
 from __future__ import annotations
