@@ -74,6 +74,7 @@ class OrderedPublisher:
         self._queued = 0
         self._queue: asyncio.Queue[Outgoing | None] = asyncio.Queue()
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
 
     @property
     def unpublished(self) -> int:
@@ -90,7 +91,7 @@ class OrderedPublisher:
 
     async def stop(self, timeout_s: float | None = None) -> int:
         """Publish what is queued, for at most `timeout_s` seconds (None:
-        until done), then stop; how many were left unpublished."""
+        until done), then stop; how many this left unpublished."""
         task = self._task
         if task is not None and not task.done():
             self._queue.put_nowait(None)
@@ -98,10 +99,14 @@ class OrderedPublisher:
         return self.abandon()
 
     def abandon(self) -> int:
-        """Stop now, dropping what is not published; how many that was."""
+        """Stop now, dropping what is not published; how many this dropped
+        (0 when it had stopped already: each loss is counted once)."""
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
+        if self._stopped:
+            return 0
+        self._stopped = True
         return self.unpublished
 
     async def _publish_all(self) -> None:
