@@ -96,7 +96,7 @@ def test_process_env_is_clean_and_names_the_card(
 ) -> None:
     monkeypatch.setenv("LORAFLEET_AGENT_NODE", "n1")
     monkeypatch.setenv("LORAFLEET_NATS_URL", "nats://secret@host")
-    monkeypatch.setenv("VIRTUAL_ENV", "/work/main/.venv")
+    monkeypatch.setenv("VIRTUAL_ENV", "/srv/lorafleet/.venv")
     monkeypatch.setenv("PYTHONPATH", "/agent/only")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
     user = EngineUser("eng", 999, 998, (998, 44), tmp_path / "engine-home")
@@ -112,7 +112,7 @@ def test_process_env_is_clean_and_names_the_card(
     card = env.process_env(CardChoice(index=3, name="H200", free_mib=100_000), {"EXTRA": "1"})
     assert not [k for k in card if k.startswith("LORAFLEET_")]
     assert "VIRTUAL_ENV" not in card and "AWS_SECRET_ACCESS_KEY" not in card
-    assert "/work/main/.venv" not in json.dumps(card)
+    assert "/srv/lorafleet/.venv" not in json.dumps(card)
     assert card["PYTHONPATH"] == "/w/overlay-1"
     assert card["PATH"].split(":")[0] == "/opt/e/vllm/0.11.0/bin"
     assert card["CUDA_VISIBLE_DEVICES"] == "3"
