@@ -13,7 +13,6 @@ metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import hashlib
@@ -25,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 import lorafleet.names as _names
-from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
+from lorafleet.names import Names, artifact_object_name
 from lorafleet.nats._natspy import (
     AsyncPublisher,
     NoStreamError,
@@ -33,6 +32,7 @@ from lorafleet.nats._natspy import (
     ObjectDamagedError,
     PublishRefusedError,
     download_object,
+    object_digest,
 )
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
@@ -90,11 +90,6 @@ def chunk_missing_message(record: ArtifactRecord, bucket: str, why: str) -> str:
 
 
 # --- the NATS object store's own format ---------------------------------------
-
-
-def object_digest(sha256_hex: str) -> str:
-    """The object store's digest field for a sha256 (`SHA-256=<base64url>`)."""
-    return OBJECT_DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
 
 
 class ObjectInfo(msgspec.Struct):
