@@ -33,7 +33,7 @@ from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine, JobSpec, JobState, ModelSpec, StatusReport
 from lorafleet_services.recorder import db, store
-from lorafleet_services.recorder.service import FETCH_BATCH, Recorder
+from lorafleet_services.recorder.service import REPORT_FETCH_BATCH, Recorder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.pg
 from tests.pg import throwaway_database
@@ -138,7 +138,7 @@ def baseline_rate(url: str, reports: list[StatusReport]) -> float:
                 " peak_mib = GREATEST(peak_mib, %s), last_seq = %s WHERE id = %s",
                 (r.step, r.steps, r.loss, r.peak_mib, r.seq, r.job_id),
             )
-            if i % FETCH_BATCH == 0:
+            if i % REPORT_FETCH_BATCH == 0:
                 c.commit()
         c.commit()
     return len(reports) / (time.perf_counter() - start)
@@ -191,7 +191,8 @@ async def main() -> None:
         db.migrate(lite_url)
         _, lite = await measure(lite_url, f"{tmp}/nats-lite", args.jobs, total)
     print(f"reports: {total} for {args.jobs} jobs (published in {publish_s:.1f} s)")
-    print(f"recorder on PostgreSQL (NATS -> DB, batches of {FETCH_BATCH}): {rate:,.0f} reports/s")
+    batches = f"NATS -> DB, batches of {REPORT_FETCH_BATCH}"
+    print(f"recorder on PostgreSQL ({batches}): {rate:,.0f} reports/s")
     print(f"baseline (raw psycopg INSERT + UPDATE per report): {base:,.0f} reports/s")
     print(f"ratio recorder / baseline: {rate / base:.2f}x   target >= 2,000 reports/s: "
           + ("met" if rate >= 2000 else "NOT met"))  # fmt: skip

@@ -14,10 +14,10 @@ from typing import Any
 from lorafleet.settings import Settings
 from lorafleet_services import stack
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.stack import START_TIMEOUT_S
+from lorafleet_services.stack import SERVICE_START_TIMEOUT_S
 from tests.eventually import NeverHappenedError, eventually
 
-__all__ = ["EVENT_TIMEOUT_S", "START_TIMEOUT_S", "ServiceProcess", "agent_process"]
+__all__ = ["EVENT_TIMEOUT_S", "SERVICE_START_TIMEOUT_S", "ServiceProcess", "agent_process"]
 
 #: Seconds `wait_for_event` waits unless told otherwise.
 EVENT_TIMEOUT_S = 30.0

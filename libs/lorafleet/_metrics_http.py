@@ -25,7 +25,7 @@ from lorafleet.settings import SettingsError, parse_host_port
 # --- the endpoint ---------------------------------------------------------------
 
 #: Seconds a client has to send its request line and headers.
-REQUEST_TIMEOUT_S = 5.0
+REQUEST_HEAD_TIMEOUT_S = 5.0
 
 
 def exposition() -> bytes:
@@ -71,7 +71,7 @@ class MetricsServer:
 
     async def _handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         try:
-            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_TIMEOUT_S)
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), REQUEST_HEAD_TIMEOUT_S)
             writer.write(await respond(head))
             await writer.drain()
         except (asyncio.IncompleteReadError, asyncio.LimitOverrunError, TimeoutError):

@@ -2,7 +2,7 @@
 
 Delivery (agent -> artifact-store) puts chunks on
 `<prefix>.artifacts.<node>.<job>.<kind>` with two headers: `Nats-Msg-Id`
-(`msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
+(`names.chunk_msg_id()`, so a retried publish is stored once) and `Lorafleet-Chunk`
 (an ArtifactChunkHeader as JSON). The artifact-store commits each whole
 artifact into the object store `<prefix>_artifacts` as `<job>/<kind>` (a job's checkpoints all as
 `<job>/checkpoint`, each newer one replacing the one before), in
@@ -13,7 +13,6 @@ metadata: any NATS client downloads it (`nats object get lorafleet_artifacts
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import datetime as dt
 import hashlib
@@ -25,7 +24,7 @@ from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 
 import lorafleet.names as _names
-from lorafleet.names import OBJECT_DIGEST_PREFIX, Names, artifact_object_name
+from lorafleet.names import Names, artifact_object_name
 from lorafleet.nats._natspy import (
     AsyncPublisher,
     NoStreamError,
@@ -33,6 +32,7 @@ from lorafleet.nats._natspy import (
     ObjectDamagedError,
     PublishRefusedError,
     download_object,
+    object_digest,
 )
 from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
 
@@ -49,7 +49,6 @@ __all__ = [
     "file_sha256",
     "get_record",
     "list_records",
-    "msg_id",
     "object_digest",
     "read_info",
     "record_from_info",
@@ -90,24 +89,7 @@ def chunk_missing_message(record: ArtifactRecord, bucket: str, why: str) -> str:
     )
 
 
-def msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
-    """The Nats-Msg-Id of one chunk: a retried publish of it is stored once.
-
-    `step`: a checkpoint's optimizer step. One attempt delivers many
-    checkpoints, and without it chunk 0 of the second would be taken for a
-    repeat of the first's (the stream's duplicate window) and dropped.
-    """
-    if step is None:
-        return f"{job_id}.{kind}.{attempt}.{seq}"
-    return f"{job_id}.{kind}.{attempt}.{step}.{seq}"
-
-
 # --- the NATS object store's own format ---------------------------------------
-
-
-def object_digest(sha256_hex: str) -> str:
-    """The object store's digest field for a sha256 (`SHA-256=<base64url>`)."""
-    return OBJECT_DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
 
 
 class ObjectInfo(msgspec.Struct):

@@ -20,7 +20,7 @@ import json
 import logging
 import os
 import sys
-from collections.abc import MutableMapping
+from collections.abc import Iterable, MutableMapping
 from typing import Any, Final, Literal, TextIO
 
 import stamina.instrumentation
@@ -208,6 +208,20 @@ def _log_retry(details: stamina.instrumentation.RetryDetails) -> None:
         message=f"{details.name}: try {details.retry_num + 1} in {details.wait_for:.2f} s",
         error=repr(details.caused_by),
     )
+
+
+def reports_refused(logger: Any, refused: Iterable[tuple[Any, str]], about: str = "") -> None:
+    """`status.refused` for each (report, why) a batch refused: the job, node
+    and sequence of the report (a StatusReport or a ServingReport) and why,
+    after `about` ("serving report: ")."""
+    for report, why in refused:
+        logger.warning(
+            Event.STATUS_REFUSED,
+            job_id=report.job_id,
+            node=report.node,
+            seq=report.seq,
+            message=about + why,
+        )
 
 
 def get(**bound: Any) -> Any:

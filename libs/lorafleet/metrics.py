@@ -23,13 +23,12 @@ from prometheus_client.registry import Collector
 
 import lorafleet.log as log
 from lorafleet.log import Event
+from lorafleet.states import FINAL
 from lorafleet_schemas.messages import ArtifactKind, ErrorCode, JobState, StatusReport
-
-MIB = 1024 * 1024
 
 #: Final states, in the order the finished counter is pre-set (zero series
 #: exist before the first job ends, so a panel over them has data).
-_FINAL = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
+_FINAL = tuple(state for state in JobState if state in FINAL)
 
 # --- every process ----------------------------------------------------------
 

@@ -18,8 +18,10 @@ import re
 from dataclasses import dataclass
 from typing import Final
 
+from lorafleet_schemas.messages.fields import SUBJECT_TOKEN_PATTERN
+
 _PREFIX_RE = re.compile(r"^[A-Za-z0-9_-]{1,32}$")
-_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
+_TOKEN_RE = re.compile(SUBJECT_TOKEN_PATTERN)
 
 DEFAULT_PREFIX = "lorafleet"
 
@@ -30,7 +32,7 @@ class InvalidNameError(ValueError):
 
 def check_token(value: str, what: str) -> str:
     """Return `value` when it is a subject-safe token, else raise InvalidNameError."""
-    if not _TOKEN_RE.match(value):
+    if not _TOKEN_RE.fullmatch(value):
         raise InvalidNameError(
             f"{what} {value!r} cannot be part of a NATS subject: use 1 to 64 letters, "
             "digits, '-' or '_'"
@@ -45,7 +47,7 @@ class Names:
     prefix: str = DEFAULT_PREFIX
 
     def __post_init__(self) -> None:
-        if not _PREFIX_RE.match(self.prefix):
+        if not _PREFIX_RE.fullmatch(self.prefix):
             raise InvalidNameError(
                 f"subject prefix {self.prefix!r}: use 1 to 32 letters, digits, '-' or '_'"
             )
@@ -186,6 +188,18 @@ class Names:
 
     def artifact_chunks(self, node: str, job_id: str, kind: str) -> str:
         return f"{self.prefix}.artifacts.{node}.{job_id}.{kind}"
+
+    def artifact_chunks_parts(self, subject: str) -> tuple[str, str, str]:
+        """(node, job, kind) of an `artifact_chunks` subject, its inverse;
+        InvalidNameError when `subject` is none."""
+        head = f"{self.prefix}.artifacts."
+        parts = subject[len(head) :].split(".") if subject.startswith(head) else []
+        if len(parts) != 3 or not all(parts):
+            raise InvalidNameError(
+                f"{subject!r} is not an artifact chunk subject ({head}<node>.<job>.<kind>)"
+            )
+        node, job_id, kind = parts
+        return node, job_id, kind
 
     # --- events (recorder -> watchers, after commit) ---
     def job_events(self, job_id: str) -> str:
@@ -349,6 +363,35 @@ def msg_get_subject(bucket: str) -> str:
     """The one JetStream API subject `read_object` requests on an object-store
     bucket (what a reader's permissions must allow)."""
     return stream_msg_get_subject(object_stream(bucket))
+
+
+# --- message ids (Header.MSG_ID) --------------------------------------------------
+# A JetStream stream stores a message whose id it saw within its duplicate
+# window once: a retried publish is the same id. Two messages that must both
+# be stored need different ids in the same stream.
+
+
+def status_msg_id(job_id: str, attempt: int, seq: int) -> str:
+    """The id of a job's status report: one per job, attempt and report."""
+    return f"{job_id}.{attempt}.{seq}"
+
+
+def serving_msg_id(node: str, seq: int) -> str:
+    """The id of a node's serving report (`seq` grows per node), in the
+    status stream beside `status_msg_id`s, which never hold "serving"."""
+    return f"{node}.serving.{seq}"
+
+
+def chunk_msg_id(job_id: str, kind: str, attempt: int, seq: int, step: int | None = None) -> str:
+    """The id of one artifact chunk.
+
+    `step`: a checkpoint's optimizer step. One attempt delivers many
+    checkpoints, and without it chunk 0 of the second would be taken for a
+    repeat of the first's (the stream's duplicate window) and dropped.
+    """
+    if step is None:
+        return f"{job_id}.{kind}.{attempt}.{seq}"
+    return f"{job_id}.{kind}.{attempt}.{step}.{seq}"
 
 
 # --- headers --------------------------------------------------------------------

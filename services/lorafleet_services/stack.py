@@ -35,9 +35,9 @@ from lorafleet_services.agent.environment.gguf_conversion import local_conversio
 from lorafleet_services.gateway.config import GatewayConfig
 
 #: Seconds a child service has to log `service.started`.
-START_TIMEOUT_S = 60.0
+SERVICE_START_TIMEOUT_S = 60.0
 #: Seconds a child has between SIGTERM and SIGKILL in `ServiceProcess.stop`.
-STOP_TIMEOUT_S = 10.0
+SERVICE_STOP_GRACE_S = 10.0
 #: Seconds the log reader gets to drain after a child has exited.
 READER_DRAIN_TIMEOUT_S = 5.0
 #: Seconds the log reader gets to drain after a failed start.
@@ -165,7 +165,7 @@ class ServiceProcess:
     def running(self) -> bool:
         return self.proc is not None and self.proc.returncode is None
 
-    async def start(self, timeout_s: float = START_TIMEOUT_S) -> ServiceProcess:
+    async def start(self, timeout_s: float = SERVICE_START_TIMEOUT_S) -> ServiceProcess:
         # JSON whatever the user's LORAFLEET_LOG_FORMAT: `start()` reads the
         # child's lines; `echo` may render them for a person (log.ConsoleLines).
         env = {
@@ -230,7 +230,7 @@ class ServiceProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    async def stop(self, timeout_s: float = STOP_TIMEOUT_S) -> int | None:
+    async def stop(self, timeout_s: float = SERVICE_STOP_GRACE_S) -> int | None:
         """SIGTERM, wait `timeout_s` seconds, then SIGKILL; return the exit code."""
         proc = self.proc
         if proc is None:

@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record, msg_id
-from lorafleet.names import Header, Names, object_meta_subjects, object_stream
+from lorafleet.artifacts import AsyncPublisher, download_artifact, get_record
+from lorafleet.names import Header, Names, chunk_msg_id, object_meta_subjects, object_stream
 from lorafleet.nats._bus import connect, decode, drain_quietly, ensure_layout, layout_for
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord
@@ -109,7 +109,7 @@ def chunks_of(
                 sha256=sha256 or hashlib.sha256(data).hexdigest(),
             )
         headers = {
-            Header.MSG_ID: msg_id(job.id, kind.value, job.attempt, seq, checkpoint_step),
+            Header.MSG_ID: chunk_msg_id(job.id, kind.value, job.attempt, seq, checkpoint_step),
             Header.CHUNK: msgspec.json.encode(h).decode(),
         }
         out.append((headers, body))

@@ -26,7 +26,7 @@ from lorafleet_services.artifact_store.assembly import (
     AssemblyError,
     ChunkError,
     Key,
-    Whole,
+    VerifiedArtifact,
     delivery_refusal_reason,
     is_committed_by,
     object_chunk_token,
@@ -68,7 +68,9 @@ def test_in_order_assembles_and_verifies() -> None:
     a, written = assemble(headers_for(data, 1000))
     assert written == data
     assert a.complete
-    assert a.verify() == Whole(size=10_000, sha256=hashlib.sha256(data).hexdigest(), count=10)
+    assert a.verify() == VerifiedArtifact(
+        size=10_000, sha256=hashlib.sha256(data).hexdigest(), count=10
+    )
 
 
 def test_duplicates_and_reordering_give_the_same_bytes() -> None:
@@ -85,7 +87,7 @@ def test_duplicates_and_reordering_give_the_same_bytes() -> None:
 def test_empty_artifact_is_one_empty_last_chunk() -> None:
     a, written = assemble(headers_for(b"", 100))
     assert written == b""
-    assert a.verify() == Whole(size=0, sha256=hashlib.sha256(b"").hexdigest(), count=1)
+    assert a.verify() == VerifiedArtifact(size=0, sha256=hashlib.sha256(b"").hexdigest(), count=1)
 
 
 def test_missing_chunk_is_short() -> None:
@@ -139,6 +141,8 @@ def test_parse_chunk_checks_subject_against_header() -> None:
         ChunkError, match=r"was published on lorafleet\.artifacts\.node-b\.job1\.gguf"
     ):
         parse_chunk(names, "lorafleet.artifacts.node-b.job1.gguf", raw)
+    with pytest.raises(ChunkError, match="is not an artifact chunk subject"):
+        parse_chunk(names, "lorafleet.artifacts.node-a.job1", raw)
     with pytest.raises(ChunkError, match="no Lorafleet-Chunk header"):
         parse_chunk(names, "lorafleet.artifacts.node-a.job1.gguf", {})
     with pytest.raises(ChunkError, match="not valid"):
@@ -169,7 +173,7 @@ def test_refusal_rules() -> None:
 
 def test_object_info_reads_back_as_a_record() -> None:
     names = Names()
-    whole = Whole(size=3, sha256=hashlib.sha256(b"abc").hexdigest(), count=1)
+    whole = VerifiedArtifact(size=3, sha256=hashlib.sha256(b"abc").hexdigest(), count=1)
     now = dt.datetime(2026, 1, 2, 3, 4, 5, tzinfo=dt.UTC)
     nuid = object_chunk_token(KEY, "w1")
     info = object_info(

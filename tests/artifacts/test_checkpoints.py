@@ -14,8 +14,8 @@ import msgspec
 import pytest
 from nats.aio.client import Client
 
-from lorafleet.artifacts import AsyncPublisher, ObjectInfo, msg_id, record_from_info
-from lorafleet.names import Names, object_chunk_subject
+from lorafleet.artifacts import AsyncPublisher, ObjectInfo, record_from_info
+from lorafleet.names import Names, chunk_msg_id, object_chunk_subject
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactStoredRequest,
@@ -26,7 +26,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.artifact_store.assembly import (
     ChunkError,
     Key,
-    Whole,
+    VerifiedArtifact,
     delivery_refusal_reason,
     is_committed_by,
     object_chunk_token,
@@ -87,7 +87,9 @@ def test_a_checkpoint_chunk_carries_its_step() -> None:
     [(peft, _)] = chunks_of(j, PEFT, b"x", CHUNK)
     assert parse_chunk(N, N.artifact_chunks("node-a", "job1", "peft"), peft).key.step == 0
     # One attempt delivers many checkpoints: ids and object tokens differ by step.
-    assert msg_id("job1", "checkpoint", 1, 0, 5) != msg_id("job1", "checkpoint", 1, 0, 50)
+    assert chunk_msg_id("job1", "checkpoint", 1, 0, 5) != chunk_msg_id(
+        "job1", "checkpoint", 1, 0, 50
+    )
     assert not is_committed_by(object_chunk_token(key(50), "w"), key(5))
     assert is_committed_by(object_chunk_token(key(5), "w"), key(5))
 
@@ -134,7 +136,7 @@ def test_the_recorder_is_owed_a_checkpoint_until_it_holds_that_one() -> None:
 
 
 def test_a_stored_checkpoint_says_its_step_and_is_listed() -> None:
-    whole = Whole(size=3, sha256="ab" * 32, count=1)
+    whole = VerifiedArtifact(size=3, sha256="ab" * 32, count=1)
     now = dt.datetime.now(dt.UTC)
     info = object_info(
         N, key(40), whole, chunks=1, chunk_bytes=3, base_model="m", now=now, nuid="n"

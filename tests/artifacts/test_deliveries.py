@@ -18,8 +18,8 @@ from lorafleet.objects import ObjectWriter
 from lorafleet_schemas.messages import ArtifactKind, ArtifactStoredRequest, JobState
 from lorafleet_services.artifact_store.assembly import (
     Assembly,
+    EndedDeliveries,
     Key,
-    Remembered,
     is_stored,
     object_chunk_token,
     report_owed,
@@ -70,7 +70,7 @@ def test_idle_deliveries_are_those_untouched_longer_than_the_bound() -> None:
 
 
 def test_remembered_keeps_the_newest_keys() -> None:
-    ended = Remembered(size=2)
+    ended = EndedDeliveries(size=2)
     keys = [Key("n", f"j{i}", PEFT, 1) for i in range(3)]
     for k in keys:
         ended.add(k)

@@ -10,7 +10,7 @@ from lorafleet.artifacts import AsyncPublisher
 from lorafleet.names import Names, object_chunk_subject
 from lorafleet.objects import WRITE_WINDOW, ObjectWriter
 from lorafleet_schemas.messages import ArtifactKind
-from lorafleet_services.artifact_store.assembly import Chunk, Key, Whole, object_info
+from lorafleet_services.artifact_store.assembly import Chunk, Key, VerifiedArtifact, object_info
 from lorafleet_services.artifact_store.streams import READ_BACK_BATCH, Streams, read_back_batch
 from tests.artifacts.conftest import chunks_of, publish
 from tests.artifacts.fakes import job
@@ -78,7 +78,9 @@ async def test_object_chunks_are_written_in_a_window_counted_and_committed(
     assert (writer.chunks_written, writer.max_chunk) == (len(bodies), 100)
     assert await streams.stored_chunks(subject) == len(bodies)
     data = b"".join(bodies)
-    whole = Whole(size=len(data), sha256=hashlib.sha256(data).hexdigest(), count=len(bodies))
+    whole = VerifiedArtifact(
+        size=len(data), sha256=hashlib.sha256(data).hexdigest(), count=len(bodies)
+    )
     info = object_info(N, KEY, whole, chunks=len(bodies), chunk_bytes=100, base_model="tiny",
                        now=job().created_at, nuid="job1.peft.1.w1")  # fmt: skip
     assert await streams.read_info(KEY) is None

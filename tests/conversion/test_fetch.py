@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.environment.gguf_conversion import (
     COMPLETE_MARKER,
     ConversionError,
@@ -21,6 +21,7 @@ from lorafleet_services.agent.environment.gguf_conversion import (
     find_llamacpp_tag,
     local_conversion_source,
 )
+from lorafleet_services.agent.node.installed_engines import find_engines
 from tests.conversion import llamacpp_source
 from tests.conversion.conftest import SourceServer
 
@@ -36,17 +37,24 @@ def config(tmp_path: Path, **changes: object) -> AgentConfig:
 # ------------------------------------------------------------------ the tag
 
 
-def test_tag_is_the_newest_installed_build_by_number(tmp_path: Path) -> None:
+@pytest.mark.parametrize("newest", ["b1000", "b1000-cuda12", "b1000_cuda", "b1000.avx2"])
+def test_tag_is_the_newest_installed_build_by_number(tmp_path: Path, newest: str) -> None:
+    """The converter and the heartbeat count the same directories (both
+    ask engines.llamacpp_tag): `b5000_cuda` was reported and not converted with."""
     root = tmp_path / "engines" / "llamacpp"
-    for name in ("b999-abc1234", "b1000", "b12-cuda", "latest", "bx-1"):
+    for name in ("b999-abc1234", newest, "b12-cuda", "latest", "bx-1", "b99x"):
         (root / name).mkdir(parents=True)
     (root / "b5000-notes.txt").write_text("a file, not an install")
-    assert find_llamacpp_tag(config(tmp_path)) == "b1000"
+    cfg = config(tmp_path)
+    assert find_llamacpp_tag(cfg) == "b1000"
+    assert find_engines(cfg.engines_dir, cfg.llamacpp_tag).llamacpp == "b1000"
 
 
 def test_a_configured_tag_wins(tmp_path: Path) -> None:
     (tmp_path / "engines" / "llamacpp" / "b1000").mkdir(parents=True)
-    assert find_llamacpp_tag(config(tmp_path, llamacpp_tag="b4321")) == "b4321"
+    cfg = config(tmp_path, llamacpp_tag="b4321")
+    assert find_llamacpp_tag(cfg) == "b4321"
+    assert find_engines(cfg.engines_dir, cfg.llamacpp_tag).llamacpp == "b4321"
 
 
 def test_no_llamacpp_installed_says_what_to_do(tmp_path: Path) -> None:
@@ -57,13 +65,14 @@ def test_no_llamacpp_installed_says_what_to_do(tmp_path: Path) -> None:
     assert "LORAFLEET_AGENT_LLAMACPP_TAG" in message
 
 
-@pytest.mark.parametrize("tag", ["../b1", "b1/x", ".hidden", "b1 x"])
+@pytest.mark.parametrize("tag", ["../b1", "b1/x", ".hidden", "b1 x", "b1\n"])
 def test_a_tag_that_is_not_a_name_is_refused(tmp_path: Path, tag: str) -> None:
-    cfg = config(tmp_path, llamacpp_tag=tag)
+    """At the agent's start (so the heartbeat never reports it), and again
+    where it becomes a path."""
+    with pytest.raises(AgentConfigError, match=r"LLAMACPP_TAG=.* is not a llama\.cpp release tag"):
+        config(tmp_path, llamacpp_tag=tag)
     with pytest.raises(ConversionError, match=r"is not a llama\.cpp release tag"):
-        find_llamacpp_tag(cfg)
-    with pytest.raises(ConversionError, match=r"is not a llama\.cpp release tag"):
-        conversion_dir(cfg, tag)
+        conversion_dir(config(tmp_path), tag)
 
 
 # ------------------------------------------------------------ the real fetch

@@ -46,3 +46,28 @@ def test_a_generic_retry_is_logged_in_the_vocabulary(lines: io.StringIO) -> None
     assert line["service"] == "test" and line["level"] == "warning"
     assert "flaky" in line["message"] and "try 2" in line["message"]
     assert line["error"] == "ConnectionError('refused')"
+
+
+def test_a_refused_report_of_either_kind_is_logged_with_the_same_fields(
+    lines: io.StringIO,
+) -> None:
+    import datetime as dt
+
+    from lorafleet_schemas.messages import Engine, ServingReport, ServingState, StatusReport
+
+    t = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
+    status = StatusReport(job_id="j1", node="n1", attempt=1, seq=7, time=t)
+    serving = ServingReport(
+        job_id="j2", node="n2", engine="http://n2:8000/v1", engine_kind=Engine.VLLM, model="m",
+        served_name="m-j2", sha256="0" * 64, state=ServingState.SERVED, seq=9, time=t,
+    )  # fmt: skip
+    log.reports_refused(log.get(), [(status, "not its node")])
+    log.reports_refused(log.get(), [(serving, "no such job")], "serving report: ")
+    got = [json.loads(x) for x in lines.getvalue().splitlines()]
+    assert [{k: line[k] for k in ("event", "level", "job_id", "node", "seq", "message")}
+            for line in got] == [
+        {"event": "status.refused", "level": "warning", "job_id": "j1", "node": "n1",
+         "seq": 7, "message": "not its node"},
+        {"event": "status.refused", "level": "warning", "job_id": "j2", "node": "n2",
+         "seq": 9, "message": "serving report: no such job"},
+    ]  # fmt: skip

@@ -510,3 +510,23 @@ async def test_kv_values_lists_the_current_values_without_deletes(
         assert await _natspy.kv_values(js, kv, "pin_values", "jobs.alice.*", 2.0) == []
     finally:
         await nc.close()
+
+
+def test_an_object_digest_reads_back_where_it_is_written() -> None:
+    """object_digest writes the object store's digest field and digest_matches
+    reads it, in one module; nats-py's own lowercase prefix reads too."""
+    import hashlib
+
+    from nats.js.api import ObjectInfo
+
+    sha = hashlib.sha256(b"abc")
+    field = _natspy.object_digest(sha.hexdigest())
+    assert field.startswith("SHA-256=")
+
+    def info(digest: str | None) -> ObjectInfo:
+        return ObjectInfo(name="o", bucket="b", nuid="n", digest=digest)
+
+    assert _natspy.digest_matches(info(field), sha.digest())
+    assert _natspy.digest_matches(info(field.replace("SHA-256=", "sha-256=")), sha.digest())
+    assert not _natspy.digest_matches(info(field), hashlib.sha256(b"abd").digest())
+    assert _natspy.digest_matches(info(None), sha.digest()), "no digest recorded: nothing to check"

@@ -6,7 +6,13 @@ from pathlib import Path
 import msgspec
 import pytest
 
-from lorafleet.names import InvalidNameError, Names
+from lorafleet.names import (
+    InvalidNameError,
+    Names,
+    chunk_msg_id,
+    serving_msg_id,
+    status_msg_id,
+)
 from lorafleet.settings import Settings, SettingsError, read_env, write_env
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 
@@ -96,7 +102,41 @@ def test_names_derive_from_one_prefix() -> None:
     assert n.status_stream == "ACME_STATUS"
 
 
-@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", ""])
+def test_an_artifact_chunk_subject_is_taken_apart_where_it_is_built() -> None:
+    n = Names("acme")
+    assert n.artifact_chunks_parts(n.artifact_chunks("gpu-3", "j1", "gguf")) == (
+        "gpu-3",
+        "j1",
+        "gguf",
+    )
+    for bad in (
+        "lorafleet.artifacts.gpu-3.j1.gguf",  # another prefix's
+        "acme.artifacts.gpu-3.j1",
+        "acme.artifacts.gpu-3.j1.gguf.x",
+        "acme.artifacts.gpu-3..gguf",
+        "acme.status.gpu-3.j1",
+    ):
+        with pytest.raises(InvalidNameError, match=r"acme\.artifacts\.<node>\.<job>\.<kind>"):
+            n.artifact_chunks_parts(bad)
+
+
+def test_message_ids_of_different_messages_differ() -> None:
+    """One stream stores a message whose id it has seen once: the status
+    stream holds both status and serving reports, the artifact stream a job's
+    checkpoints of one attempt; none of them may share an id."""
+    status = {status_msg_id("n1", attempt, seq) for attempt in (1, 2) for seq in (1, 2)}
+    serving = {serving_msg_id("n1", seq) for seq in (1, 2)}
+    assert len(status) == 4 and len(serving) == 2 and not status & serving
+    assert status_msg_id("j1", 2, 7) == "j1.2.7", "the id of the reports already stored"
+    chunks = {
+        chunk_msg_id("j1", kind, 1, seq, step)
+        for kind, step in (("peft", None), ("checkpoint", 5), ("checkpoint", 50))
+        for seq in (0, 1)
+    }
+    assert len(chunks) == 6
+
+
+@pytest.mark.parametrize("bad", ["a.b", "a b", "*", ">", "", "a\n"])
 def test_node_names_that_would_break_subjects_are_refused(bad: str) -> None:
     with pytest.raises(InvalidNameError, match="NATS subject"):
         Names().node_start(bad)

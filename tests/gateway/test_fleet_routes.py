@@ -1,5 +1,5 @@
 """Where the gateway sends a model, as the serving records and heartbeats say,
-without a bus: `fleet_view` and `routes_in` are plain functions."""
+without a bus: `fleet_view` and `locations_in` are plain functions."""
 
 from __future__ import annotations
 
@@ -17,16 +17,15 @@ from lorafleet_schemas.messages import (
     ServingState,
 )
 from lorafleet_services.gateway.fleet_model_location import (
-    OverrideRoutes,
+    ConfiguredFirstLocator,
     engine_base_url,
-    fine_tuned_parts,
     fleet_view,
-    routes_in,
+    locations_in,
     unserved_hint,
 )
 from lorafleet_services.gateway.inference_routes import with_model
-from lorafleet_services.gateway.job_mapping import fine_tuned_model_name
-from lorafleet_services.gateway.model_location import EngineRoute
+from lorafleet_services.gateway.job_mapping import fine_tuned_model_name, fine_tuned_parts
+from lorafleet_services.gateway.model_location import ModelLocation
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 A, B = "http://10.0.0.1:8000", "http://10.0.0.2:8000/v1"
@@ -72,17 +71,17 @@ def test_a_fine_tuned_name_goes_to_each_live_engine_serving_its_job() -> None:
         served("j3", "n1", "http://gone:1", ServingState.SERVED),  # no longer run there
     ]
     view = fleet_view(records, nodes, CATALOG, api_key="k")
-    j1 = routes_in(view, fine_tuned_model_name("tiny", "sums", "j1"))
+    j1 = locations_in(view, fine_tuned_model_name("tiny", "sums", "j1"))
     assert [(r.base_url, r.served_name, r.api_key) for r in j1] == [
         (f"{A}/v1", "j1-0123456789ab", "k"),
         (B, "j1-0123456789ab", "k"),
     ]
     for name in ("ft:tiny::j2", "ft:tiny:x:j3", "ft:other:sums:j1", "ft:tiny:sums:nope"):
-        assert routes_in(view, name) == [], name
+        assert locations_in(view, name) == [], name
     # A base: the engines whose own model is the catalog entry (by its local_dir).
-    [base] = routes_in(view, "tiny")
+    [base] = locations_in(view, "tiny")
     assert (base.base_url, base.served_name) == (f"{A}/v1", "/models/tiny/")
-    assert routes_in(view, "other") == []
+    assert locations_in(view, "other") == []
 
 
 def test_a_model_not_served_now_says_where_its_adapter_stands() -> None:
@@ -112,6 +111,8 @@ def test_a_model_not_served_now_says_where_its_adapter_stands() -> None:
 
 def test_names_and_bodies() -> None:
     assert fine_tuned_parts("ft:tiny:sums:j1") == ("tiny", "j1")
+    for suffix in ("sums", None, "a:b"):  # the name the gateway gives, taken apart again
+        assert fine_tuned_parts(fine_tuned_model_name("tiny", suffix, "j1")) == ("tiny", "j1")
     assert fine_tuned_parts("ft:tiny::j1") == ("tiny", "j1")
     assert fine_tuned_parts("tiny") is None and fine_tuned_parts("ft:tiny:j1") is None
     assert engine_base_url("http://h:1/") == "http://h:1/v1" == engine_base_url("http://h:1/v1")
@@ -122,24 +123,26 @@ def test_names_and_bodies() -> None:
 
 
 class Listed:
-    """A ModelRoutes that counts its asks: `served` is its cached list, `where` asks anew."""
+    """A ModelLocator that counts its asks: `served` is its cached list, `where` asks anew."""
 
-    def __init__(self, served: dict[str, list[EngineRoute]], fresh: dict[str, list[EngineRoute]]):
+    def __init__(
+        self, served: dict[str, list[ModelLocation]], fresh: dict[str, list[ModelLocation]]
+    ):
         self._served, self._fresh, self.asked = served, fresh, 0
 
-    async def where(self, model: str) -> list[EngineRoute]:
+    async def where(self, model: str) -> list[ModelLocation]:
         self.asked += 1
         return self._fresh.get(model, [])
 
-    async def served(self) -> dict[str, list[EngineRoute]]:
+    async def served(self) -> dict[str, list[ModelLocation]]:
         return self._served
 
 
 async def test_the_configured_engines_come_first_and_are_asked_only_after_the_fleet() -> None:
-    env, fleet = EngineRoute("http://env/v1"), EngineRoute("http://fleet/v1", served_name="x")
+    env, fleet = ModelLocation("http://env/v1"), ModelLocation("http://fleet/v1", served_name="x")
     first = Listed({"tiny": [env]}, {"tiny": [env], "just-loaded": [env]})
     then = Listed({}, {"tiny": [fleet], "ft:tiny::j1": [fleet]})
-    routes = OverrideRoutes(first, then)
+    routes = ConfiguredFirstLocator(first, then)
     assert await routes.where("tiny") == [env]  # the override, from its list as read
     assert await routes.where("ft:tiny::j1") == [fleet]
     assert first.asked == 0  # a model the fleet serves asks the configured engines nothing

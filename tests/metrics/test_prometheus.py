@@ -27,8 +27,8 @@ from typing import Any
 import msgspec
 import pytest
 
-from lorafleet.metrics import MIB
 from lorafleet_schemas.messages import JobList, JobRecord, JobState
+from lorafleet_trainer.memory import MIB
 from tests.metrics.endpoints import host_port, metrics_url, scrape, series
 from tests.metrics.prom import Prometheus
 from tests.system.conftest import Stack

@@ -18,6 +18,7 @@ from lorafleet_schemas.messages import Card, Engine, EngineRef, Heartbeat
 from lorafleet_services.agent.metric_views import RunningJobs
 from lorafleet_services.recorder.metric_views import JobCounts
 from lorafleet_services.scheduler.metric_views import node_samples
+from lorafleet_trainer.memory import MIB
 
 
 class Clock:
@@ -57,7 +58,7 @@ def test_running_jobs_keep_each_field_and_go_after_the_linger() -> None:
         ("lorafleet_job_steps", ("n1", "j1")): 4.0,
         ("lorafleet_job_loss", ("n1", "j1")): 2.5,
         ("lorafleet_job_eval_loss", ("n1", "j1")): 2.0,
-        ("lorafleet_job_peak_memory_bytes", ("n1", "j1")): 10.0 * metrics.MIB,
+        ("lorafleet_job_peak_memory_bytes", ("n1", "j1")): 10.0 * MIB,
     }
     jobs.ended("n1", "j1")
     clock.now += 4.9
@@ -84,8 +85,8 @@ def test_node_samples_cover_cards_of_live_nodes_only() -> None:
     ]
     got = samples(lambda: node_samples(rows))
     assert got[("lorafleet_nodes_alive", ())] == 1.0
-    assert got[("lorafleet_card_memory_free_bytes", ("a", "1", "H100"))] == 12 * metrics.MIB
-    assert got[("lorafleet_card_memory_total_bytes", ("a", "0", "H100"))] == 80 * metrics.MIB
+    assert got[("lorafleet_card_memory_free_bytes", ("a", "1", "H100"))] == 12 * MIB
+    assert got[("lorafleet_card_memory_total_bytes", ("a", "0", "H100"))] == 80 * MIB
     assert got[("lorafleet_node_busy", ("a",))] == 1.0
     assert got[("lorafleet_node_up", ("b",))] == 0.0
     assert got[("lorafleet_node_heartbeat_age_seconds", ("b",))] == 9.0

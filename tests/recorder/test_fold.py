@@ -9,7 +9,14 @@ from typing import Any
 import pytest
 
 from lorafleet_schemas.messages import EvalPoint, JobState, LossPoint, StatusReport
-from lorafleet_services.recorder.fold import Folded, Move, effective, fold, why_report_refused
+from lorafleet_services.recorder.fold import (
+    Folded,
+    Move,
+    completion,
+    effective,
+    fold,
+    why_report_refused,
+)
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 T1 = T0 + dt.timedelta(minutes=5)
@@ -180,6 +187,20 @@ def test_uploading_with_every_artifact_stored_goes_on_to_done() -> None:
     assert folded.values["state"] == "done" and folded.values["message"] == said
     assert folded.values["finished_at"] == T1
     assert folded.values["tokens_seen"] == 48, "the trainer's total rides on the uploading report"
+
+
+@pytest.mark.parametrize("state", list(JobState))
+def test_only_uploading_with_every_artifact_stored_completes(state: JobState) -> None:
+    """The one rule both paths to `done` ask (a report here, a stored artifact
+    in job_writes.py): every expected kind stored, and the job uploading."""
+    both = ["peft", "gguf"]
+    done = completion(state, both, ["gguf", "peft"])
+    if state is JobState.UPLOADING:
+        said = "every artifact is stored and verified: gguf, peft"
+        assert done == Move(JobState.UPLOADING, JobState.DONE, said)
+    else:
+        assert done is None
+    assert completion(state, both, ["peft"]) is None, "gguf is not stored yet"
 
 
 def test_a_retryable_failure_requeues_while_attempts_are_left() -> None:

@@ -20,6 +20,10 @@ from typing import Any
 from lorafleet_trainer.params import PARAM_RULES, Params
 from lorafleet_trainer.protocol import BadInputError
 
+#: A sha256 as lorafleet writes it: 64 lowercase hex digits (the message
+#: schemas' Sha256Hex is this pattern too).
+SHA256_HEX_PATTERN = r"^[0-9a-f]{64}$"
+
 RESUME_MODES = ("continue", "weights")
 DEVICES = ("cuda", "cpu")
 
@@ -158,7 +162,7 @@ class JobFile:
 
 def _sha256(raw: dict[str, Any], key: str) -> str:
     sha = _str(raw, key) or ""
-    if not re.fullmatch(r"[0-9a-f]{64}", sha):
+    if not re.fullmatch(SHA256_HEX_PATTERN, sha):
         raise BadInputError(f"the job's {key} is {sha!r}; it must be 64 lowercase hex digits")
     return sha
 

@@ -7,6 +7,7 @@ leading `_`, which change without notice).
 - config: a server config's text (TLS, nkey users, authorization);
 - _bus: connections, requests, the JetStream layout;
 - _consumer: the JetStream pull loop;
+- _publisher: messages published in order, each until acknowledged;
 - _micro: NATS micro endpoints;
 - _natspy: nats-py workarounds (publishes, objects, key-value reads).
 

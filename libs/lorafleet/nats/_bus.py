@@ -63,7 +63,7 @@ PING_INTERVAL_S = 5
 #: Pings unanswered before the connection counts as lost.
 MAX_OUTSTANDING_PINGS = 2
 #: Seconds a closing connection may drain before it is closed.
-DRAIN_TIMEOUT_S = 5.0
+CONNECTION_DRAIN_TIMEOUT_S = 5.0
 #: Seconds between two tries of a request nobody answered.
 NO_RESPONDERS_PAUSE_S = 0.1
 
@@ -450,7 +450,7 @@ async def drain_quietly(nc: Client | None) -> None:
     if nc is None or nc.is_closed:
         return
     with contextlib.suppress(Exception):
-        await asyncio.wait_for(nc.drain(), DRAIN_TIMEOUT_S)
+        await asyncio.wait_for(nc.drain(), CONNECTION_DRAIN_TIMEOUT_S)
     with contextlib.suppress(Exception):
         await nc.close()
 

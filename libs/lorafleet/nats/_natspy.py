@@ -361,6 +361,12 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, out: BinaryI
     return size
 
 
+def object_digest(sha256_hex: str) -> str:
+    """The object store's digest field for a sha256 (`SHA-256=<base64url>`);
+    `digest_matches` reads it back."""
+    return OBJECT_DIGEST_PREFIX + base64.urlsafe_b64encode(bytes.fromhex(sha256_hex)).decode()
+
+
 def digest_matches(info: ObjectInfo, sha256: bytes) -> bool:
     """Whether `sha256` is the digest the info records (true when it records none)."""
     want = (

@@ -25,7 +25,7 @@ from lorafleet._tasks import stop_tasks
 #: Seconds to wait for "Server is ready".
 READY_TIMEOUT_S = 20.0
 #: Seconds between SIGTERM and SIGKILL on stop.
-STOP_GRACE_S = 5.0
+SERVER_STOP_GRACE_S = 5.0
 #: Lines of the server's output kept (the newest), for error messages.
 OUTPUT_KEPT_LINES = 500
 
@@ -171,7 +171,7 @@ class NatsServer:
             with contextlib.suppress(ProcessLookupError):
                 proc.kill() if kill else proc.terminate()
             try:
-                await asyncio.wait_for(proc.wait(), STOP_GRACE_S)
+                await asyncio.wait_for(proc.wait(), SERVER_STOP_GRACE_S)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()

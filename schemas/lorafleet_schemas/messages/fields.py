@@ -7,13 +7,17 @@ from typing import Annotated
 
 from msgspec import Meta
 
-#: A token safe inside a NATS subject: node names, job ids, artifact kinds.
+from lorafleet_trainer.jobfile import SHA256_HEX_PATTERN
+
+#: A token safe inside a NATS subject: node names, job ids, artifact kinds
+#: (lorafleet.names checks the names it builds against it too).
+SUBJECT_TOKEN_PATTERN = r"^[A-Za-z0-9_-]{1,64}$"
 SubjectToken = Annotated[
     str,
     Meta(
-        pattern=r"^[A-Za-z0-9_-]{1,64}$",
+        pattern=SUBJECT_TOKEN_PATTERN,
         description="letters, digits, '-' and '_' only (it becomes part of a NATS subject)",
     ),
 ]
-Sha256Hex = Annotated[str, Meta(pattern=r"^[0-9a-f]{64}$", description="lowercase hex sha256")]
+Sha256Hex = Annotated[str, Meta(pattern=SHA256_HEX_PATTERN, description="lowercase hex sha256")]
 PositiveMiB = Annotated[int, Meta(gt=0, description="MiB of one card")]

@@ -7,6 +7,7 @@ Every field is `LORAFLEET_AGENT_<FIELD>` in the environment, or a
 from __future__ import annotations
 
 import os
+import re
 from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -25,6 +26,25 @@ DEFAULT_RUN_AS = "lorafleet-engine"
 
 #: Where llama.cpp's source is fetched from, by release tag ({tag}).
 DEFAULT_CONVERSION_SOURCE = "https://github.com/ggml-org/llama.cpp/archive/refs/tags/{tag}.tar.gz"
+
+
+#: A configured llama.cpp release tag: it becomes part of a path and a URL.
+_LLAMACPP_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
+
+
+class LlamacppTagError(ValueError):
+    """A configured llama.cpp release tag that cannot be one."""
+
+
+def check_llamacpp_tag(tag: str, what: str) -> str:
+    """`tag`, when it can name a llama.cpp release; else LlamacppTagError
+    saying so (`what`: where it came from, e.g. the variable)."""
+    if not _LLAMACPP_TAG_RE.fullmatch(tag):
+        raise LlamacppTagError(
+            f"{what}={tag!r} is not a llama.cpp release tag; use one like b4000 "
+            "(letters, digits, '.', '_' and '-')"
+        )
+    return tag
 
 
 class AgentConfigError(SettingsError):
@@ -49,7 +69,8 @@ class AgentConfig:
     hf_home: the Hugging Face cache shared with the engines; default: the
         engines' user's home under work_dir.
     hf_offline: read base weights from the cache only; default False.
-    llamacpp_tag: the llama.cpp release to convert with; default: the newest
+    llamacpp_tag: the llama.cpp release the node serves and converts with (a
+        tag like b4000: letters, digits, ".", "_" and "-"); default: the newest
         installed under engines_dir/llamacpp.
     conversion_source: URL template ({tag}) or local file path template of
         llama.cpp's source tarball.
@@ -109,6 +130,11 @@ class AgentConfig:
             )
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
+        if self.llamacpp_tag is not None:
+            try:
+                check_llamacpp_tag(self.llamacpp_tag, "LORAFLEET_AGENT_LLAMACPP_TAG")
+            except LlamacppTagError as e:
+                raise AgentConfigError(str(e)) from None
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:

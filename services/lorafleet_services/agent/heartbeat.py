@@ -35,7 +35,7 @@ from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.node.installed_engines import find_engines
 
 #: Seconds one NVML read may take before the beat goes out with the last cards.
-CARD_READ_TIMEOUT_S = 0.5
+BEAT_CARD_READ_TIMEOUT_S = 0.5
 #: Seconds between re-reads of the installed engines.
 ENGINES_RESCAN_S = 30.0
 #: Whole seconds a round trip to the server may take after a failed beat
@@ -58,7 +58,7 @@ class CardReader:
         self._pending: asyncio.Future[list[Card]] | None = None
         self.last: list[Card] = []
 
-    async def read(self, timeout_s: float = CARD_READ_TIMEOUT_S) -> list[Card]:
+    async def read(self, timeout_s: float = BEAT_CARD_READ_TIMEOUT_S) -> list[Card]:
         loop = asyncio.get_running_loop()
         if self._pending is None or self._pending.done():
             self._pending = loop.run_in_executor(self._pool, self._read)
@@ -131,7 +131,7 @@ class Heartbeater:
                     asyncio.to_thread(
                         find_engines, Path(self.cfg.engines_dir), self.cfg.llamacpp_tag
                     ),
-                    CARD_READ_TIMEOUT_S,
+                    BEAT_CARD_READ_TIMEOUT_S,
                 )
             except Exception as e:
                 self.logger.warning(Event.HEARTBEAT_SLOW, error=repr(e))

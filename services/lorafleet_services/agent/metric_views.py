@@ -20,10 +20,10 @@ from lorafleet.metrics import (
     JOB_STEP,
     JOB_STEPS,
     JOB_TOKENS,
-    MIB,
     LiveGauge,
     Sample,
 )
+from lorafleet_trainer.memory import MIB
 
 _JOB_FIELDS: dict[str, tuple[LiveGauge, float]] = {
     "step": (JOB_STEP, 1.0),

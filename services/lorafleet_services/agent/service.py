@@ -29,7 +29,7 @@ from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
-from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token
+from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token, status_msg_id
 from lorafleet.nats._bus import encode
 from lorafleet.nats._micro import Route, endpoint
 from lorafleet.settings import Settings
@@ -241,7 +241,7 @@ class Agent:
             self._tasks.append(asyncio.create_task(self._publish_fenced(report)))
 
     async def _publish_fenced(self, report: StatusReport) -> None:
-        headers = {Header.MSG_ID: f"{report.job_id}.{report.attempt}.{report.seq}"}
+        headers = {Header.MSG_ID: status_msg_id(report.job_id, report.attempt, report.seq)}
         subject = self.names.status(self.node, report.job_id)
         try:
             await self.js.publish(

@@ -7,7 +7,7 @@ is known and nothing is missing says whether count, size and sha256 agree.
 Beside it, the rules: who may deliver (`delivery_refusal_reason`), whether
 the object is stored already (`is_stored`), whether a checkpoint may replace
 the stored one (`superseded`), whether the recorder is owed a report
-(`report_owed`), which deliveries ended (`Remembered`).
+(`report_owed`), which deliveries ended (`EndedDeliveries`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from typing import Any, Protocol, TypeGuard
 import msgspec
 
 from lorafleet.artifacts import ObjectInfo, object_digest
-from lorafleet.names import Header, Names, artifact_object_name
+from lorafleet.names import Header, InvalidNameError, Names, artifact_object_name
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind, JobRecord, JobState
 
@@ -78,15 +78,10 @@ class Chunk:
 
 def subject_parts(names: Names, subject: str) -> tuple[str, str, str]:
     """(node, job, kind) of a chunk subject, or ChunkError."""
-    head = f"{names.prefix}.artifacts."
-    if not subject.startswith(head):
-        raise ChunkError(
-            f"{subject!r} is not an artifact chunk subject ({head}<node>.<job>.<kind>)"
-        )
-    parts = subject[len(head) :].split(".")
-    if len(parts) != 3 or not all(parts):
-        raise ChunkError(f"{subject!r}: expected {head}<node>.<job>.<kind>")
-    return parts[0], parts[1], parts[2]
+    try:
+        return names.artifact_chunks_parts(subject)
+    except InvalidNameError as e:
+        raise ChunkError(str(e)) from None
 
 
 _header_decoder = msgspec.json.Decoder(ArtifactChunkHeader)
@@ -122,7 +117,7 @@ def parse_chunk(names: Names, subject: str, headers: dict[str, str] | None) -> C
 
 
 @dataclass(frozen=True, slots=True)
-class Whole:
+class VerifiedArtifact:
     """A verified artifact: its size (bytes), sha256 and chunk count."""
 
     size: int
@@ -206,7 +201,7 @@ class Assembly:
     def complete(self) -> bool:
         return self.last is not None and self.next_seq == self.last.count
 
-    def verify(self) -> Whole:
+    def verify(self) -> VerifiedArtifact:
         """The whole artifact, or AssemblyError saying what is wrong with it."""
         last = self.last
         if last is None or last.count is None or last.size is None or last.sha256 is None:
@@ -234,10 +229,10 @@ class Assembly:
                 f"{self.key.label} is corrupt: its sha256 is {digest}, but the delivery said "
                 f"{last.sha256}"
             )
-        return Whole(size=self.size, sha256=digest, count=last.count)
+        return VerifiedArtifact(size=self.size, sha256=digest, count=last.count)
 
 
-class Remembered:
+class EndedDeliveries:
     """Keys of deliveries that ended, the newest `size` of them (insertion order)."""
 
     def __init__(self, size: int = FINISHED_MEMORY) -> None:
@@ -257,10 +252,9 @@ class Remembered:
 
 
 #: The states in which a job's node may deliver a checkpoint: while it
-#: trains, and after (a delivery that started while it trained ends later).
-CHECKPOINT_STATES: frozenset[JobState] = frozenset(
-    {JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING, JobState.UPLOADING}
-)
+#: trains, and after (a delivery that started while it trained ends later);
+#: not while it is starting, before the node has taken it up.
+CHECKPOINT_STATES: frozenset[JobState] = ON_NODE - {JobState.STARTING}
 
 
 def delivery_refusal_reason(job: JobRecord | None, key: Key) -> str | None:
@@ -367,7 +361,7 @@ def superseded(current: ObjectInfo | None, key: Key) -> str | None:
 def object_info(
     names: Names,
     key: Key,
-    whole: Whole,
+    whole: VerifiedArtifact,
     *,
     chunks: int,
     chunk_bytes: int,

@@ -37,9 +37,9 @@ from lorafleet_services.artifact_store.assembly import (
     AssemblyError,
     Chunk,
     ChunkError,
+    EndedDeliveries,
     Key,
-    Remembered,
-    Whole,
+    VerifiedArtifact,
     delivery_refusal_reason,
     is_stored,
     object_chunk_token,
@@ -62,7 +62,7 @@ RETRY_DELAY_S = 2.0
 STORE_PATIENCE_S = 60.0
 
 
-class Recorder(Protocol):
+class RecorderRequests(Protocol):
     """What the store asks of the recorder (`RecorderClient`; tests pass a fake)."""
 
     async def get_job(self, job_id: str) -> JobRecord | None: ...
@@ -110,7 +110,7 @@ class Deliveries:
         self,
         streams: Streams,
         publisher: AsyncPublisher,
-        recorder: Recorder,
+        recorder: RecorderRequests,
         clock: Callable[[], float],
         store_patience_s: float = STORE_PATIENCE_S,
         write_ack_timeout_s: float = WRITE_ACK_TIMEOUT_S,
@@ -126,7 +126,7 @@ class Deliveries:
         self.clock = clock
         self.logger = log.get()
         self.open: dict[Key, Delivery] = {}
-        self.ended = Remembered()
+        self.ended = EndedDeliveries()
 
     def writing(self) -> set[str]:
         """The object chunk subjects this store is writing."""
@@ -329,7 +329,7 @@ class Deliveries:
                 latest = await self.streams.last_seq(d.subject)
                 await self._read_back(d, max(latest, d.assembly.stream_seq))
 
-    async def _commit(self, d: Delivery, whole: Whole, job: JobRecord) -> None:
+    async def _commit(self, d: Delivery, whole: VerifiedArtifact, job: JobRecord) -> None:
         """Make the object exist: its info, once every chunk written is stored."""
         stored = await self.streams.stored_chunks(d.writer.subject)
         if stored != d.writer.chunks_written:

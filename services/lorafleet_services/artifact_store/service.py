@@ -35,7 +35,7 @@ from lorafleet_services.artifact_store.streams import Streams
 from lorafleet_services.artifact_store.sweeper import IDLE_CHECK_S, Sweeper
 
 #: Messages fetched from the durable consumer at once.
-FETCH_BATCH = 64
+CHUNK_FETCH_BATCH = 64
 #: Seconds one fetch waits for messages when none are there (with chunks in
 #: the stream a fetch returns at once). `stop()` lets the fetch in flight end
 #: (its messages would otherwise wait ACK_WAIT_S): 1 s made every stop 1 s.
@@ -44,7 +44,7 @@ FETCH_WAIT_S = 0.25
 ACK_WAIT_S = 60.0
 #: Chunks delivered and not yet acknowledged, at most (a held last chunk per
 #: delivery, and the batches in hand).
-MAX_ACK_PENDING = 4 * FETCH_BATCH * 16
+CHUNK_MAX_ACK_PENDING = 4 * CHUNK_FETCH_BATCH * 16
 #: Bytes nats-py reads from the socket at once in this process (its default
 #: is 32 KiB). With 32 KiB, asyncio paused and resumed reading (an epoll
 #: change each time) and the parser ran for every 32 KiB of a 512 KiB chunk:
@@ -93,8 +93,8 @@ class ArtifactStore:
                 durable=names.artifact_store_consumer,
                 filter_subject=names.artifacts_subjects,
                 ack_wait_s=ACK_WAIT_S,
-                max_ack_pending=MAX_ACK_PENDING,
-                batch=FETCH_BATCH,
+                max_ack_pending=CHUNK_MAX_ACK_PENDING,
+                batch=CHUNK_FETCH_BATCH,
                 fetch_wait_s=FETCH_WAIT_S,
             ),
             self._handle,

@@ -39,7 +39,7 @@ from lorafleet_services.artifact_store.assembly import (
     is_stored,
     superseded,
 )
-from lorafleet_services.artifact_store.delivery import Deliveries, Recorder, idle
+from lorafleet_services.artifact_store.delivery import Deliveries, RecorderRequests, idle
 
 #: Seconds without a new chunk after which an open delivery's job is checked
 #: again (an agent that died mid-delivery leaves one; its job is failed elsewhere).
@@ -101,7 +101,7 @@ class Sweeper:
     def __init__(
         self,
         deliveries: Deliveries,
-        recorder: Recorder,
+        recorder: RecorderRequests,
         clock: Callable[[], float],
         *,
         orphan_age_s: float,

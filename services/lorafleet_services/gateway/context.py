@@ -17,7 +17,7 @@ from lorafleet.client import Client
 from lorafleet.objects import ObjectNotFoundError, read_object
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.http_errors import not_found
-from lorafleet_services.gateway.model_location import ModelRoutes
+from lorafleet_services.gateway.model_location import ModelLocator
 from lorafleet_services.gateway.state import GatewayState
 
 _encoder = msgspec.json.Encoder()
@@ -30,7 +30,7 @@ class GatewayContext:
     config: GatewayConfig
     client: Client
     state: GatewayState
-    routes: ModelRoutes
+    locator: ModelLocator
     http: httpx2.AsyncClient
     #: Where uploads' records are checked (a worker process: uploads.py).
     checker: Executor

@@ -1,4 +1,4 @@
-"""`ModelRoutes` from the control plane: the engines that serve a model, as
+"""`ModelLocator` from the control plane: the engines that serve a model, as
 the serving records and the nodes' heartbeats say.
 
 A fine-tuned name (`ft:<base>:<suffix>:<job>`) goes to each engine holding
@@ -6,8 +6,8 @@ a served record of `<job>` on a live node whose heartbeat lists that
 engine, `model` rewritten to the record's served name; a catalog base goes
 to each engine of a live node whose base model is that entry. The view
 (`fleet_view`, a plain function of three requests) is reused for `ttl_s`
-and renewed beside the requests; a miss asks again at once; a route whose
-engine answered 404 is dropped (`forget`). `OverrideRoutes` puts
+and renewed beside the requests; a miss asks again at once; a location whose
+engine answered 404 is dropped (`forget`). `ConfiguredFirstLocator` puts
 LORAFLEET_GATEWAY_ENGINES first. What an operator must give (engine
 addresses the gateway can reach): docs/gateway.md.
 """
@@ -28,7 +28,8 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
-from lorafleet_services.gateway.model_location import EngineRoute, ModelRoutes, without
+from lorafleet_services.gateway.job_mapping import fine_tuned_parts
+from lorafleet_services.gateway.model_location import ModelLocation, ModelLocator, without
 
 #: Most served records one view holds (the recorder's cap per request).
 SERVED_LIMIT = 1000
@@ -38,14 +39,6 @@ def engine_base_url(url: str) -> str:
     """An engine's OpenAI base URL (`.../v1`) from its url on its node."""
     url = url.rstrip("/")
     return url if url.endswith("/v1") else f"{url}/v1"
-
-
-def fine_tuned_parts(model: str) -> tuple[str, str] | None:
-    """(base, job id) of a fine-tuned name `ft:<base>:<suffix>:<job>`; None for another name."""
-    parts = model.split(":")
-    if len(parts) < 4 or parts[0] != "ft" or not parts[-1]:
-        return None
-    return parts[1], parts[-1]
 
 
 def serves_base(engine: EngineRef, model: ModelRecord) -> bool:
@@ -58,10 +51,10 @@ def serves_base(engine: EngineRef, model: ModelRecord) -> bool:
 
 @dataclass
 class FleetView:
-    """job id -> its routes; catalog model -> its routes (each with the name to send)."""
+    """job id -> its locations; catalog model -> its locations (each with the name to send)."""
 
-    by_job: dict[str, list[EngineRoute]] = field(default_factory=dict)
-    by_base: dict[str, list[EngineRoute]] = field(default_factory=dict)
+    by_job: dict[str, list[ModelLocation]] = field(default_factory=dict)
+    by_base: dict[str, list[ModelLocation]] = field(default_factory=dict)
     #: job id -> the base its served records are of.
     job_base: dict[str, str] = field(default_factory=dict)
 
@@ -78,19 +71,19 @@ def fleet_view(
     for r in records:
         if r.state is not ServingState.SERVED or (r.node, r.engine) not in engines:
             continue  # a lost node, or an engine its node no longer runs
-        route = EngineRoute(engine_base_url(r.engine), api_key, served_name=r.served_name)
-        view.by_job.setdefault(r.job_id, []).append(route)
+        location = ModelLocation(engine_base_url(r.engine), api_key, served_name=r.served_name)
+        view.by_job.setdefault(r.job_id, []).append(location)
         view.job_base[r.job_id] = r.model
     for model in catalog:
         for (_, url), engine in sorted(engines.items()):
             if serves_base(engine, model):
-                route = EngineRoute(engine_base_url(url), api_key, served_name=engine.model)
-                view.by_base.setdefault(model.name, []).append(route)
+                location = ModelLocation(engine_base_url(url), api_key, served_name=engine.model)
+                view.by_base.setdefault(model.name, []).append(location)
     return view
 
 
-def routes_in(view: FleetView, model: str) -> list[EngineRoute]:
-    """The routes of `model` (a fine-tuned name or a catalog base) in `view`."""
+def locations_in(view: FleetView, model: str) -> list[ModelLocation]:
+    """The locations of `model` (a fine-tuned name or a catalog base) in `view`."""
     tuned = fine_tuned_parts(model)
     if tuned is None:
         return view.by_base.get(model, [])
@@ -114,7 +107,7 @@ _UNSERVED_HINTS = {
 
 
 def unserved_hint(records: Iterable[ServingRecord]) -> str | None:
-    """Why a fine-tuned model has no route, from its job's serving records
+    """Why a fine-tuned model has no location, from its job's serving records
     (any state); None when it has none (never asked to be served yet)."""
     newest_first = sorted(records, key=lambda r: r.updated_at, reverse=True)
     loading = [r for r in newest_first if r.state is ServingState.LOADING]
@@ -126,8 +119,8 @@ def unserved_hint(records: Iterable[ServingRecord]) -> str | None:
     )
 
 
-class FleetRoutes:
-    """`ModelRoutes` from the serving records and heartbeats, through `client`."""
+class FleetModelLocator:
+    """`ModelLocator` from the serving records and heartbeats, through `client`."""
 
     def __init__(self, client: Client, api_key: str | None, ttl_s: float) -> None:
         self.client = client
@@ -138,21 +131,21 @@ class FleetRoutes:
         self._lock = asyncio.Lock()
         self._renewal: asyncio.Task[None] | None = None
 
-    async def where(self, model: str) -> list[EngineRoute]:
-        routes = routes_in(await self._fresh(), model)
-        return routes or routes_in(await self._refresh(), model)
+    async def where(self, model: str) -> list[ModelLocation]:
+        locations = locations_in(await self._fresh(), model)
+        return locations or locations_in(await self._refresh(), model)
 
-    async def served(self) -> dict[str, list[EngineRoute]]:
+    async def served(self) -> dict[str, list[ModelLocation]]:
         """The catalog bases served now (fine-tuned names need their suffix,
         which the gateway's job fields hold: list_models makes those)."""
         return dict((await self._fresh()).by_base)
 
-    def forget(self, model: str, route: EngineRoute) -> None:
+    def forget(self, model: str, location: ModelLocation) -> None:
         tuned = fine_tuned_parts(model)
         if tuned is None:
-            without(self._view.by_base, model, route)
+            without(self._view.by_base, model, location)
         else:
-            without(self._view.by_job, tuned[1], route)
+            without(self._view.by_job, tuned[1], location)
 
     async def _fresh(self) -> FleetView:
         """The view; past its TTL it is still answered with while a new one is
@@ -168,7 +161,7 @@ class FleetRoutes:
         try:
             await self._refresh()
         except Exception as e:  # the old view stands; the next request tries again
-            log.get().warning(log.Event.REQUEST_FAILED, message="fleet routes", error=repr(e))
+            log.get().warning(log.Event.REQUEST_FAILED, message="fleet locations", error=repr(e))
         finally:
             self._renewal = None
 
@@ -184,28 +177,28 @@ class FleetRoutes:
             return self._view
 
 
-class OverrideRoutes:
+class ConfiguredFirstLocator:
     """`first` (the configured engines) where it serves the model, else `then`.
 
     `first`'s list as last read is looked at before `then`, and asked again
-    only when `then` has no route either: a model the fleet serves costs no
+    only when `then` has no location either: a model the fleet serves costs no
     request to the configured engines (which a miss in their list would
     make every time), one they just loaded is still found."""
 
-    def __init__(self, first: ModelRoutes, then: ModelRoutes) -> None:
+    def __init__(self, first: ModelLocator, then: ModelLocator) -> None:
         self.first = first
         self.then = then
 
-    async def where(self, model: str) -> list[EngineRoute]:
+    async def where(self, model: str) -> list[ModelLocation]:
         listed = (await self.first.served()).get(model)
         if listed:
             return listed
         return await self.then.where(model) or await self.first.where(model)
 
-    async def served(self) -> dict[str, list[EngineRoute]]:
+    async def served(self) -> dict[str, list[ModelLocation]]:
         mine, theirs = await asyncio.gather(self.first.served(), self.then.served())
         return {**theirs, **mine}
 
-    def forget(self, model: str, route: EngineRoute) -> None:
-        self.first.forget(model, route)
-        self.then.forget(model, route)
+    def forget(self, model: str, location: ModelLocation) -> None:
+        self.first.forget(model, location)
+        self.then.forget(model, location)

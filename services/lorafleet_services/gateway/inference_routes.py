@@ -1,13 +1,13 @@
 """The gateway's inference routes, beside its training routes (training_routes.py).
 
 Inference (`/v1/chat/completions`, `/v1/completions`) reads only `model`
-from the body, asks `ModelRoutes` where it is served and forwards the body,
+from the body, asks `ModelLocator` where it is served and forwards the body,
 unchanged unless the engine knows the model by another name (a served
 adapter's lora_name, an engine's name for its base: `model` is replaced,
 the rest kept); a stream's server-sent events are relayed chunk by chunk
 as they arrive, never buffered, and a whole answer is passed on whole. An
-engine's 404 for a fine-tuned model (its adapter unloaded since the route
-was read) drops that route and is the gateway's own 404, with the hint.
+engine's 404 for a fine-tuned model (its adapter unloaded since the location
+was read) drops that location and is the gateway's own 404, with the hint.
 
 `GET /v1/models`: the catalog bases, and the caller's succeeded jobs'
 fine-tuned names, each with the engines serving it; a constant number of
@@ -30,17 +30,13 @@ from starlette.responses import Response, StreamingResponse
 from lorafleet_schemas.messages import JobListRequest, JobState, ServingState
 from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
-from lorafleet_services.gateway.fleet_model_location import (
-    engine_base_url,
-    fine_tuned_parts,
-    unserved_hint,
-)
+from lorafleet_services.gateway.fleet_model_location import engine_base_url, unserved_hint
 from lorafleet_services.gateway.http_errors import (
     GatewayHttpError,
     bad_request,
     not_found,
 )
-from lorafleet_services.gateway.model_location import EngineRoute
+from lorafleet_services.gateway.model_location import ModelLocation
 from lorafleet_services.gateway.openai_shapes import Model, Page
 
 #: Seconds an engine has to start answering a completion (a long one
@@ -66,7 +62,7 @@ def with_model(body: bytes, model: str) -> bytes:
 async def list_models(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
     catalog, served, jobs = await asyncio.gather(
-        ctx.client.models(), ctx.routes.served(), ctx.state.jobs(owner)
+        ctx.client.models(), ctx.locator.served(), ctx.state.jobs(owner)
     )
     ids = [f.job_id for f in jobs][-LISTED_JOBS_LIMIT:]
     done, serving = await asyncio.gather(
@@ -83,16 +79,16 @@ async def list_models(request: Request) -> Response:
         models[name] = Model(id=name, created=jm.unix(job.finished_at) or 0, owned_by=owner)
         models[name].served_by = [engine_base_url(r.engine) for r in serving if r.job_id == job.id]
     now = int(dt.datetime.now(dt.UTC).timestamp())
-    for name, routes in served.items():
+    for name, locations in served.items():
         model = models.setdefault(name, Model(id=name, created=now, owned_by="engine"))
-        model.served_by = list(dict.fromkeys([*model.served_by, *(r.base_url for r in routes)]))
+        model.served_by = list(dict.fromkeys([*model.served_by, *(r.base_url for r in locations)]))
     return json_response(Page(data=list(models.values())))
 
 
 async def unserved_message(ctx: GatewayContext, model: str) -> str:
     """The 404's message for a model no engine serves now: for a fine-tuned
     name, where its adapter stands (being loaded: retry; refused: the flag)."""
-    tuned = fine_tuned_parts(model)
+    tuned = jm.fine_tuned_parts(model)
     records = await ctx.client.adapters([tuned[1]]) if tuned else []
     hint = unserved_hint(records) or (
         "GET /v1/models lists what is; a fine-tuned model is served once its job has "
@@ -117,33 +113,35 @@ class Inference:
             model = msgspec.json.decode(body, type=_ModelOnly).model
         except msgspec.DecodeError as e:
             raise bad_request(f"the request body has no model: {e}", "model") from None
-        routes = await ctx.routes.where(model)
-        if not routes:
+        locations = await ctx.locator.where(model)
+        if not locations:
             raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
-        route = routes[next(self._turn) % len(routes)]
-        if route.served_name is not None and route.served_name != model:
-            body = with_model(body, route.served_name)
-        reply = await self._forward(ctx.http, route, body)
-        if reply.status_code == 404 and fine_tuned_parts(model) is not None:
-            # Its adapter was unloaded since the route was read (the TTL):
+        location = locations[next(self._turn) % len(locations)]
+        if location.served_name is not None and location.served_name != model:
+            body = with_model(body, location.served_name)
+        reply = await self._forward(ctx.http, location, body)
+        if reply.status_code == 404 and jm.fine_tuned_parts(model) is not None:
+            # Its adapter was unloaded since the location was read (the TTL):
             # the engine's own 404 would name the served name, not the model.
-            ctx.routes.forget(model, route)
+            ctx.locator.forget(model, location)
             raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
         return reply
 
-    async def _forward(self, http: httpx2.AsyncClient, route: EngineRoute, body: bytes) -> Response:
+    async def _forward(
+        self, http: httpx2.AsyncClient, location: ModelLocation, body: bytes
+    ) -> Response:
         headers = {"content-type": "application/json"}
-        if route.api_key:
-            headers["authorization"] = f"Bearer {route.api_key}"
+        if location.api_key:
+            headers["authorization"] = f"Bearer {location.api_key}"
         outgoing = http.build_request(
-            "POST", f"{route.base_url}/{self.path}", content=body, headers=headers,
+            "POST", f"{location.base_url}/{self.path}", content=body, headers=headers,
             timeout=httpx2.Timeout(None, connect=ENGINE_CONNECT_TIMEOUT_S),
         )  # fmt: skip
         try:
             reply = await http.send(outgoing, stream=True)
         except httpx2.HTTPError as e:
             raise GatewayHttpError(
-                503, f"the engine at {route.base_url} did not answer ({e!r}): retry, or "
+                503, f"the engine at {location.base_url} did not answer ({e!r}): retry, or "
                 "check the engine", code="engine_unavailable",
             ) from None  # fmt: skip
         media_type = reply.headers.get("content-type", "")

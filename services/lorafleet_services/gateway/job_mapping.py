@@ -15,6 +15,7 @@ from typing import Any, TypeVar
 
 import msgspec
 
+from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import (
     ArtifactKind,
     ArtifactRecord,
@@ -47,10 +48,6 @@ JOB_ID_PREFIX = "ftjob-"
 MAX_PAGE = 100
 DEFAULT_PAGE = 20
 
-_RUNNING = frozenset(
-    {JobState.STARTING, JobState.PREPARING, JobState.RUNNING, JobState.CONVERTING,
-     JobState.UPLOADING}
-)  # fmt: skip
 _STATUS = {JobState.QUEUED: "queued", JobState.DONE: "succeeded", JobState.FAILED: "failed"}
 _DEFAULTS = TrainerParams()
 
@@ -68,8 +65,16 @@ def fine_tuned_model_name(base: str, suffix: str | None, job_id: str) -> str:
     return f"ft:{base}:{suffix or ''}:{job_id}"
 
 
+def fine_tuned_parts(model: str) -> tuple[str, str] | None:
+    """(base, job id) of a `fine_tuned_model_name`, its inverse; None for another name."""
+    parts = model.split(":")
+    if len(parts) < 4 or parts[0] != "ft" or not parts[-1]:
+        return None
+    return parts[1], parts[-1]
+
+
 def status_of(job: JobRecord, fields: JobFields) -> str:
-    if job.state in _RUNNING:
+    if job.state in ON_NODE:
         return "running"
     if job.state is JobState.CANCELLED:
         return "paused" if fields.paused else "cancelled"
@@ -163,7 +168,7 @@ def unix(t: dt.datetime | None) -> int | None:
 
 def estimated_finish(job: JobRecord, now: dt.datetime) -> int | None:
     """When a running job will end at its pace so far (None: not running, or no step yet)."""
-    if job.state not in _RUNNING or not job.started_at or job.step <= 0 or job.steps <= 0:
+    if job.state not in ON_NODE or not job.started_at or job.step <= 0 or job.steps <= 0:
         return None
     spent_s = (now - job.started_at).total_seconds()
     return int(job.started_at.timestamp() + spent_s * job.steps / job.step)
@@ -183,7 +188,7 @@ def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -
             if status == "succeeded"
             else None
         ),
-        finished_at=unix(job.finished_at) if job.state not in _RUNNING else None,
+        finished_at=unix(job.finished_at) if job.state not in ON_NODE else None,
         hyperparameters=fields.hyperparameters,
         model=fields.model,
         organization_id=owner,

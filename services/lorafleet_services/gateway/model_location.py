@@ -1,11 +1,11 @@
 """Where a model is served: the one question the completions routes ask.
 
-`ModelRoutes` is the interface: `where(model)` gives the engines (OpenAI
+`ModelLocator` is the interface: `where(model)` gives the engines (OpenAI
 base URL, the key they want, the name to send) that serve `model`, a
 catalog base or a fine-tuned adapter; `served()` all of them, for `GET
 /v1/models`. `EngineModels` asks the engines named in
 `LORAFLEET_GATEWAY_ENGINES` (`GET <url>/models`), reusing the answers for
-`ttl_s`; `fleet_model_location.FleetRoutes` answers from the serving
+`ttl_s`; `fleet_model_location.FleetModelLocator` answers from the serving
 records and the nodes' heartbeats.
 """
 
@@ -26,7 +26,7 @@ ENGINE_LIST_TIMEOUT_S = 2.0
 
 
 @dataclass(frozen=True, slots=True)
-class EngineRoute:
+class ModelLocation:
     """An engine's OpenAI base URL (`http://host:port/v1`) and the Bearer key
     it wants; `served_name`: the name the engine knows the model by, sent as
     the request's `model` (None: the name the client gave)."""
@@ -36,21 +36,21 @@ class EngineRoute:
     served_name: str | None = None
 
 
-class ModelRoutes(Protocol):
-    async def where(self, model: str) -> list[EngineRoute]: ...
+class ModelLocator(Protocol):
+    async def where(self, model: str) -> list[ModelLocation]: ...
 
-    async def served(self) -> dict[str, list[EngineRoute]]: ...
+    async def served(self) -> dict[str, list[ModelLocation]]: ...
 
-    def forget(self, model: str, route: EngineRoute) -> None:
-        """Drop `route` of `model` from what is kept until the next renewal
+    def forget(self, model: str, location: ModelLocation) -> None:
+        """Drop `location` of `model` from what is kept until the next renewal
         (its engine said it does not serve the model: unloaded a moment ago)."""
         ...
 
 
-def without(routes: dict[str, list[EngineRoute]], model: str, route: EngineRoute) -> None:
-    """Take `route` out of `routes[model]` (in place; the list is replaced, not changed)."""
-    if model in routes:
-        routes[model] = [r for r in routes[model] if r != route]
+def without(locations: dict[str, list[ModelLocation]], model: str, location: ModelLocation) -> None:
+    """Take `location` out of `locations[model]` (in place; the list is replaced, not changed)."""
+    if model in locations:
+        locations[model] = [r for r in locations[model] if r != location]
 
 
 class _ModelEntry(msgspec.Struct):
@@ -62,55 +62,55 @@ class _ModelList(msgspec.Struct):
 
 
 class EngineModels:
-    """`ModelRoutes` from a fixed list of engines, by what each lists."""
+    """`ModelLocator` from a fixed list of engines, by what each lists."""
 
     def __init__(
         self,
-        routes: list[EngineRoute],
+        engines: list[ModelLocation],
         http: httpx2.AsyncClient,
         ttl_s: float,
     ) -> None:
-        self.routes = routes
+        self.engines = engines
         self.http = http
         self.ttl_s = ttl_s
-        self._served: dict[str, list[EngineRoute]] = {}
+        self._served: dict[str, list[ModelLocation]] = {}
         self._asked_at: float | None = None
         self._lock = asyncio.Lock()
 
-    async def where(self, model: str) -> list[EngineRoute]:
+    async def where(self, model: str) -> list[ModelLocation]:
         served = await self.served()
         if model not in served:
             served = await self._refresh()
         return served.get(model, [])
 
-    async def served(self) -> dict[str, list[EngineRoute]]:
+    async def served(self) -> dict[str, list[ModelLocation]]:
         fresh = self._asked_at is not None and time.monotonic() - self._asked_at < self.ttl_s
         return self._served if fresh else await self._refresh()
 
-    def forget(self, model: str, route: EngineRoute) -> None:
-        without(self._served, model, route)
+    def forget(self, model: str, location: ModelLocation) -> None:
+        without(self._served, model, location)
 
-    async def _refresh(self) -> dict[str, list[EngineRoute]]:
+    async def _refresh(self) -> dict[str, list[ModelLocation]]:
         async with self._lock:
-            lists = await asyncio.gather(*(self._models_of(r) for r in self.routes))
-            served: dict[str, list[EngineRoute]] = {}
-            for route, models in zip(self.routes, lists, strict=True):
+            lists = await asyncio.gather(*(self._models_of(r) for r in self.engines))
+            served: dict[str, list[ModelLocation]] = {}
+            for location, models in zip(self.engines, lists, strict=True):
                 for model in models:
-                    served.setdefault(model, []).append(route)
+                    served.setdefault(model, []).append(location)
             self._served, self._asked_at = served, time.monotonic()
             return served
 
-    async def _models_of(self, route: EngineRoute) -> list[str]:
-        """The models `route` lists; none when it does not answer (logged)."""
-        headers = {"Authorization": f"Bearer {route.api_key}"} if route.api_key else {}
+    async def _models_of(self, location: ModelLocation) -> list[str]:
+        """The models `location` lists; none when it does not answer (logged)."""
+        headers = {"Authorization": f"Bearer {location.api_key}"} if location.api_key else {}
         try:
             reply = await self.http.get(
-                f"{route.base_url}/models", headers=headers, timeout=ENGINE_LIST_TIMEOUT_S
+                f"{location.base_url}/models", headers=headers, timeout=ENGINE_LIST_TIMEOUT_S
             )
             reply.raise_for_status()
             return [m.id for m in msgspec.json.decode(reply.content, type=_ModelList).data]
         except (httpx2.HTTPError, msgspec.DecodeError) as e:
             log.get().warning(
-                log.Event.GATEWAY_ENGINE_UNAVAILABLE, engine=route.base_url, error=repr(e)
+                log.Event.GATEWAY_ENGINE_UNAVAILABLE, engine=location.base_url, error=repr(e)
             )
             return []

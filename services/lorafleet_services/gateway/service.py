@@ -27,13 +27,16 @@ from lorafleet_services.gateway.api_keys import KeyRing
 from lorafleet_services.gateway.app import make_app
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.context import GatewayContext
-from lorafleet_services.gateway.fleet_model_location import FleetRoutes, OverrideRoutes
-from lorafleet_services.gateway.model_location import EngineModels, EngineRoute, ModelRoutes
+from lorafleet_services.gateway.fleet_model_location import (
+    ConfiguredFirstLocator,
+    FleetModelLocator,
+)
+from lorafleet_services.gateway.model_location import EngineModels, ModelLocation, ModelLocator
 from lorafleet_services.gateway.state import GatewayState
 from lorafleet_services.gateway.uploads import CheckWorkers
 
 #: Seconds requests in flight get to end at a stop.
-STOP_GRACE_S = 5
+IN_FLIGHT_GRACE_S = 5
 #: Seconds between two looks at whether uvicorn has started.
 STARTED_POLL_S = 0.01
 #: Worker processes checking uploads' records (pieces of one upload are
@@ -87,11 +90,11 @@ class Gateway:
     async def start(self) -> None:
         state = await GatewayState.open(self.client.js, self.settings.names.gateway_bucket)
         ttl_s, key = self.config.engine_models_ttl_s, self.config.engine_api_key
-        routes: ModelRoutes = FleetRoutes(self.client, key, ttl_s)
+        locator: ModelLocator = FleetModelLocator(self.client, key, ttl_s)
         if self.config.engines:
-            configured = [EngineRoute(url.rstrip("/"), key) for url in self.config.engines]
-            routes = OverrideRoutes(EngineModels(configured, self.http, ttl_s), routes)
-        ctx = GatewayContext(self.config, self.client, state, routes, self.http, self.checker)
+            configured = [ModelLocation(url.rstrip("/"), key) for url in self.config.engines]
+            locator = ConfiguredFirstLocator(EngineModels(configured, self.http, ttl_s), locator)
+        ctx = GatewayContext(self.config, self.client, state, locator, self.http, self.checker)
         # Started now, so that the first upload does not wait for their imports.
         for _ in range(CHECK_WORKERS):
             self.checker.submit(check_lines, b"", 1)
@@ -100,7 +103,7 @@ class Gateway:
         server = _Server(
             uvicorn.Config(
                 make_app(ctx, keys), log_config=None,
-                access_log=False, lifespan="off", timeout_graceful_shutdown=STOP_GRACE_S,
+                access_log=False, lifespan="off", timeout_graceful_shutdown=IN_FLIGHT_GRACE_S,
             )
         )  # fmt: skip
         self._server = server

@@ -29,8 +29,8 @@ from lorafleet.polling import poll_until_sync
 from lorafleet_services.agent.serving.running_engines import API_SERVER_MODULE
 
 #: Two cores shared with other test runs: 40 s idle, several times that busy.
-START_TIMEOUT_S = 600.0
-STOP_GRACE_S = 10.0
+VLLM_START_TIMEOUT_S = 600.0
+VLLM_STOP_GRACE_S = 10.0
 #: Seconds one /health request may take, and between two of them while starting.
 HEALTH_TIMEOUT_S = 2.0
 HEALTH_POLL_S = 0.5
@@ -108,8 +108,10 @@ def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> No
         except (urllib.error.URLError, OSError):
             return False
 
-    if not poll_until_sync(healthy, timeout_s=START_TIMEOUT_S, interval_s=HEALTH_POLL_S):
-        raise RuntimeError(f"vLLM not healthy after {START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}")
+    if not poll_until_sync(healthy, timeout_s=VLLM_START_TIMEOUT_S, interval_s=HEALTH_POLL_S):
+        raise RuntimeError(
+            f"vLLM not healthy after {VLLM_START_TIMEOUT_S:.0f} s:\n{_tail(log_path)}"
+        )
 
 
 def _warm_up(url: str, model_dir: Path) -> None:
@@ -119,12 +121,12 @@ def _warm_up(url: str, model_dir: Path) -> None:
     request = urllib.request.Request(
         f"{url}/v1/completions", body, {"Content-Type": "application/json"}
     )
-    with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
+    with urllib.request.urlopen(request, timeout=VLLM_START_TIMEOUT_S) as response:
         response.read()
 
 
 def _stop(proc: subprocess.Popen[bytes]) -> None:
-    for sig, wait_s in ((signal.SIGTERM, STOP_GRACE_S), (signal.SIGKILL, 5.0)):
+    for sig, wait_s in ((signal.SIGTERM, VLLM_STOP_GRACE_S), (signal.SIGKILL, 5.0)):
         with contextlib.suppress(ProcessLookupError):
             os.killpg(proc.pid, sig)
         try:

@@ -376,14 +376,7 @@ class RecorderApi:
         """Apply a batch in one transaction; log refusals. Publish with `after_status`."""
         result = await job_writes.apply_status(self.sm, reports)
         metrics.reports_committed(reports, result.applied, len(result.refused))
-        for report, why in result.refused:
-            self.logger.warning(
-                Event.STATUS_REFUSED,
-                job_id=report.job_id,
-                node=report.node,
-                seq=report.seq,
-                message=why,
-            )
+        log.reports_refused(self.logger, result.refused)
         return result
 
     async def after_status(self, result: StatusResult) -> None:

@@ -75,6 +75,16 @@ def stored_message(stored: Sequence[str]) -> str:
     return f"every artifact is stored and verified: {', '.join(stored)}"
 
 
+def completion(state: JobState, expected: Sequence[str], stored: Sequence[str]) -> Move | None:
+    """The move to `done` a job in `state` makes now that `stored` are its
+    stored artifacts: only from the state `done` is reached from
+    (`uploading`), and only once every `expected` kind is stored; else None.
+    A status report (`fold`) and a stored artifact (job_writes.py) both ask."""
+    if not can_move(state, JobState.DONE) or not all_stored(expected, stored):
+        return None
+    return Move(state, JobState.DONE, stored_message(stored))
+
+
 def why_report_refused(job: Row, report: StatusReport) -> str | None:
     """Why `report` does not apply to `job` at all, or None when it applies."""
     if job["node"] is None:
@@ -147,13 +157,11 @@ def _fold_state(
     if r.state is not None and r.state is not state and can_move(state, r.state):
         out.moves.append(Move(state, r.state, r.message))
         seqs["state"] = r.seq
-        if r.state is JobState.UPLOADING and all_stored(
-            job["artifacts_expected"], job["artifacts_stored"]
-        ):
-            said = stored_message(job["artifacts_stored"])
-            out.moves.append(Move(r.state, JobState.DONE, said))
-            scalars["message"] = said
-            return JobState.DONE
+        done = completion(r.state, job["artifacts_expected"], job["artifacts_stored"])
+        if done is not None:
+            out.moves.append(done)
+            scalars["message"] = done.message
+            return done.to_state
         return r.state
     if r.state is not state:
         out.stale.append(r)

@@ -32,7 +32,7 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.recorder import store
 from lorafleet_services.recorder.db import Sessions
-from lorafleet_services.recorder.fold import Move, all_stored, fold, stored_message
+from lorafleet_services.recorder.fold import Move, completion, fold
 from lorafleet_services.recorder.rows import artifact_ref, event_row, job_record, plain
 from lorafleet_services.recorder.store import now
 from lorafleet_services.recorder.tables import eval_points, job_events, jobs, loss_points
@@ -267,10 +267,10 @@ async def _record_artifact_once(
             "updated_at": t,
         }
         moves: list[Move] = []
-        if state is JobState.UPLOADING and all_stored(row["artifacts_expected"], stored):
-            said = stored_message(stored)
-            moves.append(Move(state, JobState.DONE, said))
-            values.update(state=JobState.DONE.value, finished_at=t, message=said)
+        done = completion(state, row["artifacts_expected"], stored)
+        if done is not None:
+            moves.append(done)
+            values.update(state=done.to_state.value, finished_at=t, message=done.message)
         await _guarded_update(s, row, values)
         if moves:
             await s.execute(

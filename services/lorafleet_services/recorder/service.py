@@ -2,7 +2,7 @@
 
 Thin glue around api.RecorderApi. The status consumer is the one pull
 loop of lorafleet.nats._consumer (`names.recorder_consumer` on
-`names.status_stream`): it hands over up to FETCH_BATCH reports at a time,
+`names.status_stream`): it hands over up to REPORT_FETCH_BATCH reports at a time,
 which are applied in one transaction, acked after commit, and the job
 events published after that. A crash between commit and ack redelivers
 reports that the store then applies as no-ops, so a SIGKILL at any point
@@ -42,13 +42,13 @@ from lorafleet_services.recorder.api import RecorderApi, nul_at
 from lorafleet_services.recorder.metric_views import JobCounts
 
 #: Reports fetched and applied in one transaction, at most.
-FETCH_BATCH = 256
+REPORT_FETCH_BATCH = 256
 #: Seconds one fetch waits for the first report when none is there (with
 #: reports in the stream a fetch returns at once). `stop()` lets the fetch in
 #: flight end, so this is also what a clean stop waits at most.
 FETCH_WAIT_S = 0.25
 #: Reports delivered and not yet acked, at most (a few batches' worth).
-MAX_ACK_PENDING = 20_000
+REPORT_MAX_ACK_PENDING = 20_000
 
 _report_decoder = msgspec.json.Decoder(StatusReport)
 _serving_decoder = msgspec.json.Decoder(ServingReport)
@@ -87,8 +87,8 @@ def consumer_config(settings: Settings) -> PullConsumerConfig:
         durable=names.recorder_consumer,
         filter_subject=names.status_subjects,
         ack_wait_s=settings.recorder_ack_wait_s,
-        max_ack_pending=MAX_ACK_PENDING,
-        batch=FETCH_BATCH,
+        max_ack_pending=REPORT_MAX_ACK_PENDING,
+        batch=REPORT_FETCH_BATCH,
         fetch_wait_s=FETCH_WAIT_S,
     )
 

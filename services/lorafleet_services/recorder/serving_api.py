@@ -37,14 +37,7 @@ class ServingApi:
     async def apply(self, reports: Sequence[ServingReport]) -> servings.ServingResult:
         """Apply a batch in one transaction; log refusals. Publish with `after`."""
         result = await servings.apply_reports(self.sm, reports)
-        for report, why in result.refused:
-            self.logger.warning(
-                Event.STATUS_REFUSED,
-                job_id=report.job_id,
-                node=report.node,
-                seq=report.seq,
-                message=f"serving report: {why}",
-            )
+        log.reports_refused(self.logger, result.refused, "serving report: ")
         for report in result.stale:
             self.logger.info(
                 Event.STATUS_STALE,

@@ -34,7 +34,7 @@ WATCH_RETRY_S = 0.5
 #: any node timeout, so the node table catches up soon after the server does.
 WATCH_RETRY_MAX_S = 1.0
 #: Seconds one health probe (consumer info, stream info) may take.
-PROBE_TIMEOUT_S = 0.5
+HEALTH_PROBE_TIMEOUT_S = 0.5
 #: Probes in a row that find the consumer sending nothing it has before the
 #: watch counts as blind (one could fall between an entry's store and its send).
 STALLED_PROBES = 2
@@ -172,12 +172,12 @@ class KeyWatch:
         if watcher is None or not self._initial_done:
             return "the watch has not delivered the bucket's content yet"
         try:
-            consumer = await watch_consumer_info(watcher, PROBE_TIMEOUT_S)
+            consumer = await watch_consumer_info(watcher, HEALTH_PROBE_TIMEOUT_S)
         except Exception as e:
             return f"its consumer does not answer: {e!r}"
         try:
             stream = await asyncio.wait_for(
-                self.js.stream_info(kv_stream(self.bucket)), PROBE_TIMEOUT_S
+                self.js.stream_info(kv_stream(self.bucket)), HEALTH_PROBE_TIMEOUT_S
             )
         except Exception as e:
             return f"the bucket's stream does not answer: {e!r}"

@@ -13,7 +13,6 @@ from lorafleet.metrics import (
     CARD_FREE,
     CARD_TOTAL,
     HEARTBEAT_AGE,
-    MIB,
     NODE_ADAPTERS,
     NODE_BUSY,
     NODE_UP,
@@ -21,6 +20,7 @@ from lorafleet.metrics import (
     Sample,
 )
 from lorafleet_schemas.messages import Heartbeat
+from lorafleet_trainer.memory import MIB
 
 
 def node_samples(nodes: Iterable[tuple[Heartbeat, bool, float]]) -> Iterator[Sample]:

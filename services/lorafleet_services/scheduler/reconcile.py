@@ -16,7 +16,7 @@ import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lorafleet.states import ON_NODE
+from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
     CheckpointRef,
     JobRecord,
@@ -176,7 +176,7 @@ def should_cancel_on_node(job: JobRecord | None, node: str | None = None) -> boo
     """A node runs a job the recorder holds final (or does not know), or holds
     queued again (that run's attempt was given up), or, given `node`, holds on
     another node: stop it there."""
-    if job is None or job.state in (JobState.DONE, JobState.FAILED, JobState.CANCELLED):
+    if job is None or job.state in FINAL:
         return True
     if job.state is JobState.QUEUED and job.attempt > 0:
         return True

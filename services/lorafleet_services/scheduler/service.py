@@ -51,7 +51,7 @@ from lorafleet_services.scheduler.kv_watch import KeyWatch
 from lorafleet_services.scheduler.leadership import Leadership
 from lorafleet_services.scheduler.metric_views import node_samples
 from lorafleet_services.scheduler.nodes import NodeWatcher
-from lorafleet_services.scheduler.serving import Serving
+from lorafleet_services.scheduler.serving import ServeHandlers
 
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
 #: behind the event triggers); default 1.
@@ -113,7 +113,7 @@ class Scheduler:
             clock,
             self.logger,
         )
-        self.serving = Serving(
+        self.serving = ServeHandlers(
             self.dispatcher.recorder, self.dispatcher.agents, self.nodes.table, self.logger
         )
         self._node_watch = KeyWatch(

@@ -129,7 +129,7 @@ def unserve_targets(records: list[ServingRecord], req: AdapterUnserveRequest) ->
     )
 
 
-class Serving:
+class ServeHandlers:
     """The serve and unserve handlers over the recorder, the agents and the node table."""
 
     def __init__(

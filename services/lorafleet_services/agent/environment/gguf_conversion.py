@@ -16,9 +16,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
-import json
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -31,10 +29,12 @@ import weakref
 from pathlib import Path, PurePosixPath
 from typing import IO
 
-from lorafleet_services.agent.config import AgentConfig
+from lorafleet_services.agent.config import AgentConfig, LlamacppTagError, check_llamacpp_tag
 from lorafleet_services.agent.environment.protocol import TrainerEnvironment
 from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.node.installed_engines import llamacpp_tag
 from lorafleet_services.agent.node.process import ProcessResult, run_process
+from lorafleet_services.agent.peft_adapter import AdapterConfigError, PeftAdapterConfig
 
 #: Seconds a fetch may wait for the source to answer or send the next bytes.
 FETCH_TIMEOUT_S = 60.0
@@ -55,20 +55,6 @@ KEPT_DIRS = frozenset({"conversion", "gguf-py"})
 #: than the scripts; older releases keep the models in convert_hf_to_gguf.py).
 REQUIRED = ("convert_lora_to_gguf.py", "gguf-py/gguf/__init__.py")
 
-#: An installed llama.cpp: `<engines_dir>/llamacpp/b<build>` or `b<build>-<anything>`.
-_INSTALLED_RE = re.compile(r"^b(\d+)(?:-.*)?$")
-#: A tag usable in a path and a URL.
-_TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
-
-#: PEFT settings llama.cpp's adapter format cannot express: it scales every
-#: module by alpha / rank, so a GGUF made from these would silently differ.
-_UNSUPPORTED_PEFT = {
-    "use_rslora": "rank-stabilised LoRA (scale alpha/sqrt(r))",
-    "use_dora": "DoRA",
-    "rank_pattern": "per-module ranks",
-    "alpha_pattern": "per-module alphas",
-}
-
 
 class ConversionError(RuntimeError):
     """The adapter could not be converted to GGUF; the message says what to do."""
@@ -79,35 +65,25 @@ class ConversionCancelledError(ConversionError):
 
 
 def find_llamacpp_tag(cfg: AgentConfig) -> str:
-    """The llama.cpp release to convert with: `cfg.llamacpp_tag` when set,
-    else the newest installed `<engines_dir>/llamacpp/b<build>[-...]` (build
-    numbers compared as numbers), as `b<build>`."""
-    if cfg.llamacpp_tag:
-        return _check_tag(cfg.llamacpp_tag, "LORAFLEET_AGENT_LLAMACPP_TAG")
-    root = cfg.engines_dir / "llamacpp"
-    builds: list[int] = []
-    with contextlib.suppress(OSError):
-        for entry in root.iterdir():
-            m = _INSTALLED_RE.match(entry.name)
-            if m and entry.is_dir():
-                builds.append(int(m.group(1)))
-    if not builds:
+    """The llama.cpp release to convert with: the one the heartbeat reports
+    (`engines.llamacpp_tag`: `cfg.llamacpp_tag` when set, else the newest
+    installed); ConversionError saying what to do when there is none."""
+    tag = llamacpp_tag(cfg.engines_dir, cfg.llamacpp_tag)
+    if tag is None:
         raise ConversionError(
             f"a GGUF adapter needs llama.cpp installed on {cfg.node} (nothing like "
-            f"{root}/b<build>-... there), so that the converter matches the release that "
-            "serves it; install llama.cpp on this node, or set LORAFLEET_AGENT_LLAMACPP_TAG "
-            "to the release tag it serves (for example b4000)"
+            f"{cfg.engines_dir / 'llamacpp'}/b<build>-... there), so that the converter "
+            "matches the release that serves it; install llama.cpp on this node, or set "
+            "LORAFLEET_AGENT_LLAMACPP_TAG to the release tag it serves (for example b4000)"
         )
-    return f"b{max(builds)}"
+    return tag
 
 
 def _check_tag(tag: str, what: str) -> str:
-    if not _TAG_RE.match(tag):
-        raise ConversionError(
-            f"{what}={tag!r} is not a llama.cpp release tag; use one like b4000 "
-            "(letters, digits, '.', '_' and '-')"
-        )
-    return tag
+    try:
+        return check_llamacpp_tag(tag, what)
+    except LlamacppTagError as e:
+        raise ConversionError(str(e)) from None
 
 
 def conversion_dir(cfg: AgentConfig, tag: str) -> Path:
@@ -304,23 +280,15 @@ def _extract_member(tf: tarfile.TarFile, member: tarfile.TarInfo, dest: Path, so
     return 1
 
 
-def check_adapter(adapter_dir: Path) -> dict[str, object]:
-    """The adapter's `adapter_config.json`, refused (ConversionError) when it
-    uses what llama.cpp's LoRA format cannot express."""
-    cfg_file = adapter_dir / "adapter_config.json"
+def check_adapter(adapter_dir: Path) -> PeftAdapterConfig:
+    """The adapter's config (peft_adapter.py's one parse), refused
+    (ConversionError) when it is none or uses what llama.cpp's LoRA format
+    cannot express."""
     try:
-        config = json.loads(cfg_file.read_text())
-    except (OSError, ValueError) as e:
-        raise ConversionError(
-            f"{cfg_file} cannot be read ({e}); the trainer's output is not a PEFT adapter"
-        ) from None
-    if not isinstance(config, dict):
-        raise ConversionError(f"{cfg_file} is not a JSON object")
-    if config.get("peft_type", "LORA") != "LORA":
-        raise ConversionError(
-            f"the adapter is {config.get('peft_type')}; llama.cpp converts only LoRA adapters"
-        )
-    used = [what for key, what in _UNSUPPORTED_PEFT.items() if config.get(key)]
+        config = PeftAdapterConfig.read(adapter_dir)
+    except AdapterConfigError as e:
+        raise ConversionError(str(e)) from None
+    used = config.llamacpp_refusals()
     if used:
         raise ConversionError(
             f"the adapter uses {', '.join(used)}, which llama.cpp's LoRA format cannot "

@@ -16,7 +16,7 @@ from lorafleet_services.agent.node.process import run_process
 #: Seconds the interpreter probe and the user's start check may take.
 PROBE_TIMEOUT_S = 60.0
 #: Seconds a helper stopped at its timeout gets between SIGTERM and SIGKILL.
-STOP_GRACE_S = 2.0
+HELPER_STOP_GRACE_S = 2.0
 #: The PATH of the helpers, and of the trainer after its interpreter's own bin directory.
 SYSTEM_PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
 
@@ -52,7 +52,9 @@ async def run_helper(
 
     try:
         res = await asyncio.wait_for(
-            run_process(argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=STOP_GRACE_S),
+            run_process(
+                argv, env=env, cwd=cwd, user=user, on_line=keep, grace_s=HELPER_STOP_GRACE_S
+            ),
             timeout_s,
         )
     except TimeoutError:

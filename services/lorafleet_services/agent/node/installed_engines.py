@@ -6,8 +6,9 @@ vLLM: every `<engines_dir>/vllm/<version>/` with an executable
 0.10.2 < 0.11.0rc1 < 0.11.0 < 0.11.0+cu128 (a local build sorts after its
 release); a name that is no version sorts before every version. The
 heartbeat lists them oldest first and the trainer takes the last, so both
-name the same vLLM. llama.cpp: the newest `<engines_dir>/llamacpp/b<build>-...`
-release tag (`b<build>`), or the configured tag. Reading them is a few
+name the same vLLM. llama.cpp: the configured tag, else the newest installed
+`<engines_dir>/llamacpp/b<build>[-_.]...` as `b<build>` (`llamacpp_tag`: the
+GGUF converter asks it too, so both name the same release). Reading them is a few
 directory listings; the heartbeat still does it in a thread, away from the
 event loop.
 """
@@ -22,7 +23,9 @@ from packaging.version import InvalidVersion, Version
 
 from lorafleet_schemas.messages import EnginesInstalled
 
-_LLAMACPP_RE = re.compile(r"^b(\d+)(?:[-_.].*)?$")
+#: An installed llama.cpp release: a directory `b<build>`, alone or followed
+#: by `-`, `_` or `.` and anything (`b5000`, `b5000-cuda12`, `b5000_cuda`).
+_LLAMACPP_INSTALL_RE = re.compile(r"^b(\d+)(?:[-_.].*)?$")
 
 
 def version_order(name: str) -> tuple[int, Version | str]:
@@ -55,20 +58,26 @@ def _runnable(path: Path) -> bool:
     return path.is_file() and os.access(path, os.X_OK)
 
 
-def llamacpp_tag(engines_dir: Path) -> str | None:
-    """The newest llama.cpp release tag (`b<build>`) installed, or None."""
+def llamacpp_tag(engines_dir: Path, configured: str | None = None) -> str | None:
+    """The llama.cpp release this node serves and converts with: `configured`
+    when set (AgentConfig checked it), else the newest installed
+    `<engines_dir>/llamacpp/b<build>[-_.]...` directory (build numbers
+    compared as numbers) as `b<build>`; None when there is none. The
+    heartbeat reports it and the GGUF converter fetches its scripts."""
+    if configured:
+        return configured
     root = engines_dir / "llamacpp"
     try:
         names = [d.name for d in root.iterdir() if d.is_dir()]
     except OSError:
         return None
-    builds = [int(m.group(1)) for n in names if (m := _LLAMACPP_RE.match(n))]
+    builds = [int(m.group(1)) for n in names if (m := _LLAMACPP_INSTALL_RE.match(n))]
     return f"b{max(builds)}" if builds else None
 
 
-def find_engines(engines_dir: Path, llamacpp_override: str | None = None) -> EnginesInstalled:
+def find_engines(engines_dir: Path, llamacpp_configured: str | None = None) -> EnginesInstalled:
     """What the heartbeat says is installed; a configured llama.cpp tag wins."""
     return EnginesInstalled(
         vllm=vllm_versions(engines_dir),
-        llamacpp=llamacpp_override or llamacpp_tag(engines_dir),
+        llamacpp=llamacpp_tag(engines_dir, llamacpp_configured),
     )

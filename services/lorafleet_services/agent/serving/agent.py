@@ -40,6 +40,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment.protocol import TrainerSetupError
 from lorafleet_services.agent.node.cards import CardChoice
+from lorafleet_services.agent.peft_adapter import AdapterConfigError
 from lorafleet_services.agent.serving.engine_watch import EngineView, EngineWatch
 from lorafleet_services.agent.serving.llamacpp import llamacpp_key, serve_llamacpp
 from lorafleet_services.agent.serving.orders import (
@@ -61,7 +62,7 @@ from lorafleet_services.agent.serving.plan import (
     needs_reload,
     remove_stale_copies,
 )
-from lorafleet_services.agent.serving.reports import ServingReporter, Version
+from lorafleet_services.agent.serving.reports import AdapterVersion, ServingReporter
 from lorafleet_services.agent.serving.running_engines import VllmServer, llama_server_running
 from lorafleet_services.agent.serving.vllm_adapters import (
     AdapterToServe,
@@ -75,6 +76,7 @@ from lorafleet_services.agent.serving.vllm_adapters import (
     serve_adapter,
 )
 from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError, VllmRequestError
+from lorafleet_trainer.layout import ADAPTER_CONFIG
 
 #: The longest wait between two tries of a reload that keeps failing: an
 #: engine that comes back able to take it is served again within this.
@@ -225,7 +227,7 @@ class ServingAgent:
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
         path = self.cfg.served_dir / order.served_name
         try:
-            if not (path / "adapter_config.json").is_file():
+            if not (path / ADAPTER_CONFIG).is_file():
                 path = await fetch_adapter(
                     self.js, self.names.artifacts_bucket, order.object or "", order.sha256,
                     self.cfg.served_dir, order.served_name,
@@ -247,8 +249,8 @@ class ServingAgent:
                 order.job_id, order.sha256, staged, model_base(order.model),
                 read_model_type(probe_base),
             )  # fmt: skip
-        except (OSError, ValueError, KeyError) as e:
-            reason = f"the adapter's adapter_config.json cannot be read: {e!r}"
+        except AdapterConfigError as e:
+            reason = f"the adapter cannot be served: {e}"
             self.reports.report(_version(order), server.url, ServingState.FAILED, reason)
             return
         await self._serve_on(server, adapter, probe_base, order.model.name, "")
@@ -264,7 +266,7 @@ class ServingAgent:
         reload: bool = False,
     ) -> bool:
         """Load `adapter` into `server` (the module doc's steps); True once served."""
-        v = Version(adapter.job_id, model, adapter.served_name, adapter.sha256)
+        v = AdapterVersion(adapter.job_id, model, adapter.served_name, adapter.sha256)
         async with self._lock, VllmClient(server.url, server.api_key) as client:
             try:
                 loaded = loaded_adapters(server, await client.models())
@@ -284,7 +286,7 @@ class ServingAgent:
         server: VllmServer,
         adapter: AdapterToServe,
         probe_base: str,
-        v: Version,
+        v: AdapterVersion,
         loaded: list[str],
     ) -> bool:
         desired = self.desired.on(server.url)
@@ -377,7 +379,7 @@ class ServingAgent:
                     entry.job_id, entry.sha256, Path(entry.path), entry.base_model,
                     entry.model_type,
                 )  # fmt: skip
-            except (OSError, ValueError, KeyError) as e:
+            except AdapterConfigError as e:
                 self.desired.remove(server.url, entry.served_name)
                 reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
                 self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
@@ -422,12 +424,14 @@ class ServingAgent:
             shutil.rmtree(path, ignore_errors=True)
 
 
-def _version(item: ServeOrder | DesiredAdapter) -> Version:
+def _version(item: ServeOrder | DesiredAdapter) -> AdapterVersion:
     model = item.model if isinstance(item.model, str) else item.model.name
-    return Version(item.job_id, model, item.served_name, item.sha256)
+    return AdapterVersion(item.job_id, model, item.served_name, item.sha256)
 
 
-def _desired(v: Version, adapter: AdapterToServe, probe_base: str, path: Path) -> DesiredAdapter:
+def _desired(
+    v: AdapterVersion, adapter: AdapterToServe, probe_base: str, path: Path
+) -> DesiredAdapter:
     return DesiredAdapter(
         job_id=v.job_id, served_name=v.served_name, sha256=v.sha256, model=v.model,
         base_model=adapter.base_model, model_type=adapter.model_type, probe_base=probe_base,

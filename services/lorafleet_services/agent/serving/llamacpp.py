@@ -23,7 +23,7 @@ from lorafleet_services.agent.serving.orders import (
     lora_flag,
     place_gguf,
 )
-from lorafleet_services.agent.serving.reports import ServingReporter, Version
+from lorafleet_services.agent.serving.reports import AdapterVersion, ServingReporter
 
 
 def llamacpp_key(cfg: AgentConfig) -> str:
@@ -36,7 +36,7 @@ async def serve_llamacpp(
 ) -> None:
     """The order's GGUF (kept from the job, or fetched from `bucket`) put in
     place; one report: restart_required, or refused/failed saying why."""
-    v = Version(order.job_id, order.model.name, order.served_name, order.sha256)
+    v = AdapterVersion(order.job_id, order.model.name, order.served_name, order.sha256)
     key = llamacpp_key(cfg)
     target = cfg.llamacpp_adapters / f"{order.served_name}.gguf"
     try:

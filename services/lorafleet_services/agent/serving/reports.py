@@ -1,38 +1,36 @@
 """The node's serving reports, published in order, each until acknowledged.
 
-`report()` only queues (a load never waits on NATS); one task publishes
-the queue in order to `<prefix>.status.<node>.<job>.serving` (the status
-stream), each with the message id `<node>.serving.<seq>` so a retried
-publish is stored once, and retried for `REPORT_TIMEOUT_S` before it is
-dropped (logged: serving.report_dropped). `seq` is plan.ReportSeq:
-per node, growing across restarts.
+`report()` only queues (a load never waits on NATS); an `OrderedPublisher`
+(lorafleet/nats/_publisher.py) publishes the queue in order to
+`<prefix>.status.<node>.<job>.serving` (the status stream), each under
+`names.serving_msg_id` so a retried publish is stored once, and retried for
+`REPORT_GIVE_UP_S` before it is dropped (logged: serving.report_dropped).
+`seq` is plan.ReportSeq: per node, growing across restarts.
 """
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 from dataclasses import dataclass
 
-import stamina
 from nats.js import JetStreamContext
 
 from lorafleet import log
 from lorafleet.log import Event
-from lorafleet.names import Header, Names
+from lorafleet.names import Names, serving_msg_id
 from lorafleet.nats._bus import encode
+from lorafleet.nats._publisher import OrderedPublisher, Outgoing
 from lorafleet_schemas.messages import Engine, ServingReport, ServingState
 from lorafleet_services.agent.serving.plan import ReportSeq
 
 #: Seconds one serving report is retried for before it is dropped (logged).
-REPORT_TIMEOUT_S = 60.0
-#: Seconds one publish waits for its ack.
-PUBLISH_TIMEOUT_S = 2.0
+REPORT_GIVE_UP_S = 60.0
 
 
 @dataclass(frozen=True, slots=True)
-class Version:
-    """Which adapter version a report is about."""
+class AdapterVersion:
+    """The adapter version a serving report is about: its job, the catalog
+    model, the name engines serve it under, and its sha256."""
 
     job_id: str
     model: str
@@ -44,28 +42,27 @@ class ServingReporter:
     """Queues and publishes one node's ServingReports."""
 
     def __init__(self, js: JetStreamContext, names: Names, node: str) -> None:
-        self.js = js
         self.names = names
         self.node = node
         self.seq = ReportSeq()
-        self._queue: asyncio.Queue[ServingReport | None] = asyncio.Queue()
-        self._task: asyncio.Task[None] | None = None
         self.logger = log.get(node=node)
+        self._publisher = OrderedPublisher(
+            js, name="serving-reports", give_up_s=REPORT_GIVE_UP_S, on_dropped=self._dropped
+        )
 
     def start(self) -> None:
-        self._task = asyncio.create_task(self._publish_all(), name="serving-reports")
+        self._publisher.start()
 
     async def stop(self, timeout_s: float) -> None:
         """Publish what is queued, for at most `timeout_s`."""
-        task, self._task = self._task, None
-        if task is not None:
-            self._queue.put_nowait(None)
-            await asyncio.wait({task}, timeout=timeout_s)
-            task.cancel()
+        await self._publisher.stop(timeout_s)
+
+    def _dropped(self, msg: Outgoing, error: Exception) -> None:
+        self.logger.warning(Event.SERVING_REPORT_DROPPED, seq=msg.seq, error=repr(error))
 
     def report(
         self,
-        v: Version,
+        v: AdapterVersion,
         engine: str,
         state: ServingState,
         reason: str = "",
@@ -81,22 +78,6 @@ class ServingReporter:
         )  # fmt: skip
         self.logger.info(Event.SERVING_CHANGED, job_id=v.job_id, served_name=v.served_name,
                          engine=engine, state=state, reason=reason, lift=lift)  # fmt: skip
-        self._queue.put_nowait(report)
-
-    async def _publish_all(self) -> None:
-        while (report := await self._queue.get()) is not None:
-            try:
-                await self._publish(report)
-            except Exception as e:
-                self.logger.warning(Event.SERVING_REPORT_DROPPED, seq=report.seq, error=repr(e))
-
-    async def _publish(self, report: ServingReport) -> None:
         subject = self.names.serving_report(self.node, report.job_id)
-        headers = {Header.MSG_ID: f"{self.node}.serving.{report.seq}"}
-        async for attempt in stamina.retry_context(
-            on=Exception, attempts=None, timeout=REPORT_TIMEOUT_S, wait_initial=0.1, wait_max=2.0
-        ):
-            with attempt:
-                await self.js.publish(
-                    subject, encode(report), timeout=PUBLISH_TIMEOUT_S, headers=headers
-                )
+        msg_id = serving_msg_id(self.node, report.seq)
+        self._publisher.put(Outgoing(subject, encode(report), msg_id, report.seq))

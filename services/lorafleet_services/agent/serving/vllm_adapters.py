@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet_services.agent.peft_adapter import PeftAdapterConfig
 from lorafleet_services.agent.serving.running_engines import VllmServer
 from lorafleet_services.agent.serving.vllm_client import ModelCard, VllmClient, VllmError
 from lorafleet_trainer import probe
@@ -66,22 +67,18 @@ class AdapterToServe:
     def read(
         cls, job_id: str, sha256: str, directory: Path, base_model: str, model_type: str | None
     ) -> AdapterToServe:
-        """From the adapter directory's adapter_config.json (PEFT's)."""
-        config = json.loads((directory / "adapter_config.json").read_text())
-        targets = config.get("target_modules") or []
-        if isinstance(targets, str):
-            targets = [targets]
+        """From the adapter directory's config (peft_adapter.py's one parse;
+        AdapterConfigError when it is none)."""
+        config = PeftAdapterConfig.read(directory)
         return cls(
             job_id=job_id,
             sha256=sha256,
             directory=directory,
             base_model=base_model,
             model_type=model_type,
-            rank=int(config["r"]),
-            # PEFT may save full paths (`model.layers.0.mlp.down_proj`, as the
-            # trainer's adapters have them); vLLM matches the last part.
-            target_modules=frozenset(t.rsplit(".", 1)[-1] for t in targets),
-            modules_to_save=tuple(config.get("modules_to_save") or ()),
+            rank=config.rank,
+            target_modules=config.target_modules,
+            modules_to_save=config.modules_to_save,
         )
 
     @property

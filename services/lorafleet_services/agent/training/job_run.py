@@ -69,9 +69,9 @@ STOP_DRAIN_TIMEOUT_S = 5.0
 #: Seconds the last reports of a finished job may take to publish. Longer
 #: outages fence the agent first; a server that keeps refusing them (no
 #: status stream, no permission) must not keep the node busy for ever.
-DRAIN_TIMEOUT_S = 60.0
+FINISHED_DRAIN_TIMEOUT_S = 60.0
 #: Seconds a card read for the card choice may take.
-CARD_READ_TIMEOUT_S = 10.0
+CARD_CHOICE_READ_TIMEOUT_S = 10.0
 #: Failed job directories kept for reading (the newest ones).
 KEEP_FAILED_DIRS = 5
 #: In the job directory: where the trainer writes its checkpoints.
@@ -296,7 +296,7 @@ class JobRun:
     # --- the pipeline -------------------------------------------------------
 
     async def _run(self) -> None:
-        drain_timeout_s = DRAIN_TIMEOUT_S
+        drain_timeout_s = FINISHED_DRAIN_TIMEOUT_S
         try:
             await self._pipeline()
         except asyncio.CancelledError:
@@ -437,12 +437,12 @@ class JobRun:
     async def _choose_card(self) -> CardChoice:
         try:
             cards = await asyncio.wait_for(
-                asyncio.to_thread(cards_mod.read_cards), CARD_READ_TIMEOUT_S
+                asyncio.to_thread(cards_mod.read_cards), CARD_CHOICE_READ_TIMEOUT_S
             )
         except TimeoutError:
             raise JobStepError(
                 f"reading the cards of {self.node} from NVML took over "
-                f"{CARD_READ_TIMEOUT_S:g} s; check the NVIDIA driver (nvidia-smi)"
+                f"{CARD_CHOICE_READ_TIMEOUT_S:g} s; check the NVIDIA driver (nvidia-smi)"
             ) from None
         try:
             return cards_mod.choose_card(

@@ -27,9 +27,9 @@ import nats.errors
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet.artifacts import AsyncPublisher, NoStreamError, PublishRefusedError, msg_id
+from lorafleet.artifacts import AsyncPublisher, NoStreamError, PublishRefusedError
 from lorafleet.log import Event
-from lorafleet.names import Header, Names
+from lorafleet.names import Header, Names, chunk_msg_id
 from lorafleet.nats._natspy import client_of
 from lorafleet_schemas.messages import ArtifactChunkHeader, ArtifactKind
 
@@ -341,7 +341,7 @@ class ChunkHeaders:
             step=self.step, **last,
         )  # fmt: skip
         return {
-            Header.MSG_ID: msg_id(self.job_id, self.kind.value, self.attempt, seq, self.step),
+            Header.MSG_ID: chunk_msg_id(self.job_id, self.kind.value, self.attempt, seq, self.step),
             Header.CHUNK: _encoder.encode(h).decode(),
         }
 
