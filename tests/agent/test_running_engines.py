@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.serving.running_engines import (
     VllmServer,
     is_vllm_server,
@@ -83,6 +84,32 @@ def test_other_processes_are_not_servers() -> None:
     assert not is_vllm_server(["vllm", "chat"])
     with pytest.raises(ValueError, match="not a vLLM server"):
         parse_server_argv(["python", "train.py"])
+
+
+@pytest.mark.parametrize("host", [None, "0.0.0.0", "::", "[::]", ""])
+def test_an_engine_on_every_address_is_reported_at_the_advertised_host(host: str | None) -> None:
+    argv = ["vllm", "serve", "m", "--port", "8123"] + (["--host", host] if host is not None else [])
+    assert parse_server_argv(argv, {}, "gpu-3.example").url == "http://gpu-3.example:8123"
+    assert parse_server_argv(argv, {}, "10.0.0.7").url == "http://10.0.0.7:8123"
+    assert parse_server_argv(argv, {}, "fd00::7").url == "http://[fd00::7]:8123"
+    # Nothing advertised: the only address that is surely this node's.
+    assert parse_server_argv(argv, {}).url == "http://127.0.0.1:8123"
+
+
+@pytest.mark.parametrize("host", ["127.0.0.1", "10.0.0.9", "::1"])
+def test_an_engine_on_one_address_is_reported_there_whatever_is_advertised(host: str) -> None:
+    argv = ["vllm", "serve", "m", "--host", host]
+    url = parse_server_argv(argv, {}, "gpu-3.example").url
+    assert url == f"http://{f'[{host}]' if ':' in host else host}:8000"
+
+
+def test_the_advertised_host_is_an_agent_setting_and_no_wildcard() -> None:
+    env = {"LORAFLEET_AGENT_NODE": "n1", "LORAFLEET_AGENT_ADVERTISE_HOST": "gpu-3.example"}
+    assert AgentConfig.from_env(env).advertise_host == "gpu-3.example"
+    assert AgentConfig.from_env({"LORAFLEET_AGENT_NODE": "n1"}).advertise_host is None
+    for wildcard in ("0.0.0.0", "::", ""):
+        with pytest.raises(AgentConfigError, match="LORAFLEET_AGENT_ADVERTISE_HOST"):
+            AgentConfig(node="n1", advertise_host=wildcard)
 
 
 def test_configured_servers() -> None:

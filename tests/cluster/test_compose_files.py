@@ -20,6 +20,7 @@ from lorafleet.access.permissions import identity_inbox_prefix
 from lorafleet.settings import Settings
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.cli import app
+from lorafleet_services.gateway.config import GatewayConfig
 
 COMPOSE = Path(__file__).resolve().parents[2] / "compose"
 FILES = sorted(COMPOSE.glob("docker-compose*.yml"))
@@ -49,7 +50,8 @@ def mounted_path(source: str, auth_dir: Path) -> Path:
 def settings_variables() -> set[str]:
     shared = {f"LORAFLEET_{f.name.upper()}" for f in dataclasses.fields(Settings)}
     agent = {f"LORAFLEET_AGENT_{f.name.upper()}" for f in dataclasses.fields(AgentConfig)}
-    return shared | agent
+    gateway = {f"LORAFLEET_GATEWAY_{f.name.upper()}" for f in dataclasses.fields(GatewayConfig)}
+    return shared | agent | gateway
 
 
 def cli_commands() -> set[str]:
@@ -133,3 +135,66 @@ def test_the_control_plane_runs_on_three_routed_nats_servers() -> None:
         ], name
     for twice in ("scheduler", "recorder"):
         assert doc["services"][twice]["deploy"]["replicas"] == 2, twice
+
+
+def published(svc: dict[str, Any], container_port: int) -> list[int]:
+    """The host ports `svc` publishes `container_port` on."""
+    ports = []
+    for entry in svc.get("ports", []):
+        host, _, inside = str(entry).rpartition(":")
+        if int(inside) == container_port:
+            ports.append(int(host.rpartition(":")[2]))
+    return ports
+
+
+def nats_members(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {n: s for n, s in doc["services"].items() if n.startswith("nats-")}
+
+
+def test_every_nats_server_is_reachable_and_advertised_to_agents_on_other_hosts() -> None:
+    """Each member publishes its own client port and advertises the host and
+    that port: a remote client that loses one member moves to another."""
+    conf = (COMPOSE / "nats-cluster" / "nats.conf").read_text()
+    assert "\nclient_advertise: $NATS_CLIENT_ADVERTISE\n" in conf
+    doc = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    seen: set[int] = set()
+    for name, svc in nats_members(doc).items():
+        (port,) = published(svc, 4222) or [None]
+        assert port is not None, f"{name} publishes no client port"
+        assert port not in seen, f"{name} publishes client port {port} twice"
+        seen.add(port)
+        advertised = str(svc["environment"].get("NATS_CLIENT_ADVERTISE", ""))
+        assert advertised.startswith("${LORAFLEET_PUBLIC_HOST"), (name, advertised)
+        assert advertised.endswith(f"}}:{port}"), f"{name} advertises {advertised}, not :{port}"
+
+
+def test_every_agent_example_is_given_the_three_servers() -> None:
+    control_plane = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    ports = sorted(p for svc in nats_members(control_plane).values() for p in published(svc, 4222))
+    gpu = yaml.safe_load((COMPOSE / "docker-compose.gpu.yml").read_text())
+    agents = {n: s for n, s in lorafleet_services(gpu).items() if s["command"][0] == "agent"}
+    assert agents
+    for name, svc in agents.items():
+        urls = str(svc["environment"]["LORAFLEET_NATS_URL"]).split(",")
+        assert len(urls) == len(ports), f"{name} is given {urls}, not the {len(ports)} servers"
+        assert sorted(int(u.rpartition(":")[2]) for u in urls) == ports, (name, urls)
+        assert "LORAFLEET_AGENT_ADVERTISE_HOST" in svc["environment"], name
+
+
+def test_the_gateway_runs_on_its_identity_with_its_keys_on_a_volume_and_its_port_published(
+    auth_dir: Path,
+) -> None:
+    doc = yaml.safe_load((COMPOSE / "docker-compose.yml").read_text())
+    gateway = doc["services"]["gateway"]
+    assert gateway["command"] == ["gateway"]
+    assert (auth_dir / "service" / "gateway.nk").exists()
+    env = gateway["environment"]
+    host, _, port = env["LORAFLEET_GATEWAY_ADDR"].rpartition(":")
+    assert host == "0.0.0.0", "the gateway must listen beyond the container's loopback"
+    assert published(gateway, int(port)), f"the gateway's port {port} is not published"
+    keys = PurePosixPath(env["LORAFLEET_GATEWAY_API_KEYS_FILE"])
+    named_volumes = set(doc["volumes"])
+    mounts = [str(v).split(":")[:2] for v in gateway.get("volumes", [])]
+    assert any(
+        source in named_volumes and keys.is_relative_to(target) for source, target in mounts
+    ), f"the keys file {keys} is on no named volume: {mounts}"

@@ -56,7 +56,7 @@ def test_the_compose_prometheus_config_is_valid() -> None:
     assert out.returncode == 0, (out.stdout + out.stderr).decode()
     compose = (COMPOSE / "docker-compose.yml").read_text()
     assert 'LORAFLEET_METRICS_ADDR: ":9460"' in compose
-    for service in ("recorder", "scheduler", "artifact-store"):
+    for service in ("recorder", "scheduler", "artifact-store", "gateway"):
         assert (
             f"names: [{service}], type: A, port: 9460" in (COMPOSE / "prometheus.yml").read_text()
         )

@@ -8,6 +8,8 @@ fails here, before a query meets it in production.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -17,7 +19,7 @@ from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
 from sqlalchemy import create_engine, pool
 
-from lorafleet_services.recorder.db import migrate, sync_url
+from lorafleet_services.recorder.db import HEAD_REVISION, migrate, sync_url
 from lorafleet_services.recorder.tables import METADATA
 from tests.pg import throwaway_database
 
@@ -125,3 +127,67 @@ def test_head_revision_is_alembics_head_and_a_database_at_it_is_left_alone(
     finally:
         engine.dispose()
     assert "max_attempts" not in columns
+
+
+#: What each recorder's migration runs in its own process (Alembic's
+#: `context` is one per process): ready once imported, then it migrates on a
+#: line from stdin, so that both start at the same instant.
+_MIGRATE_ON_GO = """
+import sys
+from lorafleet_services.recorder.db import migrate
+print("ready", flush=True)
+sys.stdin.readline()
+migrate(sys.argv[1])
+"""
+
+
+def migrate_at_once(url: str, count: int) -> list[subprocess.CompletedProcess[str]]:
+    """`count` processes migrate the database at `url`, released together."""
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-c", _MIGRATE_ON_GO, url],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for _ in range(count)
+    ]
+    for proc in procs:
+        assert proc.stdout is not None and proc.stdout.readline() == "ready\n"
+    for proc in procs:
+        assert proc.stdin is not None
+        proc.stdin.write("go\n")
+        proc.stdin.flush()
+    done = []
+    for proc in procs:
+        out, err = proc.communicate(timeout=120)
+        done.append(subprocess.CompletedProcess(proc.args, proc.returncode, out, err))
+    return done
+
+
+def version_rows(url: str) -> list[str]:
+    engine = create_engine(sync_url(url), poolclass=pool.NullPool)
+    try:
+        with engine.connect() as conn:
+            return [r[0] for r in conn.exec_driver_sql("SELECT version_num FROM alembic_version")]
+    finally:
+        engine.dispose()
+
+
+def test_two_recorders_migrating_one_empty_postgresql_at_once_both_succeed() -> None:
+    """The advisory lock in migrations/env.py: one migrates, the other waits and
+    finds the schema at head (without the lock one fails creating
+    alembic_version, 3 runs in 3)."""
+    with throwaway_database("lorafleet_test_migrate_race", migrate=False) as url:
+        for result in migrate_at_once(url, 2):
+            assert result.returncode == 0, result.stderr[-2000:]
+        assert version_rows(url) == [HEAD_REVISION]
+        assert schema_differences(url) == []
+
+
+def test_sqlite_migrates_alone(tmp_path: Path) -> None:
+    url = f"sqlite+aiosqlite:///{tmp_path / 'alone.db'}"
+    (result,) = migrate_at_once(url, 1)
+    assert result.returncode == 0, result.stderr[-2000:]
+    assert version_rows(url) == [HEAD_REVISION]

@@ -54,6 +54,7 @@ class MemberPorts:
 DEFAULT_CONFIG = """
 server_name: $NATS_SERVER_NAME
 listen: $NATS_CLIENT_LISTEN
+client_advertise: $NATS_CLIENT_ADVERTISE
 http: $NATS_HTTP_LISTEN
 jetstream {
   store_dir: $NATS_STORE_DIR
@@ -74,12 +75,14 @@ def member_env(
     name: str, host: str, ports: MemberPorts, store_dir: Path | str, routes: list[str]
 ) -> dict[str, str]:
     """The environment one member's config reads (see DEFAULT_CONFIG): its
-    name, listen addresses, store and the routes to the other two."""
+    name, listen addresses (the client one also advertised to clients),
+    store and the routes to the other two."""
     if len(routes) != 2:
         raise ValueError("the cluster config routes to exactly two other members")
     return {
         "NATS_SERVER_NAME": name,
         "NATS_CLIENT_LISTEN": f"{host}:{ports.client}",
+        "NATS_CLIENT_ADVERTISE": f"{host}:{ports.client}",
         "NATS_CLUSTER_LISTEN": f"{host}:{ports.cluster}",
         "NATS_HTTP_LISTEN": f"{host}:{ports.monitor}",
         "NATS_STORE_DIR": str(store_dir),

@@ -21,6 +21,9 @@ from lorafleet.settings import SettingsError, read_env, write_env
 #: would pull a second torch.
 OVERLAY_PACKAGES: tuple[str, ...] = ("peft==0.21.2", "accelerate==1.15.0")
 
+#: The hosts a server listening on every address is started with.
+EVERY_ADDRESS = frozenset({"", "0.0.0.0", "::", "[::]"})
+
 #: The engines' unprivileged user.
 DEFAULT_RUN_AS = "lorafleet-engine"
 
@@ -91,6 +94,10 @@ class AgentConfig:
     llamacpp_adapters_dir: where the node's llama-server reads its adapters
         (`--lora <path>`); the agent puts each served GGUF there; default
         `<work_dir>/llamacpp-adapters`.
+    advertise_host: the host name or address other hosts reach this node
+        by: an engine listening on every address (0.0.0.0, ::, no --host)
+        is reported there, for the gateway on another host; default none:
+        127.0.0.1, right only when the gateway runs on this node.
     """
 
     node: str
@@ -111,6 +118,7 @@ class AgentConfig:
     vllm_servers: tuple[str, ...] = ()
     engines_refresh_s: float = 5.0
     llamacpp_adapters_dir: Path | None = None
+    advertise_host: str | None = None
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")
@@ -127,6 +135,13 @@ class AgentConfig:
             raise AgentConfigError(
                 "LORAFLEET_AGENT_ENGINES_REFRESH_S must be 0.1 .. 3600 seconds, "
                 f"not {self.engines_refresh_s:g}"
+            )
+        if self.advertise_host is not None and (
+            not self.advertise_host.strip("[]") or self.advertise_host in EVERY_ADDRESS
+        ):
+            raise AgentConfigError(
+                "LORAFLEET_AGENT_ADVERTISE_HOST must be the name or address other hosts "
+                f"reach this node by, not {self.advertise_host!r}"
             )
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")

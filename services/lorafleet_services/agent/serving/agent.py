@@ -91,7 +91,9 @@ class ServingAgent:
         self.names = names
         self.cfg = cfg
         self.node = cfg.node
-        self.watch = EngineWatch(cfg.vllm_servers, cfg.engines_refresh_s, cfg.node)
+        self.watch = EngineWatch(
+            cfg.vllm_servers, cfg.engines_refresh_s, cfg.node, cfg.advertise_host
+        )
         self.watch.on_read = self._engines_read
         self.desired = DesiredSet.load(cfg.served_dir / DESIRED_FILE)
         self.reports = ServingReporter(js, names, cfg.node)

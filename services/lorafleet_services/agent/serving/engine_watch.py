@@ -58,10 +58,12 @@ class EngineView:
 OnRead = Callable[[list[EngineView], dict[str, EngineView]], Awaitable[None]]
 
 
-async def read_engines(configured: Sequence[str]) -> list[EngineView]:
+async def read_engines(
+    configured: Sequence[str], advertise_host: str | None = None
+) -> list[EngineView]:
     """One read: the scan, then every server's /v1/models at once."""
     servers = await asyncio.wait_for(
-        asyncio.to_thread(running_vllm_servers, configured), SCAN_TIMEOUT_S
+        asyncio.to_thread(running_vllm_servers, configured, advertise_host), SCAN_TIMEOUT_S
     )
     adapters = await asyncio.gather(*(_adapters(s) for s in servers))
     return [EngineView(s, a) for s, a in zip(servers, adapters, strict=True)]
@@ -78,8 +80,15 @@ async def _adapters(server: VllmServer) -> tuple[str, ...] | None:
 class EngineWatch:
     """The last read of the engines, refreshed in its own task."""
 
-    def __init__(self, configured: Sequence[str], refresh_s: float, node: str) -> None:
+    def __init__(
+        self,
+        configured: Sequence[str],
+        refresh_s: float,
+        node: str,
+        advertise_host: str | None = None,
+    ) -> None:
         self.configured = tuple(configured)
+        self.advertise_host = advertise_host
         self.refresh_s = refresh_s
         self.views: dict[str, EngineView] = {}
         self.reads = 0
@@ -97,7 +106,7 @@ class EngineWatch:
 
     async def refresh(self) -> list[EngineView]:
         try:
-            views = await read_engines(self.configured)
+            views = await read_engines(self.configured, self.advertise_host)
         except Exception as e:
             self.logger.warning(Event.ENGINES_READ_FAILED, error=repr(e))
             return list(self.views.values())

@@ -6,7 +6,10 @@ parser reads them, with vLLM's defaults for the flags not given, and whose
 environment says whether runtime loading is on (None: unknown, left to the
 engine's answer). `parse_server_argv` and `runtime_updating` are pure;
 `scan_vllm_processes` and `running_vllm_servers` read /proc. The flags and
-their defaults: docs/serving.md ("Which engines run on the node").
+their defaults: docs/serving.md ("Which engines run on the node"). A server
+listening on every address is reported at the node's advertised host
+(`AgentConfig.advertise_host`), else at 127.0.0.1: the URL goes into the
+heartbeat, and a gateway on another host calls it.
 """
 
 from __future__ import annotations
@@ -17,8 +20,13 @@ from urllib.parse import urlsplit
 
 import psutil
 
+from lorafleet_services.agent.config import EVERY_ADDRESS
+
 API_SERVER_MODULE = "vllm.entrypoints.openai.api_server"
 DEFAULT_PORT = 8000
+#: Where a server listening on every address is called when the node
+#: advertises no host of its own.
+LOOPBACK = "127.0.0.1"
 DEFAULT_MAX_LORA_RANK = 16
 DEFAULT_MAX_LORAS = 1
 RUNTIME_UPDATING_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
@@ -34,7 +42,7 @@ class VllmServer:
     """One running vLLM server as the agent knows it.
 
     url: where to call it (`http://host:port`; a server listening on every
-        address is called on 127.0.0.1).
+        address is called at the node's advertised host, else 127.0.0.1).
     model: its `--model` (a path or a hub id); None when unknown.
     served_names: `--served-model-name`'s names (default: the model); the
         first is the name requests and `/v1/models` use.
@@ -70,18 +78,21 @@ def is_vllm_server(argv: Sequence[str]) -> bool:
     return _flags_start(argv) is not None
 
 
-def parse_server_argv(argv: Sequence[str], env: Mapping[str, str] | None = None) -> VllmServer:
+def parse_server_argv(
+    argv: Sequence[str], env: Mapping[str, str] | None = None, advertise_host: str | None = None
+) -> VllmServer:
     """A vLLM server's settings from its command line (and environment, when
-    given: None means it could not be read). Raises ValueError when `argv` is
-    no vLLM server's."""
+    given: None means it could not be read). A server listening on every
+    address (vLLM's default) is at `advertise_host`, else 127.0.0.1. Raises
+    ValueError when `argv` is no vLLM server's."""
     start = _flags_start(argv)
     if start is None:
         raise ValueError(f"not a vLLM server command line: {' '.join(argv)[:200]}")
     positional, flags = _split_flags(argv[start:])
     model = flags.get("model") or (positional[0] if positional else None)
-    host = flags.get("host") or "127.0.0.1"
-    if host in ("0.0.0.0", "::", ""):
-        host = "127.0.0.1"
+    host = flags.get("host", "")
+    if host in EVERY_ADDRESS:
+        host = advertise_host or LOOPBACK
     names = tuple(flags["served-model-name"].split()) if "served-model-name" in flags else ()
     max_loras = int(flags.get("max-loras", DEFAULT_MAX_LORAS))
     cpu_loras = flags.get("max-cpu-loras")
@@ -148,10 +159,10 @@ def _split_flags(words: Sequence[str]) -> tuple[list[str], dict[str, str]]:
 
 
 def _bracketed(host: str) -> str:
-    return f"[{host}]" if ":" in host else host
+    return f"[{host}]" if ":" in host and not host.startswith("[") else host
 
 
-def scan_vllm_processes() -> list[VllmServer]:
+def scan_vllm_processes(advertise_host: str | None = None) -> list[VllmServer]:
     """Every vLLM server process on this host, one per URL (a server's worker
     processes retitle themselves and do not match)."""
     found: dict[str, VllmServer] = {}
@@ -163,7 +174,7 @@ def scan_vllm_processes() -> list[VllmServer]:
             env: Mapping[str, str] | None = proc.environ()
         except (psutil.AccessDenied, psutil.NoSuchProcess, psutil.ZombieProcess):
             env = None
-        server = replace(parse_server_argv(argv, env), pid=proc.info["pid"])
+        server = replace(parse_server_argv(argv, env, advertise_host), pid=proc.info["pid"])
         found.setdefault(server.url, server)
     return list(found.values())
 
@@ -177,16 +188,18 @@ def parse_configured(entries: Iterable[str]) -> list[VllmServer]:
     return servers
 
 
-def running_vllm_servers(configured: Sequence[str] = ()) -> list[VllmServer]:
+def running_vllm_servers(
+    configured: Sequence[str] = (), advertise_host: str | None = None
+) -> list[VllmServer]:
     """The configured servers (with the scan's flags where it finds them on
     the same port), or, when none is configured, what the scan finds."""
-    scanned = scan_vllm_processes()
+    scanned = scan_vllm_processes(advertise_host)
     if not configured:
         return scanned
     by_port = {s.port: s for s in scanned}
     merged = []
     for server in parse_configured(configured):
-        local = urlsplit(server.url).hostname in ("127.0.0.1", "localhost", "::1")
+        local = urlsplit(server.url).hostname in (LOOPBACK, "localhost", "::1", advertise_host)
         match = by_port.get(server.port) if local else None
         if match is None:
             merged.append(server)

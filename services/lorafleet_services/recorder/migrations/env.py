@@ -6,7 +6,9 @@ from alembic import context
 from sqlalchemy import create_engine, pool
 
 #: Any constant: concurrent recorders starting on one PostgreSQL database
-#: take this advisory lock so only one migrates at a time.
+#: take this advisory lock so only one migrates at a time (without it the
+#: second fails creating alembic_version: tests/recorder/test_migrations.py).
+#: It is server-wide: migrations of other databases on the server wait too.
 _PG_MIGRATION_LOCK = 0x10AF1EE7
 
 
