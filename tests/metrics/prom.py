@@ -6,7 +6,6 @@ from __future__ import annotations
 import asyncio
 import json
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -15,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tests.eventually import eventually
+from tests.ports import free_port
 
 #: Seconds between scrapes in the tests (the default is 15 s in production).
 SCRAPE_INTERVAL_S = 0.5
@@ -22,12 +22,6 @@ SCRAPE_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 30.0
 #: Seconds between SIGTERM and SIGKILL at stop.
 STOP_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def scrape_config(targets: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S) -> str:
