@@ -49,8 +49,8 @@ SHARED_SESSION_FIXTURES = {
 }
 
 
-@pytest.hookimpl(tryfirst=True)  # before xdist's own hook reads the groups
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+@pytest.hookimpl(wrapper=True)  # around every plugin's hook: before xdist's reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
     """Mark each module's tests with the xdist group of its costly fixtures."""
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
@@ -60,6 +60,23 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
         if group is not None:
             for item in its:
                 item.add_marker(pytest.mark.xdist_group(group))
+    yield
+    keep_xdist_group_ids(items)
+
+
+def keep_xdist_group_ids(items: list[pytest.Item]) -> None:
+    """xdist 3.8 names a grouped test `<nodeid>@<group>` by setting the item's
+    `_nodeid`, which pytest 9.2 no longer reads (a node's id is `_id` now):
+    the groups were lost, and every worker started a vLLM of its own. Set the
+    id xdist meant; nothing to do where pytest still reads `_nodeid`."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9.2: `_nodeid` is the id
+        return
+    for item in items:
+        meant = getattr(item, "_nodeid", None)
+        if isinstance(meant, str) and meant != item.nodeid:
+            item._id = NodeId.parse(meant)  # type: ignore[attr-defined]
 
 
 def module_group(module: str, items: list[pytest.Item]) -> str | None:
