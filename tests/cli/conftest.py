@@ -8,7 +8,6 @@ import asyncio
 import json
 import os
 import re
-import socket
 import sys
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -31,12 +30,6 @@ DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" fo
 def cli_argv(*args: str) -> list[str]:
     """`lorafleet ARGS` as a command line, in this Python."""
     return [sys.executable, "-m", "lorafleet_services.cli", *args]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 @dataclass
@@ -139,7 +132,9 @@ def up(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Up]:
     running = Up(terminal, env, data_dir, pairs)
     try:
         window = f"{terminal.session}:0"
-        terminal.type(window, *running.argv("up", "--nats-port", str(free_port())))
+        # Port 0: the nats-server takes a free one, and `up` writes its URL into the
+        # data directory, where the commands read it.
+        terminal.type(window, *running.argv("up", "--nats-port", "0"))
         asyncio.run(terminal.wait_for(window, "lorafleet is up", timeout_s=UP_TIMEOUT_S))
         rc, _, err = asyncio.run(
             running.lorafleet(

@@ -3,6 +3,9 @@
 Type with `type()` (tmux send-keys), read what a person sees with
 `screen()` (capture-pane) — `history()` adds what scrolled off the top, so
 a test can tell a display redrawn in place from one that scrolls.
+Each terminal has a tmux server of its own (`-L`): one shared by the test
+workers exits when its last session closes, under another worker's
+`new-session`.
 """
 
 from __future__ import annotations
@@ -36,7 +39,11 @@ class Terminal:
 
     def _tmux(self, *args: str) -> str:
         return subprocess.run(
-            ["tmux", *args], check=True, capture_output=True, text=True, timeout=10
+            ["tmux", "-L", self.session, *args],
+            check=True,
+            capture_output=True,
+            text=True,
+            timeout=10,
         ).stdout
 
     def new_window(self) -> str:
@@ -70,4 +77,4 @@ class Terminal:
         )
 
     def close(self) -> None:
-        subprocess.run(["tmux", "kill-session", "-t", self.session], check=False, timeout=10)
+        subprocess.run(["tmux", "-L", self.session, "kill-server"], check=False, timeout=10)

@@ -16,7 +16,7 @@ import psutil
 import pytest
 
 from lorafleet_services.gateway.service import CHECK_WORKERS
-from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, free_port, up_env
+from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, up_env
 from tests.eventually import eventually
 
 #: nats-server, recorder, scheduler, artifact-store, gateway, agent; and the
@@ -36,7 +36,7 @@ class RunningUp:
 @pytest.fixture
 async def running_up(tmp_path: Path) -> AsyncIterator[RunningUp]:
     proc = await asyncio.create_subprocess_exec(
-        *cli_argv("up", "--nats-port", str(free_port())),
+        *cli_argv("up", "--nats-port", "0"),  # the server takes a free port
         cwd=ROOT, env=up_env(tmp_path), stdout=asyncio.subprocess.DEVNULL,
         stderr=asyncio.subprocess.PIPE,
     )  # fmt: skip

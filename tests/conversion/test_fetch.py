@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import shutil
-import socket
 import tarfile
 from pathlib import Path
 
@@ -24,6 +23,7 @@ from lorafleet_services.agent.environment.gguf_conversion import (
 from lorafleet_services.agent.node.installed_engines import find_engines
 from tests.conversion import llamacpp_source
 from tests.conversion.conftest import SourceServer
+from tests.ports import free_port
 
 TAG = llamacpp_source.TAG
 
@@ -132,9 +132,7 @@ async def test_an_unknown_release_fails_clearly(
 
 
 async def test_an_unreachable_source_fails_clearly(tmp_path: Path) -> None:
-    with socket.socket() as s:  # a port nothing listens on
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # nothing listens on it, and nothing else is given it
     cfg = config(tmp_path, conversion_source=f"http://127.0.0.1:{port}/{{tag}}.tar.gz")
     with pytest.raises(ConversionError, match="mirror or a local file"):
         await ensure_conversion_code(cfg, TAG)

@@ -21,7 +21,10 @@ module missing from it, or listed there but gone, fails here.
 from __future__ import annotations
 
 import ast
+import functools
+import multiprocessing
 from collections.abc import Iterator
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -68,13 +71,30 @@ class Module:
 
 
 def modules() -> Iterator[Module]:
+    yield from _parsed()
+
+
+@functools.cache
+def _parsed() -> tuple[Module, ...]:
+    """Every module, parsed once, in a fresh interpreter: CPython 3.11.7's AST
+    conversion keeps a recursion count per process that a failed conversion
+    leaves off, and every later ast.parse in that process then raises
+    "SystemError: AST constructor recursion depth mismatch". Under xdist a
+    worker runs this after tests of every kind, and one had left it so."""
+    named = []
     for top, folder in PACKAGES.items():
         for path in sorted(folder.rglob("*.py")):
             rel = path.relative_to(folder).with_suffix("")
             parts = [top, *rel.parts]
             if parts[-1] == "__init__":
                 parts.pop()
-            yield Module(".".join(parts), path, ast.parse(path.read_text(), str(path)))
+            named.append((".".join(parts), path))
+    sources = [path.read_text() for _, path in named]
+    with ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn")) as fresh:
+        trees = fresh.map(ast.parse, sources, [str(path) for _, path in named], chunksize=64)
+        return tuple(
+            Module(name, path, tree) for (name, path), tree in zip(named, trees, strict=True)
+        )
 
 
 def imported(mod: Module, known: set[str]) -> set[str]:

@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import shutil
-import socket
 import subprocess
 import urllib.parse
 import urllib.request
@@ -22,12 +22,8 @@ SCRAPE_INTERVAL_S = 0.5
 READY_TIMEOUT_S = 30.0
 #: Seconds between SIGTERM and SIGKILL at stop.
 STOP_TIMEOUT_S = 10.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: Its log line once it listens, with the port it took for port 0.
+_LISTENING = re.compile(r'msg="Listening on" address=\S+:(\d+)')
 
 
 def scrape_config(targets: Mapping[str, str], interval_s: float = SCRAPE_INTERVAL_S) -> str:
@@ -61,7 +57,7 @@ class Prometheus:
         self.data_dir = data_dir
         self.targets = dict(targets)
         self.interval_s = interval_s
-        self.port = free_port()
+        self.port = 0  # Prometheus takes a free one and logs it (`start`)
         self.proc: asyncio.subprocess.Process | None = None
 
     @property
@@ -77,9 +73,18 @@ class Prometheus:
         with (self.data_dir / "prometheus.log").open("wb") as log:
             self.proc = await asyncio.create_subprocess_exec(
                 binary, f"--config.file={config}", f"--storage.tsdb.path={self.data_dir / 'tsdb'}",
-                f"--web.listen-address=127.0.0.1:{self.port}",
+                "--web.listen-address=127.0.0.1:0",
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             )  # fmt: skip
+        logged = await eventually(
+            self._logged_port,
+            "prometheus to say where it listens",
+            until=lambda port: port is not None,
+            timeout_s=READY_TIMEOUT_S,
+            interval_s=0.1,
+        )
+        assert logged is not None  # what `until` accepted
+        self.port = logged
         await eventually(
             lambda: self._get("/-/ready"),
             "prometheus to be ready",
@@ -88,6 +93,10 @@ class Prometheus:
             retry_on=(OSError,),
         )
         return self
+
+    def _logged_port(self) -> int | None:
+        found = _LISTENING.search((self.data_dir / "prometheus.log").read_text(errors="replace"))
+        return int(found[1]) if found else None
 
     async def stop(self) -> None:
         if self.proc is None or self.proc.returncode is not None:

@@ -17,9 +17,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import fcntl
 import json
+import os
+import secrets
 import signal
 import socket
+import tempfile
 import urllib.error
 import urllib.request
 from dataclasses import dataclass
@@ -98,18 +102,81 @@ class _Member(NatsServer):
         return [binary(), "-c", str(self.config_file)]
 
 
-def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
-    """`count` distinct ports free right now (held open together while chosen)."""
-    socks = []
+#: free_ports' ports lie below the kernel's ephemeral range (which every
+#: `bind(0)` and nats-server `-p -1` draws from), from here up.
+RESERVED_PORTS_LOW = 10000
+#: Ports in a process's block: each process that asks takes a block of its own.
+PORT_BLOCK = 200
+#: Where the blocks' lock files are (one `flock` each, held for the process's life).
+PORT_LOCKS = Path(tempfile.gettempdir()) / "lorafleet-ports"
+
+
+class _PortBlock:
+    """This process's block of ports, handed out in turn; None until first asked."""
+
+    block: tuple[int, int] | None = None
+    lock_fd: int | None = None
+    next_index = 0
+
+
+def _ephemeral_low() -> int:
     try:
-        for _ in range(count):
-            s = socket.socket()
-            s.bind((host, 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default; elsewhere a guess below IANA's 49152
+
+
+def _take_block() -> tuple[int, int]:
+    """Lock a block no other process holds (a run's workers, another run): its range."""
+    if _PortBlock.block is not None:
+        return _PortBlock.block
+    PORT_LOCKS.mkdir(parents=True, exist_ok=True)
+    starts = list(range(RESERVED_PORTS_LOW, _ephemeral_low() - PORT_BLOCK + 1, PORT_BLOCK))
+    if not starts:
+        raise NatsServerError(
+            f"the ephemeral port range starts at {_ephemeral_low()}, too low for a block of "
+            f"{PORT_BLOCK} ports above {RESERVED_PORTS_LOW} (net.ipv4.ip_local_port_range)"
+        )
+    first = secrets.randbelow(len(starts))
+    for start in starts[first:] + starts[:first]:
+        fd = os.open(PORT_LOCKS / f"{start}.lock", os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            os.close(fd)
+            continue
+        _PortBlock.block, _PortBlock.lock_fd = (start, start + PORT_BLOCK), fd
+        return _PortBlock.block
+    raise NatsServerError(
+        f"every block of {PORT_BLOCK} ports from {RESERVED_PORTS_LOW} is held by another "
+        f"process (lock files in {PORT_LOCKS})"
+    )
+
+
+def free_ports(count: int, host: str = "127.0.0.1") -> list[int]:
+    """`count` distinct ports free right now, for servers that cannot pick
+    their own and report it (a cluster's routes name each other's ports).
+
+    They come from a block of ports this process alone holds (a lock file),
+    below the ephemeral range: no other process that asks here, and no
+    port 0 anywhere, can be given one of them, so a port stays this
+    process's across a server's restart. Within the block they go round in
+    turn, skipping any that something listens on; a whole round without
+    `count` of them is an error, not a loop."""
+    start, end = _take_block()
+    found: list[int] = []
+    for _ in range(end - start):
+        port = start + _PortBlock.next_index
+        _PortBlock.next_index = (_PortBlock.next_index + 1) % (end - start)
+        with socket.socket() as s:
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue
+        found.append(port)
+        if len(found) == count:
+            return found
+    raise NatsServerError(f"fewer than {count} free ports in this process's block {start}-{end}")
 
 
 class NatsCluster:

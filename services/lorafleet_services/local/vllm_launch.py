@@ -16,7 +16,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import urllib.error
 import urllib.request
@@ -25,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from lorafleet._process import die_with_parent
+from lorafleet.nats.cluster import free_ports
 from lorafleet.polling import poll_until_sync
 from lorafleet_services.agent.serving.running_engines import API_SERVER_MODULE
 
@@ -48,10 +48,10 @@ class RunningVllm:
 
 
 def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port: int = sock.getsockname()[1]
-        return port
+    """A port of this process's own block (`natscluster.free_ports`): vLLM
+    cannot take port 0 and say which it took, and no other process is given
+    this one (a test worker's vLLM, another run's) before it binds it."""
+    return free_ports(1)[0]
 
 
 def server_argv(python: Path, model_dir: Path, port: int) -> list[str]:
