@@ -15,7 +15,10 @@ answers a `MemoryEstimate` whose lines add up to the total:
 - activations: what one micro-batch of batch_size rows of seq_len tokens keeps
   for the backward pass at its peak (see `activation_bytes`);
 - CUDA context and allocator slack (cards only): what NVML counts for the
-  process beyond torch's tensors.
+  process beyond torch's tensors;
+- process and heap slack (the CPU only): the trainer's RSS before any
+  tensor, and what glibc's default heap keeps of freed blocks (none under
+  the frugal heap a plan may choose).
 
 The model family is the Llama-shaped decoder (Llama, Mistral, Qwen2, ...:
 q/k/v/o attention projections with grouped key/value heads, a gated MLP,
@@ -71,14 +74,15 @@ def estimate_memory(
     """The peak memory of training `arch` with `params` on `device` ("cuda" or
     "cpu"), line by line. `seq_len`: the longest row a micro-batch holds (the
     data's longest record, when known); default max_seq_len. `budget_mib`:
-    the job's gpu_memory_mib, by which gradient_checkpointing "auto" chooses
-    (`lorafleet_trainer.memory.choose_checkpointing`, as the trainer does);
-    without one "auto" is no checkpointing."""
+    the job's gpu_memory_mib, by which the trainer chooses its memory plan
+    (`lorafleet_trainer.memory.choose_plan`: checkpointing, heap, forward
+    passes), as the trainer does; without one, the plan of no checkpointing
+    ("auto"), the C library's heap and whole micro-batches."""
     rows = min(seq_len or params.max_seq_len, params.max_seq_len)
-    choice = memory.choose_checkpointing(arch, params, device, rows, budget_mib)
+    choice = memory.choose_plan(arch, params, device, rows, budget_mib)
     lines = [
         _line(name, n, note)
-        for name, n, note in memory.estimate_lines(arch, params, device, rows, choice.every)
+        for name, n, note in memory.plan_lines(arch, params, device, rows, choice.plan)
     ]
     total = sum(x.bytes for x in lines)
     total_mib = math.ceil(total / MIB)
