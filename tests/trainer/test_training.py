@@ -118,7 +118,12 @@ def test_done_reports_the_base_dir_and_writes_the_summary(
         "records_train", "records_eval", "records_cut", "records_skipped", "records_tokenized",
         "token_lengths", "padding_tokens", "chat_template",
         "steps", "epochs", "tokens_seen", "train_time_s", "wall_time_s", "peak_mib", "device",
-        "dtype", "trainable_parameters", "versions", "resumed_from", "checkpoints",
+        "dtype", "memory", "trainable_parameters", "versions", "resumed_from", "checkpoints",
+    }  # fmt: skip
+    assert summary["memory"] == {
+        "budget_mib": None, "estimate_mib": summary["memory"]["estimate_mib"],
+        "plan": "no gradient checkpointing, the C library's heap",
+        "final_plan": {"every": 0, "frugal_heap": False, "micro_rows": 0}, "tightened": 0,
     }  # fmt: skip
     assert summary["chat_template"] == "tokenizer" and summary["steps"] == 24
     assert summary["resumed_from"] is None and summary["checkpoints"] == 0

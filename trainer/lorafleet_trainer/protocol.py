@@ -12,8 +12,9 @@ stdout carries one JSON object per line, its field "event" naming it
     step        {"step", "steps", "loss", "learning_rate", "tokens_per_s",
                 "eta_s", "peak_mib", "epoch"}, one per optimizer step: loss
                 is the mean over the step's micro-batches, tokens_per_s counts
-                real tokens (not padding), peak_mib is torch's peak reserved
-                MiB on a card, the peak RSS MiB on the CPU; epoch counts from 1.
+                real tokens (not padding), peak_mib is the process's peak so
+                far: torch's peak reserved MiB and the CUDA context on a card,
+                the peak RSS MiB on the CPU; epoch counts from 1.
     lengths     {"records_tokenized", "records_cut", "records_skipped", "min",
                 "p50", "p95", "max", "mean"}, once, before the weights load:
                 the token counts of the records tokenized by then.
