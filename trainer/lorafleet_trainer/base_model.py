@@ -120,8 +120,9 @@ def choose_memory_plan(
         return choice, Sizing(arch, p, device.type, process_mib, longest)
     except memory.EstimateError as e:
         budget = job.gpu_memory_mib is not None
-        every = int(p.gradient_checkpointing) if isinstance(p.gradient_checkpointing, bool) else 0
-        plan = memory.Plan(every or int(budget), budget and device.type == "cpu")
+        setting = p.gradient_checkpointing
+        every = int(setting) if isinstance(setting, bool) else int(budget)
+        plan = memory.Plan(every, budget and device.type == "cpu")
         words = memory.plan_words(plan, 0, p.batch_size, device.type)
         return MemoryPlan(plan, 0, 0, f"no memory estimate ({e})", words), None
 

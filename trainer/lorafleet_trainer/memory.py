@@ -497,7 +497,13 @@ def choose_plan(
 
     first = plans[0]
     if budget_mib is None:
-        return chosen(first, mib(first), f"no memory budget; the estimate is {mib(first)} MiB")
+        setting = params.gradient_checkpointing
+        fixed = f"params.gradient_checkpointing is {str(setting).lower()}; " * isinstance(
+            setting, bool
+        )
+        return chosen(
+            first, mib(first), f"{fixed}no memory budget; the estimate is {mib(first)} MiB"
+        )
     totals = [(plan_cost(p, layers, batch, device), mib(p), p) for p in plans]
     fitting = [t for t in totals if t[1] <= budget_mib]
     if not fitting:
