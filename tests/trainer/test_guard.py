@@ -8,6 +8,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import json
+import math
 from typing import Any
 
 import pytest
@@ -85,8 +86,8 @@ def test_a_tighter_plan_has_less_memory_and_fits_with_the_measured_ratio() -> No
     assert SIZING.mib(worse, 512) <= SIZING.mib(plan, 512)
     least = min(SIZING.mib(p, 512) for p in memory.candidate_plans(10, PARAMS, "cpu"))
     assert tighter_plan(SIZING, now, 512, 1.0, least) is None  # no room for the headroom
-    assert smallest_budget_mib(SIZING, 512, 1.0) > least
-    assert tighter_plan(SIZING, now, 512, 1.0, smallest_budget_mib(SIZING, 512, 1.0)) is not None
+    assert smallest_budget_mib(SIZING, 512, 1.0) == least
+    assert smallest_budget_mib(SIZING, 512, 1.5) == math.ceil(least * 1.5)
 
 
 def test_the_guard_tightens_before_a_step_that_would_pass_and_fails_when_nothing_fits() -> None:
@@ -105,6 +106,11 @@ def test_the_guard_tightens_before_a_step_that_would_pass_and_fails_when_nothing
     # Steps that fit leave the plan alone.
     guard.before_step(2, step)
     assert guard.tightened == 1
+    # The least plan, near its budget but under it: nothing has less, so on.
+    least = memory.Plan(1, True, 1)
+    near = MemoryGuard(SIZING, SIZING.mib(least, 512), least, PeakMeter(_cpu()), LineWriter(out))
+    near.before_step(1, step)
+    assert near.plan == least and near.tightened == 0
     # Peaks measured at five times their estimates: nothing is left that fits.
     guard.ratio = 5.0
     with pytest.raises(TrainingFailureError) as e:

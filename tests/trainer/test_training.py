@@ -442,7 +442,9 @@ def test_a_budget_below_the_estimate_takes_the_cheapest_plan_and_trains_the_same
         runs[name] = run_here(job)
         assert runs[name].rc == 0, runs[name].raw_lines[-20:]
         (chose[name],) = [
-            x["message"] for x in runs[name].events("log") if x["message"].startswith("memory plan")
+            x["message"]
+            for x in runs[name].events("log")
+            if x["message"].startswith("memory plan:")
         ]
         if budget is None:
             # Just below the estimate of the default plan (of the records' longest row).

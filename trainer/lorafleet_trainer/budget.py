@@ -132,6 +132,13 @@ def frugal_host_heap() -> str | None:
     )
 
 
+def trim_host_heap() -> None:
+    """Give the system back the free pages glibc's heap holds (malloc_trim);
+    nothing where the C library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
 def _status_mib(field: str) -> int | None:
     """A "Vm..." field of /proc/self/status in MiB; None without /proc."""
     try:

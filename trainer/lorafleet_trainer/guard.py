@@ -3,13 +3,15 @@ step, and the memory plan tightened before a step that would pass it.
 
 `MemoryGuard.before_step(micro)` predicts the coming step's peak: its
 estimate (lorafleet_trainer.memory, for rows as wide as the step's widest)
-times the worst ratio of a measured peak to its estimate seen so far (1
-until a step was measured). When that comes within HEADROOM_FRACTION of the
-budget, the guard moves to the cheapest plan whose prediction fits
-(`tighter_plan`: more checkpointing, the frugal heap, forward passes of
-fewer rows, each with less memory than the plan it replaces) and logs
-which and why; when none fits, TrainingFailureError names the smallest
-budget that would. `after_step()` reads the step's peak (`PeakMeter`).
+times the worst ratio of a measured peak to the highest estimate of a step
+so far (1 until a step was measured: a narrow step's peak is held against
+the widest before it, whose pages the heap may keep). When that comes
+within HEADROOM_FRACTION of the budget, the guard moves to the cheapest
+plan whose prediction fits (`tighter_plan`: more checkpointing, the frugal
+heap, forward passes of fewer rows, each with less memory than the plan it
+replaces) and logs which and why; when none fits, TrainingFailureError
+names the smallest budget that would. `after_step()` reads the step's peak
+(`PeakMeter`).
 """
 
 from __future__ import annotations
@@ -94,10 +96,10 @@ def tighter_plan(
 
 def smallest_budget_mib(sizing: Sizing, width: int, ratio: float) -> int:
     """The least budget any allowed plan would keep to for rows `width`
-    tokens wide, by the estimate times `ratio`, with the guard's headroom."""
+    tokens wide, by the estimate times `ratio`."""
     plans = memory.candidate_plans(sizing.arch.num_hidden_layers, sizing.params, sizing.device)
     least = min(sizing.mib(p, width) for p in plans)
-    return math.ceil(least * max(ratio, 1.0) / (1 - HEADROOM_FRACTION))
+    return math.ceil(least * max(ratio, 1.0))
 
 
 def step_width(micro: list[Batch]) -> int:
@@ -121,6 +123,9 @@ class MemoryGuard:
         self.meter, self.lines = meter, lines
         self.ratio = 1.0
         self.width = 0
+        #: The highest estimate of a step under the plan: what a narrower
+        #: step's peak is held against (the heap keeps the wider one's pages).
+        self.high_mib = 0
         self.apply: Any = None
         self.tightened = 0
 
@@ -133,6 +138,8 @@ class MemoryGuard:
         if predicted <= self.budget_mib * (1 - HEADROOM_FRACTION):
             return
         plan = tighter_plan(self.sizing, self.plan, self.width, self.ratio, self.budget_mib)
+        if plan is None and predicted <= self.budget_mib:
+            return  # near, not over, and nothing has less: the headroom is spent
         if plan is None:
             need = smallest_budget_mib(self.sizing, self.width, self.ratio)
             raise TrainingFailureError(
@@ -151,13 +158,16 @@ class MemoryGuard:
             f"now {after:.0f} MiB"
         )
         self.plan = plan
+        self.high_mib = 0
         self.tightened += 1
         if self.apply is not None:
             self.apply(plan)
 
     def after_step(self) -> int:
-        """The step's peak MiB; the ratio to its estimate kept when worse."""
+        """The step's peak MiB; its ratio to the highest estimate of a step
+        under the plan so far kept when worse."""
         peak = self.meter.read()
         if self.sizing is not None and self.width:
-            self.ratio = max(self.ratio, peak / self.sizing.mib(self.plan, self.width))
+            self.high_mib = max(self.high_mib, self.sizing.mib(self.plan, self.width))
+            self.ratio = max(self.ratio, peak / self.high_mib)
         return peak

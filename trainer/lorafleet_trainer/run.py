@@ -48,6 +48,7 @@ from lorafleet_trainer.budget import (
     cap_card_memory,
     frugal_host_heap,
     process_rss_mib,
+    trim_host_heap,
 )
 from lorafleet_trainer.checkpoints import Checkpointer, fingerprint_of, open_checkpoint_dir
 from lorafleet_trainer.guard import MemoryGuard, Sizing
@@ -265,6 +266,8 @@ def guard_memory(
         if plan.frugal_heap and not applied["heap"]:
             applied["heap"] = True
             lines.log(frugal_host_heap() or "host heap: the C library's default (no mallopt)")
+        elif loop.device.type == "cpu":
+            trim_host_heap()  # the old plan's freed pages: not the new one's to carry
 
     guard.apply = apply
     loop.micro_tokens = choice.plan.micro_rows * longest
