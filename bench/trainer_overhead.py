@@ -38,7 +38,8 @@ from tests.trainer.harness import qa_records  # noqa: E402
 
 from lorafleet_services.local.tiny_model import build_tiny_model  # noqa: E402
 from lorafleet_trainer.batches import plan_steps, to_batch  # noqa: E402
-from lorafleet_trainer.loop import Progress, peak_mib, prepare_training, train_steps  # noqa: E402
+from lorafleet_trainer.budget import PeakMeter  # noqa: E402
+from lorafleet_trainer.loop import Progress, prepare_training, train_steps  # noqa: E402
 from lorafleet_trainer.params import Params  # noqa: E402
 from lorafleet_trainer.protocol import Event, LineWriter  # noqa: E402
 from lorafleet_trainer.records import parse_record  # noqa: E402
@@ -142,6 +143,7 @@ def main() -> None:
         # JSON to /dev/null, peak RSS, the clock; steadier than the difference
         # of two noisy loops on a shared machine.
         n = 20_000
+        meter = PeakMeter(cpu)
         t0 = time.perf_counter()
         for i in range(n):
             lines.emit(
@@ -152,7 +154,7 @@ def main() -> None:
                 learning_rate=2e-4,
                 tokens_per_s=1234.5,
                 eta_s=12.3,
-                peak_mib=peak_mib(cpu),
+                peak_mib=meter.read(),
                 epoch=1,
             )
             time.perf_counter()

@@ -3,7 +3,8 @@
 `estimate_memory(arch, params)` is a pure function of the model's shapes (a
 `ModelArchitecture`, from its config.json) and the trainer's parameters; it
 answers a `MemoryEstimate` whose lines (weights, adapter, gradients,
-optimizer states, activations, CUDA context, allocator slack) add up to the
+optimizer states, activations; on a card the CUDA context and allocator
+slack, on the CPU the process and the heap's slack) add up to the
 total. Only the Llama-shaped decoder family is estimated; other target
 modules, or a model without its architecture, get `EstimateError`.
 `read_architecture(...)` finds config.json locally or in the Hugging Face
@@ -54,14 +55,15 @@ def estimate_memory(
     """The peak memory of training `arch` with `params` on `device` ("cuda" or
     "cpu"), line by line. `seq_len`: the longest row a micro-batch holds (the
     data's longest record, when known); default max_seq_len. `budget_mib`:
-    the job's gpu_memory_mib, by which gradient_checkpointing "auto" chooses
-    (`lorafleet_trainer.memory.choose_checkpointing`, as the trainer does);
-    without one "auto" is no checkpointing."""
+    the job's gpu_memory_mib, by which the trainer chooses its memory plan
+    (`lorafleet_trainer.memory.choose_plan`: checkpointing, heap, forward
+    passes), as the trainer does; without one, the plan of no checkpointing
+    ("auto"), the C library's heap and whole micro-batches."""
     rows = min(seq_len or params.max_seq_len, params.max_seq_len)
-    choice = memory.choose_checkpointing(arch, params, device, rows, budget_mib)
+    choice = memory.choose_plan(arch, params, device, rows, budget_mib)
     lines = [
         _line(name, n, note)
-        for name, n, note in memory.estimate_lines(arch, params, device, rows, choice.every)
+        for name, n, note in memory.plan_lines(arch, params, device, rows, choice.plan)
     ]
     total = sum(x.bytes for x in lines)
     total_mib = math.ceil(total / MIB)

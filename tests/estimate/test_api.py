@@ -62,7 +62,9 @@ def _model(arch: ModelArchitecture | None) -> ModelRecord:
 
 def test_a_submit_below_the_estimate_is_refused_with_both_numbers_and_what_to_change() -> None:
     fixed = msgspec.structs.replace(PARAMS, gradient_checkpointing=False)
-    total = estimate_memory(ARCH, fixed).total_mib
+    # Without checkpointing the least is forward passes of one row at a time.
+    total = estimate_memory(ARCH, fixed, budget_mib=1).total_mib
+    assert total < estimate_memory(ARCH, fixed).total_mib
     spec = JobSpec(model="m8b", gpu_memory_mib=total - 1, data=QA, params=fixed)
     with pytest.raises(BadRequestError) as e:
         memory_checked(_model(ARCH), spec)
@@ -76,9 +78,7 @@ def test_a_submit_below_the_estimate_is_refused_with_both_numbers_and_what_to_ch
     assert memory_checked(_model(ARCH), forced).gpu_memory_mib == total - 1
     # With "auto" the same budget takes gradient checkpointing instead.
     auto = msgspec.structs.replace(spec, params=PARAMS)
-    assert (
-        PARAMS.gradient_checkpointing == "auto" and estimate_memory(ARCH, PARAMS).total_mib == total
-    )
+    assert PARAMS.gradient_checkpointing == "auto"
     assert memory_checked(_model(ARCH), auto).gpu_memory_mib == total - 1
     checkpointed = estimate_memory(ARCH, PARAMS, budget_mib=total - 1)
     assert checkpointed.total_mib <= total - 1

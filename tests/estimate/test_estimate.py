@@ -29,19 +29,21 @@ SMALL = {
     "num_key_value_heads": 2,
 }
 
-#: (architecture, trainer parameters, budget MiB): dropout or none,
-#: checkpointing of every layer or (auto, within the budget) every 2nd, a few
-#: target modules, Qwen2's attention biases.
+#: (architecture, trainer parameters, within a budget): dropout or none,
+#: checkpointing of every layer or (auto, within a budget that every 2nd
+#: layer's estimate fits, with one row a batch: no forward passes of fewer
+#: rows to choose instead) every 2nd, a few target modules, Qwen2's
+#: attention biases.
 CASES = [
-    ("llama", {"batch_size": 4, "max_seq_len": 64, "rank": 8}, None),
-    ("llama", {"batch_size": 2, "max_seq_len": 128, "rank": 4, "dropout": 0.0}, None),
-    ("llama", {"batch_size": 2, "max_seq_len": 128, "gradient_checkpointing": True}, None),
-    ("llama", {"batch_size": 4, "max_seq_len": 128, "rank": 8}, 22),
-    ("qwen2", {"batch_size": 2, "max_seq_len": 96, "target_modules": ["q_proj", "v_proj"]}, None),
+    ("llama", {"batch_size": 4, "max_seq_len": 64, "rank": 8}, False),
+    ("llama", {"batch_size": 2, "max_seq_len": 128, "rank": 4, "dropout": 0.0}, False),
+    ("llama", {"batch_size": 2, "max_seq_len": 128, "gradient_checkpointing": True}, False),
+    ("llama", {"batch_size": 1, "max_seq_len": 512, "rank": 8}, True),
+    ("qwen2", {"batch_size": 2, "max_seq_len": 96, "target_modules": ["q_proj", "v_proj"]}, False),
     (
         "qwen2",
         {"batch_size": 3, "max_seq_len": 64, "gradient_checkpointing": True, "dropout": 0},
-        None,
+        False,
     ),
 ]
 
@@ -56,17 +58,19 @@ def _model(arch: str) -> Any:
     return Qwen2ForCausalLM(Qwen2Config(**SMALL))
 
 
-@pytest.mark.parametrize(("arch", "params", "budget_mib"), CASES)
+@pytest.mark.parametrize(("arch", "params", "within"), CASES)
 def test_the_lines_match_the_real_tensors_and_the_activations_are_close(
-    arch: str, params: dict[str, Any], budget_mib: int | None
+    arch: str, params: dict[str, Any], within: bool
 ) -> None:
     p = TrainerParams(dtype="fp32", **params)
     model = _model(arch)
     rng = random.Random(0)
     rows = [[rng.randrange(SMALL["vocab_size"]) for _ in range(p.max_seq_len)]] * p.batch_size
     shapes = architecture_from_config(model.config.to_dict())
-    every = memory.choose_checkpointing(shapes, p, "cpu", p.max_seq_len, budget_mib).every
-    assert every == (2 if budget_mib else int(p.gradient_checkpointing is True))
+    every_2nd = memory.plan_mib(shapes, p, "cpu", p.max_seq_len, memory.Plan(2))
+    budget_mib = every_2nd if within else None
+    every = memory.choose_plan(shapes, p, "cpu", p.max_seq_len, budget_mib).every
+    assert every == (2 if within else int(p.gradient_checkpointing is True))
     measured = measure_step(model, p, rows, every)
     lines = estimate_memory(shapes, p, device="cpu", budget_mib=budget_mib).lines
     est = {x.name: x.bytes for x in lines}
@@ -89,7 +93,8 @@ def test_a_card_estimate_adds_the_context_and_slack_and_a_margin() -> None:
     assert card.total_mib == math.ceil(card.total_bytes / (1 << 20))
     assert card.recommended_mib == math.ceil(card.total_mib * 1.1)
     cpu = estimate_memory(arch, p, device="cpu")
-    assert [x.name for x in cpu.lines] == names[:5] and cpu.dtype == "fp32"
+    assert [x.name for x in cpu.lines] == [*names[:5], "process", "heap slack"]
+    assert cpu.dtype == "fp32"
     # What the refusal tells the user to change does lower it.
     acts = {x.name: x.bytes for x in card.lines}["activations"]
     for change in ({"batch_size": 2}, {"max_seq_len": 256}, {"gradient_checkpointing": True}):

@@ -25,29 +25,78 @@ ARCH = memory.Architecture(
 PARAMS = Params(batch_size=8, max_seq_len=512, dtype="bf16")
 
 
-def _mib(every: int) -> int:
-    lines = memory.estimate_lines(ARCH, PARAMS, "cuda", 512, every)
-    return -(-sum(b for _, b, _ in lines) // memory.MIB)
+def _mib(plan: memory.Plan, device: str = "cuda", params: Params = PARAMS) -> int:
+    return memory.plan_mib(ARCH, params, device, 512, plan)
 
 
 def test_auto_takes_the_least_checkpointing_that_fits() -> None:
-    none, every_5th, every = _mib(0), _mib(5), _mib(1)
+    none, every_5th, every = _mib(memory.Plan()), _mib(memory.Plan(5)), _mib(memory.Plan(1))
     assert none > every_5th > every
-    choose = memory.choose_checkpointing
-    assert choose(ARCH, PARAMS, "cuda", 512, None).every == 0
-    assert choose(ARCH, PARAMS, "cuda", 512, none).every == 0
-    # Every 10th (1 layer), 5th (2), 4th (3), ...: the first that fits.
+    choose = memory.choose_plan
+    assert choose(ARCH, PARAMS, "cuda", 512, None).plan == memory.Plan()
+    assert choose(ARCH, PARAMS, "cuda", 512, none).plan == memory.Plan()
+    # Every 10th (1 layer), 5th (2), 4th (3), ...: the first that fits,
+    # cheaper on a card than forward passes of half the rows.
     fit = choose(ARCH, PARAMS, "cuda", 512, every_5th)
-    assert fit.every == 5 and fit.total_mib == every_5th
+    assert fit.plan == memory.Plan(5) and fit.total_mib == every_5th and fit.fits
     assert fit.message == (
-        f"gradient checkpointing every 5th layer (2 of 10): without it the estimate is {none} "
-        f"MiB, over the budget of {every_5th} MiB; with it {every_5th} MiB, which fits it"
+        "gradient checkpointing every 5th layer (2 of 10): the cheapest that fits the budget "
+        f"of {every_5th} MiB: its estimate is {every_5th} MiB (without any of it {none} MiB), "
+        "its steps about 6% slower"
     )
+    # Below every layer's estimate: forward passes of fewer rows too.
     short = choose(ARCH, PARAMS, "cuda", 512, every - 1)
-    assert short.every == 1 and "is the least, still over" in short.reason
+    assert short.plan.every == 1 and 0 < short.plan.micro_rows < 8 and short.fits
     for fixed, want in ((True, 1), (False, 0)):
         p = dataclasses.replace(PARAMS, gradient_checkpointing=fixed)
-        assert choose(ARCH, p, "cuda", 512, 1).every == want
+        assert choose(ARCH, p, "cuda", 512, 10**6).every == want
+        assert {c.every for c in memory.candidate_plans(10, p, "cuda")} == {want}
+
+
+def test_the_plans_on_the_cpu_are_checkpointing_heap_and_forward_passes() -> None:
+    cpu = dataclasses.replace(PARAMS, dtype="fp32")
+    plans = memory.candidate_plans(10, cpu, "cpu")
+    assert {p.frugal_heap for p in plans} == {False, True}
+    assert {p.micro_rows for p in plans} == {0, 4, 2, 1}
+    assert {p.every for p in plans} == {0, 10, 5, 4, 3, 2, 1}
+    assert memory.candidate_plans(10, PARAMS, "cuda") == [p for p in plans if not p.frugal_heap]
+    lines = dict((n, b) for n, b, _ in memory.estimate_lines(ARCH, cpu, "cpu", 512, 0))
+    assert lines["process"] == memory.PROCESS_MIB * memory.MIB
+    acts = lines["activations"]
+    want = int(acts * memory.HEAP_SLACK_FRACTION) + memory.HEAP_SLACK_MIB * memory.MIB
+    assert lines["heap slack"] == want
+    # The frugal heap keeps no holes; checkpointing leaves the heap's slack
+    # (a rebuilt layer makes its transient tensors all the same).
+    frugal = memory.estimate_lines(ARCH, cpu, "cpu", 512, 0, frugal_heap=True)
+    assert "heap slack" not in [n for n, _, _ in frugal]
+    ckpt = dict((n, b) for n, b, _ in memory.estimate_lines(ARCH, cpu, "cpu", 512, 1))
+    assert ckpt["heap slack"] == want and ckpt["activations"] < acts / 5
+    half = dict((n, b) for n, b, _ in memory.estimate_lines(ARCH, cpu, "cpu", 512, 0, micro_rows=4))
+    assert half["activations"] < acts * 0.55 and half["heap slack"] < want
+
+
+@pytest.mark.parametrize("budget_share", [1.0, 0.7, 0.5, 0.35, 0.25])
+def test_the_cpu_takes_the_cheapest_plan_that_fits(budget_share: float) -> None:
+    cpu = dataclasses.replace(PARAMS, dtype="fp32")
+    default = _mib(memory.Plan(), "cpu", cpu)
+    budget = int(default * budget_share)
+    choice = memory.choose_plan(ARCH, cpu, "cpu", 512, budget)
+    assert choice.fits and choice.total_mib == _mib(choice.plan, "cpu", cpu) <= budget
+    cost = memory.plan_cost(choice.plan, 10, 8, "cpu")
+    for plan in memory.candidate_plans(10, cpu, "cpu"):
+        if memory.plan_cost(plan, 10, 8, "cpu") < cost:
+            assert _mib(plan, "cpu", cpu) > budget, plan  # a cheaper one would not fit
+    assert (choice.plan == memory.Plan()) is (budget_share == 1.0)
+
+
+def test_a_budget_below_every_plan_is_answered_with_the_least() -> None:
+    cpu = dataclasses.replace(PARAMS, dtype="fp32")
+    least = min(_mib(p, "cpu", cpu) for p in memory.candidate_plans(10, cpu, "cpu"))
+    over = memory.choose_plan(ARCH, cpu, "cpu", 512, least - 1)
+    assert not over.fits and over.total_mib == least
+    assert over.plan == memory.Plan(1, True, 1)
+    assert over.reason == f"the least estimate, {least} MiB, is over the budget of {least - 1} MiB"
+    assert memory.choose_plan(ARCH, cpu, "cpu", 512, least).fits
 
 
 def test_the_logits_line_is_one_chunk_not_the_whole_batch() -> None:

@@ -178,3 +178,36 @@ def to_batch(encoded: Sequence[Encoded], pad_id: int, device: Any) -> Batch:
         answer_targets=targets,
         answer_tokens=len(answer),
     )
+
+
+def split_batch(batch: Batch, rows: int) -> list[Batch]:
+    """`batch` as forward passes of at most `rows` rows (0: whole), each
+    with its own answer positions; a part without an answer token is left
+    out (it adds nothing to the loss). The loss of each is still divided by
+    the whole batch's answer tokens (the loop's), so their gradients add up
+    to the batch's. `tokens` and `padding` stay the batch's (0 in the parts)."""
+    n = int(batch.input_ids.shape[0])
+    if rows <= 0 or rows >= n:
+        return [batch]
+    grid = int(batch.input_ids.shape[1]) - 1  # predictions per row
+    parts = []
+    for start in range(0, n, rows):
+        end = min(n, start + rows)
+        at = batch.answer_positions
+        picked = (at >= start * grid) & (at < end * grid)
+        positions = at[picked] - start * grid
+        if positions.numel() == 0:
+            continue
+        mask = batch.attention_mask
+        parts.append(
+            Batch(
+                batch.input_ids[start:end],
+                None if mask is None else mask[start:end],
+                batch.labels[start:end],
+                tokens=0,
+                answer_positions=positions,
+                answer_targets=batch.answer_targets[picked],
+                answer_tokens=int(positions.numel()),
+            )
+        )
+    return parts

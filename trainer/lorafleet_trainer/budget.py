@@ -1,15 +1,19 @@
 """The card's budget: torch's allocator capped so that the whole process
 (the CUDA context included) stays within the job's gpu_memory_mib, and the
 message of a job that ran out of it. On the CPU, the heap kept frugal
-(`frugal_host_heap`) so that the process's memory is its tensors'.
+(`frugal_host_heap`) so that the process's memory is its tensors'. On
+either, the process's peak read step by step (`PeakMeter`).
 """
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import os
 import re
+import resource
+from pathlib import Path
 from typing import Any
 
 from lorafleet_trainer.jobfile import JobFile
@@ -101,29 +105,84 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 #: system when freed. glibc's default starts at 128 KiB but rises to 32 MiB
 #: as big blocks are freed, after which a training step's transient tensors
 #: come from the heap, whose freed holes between the kept activations the
-#: process keeps. Measured (bench/trainer_trl.py, CPU, 185M parameters at a
-#: 152k vocabulary, 32 records, half TRL's peak as the budget): peak RSS
-#: 2,305 MiB with 1 MiB against its estimate of 2,186 MiB; with glibc's
-#: default (every 4th layer checkpointed) 4,064 MiB against 2,676. The price
-#: is a page fault per page of every big block: about 30% fewer tokens/s on
-#: the small case's short rows, which is why only a job that checkpoints
-#: (memory chosen over speed already) gets it.
+#: process keeps (memory.HEAP_SLACK_FRACTION). The price is a page fault
+#: per page of every big block (memory.FRUGAL_HEAP_COST), which is why it is
+#: one of the plans a budget may choose, not the default.
 FRUGAL_MMAP_THRESHOLD_BYTES = 1 << 20
 
 
 def frugal_host_heap() -> str | None:
-    """Keep the heap from holding freed memory (FRUGAL_MMAP_THRESHOLD_BYTES):
-    for a CPU job that checkpoints; answers what was set, for the log, or
-    None where the C library is not glibc (or refuses)."""
+    """Keep the heap from holding freed memory (FRUGAL_MMAP_THRESHOLD_BYTES),
+    and give back what it holds now: for a CPU job whose memory plan has it
+    (lorafleet_trainer.memory); answers what was set, for the log, or None
+    where the C library is not glibc (or refuses)."""
     try:
-        mallopt = ctypes.CDLL(ctypes.util.find_library("c")).mallopt
+        libc = ctypes.CDLL(ctypes.util.find_library("c"))
+        mallopt, trim = libc.mallopt, libc.malloc_trim
     except (OSError, AttributeError, TypeError):
         return None
     threshold = FRUGAL_MMAP_THRESHOLD_BYTES
     # A fixed threshold also ends glibc's raising of it.
     if not (mallopt(_M_MMAP_THRESHOLD, threshold) and mallopt(_M_TRIM_THRESHOLD, threshold)):
         return None
+    trim(0)  # the free pages the heap holds already (a plan tightened mid-job)
     return (
         f"host heap: blocks of {threshold >> 20} MiB or more mapped and returned when freed "
         "(the process's memory stays its tensors', as the estimate counts them)"
     )
+
+
+def trim_host_heap() -> None:
+    """Give the system back the free pages glibc's heap holds (malloc_trim);
+    nothing where the C library is not glibc."""
+    with contextlib.suppress(OSError, AttributeError, TypeError):
+        ctypes.CDLL(ctypes.util.find_library("c")).malloc_trim(0)
+
+
+def _status_mib(field: str) -> int | None:
+    """A "Vm..." field of /proc/self/status in MiB; None without /proc."""
+    try:
+        text = Path("/proc/self/status").read_text()
+    except OSError:
+        return None
+    m = re.search(rf"^{field}:\s+(\d+) kB", text, re.MULTILINE)
+    return int(m.group(1)) // 1024 if m else None
+
+
+def process_rss_mib() -> int | None:
+    """The process's resident memory now, MiB (None without /proc)."""
+    return _status_mib("VmRSS")
+
+
+class PeakMeter:
+    """The process's peak memory, step by step. On the CPU its RSS's
+    high-water mark (VmHWM), reset after each reading (/proc/self/clear_refs)
+    so that the next reading is the next step's own; where the kernel does
+    not allow the reset, the readings stay the process's peak so far. On a
+    card torch's peak reserved bytes, reset the same way, plus the CUDA
+    context (`context_mib`), as the estimate counts them. `process_peak_mib`
+    is the highest of all readings: a reset also lowers getrusage's
+    ru_maxrss, so that is no longer the process's."""
+
+    def __init__(self, device: Any, context_mib: int = 0) -> None:
+        self.device = device
+        self.context_mib = context_mib
+        self.process_peak_mib = 0
+
+    def read(self) -> int:
+        """The peak since the last reading (or since the process began)."""
+        if self.device.type == "cuda":
+            import torch
+
+            peak = int(torch.cuda.max_memory_reserved(self.device) // MIB) + self.context_mib
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            hwm = _status_mib("VmHWM")
+            # Linux reports ru_maxrss in KiB.
+            peak = (
+                hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss >> 10
+            )
+            with contextlib.suppress(OSError):  # 5: the high-water mark only
+                Path("/proc/self/clear_refs").write_text("5")
+        self.process_peak_mib = max(self.process_peak_mib, peak)
+        return peak

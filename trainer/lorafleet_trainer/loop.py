@@ -7,13 +7,15 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import math
-import resource
 import time
 from collections.abc import Callable, Iterator, Sequence
 from typing import Any, cast
 
-from lorafleet_trainer.batches import Batch, plan_grouped, to_batch
+from lorafleet_trainer.batches import Batch, plan_grouped, split_batch, to_batch
+from lorafleet_trainer.budget import PeakMeter
+from lorafleet_trainer.guard import MemoryGuard, pass_rows
 from lorafleet_trainer.loss import answer_loss, kernel_name
+from lorafleet_trainer.memory import Plan
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import BadInputError, Event, LineWriter, TrainingFailureError
 from lorafleet_trainer.rendering import Tokens
@@ -31,6 +33,11 @@ class Loop:
     device: Any
     #: The loss's kernel (lorafleet_trainer.loss.kernel_name).
     loss_kernel: str = "torch"
+    #: Tokens (rows x width) per forward pass (0: the whole micro-batch; the
+    #: memory plan's rows at the width it was chosen for).
+    micro_tokens: int = 0
+    #: Reads each step's peak (and, given a budget, keeps the steps within it).
+    guard: MemoryGuard | None = None
 
 
 @dataclasses.dataclass
@@ -43,31 +50,36 @@ class Progress:
     last_eval: float | None = None
 
 
-def peak_mib(device: Any) -> int:
-    """torch's peak reserved MiB on a card; the process's peak RSS MiB on the CPU."""
-    if device.type == "cuda":
-        import torch
-
-        return int(torch.cuda.max_memory_reserved(device) // (1 << 20))
-    # Linux reports ru_maxrss in KiB.
-    return int(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss // 1024)
+def peak_mib(loop: Loop) -> int:
+    """The process's peak so far: torch's peak reserved MiB on a card, the
+    peak RSS on the CPU (lorafleet_trainer.budget.PeakMeter)."""
+    if loop.guard is None:
+        return 0
+    loop.guard.meter.read()  # since the last step's reading: the eval's, the saving's
+    return loop.guard.meter.process_peak_mib
 
 
 def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
-    """Forward and backward over one step's micro-batches; answers the step's
-    loss as a tensor (still on the card: reading it would wait for the card)."""
+    """Forward and backward over one step's micro-batches, each in forward
+    passes of at most loop.micro_tokens tokens; answers the step's loss as a tensor
+    (still on the card: reading it would wait for the card)."""
     n = len(micro)
     total = None
     for b in micro:
-        with loop.autocast():
-            # The mean per answer token of each micro-batch, as a causal LM's own loss.
-            loss = answer_loss(loop.model, b, loop.loss_kernel) / (max(b.answer_tokens, 1) * n)
-        if loop.scaler is not None:
-            loop.scaler.scale(loss).backward()
-        else:
-            loss.backward()
-        d = loss.detach()
-        total = d if total is None else total + d
+        rows = pass_rows(loop.micro_tokens, int(b.input_ids.shape[1]), len(b.input_ids))
+        for part in split_batch(b, rows):
+            with loop.autocast():
+                # The mean per answer token of each micro-batch, as a causal
+                # LM's own loss: a part's sum over the whole micro-batch's count.
+                loss = answer_loss(loop.model, part, loop.loss_kernel) / (
+                    max(b.answer_tokens, 1) * n
+                )
+            if loop.scaler is not None:
+                loop.scaler.scale(loss).backward()
+            else:
+                loss.backward()
+            d = loss.detach()
+            total = d if total is None else total + d
     if total is None:
         raise TrainingFailureError("a step with no micro-batch: the data plan is empty")
     return total
@@ -102,12 +114,16 @@ def train_steps(
     while upcoming is not None:
         epoch, micro = upcoming
         lr = loop.scheduler.get_last_lr()[0]
+        if loop.guard is not None:
+            loop.guard.before_step(progress.step + 1, micro)
         total = _accumulate(loop, micro)
         _optimizer_step(loop)
         # On a card all of the above is only queued: make the next step's
         # batches now, while it runs, then wait for the loss.
         upcoming = next(steps_plan, None)
         step_loss = float(total.item())
+        if loop.guard is not None:
+            loop.guard.after_step()
         if not math.isfinite(step_loss):
             raise TrainingFailureError(
                 f"the loss became {step_loss} at step {progress.step + 1}; "
@@ -129,7 +145,7 @@ def train_steps(
                 "learning_rate": float(lr),
                 "tokens_per_s": round(tokens / dt, 1) if dt > 0 else 0.0,
                 "eta_s": round(progress.train_s / progress.step * (total_steps - progress.step), 2),
-                "peak_mib": peak_mib(loop.device),
+                "peak_mib": peak_mib(loop),
                 "epoch": epoch,
             }
         )
@@ -184,21 +200,25 @@ def torch_dtype(name: str) -> Any:
 
 def enable_checkpointing(model: Any, every: int) -> None:
     """Gradient checkpointing of every `every`-th decoder layer from the first
-    (0: none; lorafleet_trainer.memory chooses it). transformers turns it on
-    for every layer; the flag of those between is turned off again (newer
+    (0: none; lorafleet_trainer.memory chooses it), before or after peft
+    wraps `model` (a tightened memory plan). transformers turns it on for
+    every layer; the flag of those between is turned off again (newer
     transformers' every_n_layers does the same, which 4.57 lacks)."""
-    if every == 0:
-        return
     from transformers.modeling_layers import GradientCheckpointingLayer
 
-    kwargs = {"use_reentrant": False}
-    if hasattr(model, "activation_checkpointing_enable"):  # its name since transformers 5.2x
-        model.activation_checkpointing_enable(kwargs)
-    else:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
-    model.enable_input_require_grads()
-    model.config.use_cache = False
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if every == 0:
+        for layer in layers:
+            layer.gradient_checkpointing = False
+        return
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    kwargs = {"use_reentrant": False}
+    if hasattr(base, "activation_checkpointing_enable"):  # its name since transformers 5.2x
+        base.activation_checkpointing_enable(kwargs)
+    else:
+        base.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    base.enable_input_require_grads()
+    base.config.use_cache = False
     for i, layer in enumerate(layers):
         layer.gradient_checkpointing = i % every == 0
 
@@ -246,7 +266,8 @@ def prepare_training(
         def autocast() -> contextlib.AbstractContextManager[Any]:
             return torch.autocast(device_type=device.type, dtype=amp)
 
-    return Loop(model, opt, sched, scaler, autocast, device, kernel_name(device))
+    guard = MemoryGuard(None, None, Plan(checkpoint_every), PeakMeter(device))
+    return Loop(model, opt, sched, scaler, autocast, device, kernel_name(device), guard=guard)
 
 
 def plan_total_steps(tokens: Tokens, train: Sequence[int], p: Params) -> int:

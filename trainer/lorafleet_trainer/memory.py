@@ -1,14 +1,18 @@
 """The memory a LoRA training job needs, from the model's shapes and the
 trainer's parameters: the arithmetic of lorafleet.estimate (which words it
-as lines for the control plane), here so that the trainer can choose its
-gradient checkpointing by it before the weights load. Standard library only.
+as lines for the control plane), here so that the trainer can choose how it
+keeps to its budget before the weights load. Standard library only.
 
 `estimate_lines(arch, params, ...)` answers (name, bytes, note) lines that add
 up to the peak: weights, adapter, gradients, optimizer states, activations,
-and on a card the CUDA context and the allocator's slack (each line's rule:
-libs/lorafleet/DESIGN.md). `choose_checkpointing(...)` answers the least
+on a card the CUDA context and the allocator's slack, on the CPU the
+process's own memory and what the C library's heap keeps (each line's rule:
+libs/lorafleet/DESIGN.md). A `Plan` is one way to keep to a budget:
 gradient checkpointing (`every` 0: none; k: every k-th decoder layer, 1:
-every layer) whose estimate fits a budget. `architecture_from_config` reads a
+every layer), on the CPU the frugal heap, and forward passes of fewer rows
+than the micro-batch. `choose_plan(...)` answers the cheapest plan
+(`plan_cost`) whose estimate fits a budget, or the one of the least
+estimate, marked as not fitting. `architecture_from_config` reads a
 config.json's sizes. `arch` is anything with `Architecture`'s fields (the
 control plane's ModelArchitecture too), `params` anything with `Params`'.
 """
@@ -33,6 +37,32 @@ ALLOCATOR_SLACK_FRACTION = 0.10
 #: 64 MiB is 110 rows of a 152k vocabulary, enough rows that the projection's
 #: matmul runs at full speed, and a small vocabulary's batch in one chunk.
 LOSS_CHUNK_BYTES = 64 * MIB
+
+#: The trainer process's RSS on the CPU before any tensor: the interpreter,
+#: torch, transformers and peft, the tokenizer and the records (347 MiB in
+#: bench/trainer_trl.py's small case). The trainer counts its own instead.
+PROCESS_MIB = 400
+
+#: What glibc's default heap keeps of freed blocks on the CPU, as a share of
+#: a forward pass's activations (uncheckpointed): its mapping threshold rises
+#: to 32 MiB as big blocks are freed, after which a step's transient tensors
+#: come from the heap and the holes between the kept ones stay with the
+#: process. Measured (less HEAP_SLACK_MIB) from 0.36 (152k vocabulary,
+#: 8 x 512) to 0.6 (hidden 128 and 512, 2 and 8 x 512); the frugal heap
+#: (lorafleet_trainer.budget) keeps none.
+HEAP_SLACK_FRACTION = 0.6
+HEAP_SLACK_MIB = 40
+
+#: A step's time that a plan adds, relative to a step without any of it:
+#: checkpointing every layer recomputes the decoder's forward pass (about a
+#: third of a step; the loss's head is not recomputed); the frugal heap
+#: faults in fresh pages for every big block (30 to 40% on the CPU); a
+#: forward pass of half the rows, per halving: on a card the matmuls run
+#: narrower, on the CPU the smaller working set stays in cache (measured
+#: no slower: bench/trainer_trl.py).
+RECOMPUTE_COST = 0.3
+FRUGAL_HEAP_COST = 0.35
+SPLIT_COST = {"cpu": 0.03, "cuda": 0.15}
 
 DTYPE_BYTES = {"bf16": 2, "fp16": 2, "fp32": 4}
 _TORCH_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
@@ -211,9 +241,16 @@ def checkpointed_layers(layers: int, every: int) -> int:
 
 
 def activation_bytes(
-    arch: Shapes, params: Knobs, seq_len: int, dtype: str, device: str, every: int
+    arch: Shapes,
+    params: Knobs,
+    seq_len: int,
+    dtype: str,
+    device: str,
+    every: int,
+    rows: int = 0,
 ) -> int:
-    """The activations one micro-batch keeps for the backward pass, at its peak.
+    """The activations one forward pass of `rows` rows (0: batch_size) keeps
+    for the backward pass, at its peak.
 
     Per token, a decoder layer keeps what `_layer_bytes` counts; a
     checkpointed one (every `every`-th from the first, 0: none) only its
@@ -226,7 +263,7 @@ def activation_bytes(
     """
     a = DTYPE_BYTES[dtype]
     h = arch.hidden_size
-    tokens = params.batch_size * seq_len
+    tokens = (rows or params.batch_size) * seq_len
     layer = _layer_bytes(arch, params, a, device)
     below, rebuilt = 0, 0
     for i in range(arch.num_hidden_layers):
@@ -239,17 +276,42 @@ def activation_bytes(
     return max(at_loss, tokens * rebuilt)
 
 
+@dataclasses.dataclass(frozen=True)
+class Plan:
+    """How a step keeps to the memory: gradient checkpointing of every
+    `every`-th decoder layer (0: none), on the CPU the frugal host heap
+    (lorafleet_trainer.budget) or the C library's, and forward passes of
+    `micro_rows` rows (0: the whole micro-batch; fewer split it, the
+    gradients of its parts accumulated: the batch and its loss unchanged)."""
+
+    every: int = 0
+    frugal_heap: bool = False
+    micro_rows: int = 0
+
+
 def estimate_lines(
-    arch: Shapes, params: Knobs, device: str, seq_len: int, every: int
+    arch: Shapes,
+    params: Knobs,
+    device: str,
+    seq_len: int,
+    every: int,
+    *,
+    frugal_heap: bool = False,
+    micro_rows: int = 0,
+    process_mib: int = PROCESS_MIB,
 ) -> list[tuple[str, int, str]]:
-    """The estimate's (name, bytes, note) lines for rows of `seq_len` tokens
-    and checkpointing every `every`-th layer (0: none)."""
+    """The estimate's (name, bytes, note) lines for rows of `seq_len` tokens,
+    checkpointing every `every`-th layer (0: none), forward passes of
+    `micro_rows` rows (0: batch_size) and on the CPU the heap the job runs
+    with and the process's own `process_mib`."""
     dtype = training_dtype(params.dtype, device)
     matrices = adapter_matrices(arch, params.target_modules)
     adapter_params = params.rank * sum(matrices)
     steps = 4 * len(matrices) if device == "cpu" else 0
     weights = parameter_count(arch)
-    acts = activation_bytes(arch, params, seq_len, dtype, device, every)
+    rows = min(micro_rows or params.batch_size, params.batch_size)
+    acts = activation_bytes(arch, params, seq_len, dtype, device, every, rows)
+    split = f" a forward pass (of {params.batch_size})" if rows < params.batch_size else ""
     lines = [
         ("weights", weights * DTYPE_BYTES[dtype], f"{weights} parameters in {dtype}"),
         ("adapter", adapter_params * 4, f"{adapter_params} LoRA parameters in fp32"),
@@ -263,7 +325,7 @@ def estimate_lines(
         (
             "activations",
             acts,
-            f"{params.batch_size} rows of {seq_len} tokens, "
+            f"{rows} rows{split} of {seq_len} tokens, "
             f"{checkpointing_words(every, arch.num_hidden_layers)}, "
             f"the loss over chunks of {chunk_rows(arch.vocab_size)} rows",
         ),
@@ -277,7 +339,55 @@ def estimate_lines(
                 f"{ALLOCATOR_SLACK_FRACTION:.0%} of the activations",
             )
         )
+        return lines
+    lines.append(("process", process_mib * MIB, "the interpreter and libraries, before any tensor"))
+    if not frugal_heap:
+        # Of a forward pass's activations as if none were checkpointed: a
+        # rebuilt layer makes (and frees) them again all the same.
+        whole = activation_bytes(arch, params, seq_len, dtype, device, 0, rows)
+        lines.append(
+            (
+                "heap slack",
+                int(whole * HEAP_SLACK_FRACTION) + HEAP_SLACK_MIB * MIB,
+                f"the C library's heap keeps freed holes: {HEAP_SLACK_FRACTION:.0%} of the "
+                f"forward pass's activations uncheckpointed, and {HEAP_SLACK_MIB} MiB",
+            )
+        )
     return lines
+
+
+def plan_lines(
+    arch: Shapes,
+    params: Knobs,
+    device: str,
+    seq_len: int,
+    plan: Plan,
+    process_mib: int = PROCESS_MIB,
+) -> list[tuple[str, int, str]]:
+    """`estimate_lines` of `plan`."""
+    return estimate_lines(
+        arch,
+        params,
+        device,
+        seq_len,
+        plan.every,
+        frugal_heap=plan.frugal_heap,
+        micro_rows=plan.micro_rows,
+        process_mib=process_mib,
+    )
+
+
+def plan_mib(
+    arch: Shapes,
+    params: Knobs,
+    device: str,
+    seq_len: int,
+    plan: Plan,
+    process_mib: int = PROCESS_MIB,
+) -> int:
+    """The estimate of `plan` in MiB, rounded up."""
+    lines = plan_lines(arch, params, device, seq_len, plan, process_mib)
+    return math.ceil(sum(b for _, b, _ in lines) / MIB)
 
 
 def checkpointing_words(every: int, layers: int) -> str:
@@ -292,62 +402,128 @@ def checkpointing_words(every: int, layers: int) -> str:
     return f"gradient checkpointing every {every}{suffix} layer ({m} of {layers})"
 
 
-@dataclasses.dataclass(frozen=True)
-class Checkpointing:
-    """A checkpointing choice: every `every`-th of `layers` decoder layers
-    (0: none), its estimate (0: none made) and why it was chosen."""
+def plan_words(plan: Plan, layers: int, batch_size: int, device: str) -> str:
+    """The plan as the trainer logs it: its checkpointing, on the CPU its
+    heap, and its forward passes when they split the micro-batch."""
+    words = [checkpointing_words(plan.every, layers)]
+    if device == "cpu":
+        words.append("the frugal heap" if plan.frugal_heap else "the C library's heap")
+    rows = plan.micro_rows
+    if rows and rows < batch_size:
+        words.append(f"forward passes of {rows} of the micro-batch's {batch_size} rows")
+    return ", ".join(words)
 
-    every: int
+
+def plan_cost(plan: Plan, layers: int, batch_size: int, device: str) -> float:
+    """A step's time under `plan`, relative to none of it (the costs' constants)."""
+    cost = 1.0 + RECOMPUTE_COST * checkpointed_layers(layers, plan.every) / max(layers, 1)
+    if plan.frugal_heap:
+        cost += FRUGAL_HEAP_COST
+    rows = plan.micro_rows or batch_size
+    if rows < batch_size:
+        cost += SPLIT_COST[device] * math.log2(batch_size / rows)
+    return cost
+
+
+def candidate_plans(layers: int, params: Knobs, device: str) -> list[Plan]:
+    """Every plan params allow: gradient_checkpointing true is every layer,
+    false none, "auto" any interval (each that checkpoints one more layer
+    than the one before); on the CPU either heap; forward passes of the
+    micro-batch's rows halved down to one."""
+    setting = params.gradient_checkpointing
+    if isinstance(setting, bool):
+        intervals = [1 if setting else 0]
+    else:
+        ks = {math.ceil(layers / m) for m in range(1, layers + 1)} if layers else {1}
+        intervals = [0, *sorted(ks, reverse=True)]
+    heaps = [False, True] if device == "cpu" else [False]
+    rows, r = [params.batch_size], params.batch_size
+    while r > 1:
+        r = math.ceil(r / 2)
+        rows.append(r)
+    return [
+        Plan(every, heap, 0 if n == params.batch_size else n)
+        for every in intervals
+        for heap in heaps
+        for n in rows
+    ]
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """The plan chosen for a job (`Plan`) over `layers` decoder layers, its
+    estimate in MiB (0: none made), whether that fits the budget, and why it
+    was chosen."""
+
+    plan: Plan
     layers: int
     total_mib: int
     reason: str
+    words: str
+    fits: bool = True
+
+    @property
+    def every(self) -> int:
+        return self.plan.every
 
     @property
     def message(self) -> str:
         """The choice and its reason, as the trainer logs it."""
-        return f"{checkpointing_words(self.every, self.layers)}: {self.reason}"
+        return f"{self.words}: {self.reason}"
 
 
-def _total_mib(arch: Shapes, params: Knobs, device: str, seq_len: int, every: int) -> int:
-    return math.ceil(
-        sum(b for _, b, _ in estimate_lines(arch, params, device, seq_len, every)) / MIB
-    )
+def choose_plan(
+    arch: Shapes,
+    params: Knobs,
+    device: str,
+    seq_len: int,
+    budget_mib: int | None,
+    process_mib: int = PROCESS_MIB,
+) -> MemoryPlan:
+    """The cheapest plan (`plan_cost`) params allow whose estimate fits
+    `budget_mib`; without a budget the default (no checkpointing unless
+    params ask for it, the C library's heap, whole micro-batches); when none
+    fits, the one of the least estimate (`fits` false: the smallest budget
+    that would do)."""
+    layers, batch = arch.num_hidden_layers, params.batch_size
+    plans = candidate_plans(layers, params, device)
 
+    def mib(plan: Plan) -> int:
+        return plan_mib(arch, params, device, seq_len, plan, process_mib)
 
-def choose_checkpointing(
-    arch: Shapes, params: Knobs, device: str, seq_len: int, budget_mib: int | None
-) -> Checkpointing:
-    """params.gradient_checkpointing as a choice: true is every layer, false
-    none; "auto" the least that keeps the estimate within `budget_mib` (none,
-    then every k-th layer for k from the layer count down to 1; none without
-    a budget; every layer when nothing fits)."""
-    layers = arch.num_hidden_layers
-    setting = params.gradient_checkpointing
-    if isinstance(setting, bool):
-        every = 1 if setting else 0
-        mib = _total_mib(arch, params, device, seq_len, every)
-        return Checkpointing(
-            every, layers, mib, f"params.gradient_checkpointing is {str(setting).lower()}"
-        )
-    none = _total_mib(arch, params, device, seq_len, 0)
+    def chosen(plan: Plan, total: int, reason: str, fits: bool = True) -> MemoryPlan:
+        words = plan_words(plan, layers, batch, device)
+        return MemoryPlan(plan, layers, total, reason, words, fits)
+
+    first = plans[0]
     if budget_mib is None:
-        return Checkpointing(0, layers, none, f"no memory budget; the estimate is {none} MiB")
-    if none <= budget_mib:
-        return Checkpointing(
-            0, layers, none, f"the estimate of {none} MiB fits the budget of {budget_mib} MiB"
+        setting = params.gradient_checkpointing
+        fixed = f"params.gradient_checkpointing is {str(setting).lower()}; " * isinstance(
+            setting, bool
         )
-    # Every k-th layer for k from the layer count down: each k that
-    # checkpoints one more layer than the one before, and last every layer.
-    candidates = sorted({math.ceil(layers / m) for m in range(1, layers + 1)}, reverse=True)
-    totals = [(k, _total_mib(arch, params, device, seq_len, k)) for k in candidates]
-    every, mib = next(((k, t) for k, t in totals if t <= budget_mib), totals[-1])
-    fits = "fits" if mib <= budget_mib else "is the least, still over"
-    return Checkpointing(
-        every,
-        layers,
-        mib,
-        f"without it the estimate is {none} MiB, over the budget of {budget_mib} MiB; "
-        f"with it {mib} MiB, which {fits} it",
+        return chosen(
+            first, mib(first), f"{fixed}no memory budget; the estimate is {mib(first)} MiB"
+        )
+    totals = [(plan_cost(p, layers, batch, device), mib(p), p) for p in plans]
+    fitting = [t for t in totals if t[1] <= budget_mib]
+    if not fitting:
+        _, least, plan = min(totals, key=lambda t: (t[1], t[0]))
+        return chosen(
+            plan,
+            least,
+            f"the least estimate, {least} MiB, is over the budget of {budget_mib} MiB",
+            fits=False,
+        )
+    cost, total, plan = min(fitting, key=lambda t: (t[0], t[1]))
+    if plan == first:
+        return chosen(
+            plan, total, f"the estimate of {total} MiB fits the budget of {budget_mib} MiB"
+        )
+    return chosen(
+        plan,
+        total,
+        f"the cheapest that fits the budget of {budget_mib} MiB: its estimate is {total} MiB "
+        f"(without any of it {mib(first)} MiB), its steps about {cost - 1:.0%} slower",
     )
 
 

@@ -3,8 +3,9 @@ the adapter and its summary saved.
 
 It writes <out_dir>/adapter/: the peft adapter, chat_template.jinja,
 training_summary.json (`describe_inputs`, `describe_training` and the
-run's versions, resume and checkpoints; also the "done" line's summary)
-and, when trained in fp32, probe.json (lorafleet_trainer.probe).
+run's versions, resume, checkpoints and memory plan (lorafleet_trainer.guard);
+also the "done" line's summary) and, when trained in fp32, probe.json
+(lorafleet_trainer.probe).
 """
 
 from __future__ import annotations
@@ -21,25 +22,34 @@ from typing import Any, cast
 
 from lorafleet_trainer.base_model import (
     check_target_modules,
-    choose_checkpointing,
+    choose_memory_plan,
     library_versions,
     load_for_training,
     resolve_base,
 )
 from lorafleet_trainer.batches import plan_grouped, split_records
-from lorafleet_trainer.budget import cap_card_memory, frugal_host_heap
+from lorafleet_trainer.budget import (
+    PeakMeter,
+    cap_card_memory,
+    frugal_host_heap,
+    process_rss_mib,
+    trim_host_heap,
+)
 from lorafleet_trainer.checkpoints import Checkpointer, fingerprint_of, open_checkpoint_dir
+from lorafleet_trainer.guard import MemoryGuard, Sizing
 from lorafleet_trainer.jobfile import JobFile
 from lorafleet_trainer.layout import ADAPTER_DIR, CHAT_TEMPLATE, TRAINING_SUMMARY
 from lorafleet_trainer.loop import (
     NO_ANSWER,
+    Loop,
     Progress,
+    enable_checkpointing,
     peak_mib,
     plan_total_steps,
     resolve_dtype,
     train_epochs,
 )
-from lorafleet_trainer.memory import Checkpointing
+from lorafleet_trainer.memory import CUDA_CONTEXT_MIB, PROCESS_MIB, MemoryPlan, Plan
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.probe import write_probe
 from lorafleet_trainer.protocol import (
@@ -141,8 +151,9 @@ def run(job: JobFile, lines: LineWriter) -> int:
     resume = check_resume(job, total_steps)  # before the weights load: it fails in seconds
     if job.checkpoint_dir is not None:
         open_checkpoint_dir(job.checkpoint_dir)
-    checkpointing = checkpointing_of(job, inputs, base_dir, device, lines)
-    loop = load_for_training(job, base_dir, dtype, device, total_steps, checkpointing.every)
+    plan, sizing = plan_memory(job, inputs, base_dir, device, lines)
+    loop = load_for_training(job, base_dir, dtype, device, total_steps, plan.every)
+    guard_memory(loop, job, plan, sizing, lines)
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
         f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}"
@@ -165,7 +176,8 @@ def run(job: JobFile, lines: LineWriter) -> int:
     save_results(loop.model, adapter_dir, base_dir, inputs.template, dtype, lines)
     summary = {
         **describe_inputs(job, inputs, base_dir),
-        **describe_training(progress, epochs, device, dtype, started),
+        **describe_training(progress, epochs, loop, dtype, started),
+        "memory": describe_memory(job, plan, loop),
         "trainable_parameters": n_trainable,
         "versions": versions,
         "resumed_from": describe_resume(job, resume, done_steps),
@@ -191,20 +203,74 @@ def save_results(
         lines.log(skipped)
 
 
-def checkpointing_of(
+def plan_memory(
     job: JobFile, inputs: Inputs, base_dir: Path, device: Any, lines: LineWriter
-) -> Checkpointing:
-    """The gradient checkpointing chosen, logged with why. Rows are as wide
-    as the longest training record: known when every one was tokenized to
-    plan the steps (no max_steps), else max_seq_len."""
+) -> tuple[MemoryPlan, Sizing | None]:
+    """The memory plan chosen, logged with why; BadInputError naming the
+    smallest budget when none fits the job's. Rows are as wide as the
+    longest training record: known when every one was tokenized to plan the
+    steps (no max_steps), else max_seq_len. On the CPU the process counts
+    itself as it is now: libraries, tokenizer and records, before any weight."""
     p = job.params
     longest = inputs.tokens.length_summary()["max"] if p.max_steps == 0 else p.max_seq_len
-    choice = choose_checkpointing(job, base_dir, device, longest)
-    lines.log(choice.message)
-    if device.type == "cpu" and choice.every:
-        # Memory over speed was chosen: the heap too (FRUGAL_MMAP_THRESHOLD_BYTES).
+    import peft  # noqa: F401  (100 MiB of it, imported for the training anyway)
+
+    own = process_rss_mib() if device.type == "cpu" else None
+    choice, sizing = choose_memory_plan(job, base_dir, device, longest, own or PROCESS_MIB)
+    lines.log(f"memory plan: {choice.message}")
+    if not choice.fits:
+        raise BadInputError(
+            f"the job's memory budget of {job.gpu_memory_mib} MiB (gpu_memory_mib) is below "
+            f"the least this job can train in: {choice.total_mib} MiB, with {choice.words}, "
+            f"for rows of {longest} tokens; give it at least {choice.total_mib} MiB, or lower "
+            "batch_size or max_seq_len (raising gradient_accumulation keeps the batch)"
+        )
+    if device.type == "cpu" and choice.plan.frugal_heap:
         lines.log(frugal_host_heap() or "host heap: the C library's default (no glibc mallopt)")
-    return choice
+    return choice, sizing
+
+
+def guard_memory(
+    loop: Loop, job: JobFile, choice: MemoryPlan, sizing: Sizing | None, lines: LineWriter
+) -> None:
+    """Set the loop to the plan's forward passes and give it the guard that
+    keeps its steps within the budget, tightening the plan as it goes."""
+    context = CUDA_CONTEXT_MIB if loop.device.type == "cuda" else 0
+    meter = PeakMeter(loop.device, context)
+    meter.read()  # the weights' loading: not a step's peak
+    if sizing is not None and loop.device.type == "cpu":
+        sizing.recount_process()  # what the loading added beside the weights
+    guard = MemoryGuard(sizing, job.gpu_memory_mib, choice.plan, meter, lines)
+    applied = {"heap": choice.plan.frugal_heap}
+
+    longest = 0 if sizing is None else sizing.longest
+
+    def apply(plan: Plan) -> None:
+        enable_checkpointing(loop.model, plan.every)
+        loop.micro_tokens = plan.micro_rows * longest
+        if plan.frugal_heap and not applied["heap"]:
+            applied["heap"] = True
+            lines.log(frugal_host_heap() or "host heap: the C library's default (no mallopt)")
+        elif loop.device.type == "cpu":
+            trim_host_heap()  # the old plan's freed pages: not the new one's to carry
+
+    guard.apply = apply
+    loop.micro_tokens = choice.plan.micro_rows * longest
+    loop.guard = guard
+
+
+def describe_memory(job: JobFile, choice: MemoryPlan, loop: Loop) -> dict[str, Any]:
+    """The summary's account of the memory: the budget, the plan chosen and
+    its estimate, the plan the steps ended with and how often it tightened."""
+    guard = loop.guard
+    final = choice.plan if guard is None else guard.plan
+    return {
+        "budget_mib": job.gpu_memory_mib,
+        "estimate_mib": choice.total_mib or None,
+        "plan": choice.words,
+        "final_plan": dataclasses.asdict(final),
+        "tightened": 0 if guard is None else guard.tightened,
+    }
 
 
 def running_message(done_steps: int, total_steps: int) -> str:
@@ -321,7 +387,7 @@ def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, A
 
 
 def describe_training(
-    progress: Progress, epochs: int, device: Any, dtype: str, started: float
+    progress: Progress, epochs: int, loop: Loop, dtype: str, started: float
 ) -> dict[str, Any]:
     """The training summary's account of the run itself. A run resumed
     ("continue") counts its steps, tokens and train time from step 1, those
@@ -335,8 +401,8 @@ def describe_training(
         "padding_tokens": progress.padding,
         "train_time_s": round(progress.train_s, 3),
         "wall_time_s": round(time.time() - started, 3),
-        "peak_mib": peak_mib(device),
-        "device": str(device),
+        "peak_mib": peak_mib(loop),
+        "device": str(loop.device),
         "dtype": dtype,
     }
 

@@ -27,7 +27,8 @@ class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event"):
     #: Real tokens, padding not counted.
     tokens_per_s: float
     eta_s: float
-    #: torch's peak reserved MiB on a card; peak RSS MiB on the CPU.
+    #: The process's peak so far: torch's peak reserved MiB and the CUDA
+    #: context on a card, the peak RSS MiB on the CPU.
     peak_mib: int
     #: Counted from 1.
     epoch: int = 0

@@ -1,0 +1,184 @@
+"""The budget kept as the trainer goes (lorafleet_trainer.guard): the step's
+peak read, the plan tightened before a step predicted to pass the budget,
+the micro-batch split into forward passes whose gradients add up to its
+own, and the process's peak read step by step (budget.PeakMeter)."""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import math
+from typing import Any
+
+import pytest
+
+from lorafleet_trainer import memory
+from lorafleet_trainer.batches import split_batch, to_batch
+from lorafleet_trainer.budget import PeakMeter
+from lorafleet_trainer.guard import (
+    HEADROOM_FRACTION,
+    MemoryGuard,
+    Sizing,
+    pass_rows,
+    smallest_budget_mib,
+    tighter_plan,
+)
+from lorafleet_trainer.loop import _accumulate, enable_checkpointing, prepare_training
+from lorafleet_trainer.params import Params
+from lorafleet_trainer.protocol import LineWriter, TrainingFailureError
+from lorafleet_trainer.rendering import IGNORE, Encoded
+
+# peft 0.21 still calls transformers' deprecated is_gradient_checkpointing.
+pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+
+ARCH = memory.Architecture(
+    num_hidden_layers=10,
+    hidden_size=512,
+    intermediate_size=1376,
+    num_attention_heads=8,
+    num_key_value_heads=4,
+    vocab_size=32_000,
+)
+PARAMS = Params(batch_size=8, max_seq_len=512, dtype="fp32")
+SIZING = Sizing(ARCH, PARAMS, "cpu", 400, 512)
+CPU: Any = None
+
+
+def _cpu() -> Any:
+    import torch
+
+    return torch.device("cpu")
+
+
+def _rows(n: int, width: int, prompt: int = 4) -> list[Encoded]:
+    return [
+        Encoded(
+            list(range(1, width + 1)),
+            [IGNORE] * prompt + list(range(prompt + 1, width + 1)),
+            cut=False,
+        )
+        for _ in range(n)
+    ]
+
+
+def test_forward_passes_hold_the_plans_tokens_and_no_more_rows_than_the_batch() -> None:
+    assert pass_rows(0, 512, 8) == 0  # whole
+    assert pass_rows(2 * 512, 512, 8) == 2
+    assert pass_rows(2 * 512, 128, 8) == 0  # 8 narrow rows fit: no split
+    assert pass_rows(2 * 512, 256, 8) == 4
+    assert pass_rows(2 * 512, 5000, 8) == 1  # never below one row
+    half = Sizing(ARCH, PARAMS, "cpu", 400, 512)
+    plan = memory.Plan(micro_rows=2)
+    assert half.mib(plan, 512) == memory.plan_mib(ARCH, PARAMS, "cpu", 512, plan, 400)
+    assert half.mib(plan, 128) == memory.plan_mib(ARCH, PARAMS, "cpu", 128, memory.Plan(), 400)
+
+
+def test_a_tighter_plan_has_less_memory_and_fits_with_the_measured_ratio() -> None:
+    now = memory.Plan()
+    current = SIZING.mib(now, 512)
+    budget = int(current * 0.6)
+    plan = tighter_plan(SIZING, now, 512, 1.0, budget)
+    assert plan is not None and SIZING.mib(plan, 512) <= budget * (1 - HEADROOM_FRACTION)
+    # A worse ratio of peaks to estimates asks for a tighter one still.
+    worse = tighter_plan(SIZING, now, 512, 1.3, budget)
+    assert worse is not None and SIZING.mib(worse, 512) * 1.3 <= budget * (1 - HEADROOM_FRACTION)
+    assert SIZING.mib(worse, 512) <= SIZING.mib(plan, 512)
+    least = min(SIZING.mib(p, 512) for p in memory.candidate_plans(10, PARAMS, "cpu"))
+    assert tighter_plan(SIZING, now, 512, 1.0, least) is None  # no room for the headroom
+    assert smallest_budget_mib(SIZING, 512, 1.0) == least
+    assert smallest_budget_mib(SIZING, 512, 1.5) == math.ceil(least * 1.5)
+
+
+def test_the_guard_tightens_before_a_step_that_would_pass_and_fails_when_nothing_fits() -> None:
+    out = io.StringIO()
+    step = [to_batch(_rows(8, 512), 0, _cpu())]
+    budget = int(SIZING.mib(memory.Plan(), 512) * 0.8)
+    guard = MemoryGuard(SIZING, budget, memory.Plan(), PeakMeter(_cpu()), LineWriter(out))
+    applied: list[memory.Plan] = []
+    guard.apply = applied.append
+    guard.before_step(1, step)
+    assert applied and applied[-1] == guard.plan and guard.tightened == 1
+    assert SIZING.mib(guard.plan, 512) <= budget * (1 - HEADROOM_FRACTION)
+    log = json.loads(out.getvalue().splitlines()[-1])["message"]
+    assert log.startswith("memory plan tightened before step 1 to ")
+    assert f"neared the budget of {budget} MiB" in log
+    # Steps that fit leave the plan alone.
+    guard.before_step(2, step)
+    assert guard.tightened == 1
+    # The least plan, near its budget but under it: nothing has less, so on.
+    least = memory.Plan(1, True, 1)
+    near = MemoryGuard(SIZING, SIZING.mib(least, 512), least, PeakMeter(_cpu()), LineWriter(out))
+    near.before_step(1, step)
+    assert near.plan == least and near.tightened == 0
+    # Peaks measured at five times their estimates: nothing is left that fits.
+    guard.ratio = 5.0
+    with pytest.raises(TrainingFailureError) as e:
+        guard.before_step(3, step)
+    need = smallest_budget_mib(SIZING, 512, 5.0)
+    assert f"the smallest budget that would do is {need} MiB" in str(e.value)
+    assert f"would pass the memory budget of {budget} MiB" in str(e.value)
+
+
+def test_forward_passes_of_fewer_rows_give_the_micro_batchs_gradients() -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    def grads(rows: int, every: int) -> list[Any]:
+        torch.manual_seed(0)
+        config = LlamaConfig(
+            vocab_size=64,
+            hidden_size=32,
+            intermediate_size=64,
+            num_hidden_layers=2,
+            num_attention_heads=2,
+            num_key_value_heads=1,
+        )
+        loop = prepare_training(
+            LlamaForCausalLM(config), Params(rank=4, dropout=0.0), "fp32", _cpu(), 1
+        )
+        enable_checkpointing(loop.model, every)  # after peft: a tightened plan's
+        # Rows of unlike lengths (padded) and answer counts.
+        encoded = [
+            Encoded(list(range(1, n + 1)), [IGNORE] * 3 + list(range(4, n + 1)), cut=False)
+            for n in (12, 9, 7, 12, 5)
+        ]
+        batch = to_batch(encoded, 0, _cpu())
+        loop.micro_tokens = rows * 12
+        _accumulate(loop, [batch, to_batch(encoded[:2], 0, _cpu())])
+        return [p.grad.clone() for p in loop.model.parameters() if p.requires_grad]
+
+    whole = grads(0, 0)
+    for rows, every in ((2, 0), (1, 0), (2, 1)):
+        for a, b in zip(whole, grads(rows, every), strict=True):
+            torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
+
+
+def test_a_split_batch_keeps_each_rows_answers() -> None:
+    batch = to_batch(_rows(3, 10, prompt=4) + _rows(2, 6, prompt=5), 0, _cpu())
+    parts = split_batch(batch, 2)
+    assert [int(p.input_ids.shape[0]) for p in parts] == [2, 2, 1]
+    assert sum(p.answer_tokens for p in parts) == batch.answer_tokens
+    assert [p.answer_tokens for p in parts] == [12, 6 + 1, 1]
+    assert split_batch(batch, 0) == [batch] and split_batch(batch, 5) == [batch]
+    # A part without an answer token is left out.
+    none = to_batch(_rows(1, 10) + _rows(1, 10, prompt=10), 0, _cpu())
+    assert len(split_batch(none, 1)) == 1
+
+
+@pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux")
+def test_the_meter_reads_each_steps_own_peak() -> None:
+    meter = PeakMeter(_cpu())
+    meter.read()
+    block = bytearray(300 << 20)  # touched: resident
+    del block
+    first = meter.read()
+    second = meter.read()
+    assert first >= second + 250, (first, second)
+    assert meter.process_peak_mib == first
+    # A plan's fields, as the summary writes them.
+    assert dataclasses.asdict(memory.Plan(2, True, 1)) == {
+        "every": 2,
+        "frugal_heap": True,
+        "micro_rows": 1,
+    }
