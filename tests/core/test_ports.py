@@ -9,14 +9,14 @@ import sys
 
 import pytest
 
-from lorafleet import natscluster
+from lorafleet.nats import cluster as natscluster
 from lorafleet.nats.cluster import PORT_BLOCK, NatsServerError, free_ports
 
 #: Run in a child: take a block (the start index that `randbelow` gives is
 #: forced to argv[1]), print its first port, and hold it until stdin closes.
 HOLD = """
 import sys
-from lorafleet import natscluster
+from lorafleet.nats import cluster as natscluster
 natscluster.secrets.randbelow = lambda n: int(sys.argv[1])
 print(natscluster.free_ports(1)[0], flush=True)
 sys.stdin.read()

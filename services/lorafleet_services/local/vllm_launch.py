@@ -48,7 +48,7 @@ class RunningVllm:
 
 
 def free_port() -> int:
-    """A port of this process's own block (`natscluster.free_ports`): vLLM
+    """A port of this process's own block (`nats.cluster.free_ports`): vLLM
     cannot take port 0 and say which it took, and no other process is given
     this one (a test worker's vLLM, another run's) before it binds it."""
     return free_ports(1)[0]
