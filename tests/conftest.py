@@ -27,6 +27,7 @@ module-scoped fixture on its own.
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -37,6 +38,17 @@ from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.pg import migrated_template, throwaway_database
 from tests.vllm_server import RunningVllm, running_vllm
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """On a parallel run's worker, one compute thread per process (torch in
+    the worker, and every trainer the agents start: they pass
+    OMP_NUM_THREADS on): several trainers taking a thread per core each on
+    two cores spin against each other, steps many times slower."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        os.environ.setdefault("MKL_NUM_THREADS", "1")
+
 
 #: Session fixtures that cost a minute or a GB each: every module using one
 #: runs on the same worker (a group each), which builds it once.

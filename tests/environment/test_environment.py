@@ -99,6 +99,8 @@ def test_process_env_is_clean_and_names_the_card(
     monkeypatch.setenv("VIRTUAL_ENV", "/srv/lorafleet/.venv")
     monkeypatch.setenv("PYTHONPATH", "/agent/only")
     monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", "x")
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
     user = EngineUser("eng", 999, 998, (998, 44), tmp_path / "engine-home")
     env = EngineEnvironment(
         python="/opt/e/vllm/0.11.0/bin/python3",
@@ -114,6 +116,8 @@ def test_process_env_is_clean_and_names_the_card(
     assert "VIRTUAL_ENV" not in card and "AWS_SECRET_ACCESS_KEY" not in card
     assert "/srv/lorafleet/.venv" not in json.dumps(card)
     assert card["PYTHONPATH"] == "/w/overlay-1"
+    # The operator's thread count reaches the trainer; one not set is not made up.
+    assert card["OMP_NUM_THREADS"] == "3" and "MKL_NUM_THREADS" not in card
     assert card["PATH"].split(":")[0] == "/opt/e/vllm/0.11.0/bin"
     assert card["CUDA_VISIBLE_DEVICES"] == "3"
     assert card["CUDA_DEVICE_ORDER"] == "PCI_BUS_ID"

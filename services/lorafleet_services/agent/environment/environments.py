@@ -36,6 +36,7 @@ from lorafleet_services.agent.environment.protocol import (
     ConversionRequest,
     TrainerEnvironment,
     TrainerSetupError,
+    thread_env,
 )
 from lorafleet_services.agent.environment.setup_runs import SYSTEM_PATH
 from lorafleet_services.agent.node.cards import CardChoice
@@ -73,6 +74,7 @@ class EngineEnvironment:
             "LANG": os.environ.get("LANG") or "C.UTF-8",
             "PYTHONNOUSERSITE": "1",
             **RUN_ENV,
+            **thread_env(os.environ),
             **who,
             "HF_HOME": str(self.hf_home),
             # NVML numbers cards in PCI bus order; CUDA's default order is

@@ -31,6 +31,15 @@ RUN_ENV: Mapping[str, str] = {
     "TOKENIZERS_PARALLELISM": "false",
     "PYTORCH_CUDA_ALLOC_CONF": "expandable_segments:True",
 }
+#: Thread counts the operator set for the agent, passed on to the trainer
+#: when set: on a CPU node the trainer otherwise takes a thread per core,
+#: beside whatever else runs there.
+THREAD_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")
+
+
+def thread_env(base: Mapping[str, str]) -> dict[str, str]:
+    """The THREAD_VARS that `base` sets."""
+    return {k: base[k] for k in THREAD_VARS if k in base}
 
 
 class TrainerSetupError(RuntimeError):
