@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet_services.tiny import TOKENIZER_TEXT, build_tiny_model
+from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tiny_model
 
 from lorafleet.estimate import estimate_memory, read_architecture
 from lorafleet_schemas.messages import TrainerParams

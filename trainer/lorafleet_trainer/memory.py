@@ -330,21 +330,42 @@ def estimate_lines(
             f"the loss over chunks of {chunk_rows(arch.vocab_size)} rows",
         ),
     ]
-    if device == "cuda":
-        lines.append(("CUDA context", CUDA_CONTEXT_MIB * MIB, "what NVML counts first"))
-        lines.append(
-            (
-                "allocator slack",
-                int(acts * ALLOCATOR_SLACK_FRACTION),
-                f"{ALLOCATOR_SLACK_FRACTION:.0%} of the activations",
-            )
-        )
-        return lines
-    lines.append(("process", process_mib * MIB, "the interpreter and libraries, before any tensor"))
+    overhead = (
+        card_overhead_lines(acts)
+        if device == "cuda"
+        else host_overhead_lines(arch, params, seq_len, dtype, rows, frugal_heap, process_mib)
+    )
+    return lines + overhead
+
+
+def card_overhead_lines(acts: int) -> list[tuple[str, int, str]]:
+    """What a card's process holds beyond its tensors."""
+    return [
+        ("CUDA context", CUDA_CONTEXT_MIB * MIB, "what NVML counts first"),
+        (
+            "allocator slack",
+            int(acts * ALLOCATOR_SLACK_FRACTION),
+            f"{ALLOCATOR_SLACK_FRACTION:.0%} of the activations",
+        ),
+    ]
+
+
+def host_overhead_lines(
+    arch: Shapes,
+    params: Knobs,
+    seq_len: int,
+    dtype: str,
+    rows: int,
+    frugal_heap: bool,
+    process_mib: int,
+) -> list[tuple[str, int, str]]:
+    """What a CPU job's process holds beyond its tensors: itself, and glibc's
+    heap's freed holes unless the job runs with the frugal heap."""
+    lines = [("process", process_mib * MIB, "the interpreter and libraries, before any tensor")]
     if not frugal_heap:
         # Of a forward pass's activations as if none were checkpointed: a
         # rebuilt layer makes (and frees) them again all the same.
-        whole = activation_bytes(arch, params, seq_len, dtype, device, 0, rows)
+        whole = activation_bytes(arch, params, seq_len, dtype, "cpu", 0, rows)
         lines.append(
             (
                 "heap slack",
