@@ -11,10 +11,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tiny_model
 
 from lorafleet.estimate import estimate_memory, read_architecture
 from lorafleet_schemas.messages import TrainerParams
+from lorafleet_services.local.tiny_model import TOKENIZER_TEXT, build_tiny_model
 from lorafleet_trainer.protocol import BadInputError
 from tests.trainer.harness import ndjson, run_here, run_trainer, write_job
 
