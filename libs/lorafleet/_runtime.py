@@ -196,19 +196,24 @@ async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> Non
     )
 
 
+#: Errors of a layout's creation that a cluster's start or catch-up explains.
+LAYOUT_RETRIED = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,  # "temporarily unavailable": catching up
+)
+
+
 async def ensure_layout_retrying(
     js: JetStreamContext, settings: Settings, parts: tuple[str, ...] | None = None
 ) -> None:
     """`bus.ensure_layout`, tried for LAYOUT_RETRY_S: a cluster that has just
     become ready can time out a replicated stream's creation while it
-    places the stream's group, and a server still catching up answers
+    places the stream's group or has a member not yet connected ("no
+    suitable peers for placement"), and a server still catching up answers
     "temporarily unavailable"."""
     retries = stamina.retry_context(
-        on=(
-            nats.errors.TimeoutError,
-            nats.errors.NoRespondersError,
-            nats.js.errors.ServiceUnavailableError,  # "temporarily unavailable": catching up
-        ),
+        on=lambda e: isinstance(e, LAYOUT_RETRIED) or bus.placement_pending(e),
         attempts=None,
         timeout=LAYOUT_RETRY_S,
         wait_initial=LAYOUT_RETRY_PAUSE_S,

@@ -9,6 +9,8 @@ import os
 import sys
 from pathlib import Path
 
+import nats.errors
+import nats.js.errors
 import pytest
 import structlog
 from nats.aio.client import Client
@@ -16,6 +18,7 @@ from nats.aio.client import Client
 from lorafleet import _runtime as runtime
 from lorafleet import log
 from lorafleet.exits import Exit
+from lorafleet.nats import _bus as bus
 from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.eventually import eventually
@@ -156,3 +159,15 @@ async def test_serve_tells_the_service_of_a_reconnect(
         stop.set()
         await asyncio.wait_for(task, 10)
     assert made[0].calls == ["start", "stop"] and made[0].rejoined == 1
+
+
+def test_the_layout_is_tried_again_while_a_member_is_missing() -> None:
+    """ "no suitable peers for placement" (a just-ready cluster, a member not
+    yet connected) is tried again, never taken for a stream that exists and
+    updated (which answered "stream not found" in a parallel CI run)."""
+    missing = nats.js.errors.BadRequestError(code=400, err_code=10005, description="no peers")
+    exists = nats.js.errors.BadRequestError(code=400, err_code=10058, description="in use")
+    assert bus.placement_pending(missing)
+    assert not bus.placement_pending(exists)
+    assert not bus.placement_pending(nats.errors.TimeoutError())
+    assert isinstance(nats.errors.TimeoutError(), runtime.LAYOUT_RETRIED)

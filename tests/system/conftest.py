@@ -22,6 +22,7 @@ import pytest
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
+from lorafleet import _runtime as runtime
 from lorafleet.errors import raise_for_error
 from lorafleet.nats import _bus as bus
 from lorafleet.nats.server import NatsServer
@@ -260,7 +261,7 @@ async def running_stack(
     end while the others still answer."""
     nc = await bus.connect(settings, client_name)
     js = nc.jetstream()
-    await bus.ensure_layout(js, bus.layout_for(settings))
+    await runtime.ensure_layout_retrying(js, settings)
     recorder = ServiceProcess("lorafleet_services.recorder", settings)
     s = Stack(settings, nats_server, nc, js, tmp_path, recorder, procs=[recorder])
     try:

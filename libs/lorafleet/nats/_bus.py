@@ -352,6 +352,17 @@ class Layout:
         )
 
 
+#: JetStream's "no suitable peers for placement": a cluster just ready with a
+#: member not yet connected, or one down; the layout is tried again
+#: (`_runtime.ensure_layout_retrying`), never taken for a stream that exists.
+NO_PLACEMENT_ERR_CODE = 10005
+
+
+def placement_pending(e: Exception) -> bool:
+    """Whether `e` is JetStream's "no suitable peers for placement"."""
+    return isinstance(e, nats.js.errors.BadRequestError) and e.err_code == NO_PLACEMENT_ERR_CODE
+
+
 async def ensure_layout(
     js: JetStreamContext, layout: Layout, parts: tuple[str, ...] | None = None
 ) -> None:
@@ -368,7 +379,9 @@ async def ensure_layout(
             cfg: StreamConfig = getattr(layout, part)()
             try:
                 await js.add_stream(cfg)
-            except nats.js.errors.BadRequestError:
+            except nats.js.errors.BadRequestError as e:
+                if e.err_code == NO_PLACEMENT_ERR_CODE:
+                    raise  # not a stream that exists: a member not there yet
                 await js.update_stream(cfg)
     for part in ("nodes_kv", "leader_kv", "gateway_kv"):
         if wanted(part):
