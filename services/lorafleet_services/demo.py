@@ -30,7 +30,12 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.agent.environment.gguf_conversion import local_conversion_source
 from lorafleet_services.cli.follow import choose_mode, follow
 from lorafleet_services.local.vllm_launch import RunningVllm
-from lorafleet_services.stack import LOCAL_NODE, EmbeddedStack, local_agent_config
+from lorafleet_services.stack import (
+    DEMO_MEMORY_MIB,
+    LOCAL_NODE,
+    EmbeddedStack,
+    local_agent_config,
+)
 
 #: The demo model's catalog name.
 DEMO_MODEL = "tiny-llama"
@@ -116,8 +121,9 @@ def demo_job(model: str = DEMO_MODEL, serve: bool | None = None) -> JobSpec:
         model=model,
         serve=serve,
         node=LOCAL_NODE,
-        gpu_memory_mib=1,
-        # The demo trains on the CPU: its MiB are nominal, not a card's.
+        gpu_memory_mib=DEMO_MEMORY_MIB,
+        # The estimate at submit is a card's; on the CPU the trainer holds the
+        # job to its budget itself.
         ignore_estimate=True,
         data=demo_records(),
         params=TrainerParams(

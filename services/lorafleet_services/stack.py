@@ -47,6 +47,9 @@ FAILED_START_TAIL_LINES = 30
 
 #: Node name of the embedded default's local agent.
 LOCAL_NODE = "local"
+#: The demo job's memory budget: the trainer keeps to it on the CPU too, and
+#: the tiny Llama's estimate is about 500 MiB (the process counted).
+DEMO_MEMORY_MIB = 1024
 #: Where, under the data directory, the local llama.cpp conversion code is kept.
 LOCAL_CONVERSION_DIR = "llama.cpp-source"
 
@@ -100,7 +103,7 @@ def next_steps(data_dir: Path, node: str | None) -> list[str]:
         f"data (NATS store, SQLite database, agent work): {data_dir}",
         "next, in another terminal:",
         "  lorafleet models add-demo                      # a tiny Llama, built here",
-        "  lorafleet submit --model tiny-llama --gpu-memory-mib 1"
+        f"  lorafleet submit --model tiny-llama --gpu-memory-mib {DEMO_MEMORY_MIB}"
         + f" --data {data_dir / DEMO_DATA_FILE}"
         + (f" --node {node}" if node else "")
         + " --watch",

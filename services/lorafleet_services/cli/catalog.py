@@ -80,7 +80,7 @@ def models_add_demo(
     to the catalog as tiny-llama, and write the demo's question/answer pairs
     next to it (for `lorafleet submit --data`). Needs lorafleet[train]."""
     from lorafleet_services.demo import DEMO_MODEL, demo_records, tiny_model
-    from lorafleet_services.stack import DEMO_DATA_FILE
+    from lorafleet_services.stack import DEMO_DATA_FILE, DEMO_MEMORY_MIB
 
     directory = Path(settings_from_env().data_dir)
     try:
@@ -100,6 +100,7 @@ def models_add_demo(
     spec = ModelSpec(name=DEMO_MODEL, engine=engine, local_dir=str(model_dir))
     show(run_client(lambda c: c.add_model(spec)), as_json, model_table)
     err.print(
-        f"next: lorafleet submit --model {DEMO_MODEL} --gpu-memory-mib 1 --data {data} --watch",
+        f"next: lorafleet submit --model {DEMO_MODEL} --gpu-memory-mib {DEMO_MEMORY_MIB}"
+        f" --data {data} --watch",
         highlight=False,
     )
