@@ -94,9 +94,15 @@ async def test_end_to_end_both_artifacts_make_the_job_done(
     await eventually(
         lambda: stored(nc, job.id, ArtifactKind.PEFT), "the peft artifact", timeout_s=WAIT_S
     )
-    # One of two expected artifacts: not done.
+    # One of two expected artifacts: not done. The recorder hears of it after
+    # the object is committed (and readable), so that is waited for too.
+    await eventually(
+        lambda: get_job(nc, N, job.id),
+        "the recorder to list the peft artifact as stored",
+        until=lambda j: j.artifacts_stored == [ArtifactKind.PEFT],
+        timeout_s=WAIT_S,
+    )
     assert (await get_job(nc, N, job.id)).state is JobState.UPLOADING
-    assert (await get_job(nc, N, job.id)).artifacts_stored == [ArtifactKind.PEFT]
 
     got = await api(nc, N.artifacts_get, {"job_id": job.id, "kind": "peft"})
     assert (got["size"], got["sha256"], got["object"]) == (size, sha, f"{job.id}/peft")
