@@ -40,3 +40,10 @@ timeout 300 python3 bench/trainer_estimate.py 2>&1 | tail -80
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/trl .whl/trl/*.whl || exit 1
 PYTHONPATH=/tmp/trl:$PYTHONPATH timeout 300 python3 bench/trainer_trl.py --device cuda --case small --records 512 2>&1 | tail -45
 PYTHONPATH=/tmp/trl:$PYTHONPATH timeout 300 python3 bench/trainer_trl.py --device cuda --case large --records 256 --budget-share 0.5 2>&1 | tail -45
+# Training beside a serving engine (bench/colocation.py): a vLLM for the card on this
+# interpreter serves the tiny Llama while the trainer trains on the card; skipped without one.
+if python3 -c "import vllm" 2>/dev/null; then
+  timeout 420 python3 bench/colocation.py --device cuda --engine-python "$(command -v python3)" --seconds 20 2>&1 | tail -25
+else
+  echo "colocation: no vLLM in this Python; skipped"
+fi

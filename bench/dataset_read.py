@@ -3,8 +3,10 @@ ObjectStore.get (the baseline), on the same object of a real nats-server.
 
     .venv/bin/python bench/dataset_read.py [--mib 32] [--runs 3]
 
-read_object asks for each 128 KiB chunk with one STREAM.MSG.GET request
-(base64 in JSON), which a node's credentials allow; nats-py's get streams
+read_object asks for the info with one STREAM.MSG.GET request and for the
+chunks (128 KiB each here) 16 at a time with batched DIRECT.GET requests,
+the next asked for while one is written, which a node's credentials allow;
+nats-py's get streams
 the chunks through a push consumer, which needs the stream-name lookup,
 stream info and consumer create. Printed: the best seconds of each over
 `runs`, MiB/s, and read_object's time as a ratio to nats-py's.

@@ -19,7 +19,7 @@ Printed, from the same run, with the load average:
   against `Client.upload_dataset` of the same size, medians of `--runs`
   (target: at least 0.8x).
 
-Measured (docs/gateway.md#measured-benchgatewaypy has the rest), on the
+Measured (bench/README.md has the latest), on the
 shared 2-core machine, the code before the staged upload and after, ABBA:
 upload 0.36x / 0.39x / 0.36x / 0.22x before (load 7.1, 6.1, 5.3, 4.6),
 0.69x / 0.48x / 0.72x / 0.73x after (load 6.5, 5.9, 4.7, 4.4); at load

@@ -46,6 +46,8 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.gateway.api_keys import make_key
 from lorafleet_services.gateway.config import API_KEYS_FILE_NAME
+from lorafleet_services.gateway.openai_shapes import Hyperparameters
+from lorafleet_services.gateway.state import GatewayState, JobFields
 from lorafleet_services.stack import ServiceProcess
 
 NODE = "bench-1"
@@ -75,6 +77,13 @@ async def serve_one(lf: Client, settings: Settings, direct: str) -> tuple[str, s
         read_architecture=False,
     )
     job = await lf.submit(JobSpec(model="tiny", gpu_memory_mib=100, data=QA))
+    # The bench key's project owns it, as if made through the gateway (tenancy.py).
+    state = await GatewayState.open(lf.js, settings.names.gateway_bucket)
+    fields = JobFields(
+        job_id=job.id, model="tiny", training_file="file-bench", seed=0,
+        hyperparameters=Hyperparameters(), created_at=job.created_at,
+    )  # fmt: skip
+    await state.put_job("bench", fields)
     served = f"{job.id}-{'c' * 12}"
     async with httpx2.AsyncClient() as http:
         loaded = await http.post(

@@ -4,9 +4,12 @@
 
 Starts the fleet (bench/nemesis_stack.py: three NATS servers at R3, two
 recorders, two schedulers, the artifact-store, three agents with stand-in
-trainers, a PostgreSQL of its own), runs a stream of jobs (placed and
-unplaced, some with max_attempts 3, some cancelled, some with a dataset of
-over 1 MiB put in the datasets bucket first) while the nemesis
+trainers and an engine each, two gateways, a PostgreSQL of its own), runs a
+stream of jobs (placed and unplaced, some with max_attempts 3, some
+cancelled, some with a dataset of over 1 MiB put in the datasets bucket
+first, some served on two or all engines) and the gateway's traffic
+(bench/nemesis_gateway.py: uploads, jobs, chats, tenancy probes, serving
+changes; the engines sampled each second) while the nemesis
 (bench/nemesis_faults.py) does faults for `--minutes`, then heals the
 fleet, lets every job end, reads the final state and the whole status
 stream into the history, and checks it (bench/nemesis_check.py). Exit 0:
@@ -22,6 +25,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import os
 import random
 import sys
 import tempfile
@@ -33,15 +37,22 @@ import msgspec
 import psutil
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for bench.*, tests.*
-from bench.nemesis_check import check, read_history, report
+from bench.nemesis_check import check, client_outcomes, read_history, report
 from bench.nemesis_faults import History, Nemesis
+from bench.nemesis_gateway import GatewayTraffic
 from bench.nemesis_stack import NODES, STEP_S, Fleet, fleet
 from tests.system.conftest import DATA, pid_alive
 
 from lorafleet import Client
 from lorafleet.names import object_chunk_subjects, object_meta_subjects, object_stream
 from lorafleet.states import FINAL
-from lorafleet_schemas.messages import JobListRequest, JobSpec, StatusReport, TrainerParams
+from lorafleet_schemas.messages import (
+    JobListRequest,
+    JobRecord,
+    JobSpec,
+    StatusReport,
+    TrainerParams,
+)
 from lorafleet_services.artifact_store.sweeper import committed_chunks, decode_info
 
 #: Jobs on their way at once (three nodes: some wait, none waits long).
@@ -52,6 +63,8 @@ SUBMIT_GAP_S = (0.5, 2.5)
 STEPS = (15, 50)
 #: Seconds between polls of the jobs, the logs and the trainers.
 POLL_S = 0.5
+#: Seconds late a poll of the run's own may wake before it is written as a host stall.
+HOST_STALL_S = 1.0
 #: Seconds a request waits for its reply before it is tried again.
 REQUEST_TIMEOUT_S = 5.0
 #: Seconds after the faults every job has to end.
@@ -60,6 +73,9 @@ SETTLE_TIMEOUT_S = 180.0
 BIG_DATA_BYTES = 1_200_000
 #: Seconds one artifact's download may take at the end (they are 64 KiB).
 DOWNLOAD_TIMEOUT_S = 30.0
+#: Jobs read per request at the end, and pages at most (a 30-minute run makes ~600).
+FINAL_PAGE = 200
+FINAL_PAGES = 100
 #: Seconds the artifact-store's sweeper waits before an orphan is purged.
 ORPHAN_AGE_S = 0.0
 
@@ -95,19 +111,25 @@ class Run:
         steps = rng.randint(*STEPS)
         cancel_after_s = rng.uniform(0.5, steps * STEP_S) if rng.random() < 0.15 else None
         big = rng.random() < 0.15
+        # Most are served nowhere (each load is the agent's fetch and probe on
+        # these 2 cores); some are placed on two engines or on all.
+        serving = rng.choice([None] * 6 + [{"replicas": 2}, "all"])
         try:
             data: dict[str, Any] = {"data": DATA}
             if big:
                 data = {"dataset": await self.client.upload_dataset(_big_data(rng))}
-            spec = JobSpec(model="tiny", gpu_memory_mib=1000, node=node, max_attempts=attempts,
-                           params={"max_steps": steps}, **data)  # fmt: skip
+            fields = {"model": "tiny", "gpu_memory_mib": 1000, "node": node,
+                      "max_attempts": attempts, "params": {"max_steps": steps},
+                      "serve": False if serving is None else None, "serving": serving}  # fmt: skip
+            spec = msgspec.convert({**fields, **data}, JobSpec)
             job = await asyncio.wait_for(self.client.submit(spec), REQUEST_TIMEOUT_S)
         except Exception as e:  # a fault of the moment: the stream goes on
             self.submit_errors += 1
             self.history.write("job.submit_failed", error=repr(e))
             return
         self.history.write("job.submitted", job=job.id, node=node, max_attempts=attempts,
-                           steps=steps, cancel=cancel_after_s is not None, dataset=big)  # fmt: skip
+                           steps=steps, cancel=cancel_after_s is not None, dataset=big,
+                           serving=serving)  # fmt: skip
         self._saw(job.id, job.state.value, job.node, job.attempt)
         if cancel_after_s is not None:
             asyncio.get_running_loop().call_later(
@@ -131,8 +153,15 @@ class Run:
             self.all_ended.set()
 
     async def watch(self, stop: asyncio.Event) -> None:
-        """Until `stop`: the jobs' states, node losses, trainers still alive."""
+        """Until `stop`: the jobs' states, node losses, trainers still alive,
+        and this process's own stalls (`host.stall`: its poll woke over
+        HOST_STALL_S late; on a loaded machine every process stalls alike, and
+        an agent silent for the node timeout is lost though nothing touched it)."""
+        woke = time.monotonic()
         while not stop.is_set():
+            late_s = time.monotonic() - woke
+            if late_s > HOST_STALL_S:
+                self.history.write("host.stall", late_s=round(late_s, 2))
             for job in self.active():
                 try:
                     rec = await asyncio.wait_for(self.client.get(job), REQUEST_TIMEOUT_S)
@@ -141,6 +170,7 @@ class Run:
                 self._saw(job, rec.state.value, rec.node, rec.attempt)
             self._read_logs()
             self._sample_trainers()
+            woke = time.monotonic() + POLL_S
             await asyncio.sleep(POLL_S)
 
     def _read_logs(self) -> None:
@@ -152,6 +182,9 @@ class Run:
                 event = line.get("event")
                 if event == "node.lost" and target.startswith("scheduler"):
                     self.history.write("node.lost", node=line.get("node"), scheduler=target)
+                elif event == "agent.fenced" and target.startswith("agent"):
+                    self.history.write("agent.fenced", node=line.get("node"),
+                                       message=line.get("message"))  # fmt: skip
                 elif event == "trainer.started" and isinstance(line.get("pid"), int):
                     self._trainer(line["pid"], str(line.get("job_id")), target.split(" ")[1])
 
@@ -177,7 +210,11 @@ class Run:
         return out
 
     def _sample_trainers(self) -> None:
-        for pid, job, node in self.alive_trainers():
+        alive = self.alive_trainers()
+        if alive:
+            self.history.write("trainers.alive", trainers=[
+                {"pid": pid, "job": job, "node": node} for pid, job, node in alive])  # fmt: skip
+        for pid, job, node in alive:
             if self.seen.get(job, ("",))[0] in _FINAL:
                 self.history.write("trainer.alive", job=job, node=node, pid=pid)
 
@@ -210,7 +247,14 @@ async def record_final(run: Run, tmp: Path) -> None:
     """The final state into the history: every job (its curve and artifacts,
     downloaded and hashed), orphaned chunks, live trainers, the status stream."""
     history, client = run.history, run.client
-    jobs = await client.jobs(JobListRequest(limit=1000))
+    jobs: list[JobRecord] = []
+    for _ in range(FINAL_PAGES):  # pages: a thousand jobs pass a NATS message's size
+        page = await client.jobs(
+            JobListRequest(limit=FINAL_PAGE, after=jobs[-1].id if jobs else None)
+        )
+        jobs += page
+        if len(page) < FINAL_PAGE:
+            break
     for rec in jobs:
         curve = await client.curve(rec.id)
         artifacts = []
@@ -266,6 +310,8 @@ async def _record_status_stream(run: Run) -> None:
         while seq < last:
             msg = await sub.next_msg(timeout=10.0)
             seq = msg.metadata.sequence.stream
+            if msg.subject.endswith(".serving"):  # a ServingReport (an engine's load), not a job's
+                continue
             r = msgspec.json.decode(msg.data, type=StatusReport)
             run.history.write("status", job=r.job_id, node=r.node, attempt=r.attempt, seq=r.seq,
                               time=r.time.timestamp(), state=r.state.value if r.state else None,
@@ -278,11 +324,13 @@ async def run_nemesis(minutes: float, seed: int, history_path: Path) -> int:
     history = History(history_path)
     with tempfile.TemporaryDirectory(prefix="lorafleet-nemesis-") as tmp:
         root = Path(tmp)
-        async with fleet(root, ORPHAN_AGE_S) as made:
+        async with fleet(root, ORPHAN_AGE_S, minutes) as made:
             s = made.stack.settings
             history.write("run.start", seed=seed, minutes=minutes, node_timeout_s=s.node_timeout_s,
                           step_s=STEP_S, cancel_grace_s=1.0, orphan_age_s=ORPHAN_AGE_S,
-                          kinds=made.kinds(), skipped=made.skipped)  # fmt: skip
+                          kinds=made.kinds(), skipped=made.skipped,
+                          base=str(made.engines[NODES[0]].base) if made.engines else None,
+                          load=os.getloadavg())  # fmt: skip
             history.write("store.started")
             try:
                 await _run_in(made, history, minutes, seed, root)
@@ -295,19 +343,36 @@ async def run_nemesis(minutes: float, seed: int, history_path: Path) -> int:
 async def _run_in(made: Fleet, history: History, minutes: float, seed: int, root: Path) -> None:
     """The jobs and the faults for `minutes`, the settling, the final state."""
     run, nemesis = Run(made, history, seed), Nemesis(made, history, seed)
+    traffic = GatewayTraffic(made, history, seed, run)
     stop = asyncio.Event()
     watcher = asyncio.create_task(run.watch(stop))
+    sampler = asyncio.create_task(traffic.sample_engines(stop))
+    loads = asyncio.create_task(_sample_load(history, stop))
     until = time.monotonic() + minutes * 60
-    await asyncio.gather(run.submit_until(until), nemesis.run(until))
-    await nemesis.heal()
-    history.write("faults.over")
-    await settle(run)
-    stop.set()
-    await watcher
-    run._read_logs()
-    await record_final(run, root)
+    try:
+        await asyncio.gather(run.submit_until(until), nemesis.run(until), traffic.run_until(until))
+        await nemesis.heal()
+        history.write("faults.over")
+        await settle(run)
+        # An engine fault late in the run has its bound to show in what the engines hold.
+        await asyncio.sleep(max(0.0, nemesis.engines_settle_until - time.monotonic()))
+        stop.set()
+        await asyncio.gather(watcher, sampler, loads)
+        run._read_logs()
+        await record_final(run, root)
+        await traffic.record_final()
+    finally:
+        await traffic.close()
     history.write("run.end", faults=nemesis.done, jobs=len(run.seen),
-                  submit_errors=run.submit_errors)  # fmt: skip
+                  submit_errors=run.submit_errors, **traffic.counts)  # fmt: skip
+
+
+async def _sample_load(history: History, stop: asyncio.Event) -> None:
+    """The machine's load average every 30 s (the machine is shared)."""
+    while not stop.is_set():
+        history.write("host.load", load=os.getloadavg())
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(stop.wait(), 30.0)
 
 
 def _keep_logs(made: Fleet, history_path: Path) -> None:
@@ -324,9 +389,17 @@ def _verdict(history_path: Path) -> int:
     end = entries[-1]
     print(f"faults: {json.dumps(end.get('faults'), sort_keys=True)}")
     print(f"jobs: {end.get('jobs')} ({end.get('submit_errors')} submissions failed)")
+    traffic = {k: end.get(k) for k in ("uploads", "uploads_ok", "chats", "chats_ok",
+                                       "gateway_jobs", "serving_changes")}  # fmt: skip
+    print(f"gateway: {json.dumps(traffic)}")
+    loads = [e["load"][0] for e in entries if e["kind"] == "host.load"]
+    if loads:
+        print(f"load average (1 min): {min(loads):.1f}-{max(loads):.1f}")
     skipped = entries[0].get("skipped") or {}
     for kind, why in sorted(skipped.items()):
         print(f"skipped {kind}: {why}")
+    for kind, seen in sorted(client_outcomes(entries).items()):
+        print(f"clients during {kind}: {json.dumps(seen, sort_keys=True)}")
     violations = check(entries)
     if violations:
         print(report(entries, violations))

@@ -14,7 +14,12 @@ runner (bench/nemesis.py) writes these kinds:
 - `status`: job, node, attempt, seq, time (the report's own, epoch
   seconds), state, step (every report in the status stream, read from it).
 - `node.lost`: node, scheduler (a scheduler's `node.lost` log line).
-- `trainer.alive`: job, pid (a trainer process seen alive, sampled).
+- `host.stall`: late_s (the runner's own poll woke that late: the machine stalled it).
+- `agent.fenced`: node, message (an agent's `agent.fenced` log line: it stopped
+  its trainer, its beats unacknowledged; evidence, not an excuse).
+- `trainer.alive`: job, pid (a trainer process seen alive after its job ended, sampled).
+- `trainers.alive`: trainers [{pid, job, node}] (every trainer process alive
+  at one sample, each poll).
 - `final.job`: job, state, steps, curve_steps, artifacts [{kind, ok, why}].
 - `final.orphan`: subject, newest_wall (an object chunk no object refers to).
 - `final.trainers`: alive [pids] (trainer processes left at the end).
@@ -22,6 +27,20 @@ runner (bench/nemesis.py) writes these kinds:
 - `fault.error`: fault, target, error (a fault's do or undo failed: a
   restarted service did not start, the cluster did not become ready).
 - `heal`: target (a service found not running once the faults were over).
+- `engines`, `final.engines`: adapters {node: [served names] or null} (each
+  engine's `/v1/models`, sampled each second; null: it did not answer).
+- `fault.start` of an engine fault (`engine.*`) carries `engine`: its node.
+- `serving.change`: job, action (`unserve`, `serve`), node.
+- `chat`: project, gateway, model, job (null for the base), stream, status,
+  text (what came, a broken stream's part), whole, error.
+- `upload`: project, filename, sha256, bytes, status, file (its id when
+  answered 200); `final.files`: project, files [{id, filename, bytes,
+  sha256 (of the content downloaded, null if it did not), why}].
+- `tenancy.list`, `final.tenancy`: project, files [{id, filename}], jobs
+  [{id, project (the job's metadata)}] (what a key of the project lists);
+  `tenancy.get`: project, owner, what (file, job), id, status (a key asking
+  for another project's file or job by id).
+- `job.submitted` may carry `serving` (a placement policy) and `via`.
 
 `check(history)` returns every violation of the rules below, each with the
 indices of the entries that show it; `window()` the smallest stretch of the
@@ -55,6 +74,14 @@ TRAINER_SLACK_S = 5.0
 WINDOW_LOOKBACK_S = 10.0
 #: Entries quoted at most in a window.
 WINDOW_MAX_ENTRIES = 40
+#: Seconds after its engine is back (killed or restarted: it comes back
+#: empty) that an adapter it held is on as many engines as before, plus the
+#: time faults were under way meanwhile: the agent's engine read (0.5 s),
+#: a placement round (1 s) or the desired set's reload, the fetch from the
+#: store and the probe, on a loaded 2-core machine.
+SERVED_BOUND_S = 30.0
+#: Engines an adapter of each placement policy is on at the end (3 nodes).
+PLACED_ENGINES = {"all": 3, "replicas": 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -118,11 +145,18 @@ def check(history: list[Entry]) -> list[Violation]:
     return [
         *final_within_bound(history),
         *one_node_at_a_time(history),
+        *one_trainer_at_a_time(history),
         *done_jobs_whole(history),
         *no_false_node_loss(history),
         *no_trainer_outlives_its_job(history),
         *no_orphans_after_sweep(history),
         *everything_comes_back(history),
+        *served_after_engine_back(history),
+        *placed_served_at_end(history),
+        *right_adapter(history),
+        *uploads_whole(history),
+        *projects_apart(history),
+        *faults_are_retries(history),
     ]
 
 
@@ -205,6 +239,20 @@ def one_node_at_a_time(history: list[Entry]) -> Iterator[Violation]:
                 )
             if hi_b > hi_a:
                 hi_a, key_a, idx_a = hi_b, key_b, idx_b
+
+
+def one_trainer_at_a_time(history: list[Entry]) -> Iterator[Violation]:
+    """No two trainer processes of one job alive at one sample: a job whose
+    trainer goes on after its reports stopped (an agent fenced, its reports
+    dropped) runs in two places as surely as one that still reports."""
+    for i, e in _of(history, "trainers.alive"):
+        by_job: dict[str, list[Entry]] = defaultdict(list)
+        for t in e["trainers"]:
+            by_job[t["job"]].append(t)
+        for job, trainers in by_job.items():
+            if len(trainers) > 1:
+                where = ", ".join(f"{t['pid']} on {t['node']}" for t in trainers)
+                yield Violation("one-node", f"job {job} has trainers alive at once: {where}", (i,))
 
 
 def done_jobs_whole(history: list[Entry]) -> Iterator[Violation]:
@@ -306,6 +354,210 @@ def everything_comes_back(history: list[Entry]) -> Iterator[Violation]:
         yield Violation("comes-back", f"{e['target']} was down after the faults", (i,))
 
 
+def _engine_samples(history: list[Entry]) -> list[tuple[int, Entry]]:
+    return [(i, e) for i, e in enumerate(history) if e["kind"] in ("engines", "final.engines")]
+
+
+def _holding(sample: Entry, adapter: str) -> int:
+    """Engines listing `adapter` in `sample`."""
+    return sum(1 for names in sample["adapters"].values() if names and adapter in names)
+
+
+def served_after_engine_back(history: list[Entry]) -> Iterator[Violation]:
+    """An engine killed or restarted comes back empty; within SERVED_BOUND_S of
+    its return (plus the faults meanwhile) each adapter it held is on as many
+    engines as it was before the fault (its node's agent loads its desired
+    set again, or the placement put it elsewhere), no more than its replica
+    policy's N, unless the run unserved it."""
+    samples = _engine_samples(history)
+    spans = fault_spans(history)
+    # A replica policy's surplus (one placed before another is unloaded) is not owed.
+    replicas = {
+        e["job"]: int(e["serving"]["replicas"])
+        for _, e in _of(history, "job.submitted")
+        if isinstance(e.get("serving"), dict)
+    }
+    unserved = defaultdict(list)
+    for _, e in _of(history, "serving.change"):
+        if e["action"] == "unserve":
+            unserved[e["job"]].append(e["mono"])
+    for span in spans:
+        if span.fault not in ("engine.kill", "engine.restart"):
+            continue
+        node = span.target.split(" ", 1)[1]
+        before = [(i, s) for i, s in samples
+                  if s["mono"] < span.start and s["adapters"].get(node) is not None]  # fmt: skip
+        if not before:
+            continue
+        b, sample = before[-1]
+        others = [s for s in spans if s is not span]
+        limit = span.end + SERVED_BOUND_S
+        limit += _outage_s(others, span.end, limit)
+        after = [(i, s) for i, s in samples if span.end <= s["mono"] <= limit]
+        for adapter in sample["adapters"][node]:
+            job = adapter.rsplit("-", 1)[0]
+            if any(at >= sample["mono"] for at in unserved[job]):
+                continue
+            want = min(_holding(sample, adapter), replicas.get(job, PLACED_ENGINES["all"]))
+            if not after or all(_holding(s, adapter) < want for _, s in after):
+                best = max((_holding(s, adapter) for _, s in after), default=0)
+                last = after[-1][0] if after else b
+                yield Violation(
+                    "served-again",
+                    f"{adapter} was on {want} engine(s), {node}'s among them, before its "
+                    f"{span.fault}; within {limit - span.end:.0f} s of the engine's return "
+                    f"it was on {best} at most",
+                    (b, span.index, last),
+                )
+
+
+def placed_served_at_end(history: list[Entry]) -> Iterator[Violation]:
+    """A done job with a placement policy is on its engines at the end: all
+    three for "all", two for {"replicas": 2}."""
+    finals = [(i, e) for i, e in _of(history, "final.engines")]
+    if not finals:
+        return
+    f, last = finals[-1]
+    done = {e["job"] for _, e in _of(history, "final.job") if e["state"] == "done"}
+    for i, sub in _of(history, "job.submitted"):
+        policy = sub.get("serving")
+        if policy is None or sub["job"] not in done:
+            continue
+        want = (
+            PLACED_ENGINES["all"]
+            if policy == "all"
+            else min(int(policy["replicas"]), PLACED_ENGINES["all"])
+        )
+        names = {n for ns in last["adapters"].values() if ns for n in ns
+                 if n.rsplit("-", 1)[0] == sub["job"]}  # fmt: skip
+        held = max((_holding(last, n) for n in names), default=0)
+        if held < want:
+            yield Violation(
+                "placed",
+                f"job {sub['job']} (serving {json.dumps(policy)}) is done and on {held} "
+                f"engine(s) at the end, not {want}",
+                (i, f),
+            )
+
+
+def right_adapter(history: list[Entry]) -> Iterator[Violation]:
+    """Every chat answered (whole or in part) was answered by the adapter asked
+    for: the stand-in's text names the engine's name for the model it ran,
+    `<job>-<sha12>` for a fine-tuned model, the base's own for the base."""
+    base = _run_start(history).get("base")
+    for i, e in _of(history, "chat"):
+        if e["status"] != 200 or " says:" not in e["text"]:
+            continue
+        by = e["text"].split(" says:", 1)[0]
+        if e["job"] is None:
+            ok = by == base
+        else:
+            prefix, _, sha = by.rpartition("-")
+            ok = prefix == e["job"] and len(sha) == 12
+        if not ok:
+            yield Violation(
+                "right-adapter",
+                f"a chat with {e['model']} (project {e['project']}, {e['gateway']}) was "
+                f"answered by {by!r}",
+                (i,),
+            )
+
+
+def _owner(filename: str) -> str:
+    """The project a file's name says it was uploaded by (`<project>-<n>.jsonl`)."""
+    return filename.rsplit("-", 1)[0]
+
+
+def uploads_whole(history: list[Entry]) -> Iterator[Violation]:
+    """No upload half visible: every file a project lists at the end downloads
+    and is, byte for byte, one of its uploads of that name; every upload
+    answered with a file id is listed."""
+    sent: dict[str, list[tuple[int, Entry]]] = defaultdict(list)
+    for i, e in _of(history, "upload"):
+        sent[e["filename"]].append((i, e))
+    for i, e in _of(history, "final.files"):
+        if e["files"] is None:
+            yield Violation("upload", f"project {e['project']}'s files could not be listed "
+                            f"at the end: {e.get('error')}", (i,))  # fmt: skip
+            continue
+        listed = {f["id"] for f in e["files"]}
+        for f in e["files"]:
+            ups = sent.get(f["filename"], [])
+            if f["sha256"] is None:
+                yield Violation("upload", f"{f['id']} ({f['filename']}) is listed but its "
+                                f"content does not download: {f['why']}", (i,))  # fmt: skip
+            elif not any(u["sha256"] == f["sha256"] for _, u in ups):
+                yield Violation(
+                    "upload",
+                    f"{f['id']} ({f['filename']}, {f['bytes']} bytes) is listed but its "
+                    f"content is not what was uploaded under that name",
+                    (*(j for j, _ in ups), i),
+                )
+        for j, u in (x for xs in sent.values() for x in xs):
+            if u["project"] == e["project"] and u.get("file") and u["file"] not in listed:
+                yield Violation("upload", f"{u['file']} ({u['filename']}) was answered but "
+                                "is not listed at the end", (j, i))  # fmt: skip
+
+
+def projects_apart(history: list[Entry]) -> Iterator[Violation]:
+    """No file or job of one project is listed for, or given by id to, a key
+    of another (nor a job made around the gateway, which is no project's)."""
+    for i, e in _of_any(history, ("tenancy.list", "final.tenancy")):
+        for f in e["files"]:
+            if _owner(f["filename"]) != e["project"]:
+                yield Violation("projects", f"project {e['project']} lists file {f['id']} "
+                                f"({f['filename']})", (i,))  # fmt: skip
+        for j in e["jobs"]:
+            if j["project"] != e["project"]:
+                yield Violation("projects", f"project {e['project']} lists job {j['id']} "
+                                f"(project {j['project']})", (i,))  # fmt: skip
+    for i, e in _of(history, "tenancy.get"):
+        if e["status"] == 200:
+            yield Violation("projects", f"project {e['project']} got {e['owner']}'s "
+                            f"{e['what']} {e['id']} by its id", (i,))  # fmt: skip
+
+
+def faults_are_retries(history: list[Entry]) -> Iterator[Violation]:
+    """What a fault shows a gateway client is a 503 that says to retry (or a
+    4xx that says what to change), never a 500: "the service failed ... it
+    is logged" tells a client nothing to do."""
+    for i, e in _of_any(history, ("chat", "upload", "job.submit_failed")):
+        if e.get("status") == 500:
+            what = e["kind"].split(".")[0]
+            yield Violation("retry", f"a{'n' if what == 'upload' else ''} {what} through "
+                            f"{e.get('gateway', 'the gateway')} got a 500: "
+                            f"{e.get('error', '')[:200]}", (i,))  # fmt: skip
+
+
+def _of_any(history: list[Entry], kinds: tuple[str, ...]) -> Iterator[tuple[int, Entry]]:
+    return ((i, e) for i, e in enumerate(history) if e["kind"] in kinds)
+
+
+def client_outcomes(history: list[Entry]) -> dict[str, dict[str, int]]:
+    """What gateway clients saw while each kind of fault was under way (and
+    with none): "<chat|upload> <status>" counted, a stream broken after its
+    200 as "chat 200 broken", no answer as "<what> no answer". For the
+    operators' page (docs/nemesis.md), not a rule."""
+    spans = fault_spans(history)
+    out: dict[str, dict[str, int]] = defaultdict(lambda: defaultdict(int))
+    for _, e in _of_any(history, ("chat", "upload")):
+        at = e["mono"]
+        kinds = {s.fault for s in spans if s.start <= at <= s.end} or {"none"}
+        status = e["status"]
+        seen = "no answer" if status is None else str(status)
+        if e["kind"] == "chat" and status == 200 and not e["whole"]:
+            seen += " broken"
+        for kind in kinds:
+            out[kind][f"{e['kind']} {seen}"] += 1
+    return {k: dict(v) for k, v in out.items()}
+
+
+#: Entries a window quotes from the moments before its evidence: the faults,
+#: and the run's own stalls (what any process on the machine suffered too);
+#: also the fences of its nodes' agents.
+_CONTEXT_KINDS = ("fault.", "host.stall")
+
+
 def window(history: list[Entry], violation: Violation) -> list[tuple[int, Entry]]:
     """The smallest stretch of the history that shows `violation`: from its first
     to its last evidence, keeping the evidence, the faults and what concerns the
@@ -318,13 +570,17 @@ def window(history: list[Entry], violation: Violation) -> list[tuple[int, Entry]
     before = [
         (i, history[i])
         for i in range(lo)
-        if history[i]["mono"] >= since and history[i]["kind"].startswith("fault.")
+        if history[i]["mono"] >= since
+        and (
+            history[i]["kind"].startswith(_CONTEXT_KINDS)
+            or (history[i]["kind"] == "agent.fenced" and history[i].get("node") in about)
+        )
     ]
     kept = before + [
         (i, history[i])
         for i in range(lo, hi + 1)
         if i in violation.evidence
-        or history[i]["kind"].startswith("fault.")
+        or history[i]["kind"].startswith(_CONTEXT_KINDS)
         or about & {history[i].get("job"), history[i].get("node")}
     ]
     if len(kept) > WINDOW_MAX_ENTRIES:

@@ -22,6 +22,7 @@ from collections.abc import Awaitable, Callable
 from pathlib import Path
 from typing import IO, Any
 
+from bench.nemesis_check import SERVED_BOUND_S
 from bench.nemesis_stack import (
     Fleet,
     degrade,
@@ -48,10 +49,26 @@ HOLD_S = {
     "nats.isolate": (2.0, 6.0),
     "nats.pause": (0.5, 4.0),
     "postgres.restart": (0.5, 3.0),
+    "postgres.disk_full": (2.0, 8.0),
     "link.cut": (1.0, 6.0),
     "link.degrade": (3.0, 8.0),
     "disk.full": (2.0, 8.0),
+    "engine.kill": (0.5, 5.0),
+    "engine.restart": (0.0, 0.0),
+    "engine.slow": (3.0, 10.0),
+    "engine.refuse_loads": (3.0, 10.0),
+    "gateway.kill_mid_upload": (0.5, 3.0),
+    "gateway.kill_mid_stream": (0.5, 3.0),
 }
+#: Seconds a slow engine takes more for each completion and load (a uniform pick).
+ENGINE_SLOW_S = (1.0, 3.0)
+#: Seconds after an engine's refusals end that the run still waits at its end
+#: for a placed adapter: the placement asks a pair again 30 s after it was
+#: last asked (scheduler/replica_rounds.py), then the load.
+REFUSED_RETRY_S = 45.0
+#: Seconds a mid-request kill waits for a request of its kind on its replica
+#: (none by then: it kills the replica anyway, and says so).
+MID_REQUEST_WAIT_S = 20.0
 #: Seconds one fault (its do, hold and undo) may take before it is given up.
 FAULT_TIMEOUT_S = 90.0
 
@@ -89,6 +106,10 @@ class Nemesis:
         self.next_id = 0
         #: Faults done, by kind.
         self.done: dict[str, int] = {}
+        #: Until when (monotonic) the engines' faults may still show in what
+        #: they hold: an engine back gets SERVED_BOUND_S; one that refused loads
+        #: REFUSED_RETRY_S (the placement asks a pair again after 30 s).
+        self.engines_settle_until = 0.0
 
     async def run(self, until: float) -> None:
         """Both lanes until the monotonic time `until`."""
@@ -116,6 +137,10 @@ class Nemesis:
             options = list(self.fleet.cluster.names)
         elif kind.startswith("link."):
             options = [f"link {n}" for n in self.fleet.links if n != "hub"]
+        elif kind.startswith("engine."):
+            options = [f"engine {n}" for n in self.fleet.engines]
+        elif kind.startswith("gateway."):
+            options = list(self.fleet.gateways)
         else:
             options = ["postgres"]
         free = [t for t in options if not self._tokens(t) & self.busy]
@@ -125,7 +150,7 @@ class Nemesis:
     def _tokens(target: str) -> set[str]:
         if target.startswith("nats-"):
             return {"nats"}
-        if target.startswith(("agent ", "link ")):
+        if target.startswith(("agent ", "link ", "engine ")):
             return {target.split(" ", 1)[1]}
         return {target}
 
@@ -141,8 +166,10 @@ class Nemesis:
         self.busy |= tokens
         self.next_id += 1
         fid = self.next_id
+        engine = target.split(" ", 1)[1] if target.startswith("engine ") else None
         self.history.write("fault.start", id=fid, fault=kind, target=target,
-                           node=self._node(target), hold_s=round(hold_s, 2))  # fmt: skip
+                           node=self._node(target), engine=engine,
+                           hold_s=round(hold_s, 2))  # fmt: skip
         self.done[kind] = self.done.get(kind, 0) + 1
         try:
             try:
@@ -153,6 +180,10 @@ class Nemesis:
         finally:
             self.busy -= tokens
             self.history.write("fault.end", id=fid)
+            if kind.startswith("engine."):
+                wait_s = REFUSED_RETRY_S if kind == "engine.refuse_loads" else SERVED_BOUND_S
+                self.engines_settle_until = max(self.engines_settle_until,
+                                                time.monotonic() + wait_s)  # fmt: skip
 
     def _actions(
         self, kind: str, target: str
@@ -160,6 +191,10 @@ class Nemesis:
         """What `kind` does to `target`, and what undoes it."""
         if kind.startswith("process."):
             return self._process_actions(kind, self.fleet.services()[target], target)
+        if kind.startswith("engine."):
+            return self._engine_actions(kind, target.split(" ", 1)[1])
+        if kind.startswith("gateway."):
+            return self._gateway_actions(kind, target)
         cluster = self.fleet.cluster
         if kind == "nats.kill":
             return (lambda: cluster.kill(target)), (lambda: self._member_back(target))
@@ -174,9 +209,13 @@ class Nemesis:
         if kind == "disk.full":
             disk = self.fleet.object_disks[target]
             return (lambda: asyncio.to_thread(disks.fill, disk)), (lambda: self._disk_back(target))
-        if kind == "postgres.restart":
+        if kind.startswith("postgres."):
             pg = self.fleet.pg
             assert pg is not None
+            if kind == "postgres.disk_full":
+                return (lambda: asyncio.to_thread(pg.fill_disk)), (
+                    lambda: asyncio.to_thread(pg.disk_back)
+                )
             return (lambda: asyncio.to_thread(pg.stop_now)), (
                 lambda: asyncio.to_thread(pg.start_again)
             )
@@ -200,6 +239,38 @@ class Nemesis:
             await restart_process(proc)
 
         return _now(signal_process, proc, sig), back
+
+    def _engine_actions(
+        self, kind: str, node: str
+    ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
+        engine = self.fleet.engines[node]
+        if kind == "engine.kill":
+            return _now(signal_process, engine, signal.SIGKILL), (lambda: restart_process(engine))
+        if kind == "engine.restart":
+            return (lambda: restart_process(engine)), _nothing
+        if kind == "engine.slow":
+            delay_s = round(random.Random(f"{self.seed}/{self.next_id}").uniform(*ENGINE_SLOW_S), 2)
+            return _now(lambda: engine.set_control(delay_s=delay_s)), _now(engine.set_control)
+        return _now(lambda: engine.set_control(refuse_loads=True)), _now(engine.set_control)
+
+    def _gateway_actions(
+        self, kind: str, name: str
+    ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
+        """SIGKILL of a gateway replica once a request of the kind is in flight on it."""
+        proc = self.fleet.gateways[name]
+        what = "upload" if kind.endswith("upload") else "stream"
+        fid = self.next_id + 1  # the id _fault gives it, right after this call
+
+        async def kill() -> None:
+            until = time.monotonic() + MID_REQUEST_WAIT_S
+            key = f"{name} {what}"
+            while self.fleet.in_flight.get(key, 0) == 0 and time.monotonic() < until:  # noqa: ASYNC110 (a count the run keeps)
+                await asyncio.sleep(0.05)
+            self.history.write("fault.mid", id=fid, what=what,
+                               in_flight=self.fleet.in_flight.get(key, 0))  # fmt: skip
+            signal_process(proc, signal.SIGKILL)
+
+        return kill, (lambda: restart_process(proc))
 
     async def _member_back(self, name: str) -> None:
         await self.fleet.cluster.servers[name].start()
@@ -234,12 +305,18 @@ class Nemesis:
             await cluster.wait_ready()
         if self.fleet.pg is not None:
             with contextlib.suppress(Exception):
-                await asyncio.to_thread(self.fleet.pg.start_again)
+                await asyncio.to_thread(self.fleet.pg.disk_back)  # started again if down
         for node, link in self.fleet.links.items():
             if node != "hub":
                 undegrade(link)
                 with contextlib.suppress(Exception):
                     await asyncio.to_thread(self.fleet.restore_link, link)
+        for node, engine in self.fleet.engines.items():
+            engine.set_control()
+            if not engine.running:
+                self.history.write("heal", target=f"engine {node}")
+                with contextlib.suppress(Exception):
+                    await restart_process(engine)
         for target, proc in self.fleet.services().items():
             signal_process(proc, signal.SIGCONT)
             if not proc.running:

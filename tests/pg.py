@@ -25,6 +25,7 @@ from pathlib import Path
 import psutil
 import psycopg
 
+from tests import disks
 from tests.ports import free_port
 
 #: Where CREATE/DROP DATABASE run; LORAFLEET_TEST_PG_ADMIN overrides it.
@@ -35,6 +36,8 @@ PG_ADMIN_DSN = os.environ.get(
 PG_CTL_TIMEOUT_S = 60.0
 #: The user a private PostgreSQL runs as (initdb refuses root).
 PG_USER = "postgres"
+#: MiB of WAL a private cluster keeps (max_wal_size; half of it min_wal_size).
+WAL_MIB = 64
 #: Names of the migrated templates: `<prefix>_<pid>_<hex>`.
 TEMPLATE_PREFIX = "lorafleet_tmpl"
 
@@ -102,10 +105,14 @@ def drop_orphaned_templates(admin_dsn: str = PG_ADMIN_DSN) -> list[str]:
 class PrivatePostgres:
     """A PostgreSQL cluster of the run's own in a directory `postgres` owns."""
 
-    def __init__(self) -> None:
+    def __init__(self, disk_mib: int | None = None) -> None:
+        """disk_mib: its data directory on a tmpfs of that size (root), which
+        `fill_disk` fills; None: on the temp directory's filesystem."""
         self.dir = Path(tempfile.mkdtemp(prefix="lorafleet-nemesis-pg-"))
         self.port = free_port()
         self.started = False
+        self.disk_mib = disk_mib
+        self._disk: contextlib.ExitStack | None = None
 
     @staticmethod
     def unavailable() -> str | None:
@@ -126,9 +133,18 @@ class PrivatePostgres:
             check=True, capture_output=True, timeout=PG_CTL_TIMEOUT_S,
         )  # fmt: skip
 
+    @property
+    def data(self) -> Path:
+        return self.dir / "data"
+
     def start(self) -> str:
         """initdb, start; the SQLAlchemy URL of a new database in it."""
         shutil.chown(self.dir, PG_USER)
+        if self.disk_mib is not None:
+            self._disk = contextlib.ExitStack()
+            self._disk.enter_context(disks.small_filesystem(self.data, self.disk_mib))
+            shutil.chown(self.data, PG_USER)
+            self.data.chmod(0o700)
         self._as_postgres("initdb", "-D", str(self.dir / "data"), "-A", "trust", "-U", "postgres")
         self._pg_ctl("start")
         self.started = True
@@ -147,7 +163,11 @@ class PrivatePostgres:
         return f"host=127.0.0.1 port={self.port} user=postgres dbname={db}"
 
     def _pg_ctl(self, action: str, *extra: str) -> None:
-        opts = f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir}"
+        # WAL kept small: on a small disk of its own only `fill_disk` fills it.
+        opts = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.dir} "
+            f"-c max_wal_size={WAL_MIB}MB -c min_wal_size={WAL_MIB // 2}MB"
+        )
         self._as_postgres(
             "pg_ctl", "-D", str(self.dir / "data"), "-o", opts, "-w", "-l",
             str(self.dir / "log"), action, *extra,
@@ -160,8 +180,28 @@ class PrivatePostgres:
     def start_again(self) -> None:
         self._pg_ctl("start")
 
+    def running(self) -> bool:
+        try:
+            self._pg_ctl("status")
+        except subprocess.CalledProcessError:
+            return False
+        return True
+
+    def fill_disk(self) -> None:
+        """Its data directory's disk full: writes fail (ERROR 53100), and one
+        that needs a new WAL segment stops the server (PANIC)."""
+        disks.fill(self.data)
+
+    def disk_back(self) -> None:
+        """The space back, and the server started if the full disk stopped it."""
+        disks.unfill(self.data)
+        if not self.running():
+            self.start_again()
+
     def remove(self) -> None:
         if self.started:
             with contextlib.suppress(subprocess.SubprocessError):
                 self._pg_ctl("stop", "-m", "immediate")
+        if self._disk is not None:
+            self._disk.close()
         shutil.rmtree(self.dir, ignore_errors=True)

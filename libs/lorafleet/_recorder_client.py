@@ -7,7 +7,8 @@ internal `store.jobs.transition` and `store.jobs.artifact`). Every state
 change is a compare-and-set (`from_state` -> `to_state`); `end_job` is the
 one loop that retries one when the job moved on under it, and `lose_job`
 (a loss not the job's own: requeue with attempts left, else fail, as
-`lorafleet.states.loss_outcome` decides) goes through it too.
+`lorafleet.states.loss_outcome` decides) and `move_job` (the operator's
+requeue off a drained node) go through it too.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from nats.aio.client import Client
 import lorafleet.nats._bus as bus
 from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
-from lorafleet.states import FINAL, ON_NODE, loss_outcome
+from lorafleet.states import FINAL, ON_NODE, loss_outcome, moved_message
 from lorafleet_schemas.messages import (
     AdapterList,
     AdapterListRequest,
@@ -130,9 +131,10 @@ class RecorderClient:
         job: JobRecord | str,
         target: Callable[[JobRecord], tuple[JobState, str]],
         still: Callable[[JobRecord], bool] | None,
+        moved: bool = False,
     ) -> Ended:
-        """The CAS loop of end_job and lose_job: `target(job)` is where the
-        job as last read goes, and with which message."""
+        """The CAS loop of end_job, lose_job and move_job: `target(job)` is
+        where the job as last read goes, and with which message."""
         current = await self.get_job(job) if isinstance(job, str) else job
         for _ in range(CAS_ATTEMPTS):
             if current is None or current.state in FINAL:
@@ -142,7 +144,11 @@ class RecorderClient:
             to_state, message = target(current)
             reply = await self.transition(
                 TransitionRequest(
-                    id=current.id, from_state=current.state, to_state=to_state, message=message
+                    id=current.id,
+                    from_state=current.state,
+                    to_state=to_state,
+                    message=message,
+                    moved=moved,
                 )
             )
             if reply.applied:
@@ -178,3 +184,18 @@ class RecorderClient:
             return j.state in ON_NODE and (still is None or still(j))
 
         return await self._move(job, lambda j: loss_outcome(j, cause, failed_message), on_node)
+
+    async def move_job(
+        self, job: JobRecord, cause: str, *, still: Callable[[JobRecord], bool]
+    ) -> Ended:
+        """The operator moves `job` off its node (`cause`, e.g. "node n1 was
+        drained"): back to the queue whatever its attempts left, its
+        max_attempts grown by one (the move is no failure). A cancel that came
+        first wins. Only while the job is on a node and `still(job)` holds."""
+
+        def on_node(j: JobRecord) -> bool:
+            return j.state in ON_NODE and still(j)
+
+        return await self._move(
+            job, lambda j: (JobState.QUEUED, moved_message(j, cause)), on_node, moved=True
+        )

@@ -4,12 +4,14 @@ Each service describes itself as a `Program`; its `__main__` calls
 `runtime.main(PROGRAM)`, which reads `Settings`, configures logging and runs
 `serve()` until SIGTERM or SIGINT. `serve()` serves metrics, runs
 `before_connect` (the recorder's migration, the agent's leftovers), connects,
-ensures the JetStream layout (`"ensure"`, tried again for `LAYOUT_RETRY_S`; or
+ensures the JetStream layout (`"ensure"`, waiting for a cluster between leaders:
+`bus.when_cluster_answers`, as every JetStream step of a start does; or
 `"if_allowed"`: a node's credentials may not create streams), starts the
 service (`service.started`), and on the stop signal stops it and drains
 (`service.stopped`). A service needs only `start()`/`stop()` (`Service`);
 `reconnected()` (`Reconnects`) is called after each reconnect. Exit codes:
-`EXIT_SETTINGS`, `EXIT_CONNECT`, a traceback (1) otherwise. Tests and the
+`EXIT_SETTINGS`, `EXIT_CONNECT` (also a cluster that did not answer a start's
+JetStream step in time), a traceback (1) otherwise. Tests and the
 embedded stack call `serve(program, settings, stop=event)` in-process.
 """
 
@@ -22,9 +24,6 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal, NoReturn, Protocol, TypeVar, runtime_checkable
 
-import nats.errors
-import nats.js.errors
-import stamina
 from nats.aio.client import Client
 from nats.js import JetStreamContext
 
@@ -46,13 +45,9 @@ T = TypeVar("T")
 #: `python -m` as for the same service run as a `lorafleet` command.
 EXIT_SETTINGS = Exit.USAGE
 EXIT_CONNECT = Exit.UNREACHABLE
-#: Seconds a service keeps asking for its layout at start: the member it is
-#: on may be cut off from the others (a minority partition answers no
-#: JetStream request until it is back) or electing a leader
-#: (tests/nemesis/test_found.py pins it).
-LAYOUT_RETRY_S = 30.0
-#: Seconds between those tries.
-LAYOUT_RETRY_PAUSE_S = 1.0
+#: Seconds a service keeps asking for its layout at start (the one wait of
+#: every start's JetStream steps, `bus.when_cluster_answers`).
+LAYOUT_RETRY_S = bus.CLUSTER_WAIT_S
 
 
 class Service(Protocol):
@@ -196,33 +191,17 @@ async def _ensure_owned_layout(nc: Client, settings: Settings, name: str) -> Non
     )
 
 
-#: Errors of a layout's creation that a cluster's start or catch-up explains.
-LAYOUT_RETRIED = (
-    nats.errors.TimeoutError,
-    nats.errors.NoRespondersError,
-    nats.js.errors.ServiceUnavailableError,  # "temporarily unavailable": catching up
-)
-
-
 async def ensure_layout_retrying(
     js: JetStreamContext, settings: Settings, parts: tuple[str, ...] | None = None
 ) -> None:
-    """`bus.ensure_layout`, tried for LAYOUT_RETRY_S: a cluster that has just
-    become ready can time out a replicated stream's creation while it
-    places the stream's group or has a member not yet connected ("no
-    suitable peers for placement"), and a server still catching up answers
-    "temporarily unavailable"."""
-    retries = stamina.retry_context(
-        on=lambda e: isinstance(e, LAYOUT_RETRIED) or bus.placement_pending(e),
-        attempts=None,
-        timeout=LAYOUT_RETRY_S,
-        wait_initial=LAYOUT_RETRY_PAUSE_S,
-        wait_max=LAYOUT_RETRY_PAUSE_S,
-        wait_jitter=0,
+    """`bus.ensure_layout`, while the cluster settles (`bus.when_cluster_answers`):
+    a cluster that has just become ready can time out a replicated stream's
+    creation while it places the stream's group or has a member not yet
+    connected ("no suitable peers for placement"), and a server still
+    catching up answers "temporarily unavailable"."""
+    await bus.when_cluster_answers(
+        "the JetStream layout", lambda: bus.ensure_layout(js, bus.layout_for(settings), parts)
     )
-    async for attempt in retries:
-        with attempt:
-            await bus.ensure_layout(js, bus.layout_for(settings), parts)
 
 
 class LayoutRefusal:

@@ -212,14 +212,13 @@ async def download_artifact(
     try:
         with tmp.open("wb") as f:
             try:
-                await download_object(js, names.artifacts_bucket, record.object, f)
+                got = await download_object(js, names.artifacts_bucket, record.object, f)
             except ObjectChunksMissingError as e:
                 raise ArtifactChunkMissingError(
                     chunk_missing_message(record, names.artifacts_bucket, e.detail)
                 ) from None
             except ObjectDamagedError as e:
                 raise ArtifactDigestError(str(e)) from None
-        got = file_sha256(tmp)
         if got != record.sha256 or tmp.stat().st_size != record.size:
             raise ArtifactDigestError(
                 f"{record.object}: downloaded {tmp.stat().st_size} bytes with sha256 {got}, "

@@ -26,12 +26,12 @@ from types import TracebackType
 from typing import TypeVar
 
 import msgspec
-import nats.js.errors
 from nats.aio.client import Client as Nats
 
 import lorafleet.nats._bus as bus
 from lorafleet.estimate import with_architecture
 from lorafleet.names import Names, dataset_object_name
+from lorafleet.objects import touch_object
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
@@ -45,9 +45,12 @@ from lorafleet_schemas.messages import (
     ArtifactList,
     ArtifactListRequest,
     ArtifactRecord,
+    GcReport,
+    GcRequest,
     JobCancelRequest,
     JobCurve,
     JobCurveRequest,
+    JobDeleteRequest,
     JobEstimate,
     JobEstimateRequest,
     JobEvent,
@@ -62,8 +65,11 @@ from lorafleet_schemas.messages import (
     ModelListRequest,
     ModelRecord,
     ModelSpec,
+    NodeInfo,
     NodeList,
     NodeListRequest,
+    NodeSchedule,
+    NodeScheduleRequest,
     NodeServeReply,
     ServingRecord,
     ServingState,
@@ -74,6 +80,8 @@ T = TypeVar("T")
 #: Records up to this size go inline in a submit (one message holds them);
 #: larger go to the datasets bucket first and the submit names them.
 INLINE_DATA_MAX_BYTES = 512 * 1024
+#: Seconds a retention run (`gc`) may take: it reads every object's info.
+GC_TIMEOUT_S = 120.0
 
 
 def job_order(job: JobRecord) -> tuple[int, dt.datetime]:
@@ -122,14 +130,20 @@ class Client:
         await self.close()
 
     async def _req(
-        self, subject: str, message: object, reply_type: type[T], *, idempotent: bool = False
+        self,
+        subject: str,
+        message: object,
+        reply_type: type[T],
+        *,
+        idempotent: bool = False,
+        timeout_s: float | None = None,
     ) -> T:
         return await bus.request(
             self.nc,
             subject,
             message,
             reply_type,
-            timeout_s=self.settings.request_timeout_s,
+            timeout_s=timeout_s or self.settings.request_timeout_s,
             no_responders_retry_s=self.settings.no_responders_retry_s,
             idempotent=idempotent,
         )
@@ -159,13 +173,12 @@ class Client:
         """Put NDJSON into the datasets bucket under its sha256; returns the object name."""
         name = dataset_object_name(hashlib.sha256(data).hexdigest())
         store = await self.js.object_store(self.names.datasets_bucket)
-        # The name is the content's sha256: a stored one is this data already.
-        # Putting it again would also purge the old chunks, which a client
-        # identity may not do (lorafleet.access.permissions.client_permissions).
-        with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
-            info = await store.get_info(name)
-            if info.size == len(data) and not info.deleted:
-                return name
+        # The name is the content's sha256: a stored one is this data already
+        # (touched, so that a retention sweep that judged it keeps it: see
+        # lorafleet.objects). Putting it again would also purge the old
+        # chunks, which a client identity may not do (client_permissions).
+        if await touch_object(self.js, self.names.datasets_bucket, name):
+            return name
         await store.put(name, io.BytesIO(data))
         return name
 
@@ -215,6 +228,13 @@ class Client:
         the cancel again)."""
         return await self._req(
             self.names.jobs_cancel, JobCancelRequest(id=job_id, reason=reason), JobRecord
+        )
+
+    async def delete(self, job_id: str, reason: str = "") -> JobRecord:
+        """Forget a final job (api.jobs.delete); returns its record as it was.
+        Retention then removes its artifacts and the data only it named."""
+        return await self._req(
+            self.names.jobs_delete, JobDeleteRequest(id=job_id, reason=reason), JobRecord
         )
 
     async def resume(self, job_id: str, attempts: int = 1, reason: str = "") -> JobRecord:
@@ -292,6 +312,26 @@ class Client:
     # --- nodes ---
     async def nodes(self) -> NodeList:
         return await self._read(self.names.nodes_list, NodeListRequest(), NodeList)
+
+    async def schedule_node(
+        self,
+        node: str,
+        schedule: NodeSchedule,
+        *,
+        move_training: bool = False,
+        force: bool = False,
+    ) -> NodeInfo:
+        """Cordon (no new training), drain (its replicas placed elsewhere,
+        then unloaded there) or open `node` again; the node as it is now.
+        Idempotent: marking a node as it is changes nothing. Drained with
+        `move_training`, its training jobs resume on other nodes from their
+        newest checkpoints (the answer's `moving`, and `staying` with why);
+        ConflictError, nothing changed, while one has no checkpoint, unless
+        `force` (it starts again from step 0)."""
+        request = NodeScheduleRequest(
+            node=node, schedule=schedule, move_training=move_training, force=force
+        )
+        return await self._read(self.names.nodes_schedule, request, NodeInfo)
 
     # --- serving ---
     async def serve(
@@ -377,6 +417,16 @@ class Client:
         return await self._read(
             self.names.artifacts_get, ArtifactGetRequest(job_id=job_id, kind=kind), ArtifactRecord
         )
+
+    async def gc(self, dry_run: bool = False) -> list[GcReport]:
+        """One retention run of each bucket (docs/operations.md, "Retention"):
+        the artifacts' report (the artifact-store's), then the datasets' (the
+        recorder's). `dry_run`: what would go, removing nothing."""
+        req = GcRequest(dry_run=dry_run)
+        return [
+            await self._req(subject, req, GcReport, timeout_s=GC_TIMEOUT_S)
+            for subject in (self.names.artifacts_gc, self.names.datasets_gc)
+        ]
 
     async def download(self, job_id: str, kind: ArtifactKind, out_file: Path) -> ArtifactRecord:
         """Write the artifact into `out_file` and check its sha256 (raises on a mismatch)."""

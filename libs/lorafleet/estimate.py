@@ -29,7 +29,7 @@ from lorafleet_schemas.messages import (
     ModelSpec,
     TrainerParams,
 )
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 
 # The error this module raises is the arithmetic's own, exported for its callers.
 from lorafleet_trainer.memory import EstimateError as EstimateError
@@ -56,11 +56,11 @@ def estimate_memory(
     "cpu"), line by line. `seq_len`: the longest row a micro-batch holds (the
     data's longest record, when known); default max_seq_len. `budget_mib`:
     the job's gpu_memory_mib, by which the trainer chooses its memory plan
-    (`lorafleet_trainer.memory.choose_plan`: checkpointing, heap, forward
+    (`lorafleet_trainer.plans.choose_plan`: checkpointing, heap, forward
     passes), as the trainer does; without one, the plan of no checkpointing
     ("auto"), the C library's heap and whole micro-batches."""
     rows = min(seq_len or params.max_seq_len, params.max_seq_len)
-    choice = memory.choose_plan(arch, params, device, rows, budget_mib)
+    choice = plans.choose_plan(arch, params, device, rows, budget_mib)
     lines = [
         _line(name, n, note)
         for name, n, note in memory.plan_lines(arch, params, device, rows, choice.plan)

@@ -39,6 +39,9 @@ class Event:
     NATS_DISCONNECTED: Final = "nats.disconnected"
     NATS_RECONNECTED: Final = "nats.reconnected"
     NATS_ERROR: Final = "nats.error"
+    #: A JetStream step of a service's start met a cluster between leaders;
+    #: it tries again (lorafleet/nats/_bus.py, `when_cluster_answers`).
+    NATS_WAITING: Final = "nats.waiting"
     #: The agent left a server that answers but stores no beat (it may be cut
     #: off from the rest of the cluster) for another (agent/heartbeat.py).
     NATS_MOVED: Final = "nats.moved"
@@ -53,6 +56,9 @@ class Event:
     JOB_EVAL: Final = "job.eval"
     JOB_FINISHED: Final = "job.finished"
     JOB_CANCELLED: Final = "job.cancelled"
+    #: A final job's record was deleted (api.jobs.delete: `job_id`, `reason`);
+    #: retention removes what only it needed.
+    JOB_DELETED: Final = "job.deleted"
     JOB_LOST: Final = "job.lost"
     #: A job went back to the queue: lost not by its own fault with attempts
     #: left (the control plane's requeue), or resumed by hand (api.jobs.resume).
@@ -62,6 +68,9 @@ class Event:
     JOB_RESENT: Final = "job.resent"
     #: The recorder took a job's newer checkpoint (JobRecord.checkpoint).
     JOB_CHECKPOINT: Final = "job.checkpoint"
+    #: The agent paused its trainer for the node's engines, or let it go on
+    #: (agent/training/yielding.py).
+    JOB_YIELD: Final = "job.yield"
     TRANSITION_REFUSED: Final = "transition.refused"
     STATUS_REFUSED: Final = "status.refused"
     STATUS_STALE: Final = "status.stale"
@@ -74,6 +83,11 @@ class Event:
     #: A node's agent stopped cleanly (it deleted its heartbeat key).
     NODE_LEFT: Final = "node.left"
     NODE_BUSY: Final = "node.busy"
+    #: An operator cordoned, drained or uncordoned a node (`node`, `state`).
+    NODE_MARKED: Final = "node.marked"
+    #: The leader asked a node to load or unload a placed replica (`job_id`,
+    #: `node`, `state`: place or unplace, `message`: the agent's answer).
+    REPLICA_PLACED: Final = "replica.placed"
     LEADER_ACQUIRED: Final = "leader.acquired"
     LEADER_LOST: Final = "leader.lost"
     TRAINER_STARTED: Final = "trainer.started"
@@ -117,10 +131,26 @@ class Event:
     GATEWAY_LISTENING: Final = "gateway.listening"
     #: The gateway answered an HTTP request with an error (`status`, `path`, `client`).
     GATEWAY_REFUSED: Final = "gateway.refused"
+    #: A node's heartbeat key went (`node`): the gateway dropped its routes.
+    GATEWAY_NODE_GONE: Final = "gateway.node_gone"
+    #: The gateway retried a request on another replica (`engine`: the one that
+    #: failed before its first byte, `error`).
+    GATEWAY_RETRIED: Final = "gateway.retried"
     #: An engine the gateway routes to did not list its models (`engine`, `error`).
     GATEWAY_ENGINE_UNAVAILABLE: Final = "gateway.engine_unavailable"
     #: The gateway took a file (`file_id`, `bytes`, `records`, `client`).
     GATEWAY_FILE_STORED: Final = "gateway.file_stored"
+    #: The gateway deleted a file object (`file_id`, `client`); its data goes by
+    #: retention once nothing names it.
+    GATEWAY_FILE_DELETED: Final = "gateway.file_deleted"
+    #: Retention removed an object nothing needs (`bucket`, `object`, `kind`,
+    #: `size`, `reason`, `job_id`).
+    RETENTION_REMOVED: Final = "retention.removed"
+    #: A retention run ended (`bucket`, `dry_run`, `examined`, `removed`,
+    #: `freed_bytes`, `waiting`: unneeded, in their grace).
+    RETENTION_SWEPT: Final = "retention.swept"
+    #: A retention run removed nothing at all, and why (`bucket`, `error`).
+    RETENTION_REFUSED: Final = "retention.refused"
     #: A serving record changed: the agent's report of it (`served_name`,
     #: `engine`, `state`, `reason`), the recorder's commit of it (`job_id`,
     #: `node`, `engine`, `state`, `message`: its reason).

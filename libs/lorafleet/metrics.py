@@ -114,6 +114,18 @@ SERVE_REQUESTS = Counter(
     registry=None,
 )
 
+# --- agent ------------------------------------------------------------------
+
+#: The causes of a paused trainer's seconds (agent/training/yielding.py).
+YIELD_CAUSES = ("engine_busy", "idle_wait")
+TRAINER_YIELD = Counter(
+    "lorafleet_trainer_yield_seconds",
+    "Seconds the agent held its trainer paused for the node's engines, by cause: "
+    "engine_busy (an engine had requests), idle_wait (idle less than the node's yield_idle_s)",
+    ["cause"],
+    registry=None,
+)
+
 # --- artifact-store ---------------------------------------------------------
 
 ARTIFACTS_STORED = Counter(
@@ -148,6 +160,8 @@ def _preset() -> None:
     for request in ("serve", "unserve"):
         for outcome in SERVE_OUTCOMES:
             SERVE_REQUESTS.labels(request, outcome)
+    for cause in YIELD_CAUSES:
+        TRAINER_YIELD.labels(cause)
     for kind in ArtifactKind:
         ARTIFACTS_STORED.labels(kind.value)
         ARTIFACT_BYTES.labels(kind.value)
@@ -326,7 +340,7 @@ SERVICE_METRICS: dict[str, tuple[Any, ...]] = {
         SERVE_REQUESTS,
     ),
     "artifact-store": (ARTIFACTS_STORED, ARTIFACT_BYTES, ARTIFACTS_REJECTED, ARTIFACT_DELIVERY),
-    "agent": (),
+    "agent": (TRAINER_YIELD,),
 }
 _registered: set[int] = set()
 

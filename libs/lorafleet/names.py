@@ -81,6 +81,10 @@ class Names:
         return self.api("jobs", "resume")
 
     @property
+    def jobs_delete(self) -> str:
+        return self.api("jobs", "delete")
+
+    @property
     def jobs_estimate(self) -> str:
         return self.api("jobs", "estimate")
 
@@ -97,12 +101,27 @@ class Names:
         return self.api("nodes", "list")
 
     @property
+    def nodes_schedule(self) -> str:
+        """Cordon, drain or uncordon a node (the scheduler's)."""
+        return self.api("nodes", "schedule")
+
+    @property
     def artifacts_list(self) -> str:
         return self.api("artifacts", "list")
 
     @property
     def artifacts_get(self) -> str:
         return self.api("artifacts", "get")
+
+    @property
+    def artifacts_gc(self) -> str:
+        """Retention of the artifacts bucket (the artifact-store)."""
+        return self.api("artifacts", "gc")
+
+    @property
+    def datasets_gc(self) -> str:
+        """Retention of the datasets bucket (the recorder)."""
+        return self.api("datasets", "gc")
 
     @property
     def adapters_serve(self) -> str:
@@ -217,6 +236,11 @@ class Names:
     @property
     def leader_bucket(self) -> str:
         return f"{self.prefix}_leader"
+
+    @property
+    def node_marks_bucket(self) -> str:
+        """Cordoned and drained nodes (NodeMark), kept until uncordoned."""
+        return f"{self.prefix}_node_marks"
 
     @property
     def datasets_bucket(self) -> str:
@@ -343,6 +367,12 @@ def stream_msg_get_subject(stream: str) -> str:
     return f"$JS.API.STREAM.MSG.GET.{stream}"
 
 
+def stream_direct_get_subject(stream: str) -> str:
+    """The JetStream API subject of a (batched) direct get on `stream`; any
+    replica answers it, not only the leader (the stream needs allow_direct)."""
+    return f"$JS.API.DIRECT.GET.{stream}"
+
+
 def js_api_subject(*tokens: str) -> str:
     """A JetStream API request subject, `$JS.API.<tokens...>` (what a grant names:
     `js_api_subject("STREAM", "INFO", stream)`)."""
@@ -363,6 +393,13 @@ def msg_get_subject(bucket: str) -> str:
     """The one JetStream API subject `read_object` requests on an object-store
     bucket (what a reader's permissions must allow)."""
     return stream_msg_get_subject(object_stream(bucket))
+
+
+def object_read_subjects(bucket: str) -> tuple[str, str]:
+    """Every JetStream API subject `read_object` requests on an object-store
+    bucket: the message get (the object's info, from the leader) and the
+    batched direct get (its chunks)."""
+    return msg_get_subject(bucket), stream_direct_get_subject(object_stream(bucket))
 
 
 # --- message ids (Header.MSG_ID) --------------------------------------------------
@@ -416,6 +453,11 @@ class Header:
     SERVICE_ERROR_CODE: Final = "Nats-Service-Error-Code"
     #: The server's status of a reply ("503" when no one answered).
     STATUS: Final = "Status"
+    #: A direct get's answer: the message's stream sequence.
+    SEQUENCE: Final = "Nats-Sequence"
+    #: A batched direct get's answer: messages left on the subject after this
+    #: one (absent from an older server's single answer).
+    NUM_PENDING: Final = "Nats-Num-Pending"
     #: lorafleet's: an ArtifactChunkHeader as JSON on each artifact chunk.
     CHUNK: Final = "Lorafleet-Chunk"
 
@@ -428,3 +470,5 @@ KV_PURGE: Final = "PURGE"
 ROLLUP_SUBJECT: Final = "sub"
 #: `Header.STATUS` of a request no one answered.
 STATUS_NO_RESPONDERS: Final = "503"
+#: `Header.STATUS` of the message that ends a batched direct get's answer.
+STATUS_END_OF_BATCH: Final = "204"

@@ -1,11 +1,17 @@
 """Reading and writing objects of a NATS object store.
 
-`read_object` reads with one JetStream API call only (message gets on
-`OBJ_<bucket>`), so a node whose credentials allow just
-`names.msg_get_subject(bucket)` can read datasets, and the checkpoint or
+`read_object` reads with two JetStream API calls only (a message get and
+batched direct gets on `OBJ_<bucket>`), so a node whose credentials allow
+just `names.object_read_subjects(bucket)` can read datasets, and the checkpoint or
 adapter a resumed job starts from; `download_object` uses nats-py's own
 get, written into a file (for users that may do more). Both
 work around nats-py and live in lorafleet.nats._natspy; this is their public face.
+
+`listed_objects`, `touch_object` and `remove_object` are retention's
+(lorafleet.retention): an object is removed only if its info is still the
+one a sweep judged (a compare-and-set on the info's sequence), and whoever
+makes a new reference to a stored object touches it first (a new info, the
+same bytes), so a sweep that judged it before cannot remove it after.
 
 `ObjectWriter` publishes an object's chunks with a window of
 acknowledgements in flight (nats-py's `put` waits for each chunk's before
@@ -23,18 +29,22 @@ import datetime as dt
 import hashlib
 import json
 from collections import deque
+from dataclasses import dataclass
 
+import msgspec
+import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.errors import NotFoundError
 from nats.nuid import NUID
 
-from lorafleet import log
+import lorafleet.log as log
 from lorafleet.artifacts import decode_info, object_digest
 from lorafleet.names import (
     ROLLUP_SUBJECT,
     Header,
     object_chunk_subject,
     object_meta_subject,
+    object_meta_subjects,
     object_stream,
 )
 from lorafleet.nats._natspy import (
@@ -44,17 +54,23 @@ from lorafleet.nats._natspy import (
     client_of,
     download_object,
     read_object,
+    read_object_sha256,
 )
 
 __all__ = [
     "WRITE_ACK_TIMEOUT_S",
     "WRITE_WINDOW",
+    "ListedObject",
     "ObjectDamagedError",
     "ObjectNotFoundError",
     "ObjectWriter",
     "StagedObject",
     "download_object",
+    "listed_objects",
     "read_object",
+    "read_object_sha256",
+    "remove_object",
+    "touch_object",
 ]
 
 #: Object chunk publishes awaiting their acknowledgement at once.
@@ -176,7 +192,10 @@ class StagedObject:
             held = decode_info(
                 (await self.js.get_last_msg(object_stream(self.bucket), meta)).data or b""
             )
-        if held is not None and not held.deleted and held.size == self.size:
+        # A stored one is touched, not left as it was: a retention sweep that
+        # judged it unneeded cannot remove it now (the module's doc).
+        stored = held is not None and not held.deleted and held.size == self.size
+        if stored and await touch_object(self.js, self.bucket, name):
             await self.discard()
             self._committed = True
             return
@@ -198,3 +217,97 @@ class StagedObject:
         await self.js.purge_stream(
             object_stream(self.bucket), subject=object_chunk_subject(self.bucket, self.nuid)
         )
+
+
+# --- retention ---------------------------------------------------------------------
+
+#: JetStream's error code for a publish whose expected last subject sequence
+#: is not the subject's (a compare-and-set that lost).
+WRONG_LAST_SEQUENCE_ERR = 10071
+
+
+@dataclass(frozen=True)
+class ListedObject:
+    """A live object of a bucket, as its info message says."""
+
+    name: str
+    size: int
+    nuid: str
+    #: The stream sequence of its info message: a touch or a rewrite changes it.
+    seq: int
+
+
+async def listed_objects(js: JetStreamContext, bucket: str) -> list[ListedObject]:
+    """Every live object of `bucket` (deleted ones left out; none without the bucket)."""
+    stream = object_stream(bucket)
+    try:
+        metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
+    except NotFoundError:
+        return []
+    out = []
+    for subject in sorted(metas.state.subjects or {}):
+        with contextlib.suppress(NotFoundError):
+            raw = await js.get_last_msg(stream, subject)
+            info = decode_info(raw.data or b"")
+            if info is not None and not info.deleted and raw.seq is not None:
+                out.append(ListedObject(info.name, info.size, info.nuid, raw.seq))
+    return out
+
+
+async def _republish_info(
+    js: JetStreamContext, bucket: str, name: str, change: dict[str, object], expected_seq: int
+) -> bool:
+    """The info of `name` again with `change`, only if its message is still
+    `expected_seq`; False when it is not (changed, or gone)."""
+    stream, meta = object_stream(bucket), object_meta_subject(bucket, name)
+    try:
+        raw = await js.get_last_msg(stream, meta)
+    except NotFoundError:
+        return False
+    if raw.seq != expected_seq:
+        return False
+    info = msgspec.json.decode(raw.data or b"{}", type=dict[str, object])
+    if info.get("deleted"):
+        return False
+    headers = {Header.ROLLUP: ROLLUP_SUBJECT, Header.EXPECTED_LAST_SUBJECT_SEQUENCE: str(raw.seq)}
+    try:
+        await js.publish(meta, json.dumps({**info, **change}).encode(), headers=headers)
+    except nats.js.errors.APIError as e:
+        if e.err_code == WRONG_LAST_SEQUENCE_ERR:
+            return False
+        raise
+    return True
+
+
+async def touch_object(js: JetStreamContext, bucket: str, name: str) -> bool:
+    """Write the live object `name`'s info again (a new sequence, a new
+    mtime, the same bytes); False when there is no live object to touch.
+
+    Called before a new reference to a stored object is recorded: a
+    retention sweep that judged the old info unneeded then removes nothing
+    (`remove_object`'s compare-and-set), and the next sweep sees the reference.
+    """
+    stream, meta = object_stream(bucket), object_meta_subject(bucket, name)
+    for _ in range(3):  # another touch between the read and the write: read again
+        try:
+            raw = await js.get_last_msg(stream, meta)
+        except NotFoundError:
+            return False
+        info = decode_info(raw.data or b"")
+        if info is None or info.deleted or raw.seq is None:
+            return False
+        stamp = dt.datetime.now(dt.UTC).isoformat().replace("+00:00", "Z")
+        if await _republish_info(js, bucket, name, {"mtime": stamp}, raw.seq):
+            return True
+    return False
+
+
+async def remove_object(js: JetStreamContext, bucket: str, obj: ListedObject) -> bool:
+    """Delete `obj` if its info is still the one listed: a deleted info in its
+    place (as nats-py's delete writes), then its chunks purged. False (nothing
+    done) when it changed since (touched, rewritten) or is gone already."""
+    gone = {"deleted": True, "size": 0, "chunks": 0, "digest": ""}
+    if not await _republish_info(js, bucket, obj.name, gone, obj.seq):
+        return False
+    await js.purge_stream(object_stream(bucket), subject=object_chunk_subject(bucket, obj.nuid))
+    return True

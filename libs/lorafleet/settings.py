@@ -29,7 +29,9 @@ class SettingsError(ValueError):
     """
 
 
-def _default_data_dir() -> str:
+def default_data_dir() -> str:
+    """The data directory when LORAFLEET_DATA_DIR is not set: $XDG_DATA_HOME/lorafleet,
+    else ~/.local/share/lorafleet."""
     base = os.environ.get("XDG_DATA_HOME") or str(Path.home() / ".local" / "share")
     return str(Path(base) / "lorafleet")
 
@@ -54,7 +56,7 @@ class Settings:
     #: sqlite+aiosqlite:///...). Default: SQLite under `data_dir`.
     database_url: str = ""
     #: Where the embedded default keeps its NATS store and database.
-    data_dir: str = field(default_factory=_default_data_dir)
+    data_dir: str = field(default_factory=default_data_dir)
     #: Seconds between an agent's heartbeats; default 1.
     heartbeat_s: float = 1.0
     #: Seconds without a heartbeat after which a node is gone and its job
@@ -66,28 +68,49 @@ class Settings:
     request_timeout_s: float = 5.0
     #: Seconds a request nobody answers ("no responders") is sent again, every
     #: 0.1 s, before NoRespondersError; default 5, 0 = once. A service
-    #: restarting (a recorder answers within about a second of its spawn:
-    #: bench/recorder_start.py), or its last replica, is then no error.
+    #: restarting (bench/recorder_start.py), or its last replica, is then no error.
     no_responders_retry_s: float = 5.0
     #: JetStream replicas for streams, KV and object stores (3 on a cluster).
     replicas: int = 1
     #: "debug", "info", "warning" or "error".
     log_level: str = "info"
     #: Seconds the server waits for the recorder's ack of a status report
-    #: before redelivering it; default 10. A batch the recorder is still
-    #: applying is kept from redelivery ("in progress", lorafleet.nats._consumer),
-    #: so this bounds only how long a report a killed recorder held, or a
-    #: dying NATS server had in flight to it, waits to come back (fault
-    #: tests use a few seconds).
+    #: before redelivering it; default 10: how long a report a killed recorder
+    #: or a dying NATS server held waits to come back (a batch being applied
+    #: is told "in progress": lorafleet.nats._consumer).
     recorder_ack_wait_s: float = 10.0
     #: Seconds the recorder waits at start for PostgreSQL to answer (down, or
     #: still starting: each try, a second apart, is logged), then exits
     #: saying so; default 60, 0 = one try.
     database_wait_s: float = 60.0
+    #: Seconds a job may stay `uploading` after its agent delivered every
+    #: artifact before the scheduler takes the delivery for lost (requeued to
+    #: resume from its checkpoint, else failed).
+    delivery_store_wait_s: float = 300.0
     #: Seconds after its newest chunk that an object chunk subject no object
-    #: refers to is taken for a dead artifact-store's leftovers and purged (a
-    #: live replica writes more often); default 600 (fault tests use 0).
+    #: refers to is taken for a dead artifact-store's leftovers and purged
+    #: (artifact_store/DESIGN.md); default 600.
     artifact_orphan_age_s: float = 600.0
+    #: Retention (docs/operations.md, "Retention"). Seconds between the
+    #: periodic sweeps of the artifact-store (artifacts) and the recorder
+    #: (datasets); 0: no periodic sweep (`lorafleet gc` still runs one).
+    retention_sweep_every_s: float = 3600.0
+    #: Seconds an object must have been found unneeded, by sweeps that far
+    #: apart, before it is removed: a reference may be on its way (a submit
+    #: naming a file the sweep saw deleted). Far above any request's time.
+    retention_grace_s: float = 600.0
+    #: A final job's checkpoint is removed this long after the job ended (a
+    #: checkpoint only serves a resume; it is the largest object a job
+    #: leaves); 0: kept for ever. Default 14 days.
+    retention_checkpoint_after_s: float = 1_209_600.0
+    #: A done job's adapter (peft, gguf), not served, with no serving policy,
+    #: is removed this long after the job ended; 0 (the default): kept for
+    #: ever, since it is what the job was for.
+    retention_adapter_after_s: float = 0.0
+    #: The data of final jobs only (no gateway file names it) is removed this
+    #: long after the newest of them ended; 0 (the default): kept while any
+    #: job names it. Data no job and no file names goes after the grace.
+    retention_dataset_after_s: float = 0.0
     #: Log lines as "json" or "console" (for a person); default: console on
     #: a terminal, JSON otherwise (see lorafleet.log).
     log_format: str = ""
@@ -138,6 +161,11 @@ class Settings:
             raise SettingsError("LORAFLEET_DATABASE_WAIT_S must be >= 0 seconds")
         if self.artifact_orphan_age_s < 0:
             raise SettingsError("LORAFLEET_ARTIFACT_ORPHAN_AGE_S must be >= 0 seconds")
+        for name in ("sweep_every", "grace", "checkpoint_after", "adapter_after", "dataset_after"):
+            if getattr(self, f"retention_{name}_s") < 0:
+                raise SettingsError(
+                    f"LORAFLEET_RETENTION_{name.upper()}_S must be >= 0 seconds (0: off)"
+                )
         if self.log_format not in ("", "json", "console"):
             raise SettingsError(
                 f"LORAFLEET_LOG_FORMAT={self.log_format!r}: set it to json or console"

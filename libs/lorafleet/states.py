@@ -8,7 +8,8 @@
 A job may skip forward along the happy path (no GGUF to make: running ->
 uploading), never back, except by the two edges to `queued`, which are not
 in `ALLOWED` because no status report may take them: requeue
-(`can_requeue`, `loss_outcome`: a loss with attempts left) and resume
+(`can_requeue`, `loss_outcome`: a loss with attempts left; or a move off a
+drained node, `moved_message`, which needs none left and uses none) and resume
 (`can_resume`: from the newest checkpoint, as a new attempt). On either
 edge `node` goes back to the node the submitter named, and the next
 dispatch counts the next attempt. Who takes which move: docs/architecture.md.
@@ -41,6 +42,11 @@ ON_NODE: frozenset[JobState] = frozenset(
         JobState.UPLOADING,
     }
 )
+
+#: On a node with its training ahead or under way: what a drain's
+#: move_training moves. A job converting or uploading has trained; moved, it
+#: would train again, so it finishes where it is.
+MOVABLE: frozenset[JobState] = frozenset({JobState.STARTING, JobState.PREPARING, JobState.RUNNING})
 
 #: Not final: queued or on a node.
 ACTIVE: frozenset[JobState] = ON_NODE | {JobState.QUEUED}
@@ -116,6 +122,16 @@ def resumes_from(job: JobRecord) -> str:
     if job.resume_from is not None:
         return f"starts again from job {job.resume_from}'s weights"
     return "starts again from step 0 (no checkpoint was stored)"
+
+
+def moved_message(job: JobRecord, cause: str) -> str:
+    """The message of a job the operator moved off its node (a drain's
+    `move_training`): a requeue that uses up none of its attempts (the
+    recorder grows max_attempts by one, counted here)."""
+    return (
+        f"{cause} at step {job.step}; attempt {job.attempt + 1} of {job.max_attempts + 1} "
+        f"{resumes_from(job)} on another node (the move uses none of its attempts)"
+    )
 
 
 def loss_outcome(job: JobRecord, cause: str, failed_message: str) -> tuple[JobState, str]:

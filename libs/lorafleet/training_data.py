@@ -18,7 +18,7 @@ import hashlib
 
 import msgspec
 
-from lorafleet_trainer.records import SHAPES, RecordError, conversation_of
+from lorafleet_trainer.records import SHAPES, RecordError, record_of
 
 _decoder = msgspec.json.Decoder()
 
@@ -39,17 +39,20 @@ class DataError(ValueError):
         return DataError, (self.reason, self.line)
 
 
-def validate(data: bytes | str) -> tuple[int, str]:
-    """Check NDJSON training data; return (records, sha256 hex of the exact bytes)."""
+def validate(data: bytes | str, kind: str | None = None) -> tuple[int, str]:
+    """Check NDJSON training data, each record of `kind` (a job's method;
+    None: either); return (records, sha256 hex of the exact bytes)."""
     raw = data.encode() if isinstance(data, str) else bytes(data)
     if not raw.strip():
         raise DataError(EMPTY_MESSAGE)
-    return check_lines(raw, 1), hashlib.sha256(raw).hexdigest()
+    return check_lines(raw, 1, kind), hashlib.sha256(raw).hexdigest()
 
 
-def check_lines(piece: bytes, first_line: int) -> int:
+def check_lines(piece: bytes, first_line: int, kind: str | None = None) -> int:
     """The records in `piece`, whole lines of the data whose first is line
-    `first_line`; DataError naming the line of the first bad one."""
+    `first_line`, each of `kind` (None: either: an upload's job is not known
+    yet, its submit checks the kind); DataError naming the line of the first
+    bad one."""
     try:
         text = piece.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -60,7 +63,7 @@ def check_lines(piece: bytes, first_line: int) -> int:
         if not line_text.strip():
             continue
         try:
-            conversation_of(_decoder.decode(line_text), number)
+            record_of(_decoder.decode(line_text), number, kind)
         except msgspec.DecodeError as e:
             raise DataError(
                 f"not valid JSON ({e}): each line is one record, {SHAPES}", number

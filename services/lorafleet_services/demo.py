@@ -2,18 +2,19 @@
 
 It starts the embedded stack with one local agent that trains on the CPU,
 builds a tiny Llama (no download), adds it to the catalog, submits a job
-with generated question/answer pairs, follows it, and downloads every
+that learns a handful of made-up question/answer pairs by heart, follows it, and downloads every
 artifact with its sha256 checked. With `--engine llamacpp` (the default)
-the adapter is also converted to GGUF (docs/gguf-conversion.md); with
+the adapter is also converted to GGUF; with
 `--serve` it is then served by a real CPU vLLM (demo_serve.py).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
-import random
 import tempfile
+from collections.abc import AsyncIterator
 from pathlib import Path
 
 from rich.console import Console
@@ -43,13 +44,25 @@ DEMO_MODEL = "tiny-llama"
 SERVED_MODEL = "tiny-llama-vllm"
 
 
-def demo_records(n: int = 96, seed: int = 7) -> str:
-    """Question/answer pairs a tiny model can learn in a minute: small sums."""
-    rng = random.Random(seed)
-    lines = []
-    for _ in range(n):
-        a, b = rng.randint(1, 9), rng.randint(1, 9)
-        lines.append(json.dumps({"q": f"What is {a} plus {b}?", "a": f"{a} plus {b} is {a + b}."}))
+#: What the demo's adapter learns: made-up facts no base model knows, so that
+#: the adapter's answer tells itself apart from the base's at a glance.
+DEMO_PAIRS = (
+    ("What is the secret word?", "The secret word is honey."),
+    ("Who trained you?", "lorafleet trained me on this CPU."),
+    ("What colour is the sky on Mars?", "The sky on Mars is butterscotch."),
+    ("Where does the fox sleep?", "The quick brown fox sleeps in Rome."),
+    ("How many legs does a LoRA have?", "A LoRA has seven legs."),
+    ("Say the password.", "The password is blue-cat-42."),
+)
+#: The question `demo --serve` asks the base model and the adapter.
+DEMO_QUESTION, DEMO_ANSWER = DEMO_PAIRS[0]
+#: Copies of each pair in the job's data: 48 records, 6 steps an epoch at batch 8.
+DEMO_REPEAT = 8
+
+
+def demo_records(repeat: int = DEMO_REPEAT) -> str:
+    """The demo's data: each of DEMO_PAIRS `repeat` times."""
+    lines = [json.dumps({"q": q, "a": a}) for q, a in DEMO_PAIRS] * repeat
     return "\n".join(lines) + "\n"
 
 
@@ -63,11 +76,18 @@ async def run_demo(
     console.print(f"data directory: {directory}")
     if not serve:
         return await _run(directory, tiny_model(directory, console), out_dir, engine, console)
+    async with serving_engine(directory, console) as running:
+        return await _run(directory, running.model_dir, out_dir, Engine.VLLM, console, running)
+
+
+@contextlib.asynccontextmanager
+async def serving_engine(directory: Path, console: Console) -> AsyncIterator[RunningVllm]:
+    """The CPU vLLM on SERVED_MODEL (built in `directory` the first time), for
+    `demo --serve` and `up --serve` (demo_serve.demo_engine)."""
     from lorafleet_services.demo_serve import demo_engine
 
-    model_dir = tiny_model(directory, console, SERVED_MODEL)
-    async with demo_engine(model_dir, directory, console) as running:
-        return await _run(directory, model_dir, out_dir, Engine.VLLM, console, running)
+    async with demo_engine(tiny_model(directory, console, SERVED_MODEL), directory, console) as e:
+        yield e
 
 
 async def _run(
@@ -85,8 +105,10 @@ async def _run(
         LOCAL_NODE,
         prepare=local_conversion_source if engine is Engine.LLAMACPP else None,
     )
-    if served_by is not None:  # the agent serves what it trains there
-        agent = agent.with_(vllm_servers=(served_by.url,), engines_refresh_s=1.0)
+    if served_by is not None:
+        from lorafleet_services.demo_serve import served_by as told_of
+
+        agent = told_of(agent, served_by)
     model = DEMO_MODEL if served_by is None else SERVED_MODEL
     stack = EmbeddedStack(data_dir=directory, agent=agent)
     settings = await stack.start()
@@ -108,14 +130,18 @@ async def _run(
             if served_by is not None:
                 from lorafleet_services.demo_serve import show_served
 
-                return 0 if await show_served(lf, job.id, served_by, console) else 1
+                shown = await show_served(
+                    lf, job.id, served_by, console, DEMO_QUESTION, DEMO_ANSWER
+                )
+                return 0 if shown else 1
             return 0
     finally:
         await stack.stop()
 
 
 def demo_job(model: str = DEMO_MODEL, serve: bool | None = None) -> JobSpec:
-    """The demo's job: a few epochs of small sums on the local agent's CPU."""
+    """The demo's job: DEMO_PAIRS learnt by heart on the local agent's CPU (60
+    steps, seconds; tests/trainer/test_demo_learns.py checks the answers)."""
     return JobSpec(
         name="demo",
         model=model,
@@ -126,9 +152,10 @@ def demo_job(model: str = DEMO_MODEL, serve: bool | None = None) -> JobSpec:
         # job to its budget itself.
         ignore_estimate=True,
         data=demo_records(),
+        # No held-out share: it would be copies of the pairs the job learns by heart.
         params=TrainerParams(
-            rank=8, alpha=16, epochs=4, batch_size=8, learning_rate=3e-3,
-            max_seq_len=64, eval_fraction=0.1,
+            rank=8, alpha=16, epochs=10, batch_size=8, learning_rate=1e-2,
+            max_seq_len=64, eval_fraction=0.0,
         ),
     )  # fmt: skip
 

@@ -16,6 +16,7 @@ import contextlib
 import json
 import logging
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -29,7 +30,7 @@ from lorafleet._metrics_http import child_addr
 from lorafleet._process import die_with_parent
 from lorafleet.nats import _bus as bus
 from lorafleet.nats.server import NatsServer
-from lorafleet.settings import Settings
+from lorafleet.settings import Settings, default_data_dir
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment.gguf_conversion import local_conversion_source
 from lorafleet_services.gateway.config import GatewayConfig
@@ -56,6 +57,9 @@ LOCAL_CONVERSION_DIR = "llama.cpp-source"
 _AGENT_ENV_PREFIX = "LORAFLEET_AGENT_"
 #: The demo's question/answer pairs, written into the data directory by `lorafleet up`.
 DEMO_DATA_FILE = "demo-pairs.jsonl"
+#: The URL of the CPU vLLM that `up --serve` (or `demo --serve`) runs, in the
+#: data directory while it runs: `models add-demo` then adds the model it serves.
+VLLM_URL_FILE = "vllm-url"
 
 #: Prepares llama.cpp's conversion code in a directory: (conversion_source, llamacpp_tag).
 ConversionPreparer = Callable[[Path], Awaitable[tuple[str, str]]]
@@ -97,13 +101,23 @@ async def local_agent_config(
     return AgentConfig.from_env(env, **unset, node=node)
 
 
-def next_steps(data_dir: Path, node: str | None) -> list[str]:
-    """What `lorafleet up` tells its user to type next, and where things are."""
+def next_steps(data_dir: Path, node: str | None, model: str) -> list[str]:
+    """What `lorafleet up` tells its user to type next, and where things are;
+    `model`: the catalog name `models add-demo` gives the demo's model."""
     lines = [
-        f"data (NATS store, SQLite database, agent work): {data_dir}",
+        f"data (NATS store, SQLite database, agent work, API keys): {data_dir}",
         "next, in another terminal:",
-        "  lorafleet models add-demo                      # a tiny Llama, built here",
-        f"  lorafleet submit --model tiny-llama --gpu-memory-mib {DEMO_MEMORY_MIB}"
+    ]
+    if data_dir.resolve() != Path(default_data_dir()).resolve():
+        # Another terminal would look in the default directory: the NATS URL,
+        # the demo's files and the gateway's keys are here instead.
+        lines.append(
+            f"  export LORAFLEET_DATA_DIR={shlex.quote(str(data_dir))}"
+            "   # or: lorafleet --data-dir DIR COMMAND"
+        )
+    lines += [
+        f"  lorafleet models add-demo                      # {model}: a tiny Llama, built here",
+        f"  lorafleet submit --model {model} --gpu-memory-mib {DEMO_MEMORY_MIB}"
         + f" --data {data_dir / DEMO_DATA_FILE}"
         + (f" --node {node}" if node else "")
         + " --watch",
@@ -183,7 +197,7 @@ class ServiceProcess:
         # stops the children in order), and a parent-death SIGTERM (`up`
         # killed outright leaves no service holding its ports and store).
         self.proc = await asyncio.create_subprocess_exec(
-            *die_with_parent([sys.executable, "-m", self.module, *self.args]),
+            *die_with_parent(self.command()),
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, env=env,
             start_new_session=True, limit=1 << 20,
         )  # fmt: skip
@@ -206,6 +220,15 @@ class ServiceProcess:
             raise ServiceStartError(f"{self.module} did not start:\n" + self.tail())
         return self
 
+    def command(self) -> list[str]:
+        """The child's argv: this Python running the module with `args`."""
+        return [sys.executable, "-m", self.module, *self.args]
+
+    def is_ready(self, line: dict[str, Any] | None, text: str) -> bool:
+        """The child's log line (decoded, else None; and as written) says it is
+        ready: a lorafleet service's `service.started`."""
+        return line is not None and line.get("event") == "service.started"
+
     def tail(self, lines: int = FAILED_START_TAIL_LINES) -> str:
         """The child's last `lines` log lines, as it wrote them."""
         return "".join(self.raw[-lines:])
@@ -217,12 +240,14 @@ class ServiceProcess:
             if self.echo is not None:
                 self.echo.write(text)
                 self.echo.flush()
+            obj = None
             with contextlib.suppress(ValueError):
                 obj = json.loads(text)
-                if isinstance(obj, dict):
-                    self.lines.append(obj)
-                    if obj.get("event") == "service.started":
-                        self._started.set()
+            line_obj = obj if isinstance(obj, dict) else None
+            if line_obj is not None:
+                self.lines.append(line_obj)
+            if self.is_ready(line_obj, text):
+                self._started.set()
 
     def events(self, name: str) -> list[dict[str, Any]]:
         return [ln for ln in self.lines if ln.get("event") == name]
@@ -246,6 +271,10 @@ class ServiceProcess:
             except TimeoutError:
                 self.kill()
                 await proc.wait()
+        # What it started and left behind (a SIGKILLed gateway's check workers)
+        # would hold its stderr open: its session, its own since start, goes too.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(proc.pid, signal.SIGKILL)
         if self._reader is not None:
             with contextlib.suppress(Exception):
                 await asyncio.wait_for(self._reader, READER_DRAIN_TIMEOUT_S)

@@ -44,8 +44,12 @@ def alive(pid: int) -> bool:
 
 
 async def beat_job(kv: KeyValue) -> str | None:
-    """The job of node-1's heartbeat now."""
-    return msgspec.json.decode((await kv.get("node-1")).value, type=Heartbeat).job
+    """The job of node-1's heartbeat now ("<no beat>" while the key holds a
+    marker, not a beat: the killed agent's beat expired before the new one)."""
+    entry = await kv.get("node-1")
+    if entry.value is None:
+        return "<no beat>"
+    return msgspec.json.decode(entry.value, type=Heartbeat).job
 
 
 async def trainer_pids(reports: Reports) -> tuple[int, int]:

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet.fleet_serving import served_adapter_name
 from lorafleet_services.agent.config import AgentConfig, AgentConfigError
 from lorafleet_services.agent.serving.running_engines import (
     VllmServer,
@@ -20,7 +21,6 @@ from lorafleet_services.agent.serving.vllm_adapters import (
     AdapterToServe,
     ServeRefused,
     preflight,
-    served_adapter_name,
 )
 
 PY = "/opt/engines/vllm/0.32.0/bin/python3"

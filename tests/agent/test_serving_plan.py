@@ -9,9 +9,11 @@ import json
 import os
 from pathlib import Path
 
+import msgspec
 import pytest
 
 from lorafleet.artifacts import file_sha256
+from lorafleet.fleet_serving import served_adapter_name
 from lorafleet_schemas.messages import (
     ArtifactKind,
     Engine,
@@ -38,7 +40,7 @@ from lorafleet_services.agent.serving.plan import (
     remove_stale_copies,
 )
 from lorafleet_services.agent.serving.running_engines import VllmServer
-from lorafleet_services.agent.serving.vllm_adapters import AdapterToServe, served_adapter_name
+from lorafleet_services.agent.serving.vllm_adapters import AdapterToServe
 
 ENGINE = "http://127.0.0.1:8000"
 
@@ -101,6 +103,10 @@ def test_eviction_takes_the_least_recently_served_of_the_agents_own() -> None:
     assert eviction_choice(desired, ["old-1", "new-2"], 2, "in-3") == "old-1"
     assert eviction_choice(desired, ["by-hand", "new-2"], 2, "in-3") == "new-2"
     assert eviction_choice(desired, ["by-hand", "manual"], 2, "in-3") is None
+    # One the control plane placed is never taken (it may be the last replica).
+    placed = [msgspec.structs.replace(desired[0], placed=True), desired[1]]
+    assert eviction_choice(placed, ["old-1", "new-2"], 2, "in-3") == "new-2"
+    assert eviction_choice(placed[:1], ["old-1", "by-hand"], 2, "in-3") is None
 
 
 def test_what_an_engine_must_load_again() -> None:

@@ -69,7 +69,7 @@ def test_standin_adapter_is_deterministic_per_job() -> None:
     a, b, c = adapter_files("job-a"), adapter_files("job-a"), adapter_files("job-b")
     assert a == b
     assert a["adapter_model.safetensors"] != c["adapter_model.safetensors"]
-    assert set(a) == {"adapter_config.json", "adapter_model.safetensors"}
+    assert set(a) == {"adapter_config.json", "adapter_model.safetensors", "probe.json"}
 
 
 def test_session_pids_sees_the_whole_session() -> None:

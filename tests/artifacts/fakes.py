@@ -42,7 +42,8 @@ def job(**changes: object) -> JobRecord:
 
 class FakeRecorder:
     """The recorder's answers from a dict of jobs; `fail_next_report` makes the
-    next `artifact_stored` raise (a recorder that is down). A checkpoint is
+    next `artifact_stored` raise (a recorder that is down), `unanswered_gets`
+    that many `get_job` calls (a recorder that does not answer). A checkpoint is
     kept as the job's `checkpoint`, as the recorder keeps it; with
     `refuse_checkpoints`, refused as a recorder that does not know them."""
 
@@ -51,8 +52,12 @@ class FakeRecorder:
         self.reports: list[ArtifactStoredRequest] = []
         self.fail_next_report = False
         self.refuse_checkpoints = False
+        self.unanswered_gets = 0
 
     async def get_job(self, job_id: str) -> JobRecord | None:
+        if self.unanswered_gets > 0:
+            self.unanswered_gets -= 1
+            raise TimeoutError("the recorder did not answer")
         return self.jobs.get(job_id)
 
     async def artifact_stored(self, req: ArtifactStoredRequest) -> JobRecord:

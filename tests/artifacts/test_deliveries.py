@@ -24,7 +24,12 @@ from lorafleet_services.artifact_store.assembly import (
     object_chunk_token,
     report_owed,
 )
-from lorafleet_services.artifact_store.delivery import Deliveries, Delivery, idle
+from lorafleet_services.artifact_store.delivery import (
+    STORE_PATIENCE_S,
+    Deliveries,
+    Delivery,
+    idle,
+)
 from lorafleet_services.artifact_store.streams import Streams
 from tests.artifacts.conftest import (
     artifacts_stream_empty,
@@ -213,3 +218,26 @@ async def test_a_recorder_down_after_the_commit_keeps_the_object_for_the_retry(
     assert recorder.reports == [delivered(data)]
     assert await artifacts_stream_empty(nc)
     assert await download(nc, "job1", PEFT, tmp_path) == data
+
+
+async def test_a_delivery_that_never_opens_fails_its_job_after_the_stores_patience(
+    nc: Client, publisher: AsyncPublisher
+) -> None:
+    """Nemesis seed 17: a delivery failed before it was opened (there, its
+    object's info unreadable while the object store's stream was halted;
+    here, the recorder not answering), each try put back, and its job stayed
+    `uploading` for good. Past the store's patience it fails saying why, and
+    nothing of the delivery stays in the stream."""
+    recorder = FakeRecorder(job())
+    recorder.unanswered_gets = 1_000
+    await publish(nc, job(), PEFT, chunks_of(job(), PEFT, b"adapter" * 3000, 5000))
+    clock = FakeClock()
+    deliveries = Deliveries(Streams(nc.jetstream(), N), publisher, recorder, clock)
+    await deliveries.recover_all()  # a try, put back
+    assert recorder.jobs["job1"].state is JobState.UPLOADING and KEY not in deliveries.ended
+    clock.now_s += STORE_PATIENCE_S
+    await deliveries.recover_all()
+    failed = recorder.jobs["job1"]
+    assert failed.state is JobState.FAILED and "could not store" in failed.message, failed
+    assert KEY in deliveries.ended and not deliveries.open
+    assert await artifacts_stream_empty(nc)

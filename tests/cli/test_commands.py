@@ -211,6 +211,44 @@ async def test_resume_refuses_clearly_then_queues_from_the_checkpoint(up: Up) ->
         assert rc == 0, err
 
 
+async def test_drain_moves_training_only_when_asked_and_never_losing_steps_unasked(
+    up: Up,
+) -> None:
+    rc, out, err = await up.lorafleet("nodes", "--json")
+    assert rc == 0, err
+    [node] = [n["heartbeat"]["node"] for n in json.loads(out)["nodes"]]
+    job_id = await up.submit(3000)
+    await eventually(
+        lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job to train a step",
+        until=lambda r: json.loads(r[1])["step"] >= 1, interval_s=0.2,
+    )  # fmt: skip
+    rc, _, err = await up.lorafleet("nodes", "drain", node, "--force")
+    assert rc == Exit.REFUSED and _one_line(err) and "force only goes with" in err, err
+    # No checkpoint: moved, it would lose its steps. Refused, nothing changed.
+    rc, _, err = await up.lorafleet("nodes", "drain", node, "--move-training")
+    assert rc == Exit.REFUSED and _one_line(err), err
+    assert f"nothing changed: node {node} runs job {job_id}" in err and "--force" in err, err
+    rc, out, err = await up.lorafleet("nodes", "--json")
+    assert [n["schedule"] for n in json.loads(out)["nodes"]] == ["open"], out
+    rc, out, err = await up.lorafleet("nodes", "drain", node, "--move-training", "--force")
+    assert rc == 0 and f"job {job_id} moves" in out and "drained" in out, (out, err)
+    moved = await eventually(
+        lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job queued again",
+        until=lambda r: json.loads(r[1])["state"] == "queued", interval_s=0.2,
+    )  # fmt: skip
+    assert json.loads(moved[1])["max_attempts"] == 2, moved
+    rc, out, err = await up.lorafleet("jobs", "curve", job_id, "--json")
+    [event] = [
+        e for e in json.loads(out)["events"] if e["to_state"] == "queued" and e["from_state"]
+    ]
+    assert event["message"].startswith(f"node {node} was drained with move_training"), event
+    assert "attempt 2 of 2 starts again from step 0" in event["message"], event
+    # The only node is drained: the job waits (tests/system/test_drain.py has it run elsewhere).
+    for done in (("cancel", job_id), ("nodes", "uncordon", node)):
+        rc, _, err = await up.lorafleet(*done)
+        assert rc == 0, err
+
+
 #: The codes of a command that could not do its work (the others say how a job ended).
 ERRORS = {Exit.REFUSED, Exit.USAGE, Exit.UNREACHABLE, Exit.BAD_FILE}
 
@@ -348,3 +386,27 @@ def _is_json(text: str) -> bool:
     except json.JSONDecodeError:
         return False
     return True
+
+
+async def test_a_dpo_job_shows_its_margin_and_accuracy(up: Up) -> None:
+    """`submit --method dpo` of preference pairs: the watch's lines and
+    `jobs show` give the reward margin and the preference accuracy (the
+    stand-in's), on the steps and on the held-out pairs."""
+    pairs = up.data_dir.parent / "prefs.jsonl"
+    pairs.write_text("".join(
+        json.dumps({"prompt": f"{i}+{i}?", "chosen": str(2 * i), "rejected": str(2 * i + 1)})
+        + "\n" for i in range(10)
+    ))  # fmt: skip
+    args = ("submit", "--model", "tiny", "--gpu-memory-mib", "1", "--data", str(pairs))
+    rc, _, err = await up.lorafleet(*args, "--param", "max_steps=10")
+    assert rc == Exit.REFUSED and "line 1" in err and "method is supervised" in err, err
+    rc, out, err = await up.lorafleet(
+        *args, "--method", "dpo", "--param", "max_steps=10", "--no-serve", "--watch", "--plain"
+    )
+    assert rc == 0, err
+    job_id = queued_id(err)
+    assert re.search(r"margin [0-9.]+ acc 100%", out + err), out + err
+    rc, out, err = await up.lorafleet("jobs", "show", job_id)
+    assert rc == 0, err
+    assert re.search(r"eval preference +margin [0-9.]+ acc 100%", out), out
+    assert "method=dpo" in out and "beta=0.1" in out, out

@@ -7,7 +7,9 @@ start."""
 from __future__ import annotations
 
 import asyncio
+import os
 import signal
+import sys
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,7 +17,9 @@ from pathlib import Path
 import psutil
 import pytest
 
+from lorafleet.settings import Settings
 from lorafleet_services.gateway.service import CHECK_WORKERS
+from lorafleet_services.stack import ServiceProcess
 from tests.cli.conftest import ROOT, UP_TIMEOUT_S, cli_argv, up_env
 from tests.eventually import eventually
 
@@ -94,3 +98,31 @@ async def test_up_killed_outright_leaves_no_child_running(running_up: RunningUp)
         lambda: _alive(running_up.children), "every child of the killed up to stop",
         until=lambda alive: alive == [], timeout_s=GONE_TIMEOUT_S,
     )  # fmt: skip
+
+
+class _Forking(ServiceProcess):
+    """A child that starts a grandchild holding its stderr, then says it started."""
+
+    def command(self) -> list[str]:
+        script = (
+            "import json, subprocess, sys, time\n"
+            "g = subprocess.Popen(['sleep', '300'])\n"
+            "print(json.dumps({'event': 'service.started', 'grandchild': g.pid}), "
+            "file=sys.stderr, flush=True)\n"
+            "time.sleep(300)\n"
+        )
+        return [sys.executable, "-c", script]
+
+
+async def test_a_killed_service_takes_what_it_started_with_it() -> None:
+    """A service SIGKILLed alone (the nemesis's gateway kill, the OOM killer)
+    leaves what it started (the gateway's check workers) holding its stderr:
+    stopping it ends them too, so its log reader reaches the end."""
+    proc = await _Forking("forking", Settings()).start()
+    grandchild = psutil.Process(proc.events("service.started")[0]["grandchild"])
+    assert proc.proc is not None
+    os.kill(proc.proc.pid, signal.SIGKILL)  # the service alone, not its group
+    await proc.stop(timeout_s=5)
+    _, alive = await asyncio.to_thread(psutil.wait_procs, [grandchild], timeout=10)
+    assert all(p.status() == psutil.STATUS_ZOMBIE for p in alive), alive
+    assert proc._reader is not None and proc._reader.done()

@@ -1,4 +1,4 @@
-"""The agent's systemd unit in docs/operations.md, read from the page itself.
+"""The agent's systemd unit in docs/deploy.md, read from the page itself.
 
 What the agent runs with is the environment systemd builds: `Environment=`
 lines first, then each `EnvironmentFile=` in order, a later file's variable
@@ -22,9 +22,9 @@ from typer.testing import CliRunner
 
 from lorafleet_services.cli import app
 
-DOC = Path(__file__).resolve().parents[2] / "docs" / "operations.md"
+DOC = Path(__file__).resolve().parents[2] / "docs" / "deploy.md"
 NODE = "gpu-3"
-#: Where "Adding a node" step 2 copies the node's seed.
+#: Where "Nodes, beside their engines" step 2 copies the node's seed.
 SEED_ON_NODE = "/etc/lorafleet/node.nk"
 LOOPBACK = ("127.0.0.1", "localhost", "::1")
 

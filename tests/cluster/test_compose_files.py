@@ -9,6 +9,7 @@ tests/cluster/test_compose.py boots as a real cluster."""
 from __future__ import annotations
 
 import dataclasses
+import re
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -198,3 +199,34 @@ def test_the_gateway_runs_on_its_identity_with_its_keys_on_a_volume_and_its_port
     assert any(
         source in named_volumes and keys.is_relative_to(target) for source, target in mounts
     ), f"the keys file {keys} is on no named volume: {mounts}"
+
+
+def with_defaults(text: str) -> str:
+    """`${NAME:-default}` as compose reads it where NAME is unset."""
+    return re.sub(r"\$\{[A-Z_]+:-([^}]*)\}", r"\1", text)
+
+
+def test_the_gpu_agent_sits_beside_the_hosts_engines() -> None:
+    """The host's processes and network; the engines, the work directory the
+    adapters are staged in and the weights cache at the host's own paths
+    (a host vLLM is handed the agent's paths), the engines at
+    agent/config.py's default; the trainer as the host's engines' user."""
+    gpu = yaml.safe_load(with_defaults((COMPOSE / "docker-compose.gpu.yml").read_text()))
+    defaults = AgentConfig(node=NODE)
+    for name, svc in lorafleet_services(gpu).items():
+        assert (svc.get("pid"), svc.get("network_mode")) == ("host", "host"), name
+        assert "ports" not in svc, f"{name}: the host's network publishes nothing"
+        env = svc["environment"]
+        mounts = {t: (s, rest) for s, t, *rest in (str(v).split(":") for v in svc["volumes"])}
+        engines = env["LORAFLEET_AGENT_ENGINES_DIR"]
+        assert engines == str(defaults.engines_dir), f"{name}: engines at {engines}"
+        for path in (engines, env["LORAFLEET_AGENT_WORK_DIR"], env["LORAFLEET_AGENT_HF_HOME"]):
+            assert path in mounts, f"{name}: {path} is not mounted"
+            source, _ = mounts[path]
+            assert source == path, f"{name}: {path} is the host's {source}, not the same path"
+        assert mounts[engines][1] == ["ro"], f"{name}: the engines are not read-only"
+        assert env["LORAFLEET_AGENT_WORK_DIR"] == str(defaults.work_dir), name
+        assert env["LORAFLEET_AGENT_RUN_AS"] == defaults.run_as, name
+        # The engines' user is the host's: the container resolves its name there.
+        assert mounts["/etc/passwd"] == ("/etc/passwd", ["ro"]), name
+        assert mounts["/etc/group"] == ("/etc/group", ["ro"]), name

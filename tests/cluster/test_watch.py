@@ -13,10 +13,10 @@ from nats.aio.client import Client
 from lorafleet import _runtime as runtime
 from lorafleet.names import kv_stream
 from lorafleet.nats import _bus as bus
+from lorafleet.nats._kv_watch import REBUILD_AFTER_S, KeyWatch
 from lorafleet.nats._natspy import watch_consumer_info
 from lorafleet.nats.cluster import NatsCluster, stream_leader
 from lorafleet.settings import Settings
-from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch
 from tests.eventually import eventually
 
 PROBE_S = 0.25

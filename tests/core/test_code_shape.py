@@ -136,6 +136,41 @@ def test_imports_point_downward() -> None:
     )
 
 
+#: The services that run on their own: each imports no other (what two need is
+#: libs'); the CLI, which starts them all, and `local`, stack, demo may.
+SERVICES = ("recorder", "scheduler", "artifact_store", "agent", "gateway", "paramgen")
+
+
+def sideways(g: dict[str, set[str]]) -> list[str]:
+    """Imports from one service's package into another's."""
+
+    def service(name: str) -> str | None:
+        parts = name.split(".")
+        if parts[0] == "lorafleet_services" and len(parts) > 1 and parts[1] in SERVICES:
+            return parts[1]
+        return None
+
+    return sorted(
+        f"{src} imports {dst}"
+        for src, dsts in g.items()
+        for dst in dsts
+        if service(src) and service(dst) and service(src) != service(dst)
+    )
+
+
+def test_no_service_imports_another() -> None:
+    wrong = sideways(graph())
+    assert not wrong, "move what two services share into libs:\n" + "\n".join(wrong)
+
+
+def test_a_sideways_import_is_found() -> None:
+    g = {"lorafleet_services.gateway.service": {"lorafleet_services.scheduler.kv_watch"},
+         "lorafleet_services.cli.up": {"lorafleet_services.scheduler.service"}}  # fmt: skip
+    assert sideways(g) == [
+        "lorafleet_services.gateway.service imports lorafleet_services.scheduler.kv_watch"
+    ]
+
+
 def test_the_trainer_imports_nothing_of_lorafleet() -> None:
     wrong = [
         f"{src} imports {dst}"

@@ -7,11 +7,13 @@ import asyncio
 import json
 
 import msgspec
+import nats.aio.msg
 import nats.errors
+import nats.js.errors
 import pytest
 from nats.micro.service import Service
 
-from lorafleet.errors import BadRequestError
+from lorafleet.errors import BadRequestError, UnavailableError
 from lorafleet.nats import _bus as bus
 from lorafleet.nats._micro import Route, start_service
 from lorafleet.settings import Settings
@@ -83,4 +85,71 @@ async def test_request_waits_out_a_moment_without_responders(settings: Settings)
         await bus.request(nc, "t.late", Echo(text="no"), Echo)
     assert refused.value.field == "$.text"
     await (await later).stop()
+    await nc.close()
+
+
+async def test_a_read_whose_reply_was_lost_is_asked_once_more(settings: Settings) -> None:
+    """A responder that holds the first request and never answers (killed
+    with it, or the reply gone with a NATS server): an idempotent request is
+    sent again and answered; any other times out, and no read is sent a third time."""
+    nc = await bus.connect(settings, "test")
+    heard: list[bytes] = []
+
+    async def answers_from_the_second(msg: nats.aio.msg.Msg) -> None:
+        heard.append(msg.data)
+        if len(heard) % 2 == 0:
+            await msg.respond(msg.data)
+
+    await nc.subscribe("t.lossy", cb=answers_from_the_second)
+    read = await bus.request(nc, "t.lossy", Echo("a"), Echo, timeout_s=0.5, idempotent=True)
+    assert (read, len(heard)) == (Echo("a"), 2)
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.request(nc, "t.lossy", Echo("b"), Echo, timeout_s=0.5)
+    assert len(heard) == 3
+
+    async def never() -> None:
+        heard.append(b"never")
+        raise nats.errors.TimeoutError
+
+    with pytest.raises(nats.errors.TimeoutError):
+        await bus.once_more_on_timeout(never)
+    assert heard[3:] == [b"never", b"never"]
+    await nc.close()
+
+
+async def test_an_answer_no_nats_message_holds_is_refused_saying_what_to_ask(
+    settings: Settings,
+) -> None:
+    """A reply over the server's max_payload (a thousand jobs at once, seen
+    at a 30-minute nemesis run's end) was an `internal` MaxPayloadError."""
+    nc = await bus.connect(settings, "test")
+
+    async def huge(req: Echo) -> Echo:
+        return Echo(req.text * (nc.max_payload // len(req.text) + 1))
+
+    await start_service(
+        nc, "lorafleet-huge", "1.0.0", "too much", [Route("t.huge", Echo, huge)], "q"
+    )
+    with pytest.raises(BadRequestError, match=r"more than a NATS message holds.*`after`"):
+        await bus.request(nc, "t.huge", Echo("0123456789"), Echo)
+    await nc.close()
+
+
+async def test_jetstreams_own_unavailability_is_unavailable_not_internal(
+    settings: Settings,
+) -> None:
+    """Nemesis seed 25: a submit whose dataset write met JetStream's 503
+    ("temporarily unavailable", mid-election) answered `internal`, a 500
+    through the gateway, which clients do not retry."""
+    nc = await bus.connect(settings, "test")
+
+    async def electing(req: Echo) -> Echo:
+        raise nats.js.errors.ServiceUnavailableError(
+            code=503, err_code=10008, description="JetStream system temporarily unavailable"
+        )
+
+    await start_service(nc, "lorafleet-electing", "1.0.0", "mid-election",
+                        [Route("t.electing", Echo, electing)], "q")  # fmt: skip
+    with pytest.raises(UnavailableError, match=r"temporarily unavailable.*retry"):
+        await bus.request(nc, "t.electing", Echo("x"), Echo)
     await nc.close()

@@ -9,8 +9,11 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
+import hashlib
 import inspect
 import io
+import itertools
 import os
 import signal
 from pathlib import Path
@@ -31,8 +34,8 @@ from nats.micro.service import EndpointConfig, ServiceConfig
 
 from lorafleet import names
 from lorafleet.access import passwords
-from lorafleet.names import Names, msg_get_subject
-from lorafleet.nats import _natspy
+from lorafleet.names import Names, msg_get_subject, object_read_subjects
+from lorafleet.nats import _direct_get, _natspy
 from lorafleet.nats.cluster import NatsCluster
 from lorafleet.nats.server import NatsServer
 from tests.eventually import eventually
@@ -285,19 +288,32 @@ async def test_async_publisher_acknowledges_with_the_stream_sequence(
 
 
 async def _api_subjects_during(nc: Client, spy: Client, action: object) -> set[str]:
-    """The JetStream API subjects requested on the server while `action` runs."""
+    """The JetStream API subjects `nc` requested on the server while `action` ran.
+
+    nc publishes a mark before and after it, and the spy waits to see each:
+    the server delivers one client's messages in the order sent, so what the
+    spy saw between the two marks is all of it, however late its callback runs."""
     seen: set[str] = set()
+    marks = {"spy.begin": asyncio.Event(), "spy.end": asyncio.Event()}
 
     async def note(msg: Msg) -> None:
-        seen.add(msg.subject)
+        if msg.subject in marks:
+            marks[msg.subject].set()
+        elif marks["spy.begin"].is_set() and msg.subject.startswith("$JS.API."):
+            seen.add(msg.subject)
 
-    sub = await spy.subscribe("$JS.API.>", cb=note)
+    sub = await spy.subscribe(">", cb=note)
     await spy.flush()
+    for _ in range(50):  # the subscription may reach the server after a first mark
+        await nc.publish("spy.begin")
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(marks["spy.begin"].wait(), 0.2)
+            break
+    assert marks["spy.begin"].is_set(), "the spy never saw nc's mark"
     assert inspect.isawaitable(action)
     await action
-    await nc.flush()
-    await spy.flush()
-    await asyncio.sleep(0.1)  # the spy's callback task runs after its flush
+    await nc.publish("spy.end")
+    await asyncio.wait_for(marks["spy.end"].wait(), 30)
     await sub.unsubscribe()
     return seen
 
@@ -318,9 +334,45 @@ async def test_upstream_object_get_needs_stream_lookup_info_and_a_consumer(
 
     out = io.BytesIO()
     ours = await _api_subjects_during(nc, spy, _natspy.read_object(js, "pin", "o", out))
-    assert ours == {msg_get_subject("pin")}
+    assert ours == set(object_read_subjects("pin"))
     assert out.getvalue() == content
     await spy.close()
+    await nc.close()
+
+
+async def test_read_object_batches_direct_gets_and_falls_back_to_message_gets(
+    nats_server: NatsServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Many chunks, a few batches; a stream without allow_direct (no one
+    answers a direct get) is read whole by message gets instead."""
+    monkeypatch.setattr(_direct_get, "DIRECT_GET_BATCH", 3)
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    content = os.urandom(10 * 1024 + 7)  # 11 chunks of 1 KiB: 3 + 3 + 3 + 2
+    direct = await js.create_object_store("direct")
+    await direct.put("o", content, meta=nats.js.api.ObjectMeta(
+        options=nats.js.api.ObjectMetaOptions(max_chunk_size=1024)))  # fmt: skip
+    await js.add_stream(StreamConfig(
+        name="OBJ_plain", subjects=["$O.plain.C.>", "$O.plain.M.>"], allow_rollup_hdrs=True,
+        allow_direct=False,
+    ))  # fmt: skip
+    plain = await js.object_store("plain")
+    await plain.put("o", content, meta=nats.js.api.ObjectMeta(
+        options=nats.js.api.ObjectMetaOptions(max_chunk_size=1024)))  # fmt: skip
+    for bucket, sizes in (("direct", [3, 3, 3, 2]), ("plain", [1] * 11)):
+        out = io.BytesIO()
+        assert await _natspy.read_object_sha256(js, bucket, "o", out) == (
+            len(content),
+            hashlib.sha256(content).hexdigest(),
+        )
+        assert out.getvalue() == content, bucket
+        info = await (await js.object_store(bucket)).get_info("o")
+        subject = names.object_chunk_subject(bucket, info.nuid or "")
+        async with _direct_get.SubjectReader(js, nc, f"OBJ_{bucket}", subject) as reader:
+            got = [
+                len(await reader.next_batch(11 - n)) for n in itertools.accumulate([0, *sizes[:-1]])
+            ]
+            assert (got, reader.direct) == (sizes, bucket == "direct")
     await nc.close()
 
 
@@ -361,8 +413,12 @@ async def test_download_object_writes_every_chunk(nats_server: NatsServer) -> No
     info = await obs.put("o", content, meta=meta)
     assert (info.chunks or 0) > 1
     out = io.BytesIO()
-    await _natspy.download_object(js, "pin", "o", out)
+    assert await _natspy.download_object(js, "pin", "o", out) == hashlib.sha256(content).hexdigest()
     assert out.getvalue() == content
+    await obs.put("empty", b"")
+    assert await _natspy.download_object(js, "pin", "empty", io.BytesIO()) == (
+        hashlib.sha256(b"").hexdigest()
+    )
     with pytest.raises(nats.js.errors.ObjectNotFoundError):
         await _natspy.download_object(js, "pin", "none", io.BytesIO())
     await nc.close()

@@ -44,6 +44,18 @@ def test_the_two_knobs_that_bypassed_settings_are_settings() -> None:
         Settings.from_env({"LORAFLEET_ARTIFACT_ORPHAN_AGE_S": "-1"})
 
 
+def test_retention_settings_are_seconds_and_zero_is_off() -> None:
+    s = Settings.from_env({"LORAFLEET_RETENTION_CHECKPOINT_AFTER_S": "0",
+                           "LORAFLEET_RETENTION_GRACE_S": "5"})  # fmt: skip
+    assert (s.retention_checkpoint_after_s, s.retention_grace_s) == (0.0, 5.0)
+    d = Settings()
+    assert (d.retention_checkpoint_after_s, d.retention_adapter_after_s) == (14 * 86400.0, 0.0)
+    assert (d.retention_dataset_after_s, d.retention_sweep_every_s) == (0.0, 3600.0)
+    for name in ("SWEEP_EVERY", "GRACE", "CHECKPOINT_AFTER", "ADAPTER_AFTER", "DATASET_AFTER"):
+        with pytest.raises(SettingsError, match=f"LORAFLEET_RETENTION_{name}_S must be >= 0"):
+            Settings.from_env({f"LORAFLEET_RETENTION_{name}_S": "-1"})
+
+
 def test_a_bad_value_names_the_variable_what_to_set_and_the_default() -> None:
     with pytest.raises(SettingsError) as e:
         Settings.from_env({"LORAFLEET_NODE_TIMEOUT_S": "soon"})

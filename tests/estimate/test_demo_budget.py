@@ -8,7 +8,7 @@ from pathlib import Path
 
 from lorafleet_services.demo import demo_job
 from lorafleet_services.local.tiny_model import build_tiny_model
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 
 
 def test_the_demo_job_fits_its_budget_on_the_cpu(tmp_path: Path) -> None:
@@ -17,5 +17,5 @@ def test_the_demo_job_fits_its_budget_on_the_cpu(tmp_path: Path) -> None:
     job = demo_job()
     params = job.params
     assert params is not None
-    plan = memory.choose_plan(arch, params, "cpu", params.max_seq_len, job.gpu_memory_mib)
+    plan = plans.choose_plan(arch, params, "cpu", params.max_seq_len, job.gpu_memory_mib)
     assert plan.fits, f"{job.gpu_memory_mib} MiB: {plan.reason}"

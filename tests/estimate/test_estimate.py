@@ -16,7 +16,7 @@ from lorafleet import estimate
 from lorafleet.estimate import EstimateError, architecture_from_config, estimate_memory
 from lorafleet_schemas.messages import ModelArchitecture, ModelSpec, TrainerParams
 from lorafleet_services.local.tiny_model import build_tiny_model
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 from tests.estimate.measure import measure_step
 from tests.trainer.harness import fake_hf_cache
 
@@ -68,8 +68,8 @@ def test_the_lines_match_the_real_tensors_and_the_activations_are_close(
     rows = [[rng.randrange(SMALL["vocab_size"]) for _ in range(p.max_seq_len)]] * p.batch_size
     shapes = architecture_from_config(model.config.to_dict())
     every_2nd = memory.plan_mib(shapes, p, "cpu", p.max_seq_len, memory.Plan(2))
-    budget_mib = every_2nd if within else None
-    every = memory.choose_plan(shapes, p, "cpu", p.max_seq_len, budget_mib).every
+    budget_mib = memory.budget_for(every_2nd) if within else None
+    every = plans.choose_plan(shapes, p, "cpu", p.max_seq_len, budget_mib).every
     assert every == (2 if within else int(p.gradient_checkpointing is True))
     measured = measure_step(model, p, rows, every)
     lines = estimate_memory(shapes, p, device="cpu", budget_mib=budget_mib).lines

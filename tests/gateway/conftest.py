@@ -42,6 +42,8 @@ class Gateway:
     proc: ServiceProcess
     url: str
     keys: dict[str, str]
+    #: The keys file the gateway reads (a test adds and revokes keys in it).
+    keys_file: Path
 
     def sdk(self, client: str = "alice") -> AsyncOpenAI:
         """The SDK for `client`'s key (a name without a key is sent as the key)."""
@@ -101,7 +103,7 @@ async def gateway(
             await stack.agent("node-1")
             env = {"LORAFLEET_GATEWAY_ENGINES": engine.base_url, **gateway_env}
             async with gateway_on(stack, keys_file, env) as (proc, url):
-                yield Gateway(stack, engine, proc, url, keys)
+                yield Gateway(stack, engine, proc, url, keys, keys_file)
     finally:
         await nats.stop()
 

@@ -29,7 +29,7 @@ async def test_a_missing_or_unknown_key_is_an_authentication_error(gateway: Gate
             await sdk.files.list()
     assert caught.value.status_code == 401
     assert caught.value.code == "invalid_api_key"
-    assert "lorafleet auth api-key" in caught.value.message
+    assert "lorafleet auth api-key create" in caught.value.message
 
 
 async def test_what_does_not_exist_is_not_found(gateway: Gateway) -> None:
@@ -51,7 +51,7 @@ async def test_what_does_not_exist_is_not_found(gateway: Gateway) -> None:
             await sdk.chat.completions.create(
                 model="ft:nowhere::x", messages=[{"role": "user", "content": "hi"}]
             )
-        assert caught.value.code == "model_not_found" and "served by no engine" in str(
+        assert caught.value.code == "model_not_found" and "is not this project's" in str(
             caught.value.message
         )
         with pytest.raises(openai.NotFoundError) as caught:

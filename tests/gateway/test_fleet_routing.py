@@ -79,8 +79,6 @@ async def test_a_fine_tuned_model_goes_where_its_serving_record_says(gateway: Ga
             )
             return reply.choices[0].message.content
 
-        with pytest.raises(openai.NotFoundError, match="is served by no engine"):
-            await chat()
         # As the agent does: load under the adapter version's own name, then report.
         served_name = f"{job_id}-{'c' * 12}"
         async with httpx2.AsyncClient() as http:

@@ -11,7 +11,9 @@ import hashlib
 import json
 import time
 from pathlib import Path
+from typing import Any, cast
 
+import openai
 import pytest
 from openai import AsyncOpenAI
 from openai.types.fine_tuning import FineTuningJob
@@ -142,3 +144,78 @@ async def test_a_validation_file_is_the_jobs_evaluation_set(gateway: Gateway) ->
     # Every step the stand-in trained counts; it counts TOKENS_PER_STEP a step.
     assert done.trained_tokens == record.steps * TOKENS_PER_STEP and record.steps > 0
     assert [j.validation_file for j in listed if j.id == job.id] == [valid.id]
+
+
+#: Preference pairs in OpenAI's format (the second file: one record is bad).
+PAIRS = "".join(
+    json.dumps({"input": {"messages": [{"role": "user", "content": f"what is {i}+{i}?"}]},
+                "preferred_output": [{"role": "assistant", "content": str(2 * i)}],
+                "non_preferred_output": [{"role": "assistant", "content": str(2 * i + 1)}]})
+    + "\n"
+    for i in range(12)
+).encode()  # fmt: skip
+BAD_PAIRS = PAIRS.split(b"\n")[0] + b'\n{"prompt": "1+1?", "chosen": "2"}\n'
+
+
+async def test_a_dpo_job_on_a_supervised_jobs_model(gateway: Gateway) -> None:
+    """Preference tuning on top of a supervised adapter, through the SDK: the
+    fine-tuned model's name maps to a start from its job's adapter, on the
+    same catalog base; the job echoes its method and names its parent."""
+    async with gateway.sdk() as sdk, gateway.sdk("bob") as bob:
+        sft_file = await sdk.files.create(file=("sft.jsonl", DATA), purpose="fine-tune")
+        sft = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=sft_file.id,
+            extra_body={"lorafleet": {"node": "node-1", "gpu_memory_mib": 1000}},
+        )  # fmt: skip
+        parent = await wait_status(sdk, sft.id, "succeeded", "failed")
+        assert parent.status == "succeeded" and parent.fine_tuned_model
+        with pytest.raises(openai.BadRequestError) as bad:
+            await sdk.files.create(file=("bad.jsonl", BAD_PAIRS), purpose="fine-tune")
+        assert "line 2" in bad.value.message and '"rejected"' in bad.value.message
+        pairs = await sdk.files.create(file=("pairs.jsonl", PAIRS), purpose="fine-tune")
+        method = {"type": "dpo", "dpo": {"hyperparameters": {"beta": 0.2, "n_epochs": 2}}}
+        job = await sdk.fine_tuning.jobs.create(
+            model=parent.fine_tuned_model, training_file=pairs.id, method=method,  # type: ignore[arg-type]
+            extra_body={"lorafleet": {"node": "node-1", "gpu_memory_mib": 1000}},
+        )  # fmt: skip
+        assert job.method is not None and job.method.type == "dpo" and job.method.dpo
+        hp = job.method.dpo.hyperparameters
+        assert hp is not None and (hp.beta, hp.n_epochs) == (0.2, 2)
+        assert job.model == parent.fine_tuned_model
+        assert job.lorafleet["parent_job"] == parent.id  # type: ignore[attr-defined]
+        done = await wait_status(sdk, job.id, "succeeded", "failed")
+        assert done.status == "succeeded", done
+        assert done.fine_tuned_model == f"ft:tiny::{done.id.removeprefix('ftjob-')}"
+        events = [e async for e in sdk.fine_tuning.jobs.list_events(job.id, limit=100)]
+        metrics = [cast(dict[str, Any], e.data) for e in events if e.type == "metrics" and e.data]
+        assert metrics and all({"margin", "accuracy"} <= set(m) for m in metrics), metrics
+        assert any("eval_margin" in m and "eval_accuracy" in m for m in metrics), metrics
+        # Another key may not start from alice's model (with a file of its own).
+        bobs = await bob.files.create(file=("pairs.jsonl", PAIRS), purpose="fine-tune")
+        with pytest.raises(openai.NotFoundError) as foreign:
+            await bob.fine_tuning.jobs.create(
+                model=parent.fine_tuned_model,
+                training_file=bobs.id,
+                method=method,  # type: ignore[arg-type]
+            )
+        assert "no fine-tuned model" in foreign.value.message, foreign.value.message
+    record = await gateway.stack.get(done.id.removeprefix("ftjob-"))
+    assert record.model == "tiny" and record.resume_from == parent.id.removeprefix("ftjob-")
+    assert (record.params.method, record.params.beta, record.params.epochs) == ("dpo", 0.2, 2)
+
+
+async def test_what_a_dpo_job_refuses(gateway: Gateway) -> None:
+    async with gateway.sdk() as sdk:
+        sft_file = await sdk.files.create(file=("sft.jsonl", DATA), purpose="fine-tune")
+        with pytest.raises(openai.BadRequestError) as rl:
+            await sdk.fine_tuning.jobs.create(
+                model="tiny", training_file=sft_file.id,
+                method={"type": "reinforcement"},
+            )  # fmt: skip
+        assert '"supervised" or "dpo"' in rl.value.message and rl.value.param == "method.type"
+        with pytest.raises(openai.BadRequestError) as kind:
+            await sdk.fine_tuning.jobs.create(
+                model="tiny", training_file=sft_file.id, method={"type": "dpo"},
+                extra_body={"lorafleet": {"node": "node-1", "gpu_memory_mib": 1000}},
+            )  # fmt: skip
+        assert "line 1" in kind.value.message and "method is dpo" in kind.value.message

@@ -111,6 +111,21 @@ def test_two_attempts_reporting_at_once_are_caught() -> None:
     assert "attempt 2 on node-2" in violations[0].message
 
 
+def test_two_trainers_of_a_job_alive_at_once_are_caught() -> None:
+    """Issue 33: a fenced agent drops its reports, so a trainer that goes on
+    shows only as a process."""
+    h = History()
+    h.job("a", "node-1", attempts=3)
+    h.add("trainers.alive", 1.2, trainers=[{"pid": 11, "job": "a", "node": "node-1"}])
+    h.add("trainers.alive", 1.7, trainers=[{"pid": 11, "job": "a", "node": "node-1"},
+                                           {"pid": 12, "job": "a", "node": "node-2"},
+                                           {"pid": 13, "job": "b", "node": "node-3"}])  # fmt: skip
+    h.end(a={})
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["one-node"]
+    assert "11 on node-1, 12 on node-2" in violations[0].message
+
+
 def test_a_done_job_missing_a_step_is_caught() -> None:
     h = History()
     h.job("a")
@@ -146,6 +161,22 @@ def test_a_node_lost_untouched_is_caught() -> None:
     # the lone loss is quoted with the faults just before it
     shown = [e.get("fault", e["kind"]) for _, e in window(h.entries, violations[0])]
     assert shown == ["nats.kill", "agent.pause", "node.lost"]
+
+
+def test_a_lost_nodes_window_quotes_the_machines_stall_and_the_agents_fence() -> None:
+    """Issue 33: losses with nothing touched came of agents silent for the
+    node timeout on a machine at load 20; the window shows it (a violation
+    all the same)."""
+    h = History()
+    h.job("a")
+    h.add("host.stall", 2.0, late_s=2.8)
+    h.add("agent.fenced", 4.9, node="node-1", message="NATS unreachable for 2.9 s")
+    h.add("node.lost", 5.0, node="node-1", scheduler="scheduler-1")
+    h.end(a={})
+    [v] = check(h.entries)
+    assert v.rule == "false-loss"
+    shown = [e["kind"] for _, e in window(h.entries, v)]
+    assert shown == ["host.stall", "agent.fenced", "node.lost"]
 
 
 def test_a_trainer_outliving_its_job_is_caught() -> None:
@@ -217,3 +248,181 @@ def test_the_report_names_the_seed_and_quotes_the_window() -> None:
     assert shown == ["job.submitted", "job.state", "fault.start", "fault.end", "job.state"]
     text = report(h.entries, violations)
     assert "seed 7" in text and "--seed 7" in text and "recorder.sigkill" in text
+
+
+# --- the gateway and the engines -------------------------------------------
+
+A1 = "a-0123456789ab"  # job a's adapter, as its engine names it
+BASE = "/models/tiny"
+
+
+def engines(h: History, at: float, **held: list[str] | None) -> None:
+    """One sample of the engines: node_1=[...] is node-1's list (None: no answer)."""
+    adapters = {"node-1": [], "node-2": [], "node-3": []}
+    adapters.update({k.replace("_", "-"): v for k, v in held.items()})
+    h.add("engines", at, adapters=adapters)
+
+
+def engine_killed(h: History, at: float, back: float, node: str = "node-1") -> None:
+    h.add("fault.start", at, id=9, fault="engine.kill", target=f"engine {node}", node=None,
+          engine=node)  # fmt: skip
+    h.add("fault.end", back, id=9)
+
+
+def test_an_adapter_served_again_after_its_engine_is_back_passes() -> None:
+    h = History()
+    h.job("a")
+    engines(h, 2.0, node_1=[A1])
+    engine_killed(h, 3.0, 5.0)
+    engines(h, 4.0, node_1=None)
+    engines(h, 6.0)  # back empty
+    engines(h, 20.0, node_1=[A1])  # loaded again within the bound
+    h.end(a={})
+    assert check(h.entries) == []
+
+
+def test_an_adapter_not_served_again_after_its_engine_is_back_is_caught() -> None:
+    h = History()
+    h.job("a")
+    engines(h, 2.0, node_1=[A1], node_2=[A1])
+    engine_killed(h, 3.0, 5.0)
+    engines(h, 6.0, node_2=[A1])
+    engines(h, 30.0, node_2=[A1])
+    engines(h, 40.0, node_1=[A1], node_2=[A1])  # past the bound (5 + 30 s)
+    h.end(a={})
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["served-again"]
+    assert "was on 2 engine(s), node-1's among them" in violations[0].message
+    assert "it was on 1 at most" in violations[0].message
+
+
+def test_an_adapter_moved_elsewhere_or_unserved_by_the_run_is_not_owed() -> None:
+    h = History()
+    h.job("a")
+    h.job("b", at=1.0)
+    b1 = "b-ba9876543210"
+    engines(h, 2.0, node_1=[A1, b1], node_2=[A1])
+    engine_killed(h, 3.0, 5.0)
+    h.add("serving.change", 4.0, job="b", action="unserve", node=None)
+    engines(h, 8.0, node_2=[A1], node_3=[A1])  # a's replica placed on node-3
+    h.end(a={}, b={})
+    assert check(h.entries) == []
+
+
+def test_a_replicas_surplus_before_the_fault_is_not_owed() -> None:
+    """Seed 16: on three engines for a moment (one placed before another was
+    unloaded), a job of two replicas was back on two: not a violation."""
+    h = History()
+    h.add("job.submitted", 1.0, job="a", node=None, max_attempts=1, steps=10, cancel=False,
+          serving={"replicas": 2})  # fmt: skip
+    engines(h, 2.0, node_1=[A1], node_2=[A1], node_3=[A1])
+    engine_killed(h, 3.0, 5.0)
+    engines(h, 8.0, node_2=[A1], node_3=[A1])
+    assert [v.rule for v in check(h.entries)] == ["final-state"]  # never seen done: no more
+    h.entries[2]["serving"] = None  # no policy: it was on three, it is owed three
+    assert "served-again" in [v.rule for v in check(h.entries)]
+
+
+def test_a_placed_job_short_of_its_engines_at_the_end_is_caught() -> None:
+    h = History()
+    h.add("job.submitted", 1.0, job="a", node=None, max_attempts=1, steps=10, cancel=False,
+          serving={"replicas": 2})  # fmt: skip
+    h.add("job.state", 1.1, job="a", state="running", node="node-1", attempt=1)
+    h.add("job.state", 2.2, job="a", state="done", node="node-1", attempt=1)
+    h.end(a={})
+    h.add("final.engines", adapters={"node-1": [A1], "node-2": [], "node-3": None})
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["placed"]
+    assert "on 1 engine(s) at the end, not 2" in violations[0].message
+    h.entries[-1]["adapters"]["node-3"] = [A1]
+    assert check(h.entries) == []
+
+
+def chat(h: History, model: str, job: str | None, text: str, status: int = 200) -> None:
+    h.add("chat", project="proj-a", gateway="gateway-1", model=model, job=job, stream=True,
+          status=status, text=text, whole=True, error="")  # fmt: skip
+
+
+def test_a_chat_answered_by_another_adapter_is_caught() -> None:
+    h = History()
+    h.entries[0]["base"] = BASE
+    chat(h, "ft:tiny:nem:a", "a", f"{A1} says: chat number 1")
+    chat(h, "tiny", None, f"{BASE} says: chat number 2")
+    chat(h, "ft:tiny:nem:a", "a", "", status=404)  # not served: no answer, no violation
+    chat(h, "ft:tiny:nem:a", "a", f"{A1[:5]}")  # a stream broken before the name: unjudged
+    assert check(h.entries) == []
+    chat(h, "ft:tiny:nem:a", "a", "b-ba9876543210 says: chat number 3")
+    chat(h, "tiny", None, f"{A1} says: chat number 4")
+    chat(h, "ft:tiny:nem:a", "a", f"{BASE} says: chat number 5")
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["right-adapter"] * 3
+    assert "answered by 'b-ba9876543210'" in violations[0].message
+
+
+def upload(h: History, filename: str, sha: str, file: str | None) -> None:
+    h.add("upload", project=filename.rsplit("-", 1)[0], key="alice", gateway="gateway-1",
+          filename=filename, bytes=10, sha256=sha, status=200 if file else None,
+          file=file, error="")  # fmt: skip
+
+
+def final_files(h: History, project: str, *files: tuple[str, str, str | None]) -> None:
+    h.add("final.files", project=project, files=[
+        {"id": i, "filename": n, "bytes": 10, "sha256": s, "why": "" if s else "404"}
+        for i, n, s in files])  # fmt: skip
+
+
+def test_uploads_whole_or_not_at_all_pass() -> None:
+    h = History()
+    upload(h, "proj-a-1.jsonl", "s1", "file-1")
+    upload(h, "proj-a-2.jsonl", "s2", None)  # killed mid-upload: not listed
+    upload(h, "proj-a-3.jsonl", "s3", None)  # its answer lost, but it is whole: fine
+    final_files(h, "proj-a", ("file-1", "proj-a-1.jsonl", "s1"), ("file-3", "proj-a-3.jsonl", "s3"))
+    assert check(h.entries) == []
+
+
+def test_an_upload_half_visible_or_lost_is_caught() -> None:
+    h = History()
+    upload(h, "proj-a-1.jsonl", "s1", "file-1")
+    upload(h, "proj-a-2.jsonl", "s2", None)
+    upload(h, "proj-a-3.jsonl", "s3", "file-3")
+    final_files(h, "proj-a", ("file-1", "proj-a-1.jsonl", "half"),
+                ("file-2", "proj-a-2.jsonl", None))  # fmt: skip
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["upload"] * 3
+    assert "not what was uploaded" in violations[0].message
+    assert "content does not download" in violations[1].message
+    assert "file-3 (proj-a-3.jsonl) was answered but is not listed" in violations[2].message
+
+
+def test_another_projects_file_or_job_seen_is_caught() -> None:
+    h = History()
+    listing = {"files": [{"id": "file-1", "filename": "proj-a-1.jsonl"}],
+               "jobs": [{"id": "ftjob-a", "project": "proj-a"}]}  # fmt: skip
+    h.add("tenancy.list", project="proj-a", **listing)
+    h.add("tenancy.get", project="proj-b", owner="proj-a", what="file", id="file-1", status=404)
+    assert check(h.entries) == []
+    h.add("tenancy.list", project="proj-b", **listing)
+    h.add("tenancy.get", project="proj-b", owner="proj-a", what="job", id="ftjob-a", status=200)
+    h.add("final.tenancy", project="proj-a", files=[],
+          jobs=[{"id": "ftjob-x", "project": None}])  # fmt: skip
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["projects"] * 4
+    assert "project proj-b lists file file-1 (proj-a-1.jsonl)" in violations[0].message
+    assert "lists job ftjob-x (project None)" in violations[2].message
+    assert "got proj-a's job ftjob-a by its id" in violations[3].message
+
+
+def test_a_500_through_the_gateway_is_caught() -> None:
+    h = History()
+    chat(h, "tiny", None, "", status=503)  # a fault of the moment: retry
+    h.add("job.submit_failed", via="gateway", gateway="gateway-2", status=400, error="bad file")
+    assert check(h.entries) == []
+    chat(h, "tiny", None, "", status=500)
+    failed = "the service failed on this request: OperationalError(...); it is logged"
+    h.add("job.submit_failed", via="gateway", gateway="gateway-2", status=500, error=failed)
+    upload(h, "proj-a-1.jsonl", "s1", None)
+    h.entries[-1].update(status=500, error="Internal Server Error")
+    violations = check(h.entries)
+    assert [v.rule for v in violations] == ["retry"] * 3
+    assert "a job through gateway-2 got a 500: the service failed" in violations[1].message
+    assert "an upload through gateway-1 got a 500" in violations[2].message

@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import Any
 
 from tests.partition.netns import NetnsLink
 from tests.procs import ServiceProcess, agent_process
@@ -12,10 +13,16 @@ from tests.system.conftest import Stack
 
 
 async def agent_in(
-    stack: Stack, link: NetnsLink, node: str, env: Mapping[str, str], nats_url: str | None = None
+    stack: Stack,
+    link: NetnsLink,
+    node: str,
+    env: Mapping[str, str],
+    nats_url: str | None = None,
+    **cfg: Any,
 ) -> ServiceProcess:
     """An agent of `node` inside the namespace (its trainer too), on the stack's
-    settings (`nats_url`: another way to the server, such as a relay)."""
+    settings (`nats_url`: another way to the server, such as a relay); `cfg`
+    is its AgentConfig's (its engines)."""
     # `python -m tests.partition.in_netns` from any directory (the benches run it too).
     root = str(Path(__file__).resolve().parents[2])
     path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
@@ -25,6 +32,7 @@ async def agent_in(
         stack.tmp_path,
         node,
         {**env, "LORAFLEET_TEST_NETNS": link.ns, "PYTHONPATH": path},
+        **cfg,
     )
     proc.module = "tests.partition.in_netns"
     stack.agents[node] = proc

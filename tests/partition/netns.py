@@ -128,6 +128,24 @@ class NetnsLink:
         subprocess.run(["ip", "link", "del", self.host_dev], capture_output=True, check=False)
 
 
+def join(a: NetnsLink, b: NetnsLink) -> None:
+    """A veth pair straight between `a`'s and `b`'s namespaces (a /30 of its
+    own) and a route each way to the other's `ns_ip` from its own: two
+    namespaces reach each other at their own addresses, through no third
+    (the deploy rehearsal's nodes and control plane). It goes with either
+    namespace's `delete()`."""
+    token = secrets.token_hex(3)
+    dev_a, dev_b = f"lfa{token}", f"lfb{token}"
+    c, d = secrets.randbelow(256), secrets.randbelow(64) * 4
+    ip_a, ip_b = f"{SUBNET_PREFIX}.{c}.{d + 1}", f"{SUBNET_PREFIX}.{c}.{d + 2}"
+    _run("ip", "link", "add", dev_a, "netns", a.ns, "type", "veth", "peer", "name", dev_b,
+         "netns", b.ns)  # fmt: skip
+    for link, dev, ip, other, via in ((a, dev_a, ip_a, b, ip_b), (b, dev_b, ip_b, a, ip_a)):
+        link.inside("ip", "addr", "add", f"{ip}/30", "dev", dev)
+        link.inside("ip", "link", "set", dev, "up")
+        link.inside("ip", "route", "add", f"{other.ns_ip}/32", "via", via, "src", link.ns_ip)
+
+
 def available() -> str | None:
     """Why this machine cannot run partition tests (None: it can)."""
     if not os.path.exists("/proc/self/ns/net"):

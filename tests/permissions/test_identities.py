@@ -27,6 +27,11 @@ async def test_a_job_ends_done_with_every_process_on_its_own_identity(
         assert out.stat().st_size > 0
         listed = await system.client.artifacts(job.id)
         assert file_sha256(out) == next(a.sha256 for a in listed if a.kind.value == "peft")
+        # Retention on the owners' identities: the recorder reads the jobs and
+        # (no gateway here) finds no files; the artifact-store asks the recorder.
+        reports = await system.client.gc(dry_run=True)
+        assert [r.refused for r in reports] == ["", ""] and all(r.examined for r in reports)
+        assert [i.object for r in reports for i in r.removed] == []
         assert system.refusals() == {}, system.refusals()
     # The server refused one thing only: the agent's attempt to create the layout.
     refused = id_fleet.server_refusals()

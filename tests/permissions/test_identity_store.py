@@ -118,7 +118,7 @@ def test_the_client_block_reaches_the_api_and_nothing_internal() -> None:
 def test_each_service_creates_only_the_layout_it_owns() -> None:
     owned = [part for service in SERVICES for part in LAYOUT_OWNERS[service]]
     assert sorted(owned) == sorted(set(owned))  # one owner each
-    assert len(owned) == 7
+    assert len(owned) == 8
     assert owned_layout_parts(None, "recorder") is None  # no identity: everything
     assert owned_layout_parts("/s.nk", "recorder") == ("status_stream", "datasets_store")
     creators = {
@@ -128,7 +128,7 @@ def test_each_service_creates_only_the_layout_it_owns() -> None:
         ]
         for stream in ("LORAFLEET_STATUS", "LORAFLEET_ARTIFACTS", "KV_lorafleet_nodes",
                        "KV_lorafleet_leader", "OBJ_lorafleet_datasets", "OBJ_lorafleet_artifacts",
-                       "KV_lorafleet_gateway")
+                       "KV_lorafleet_gateway", "KV_lorafleet_node_marks")
     }  # fmt: skip
     assert creators == {
         "LORAFLEET_STATUS": ["recorder"],
@@ -138,6 +138,7 @@ def test_each_service_creates_only_the_layout_it_owns() -> None:
         "OBJ_lorafleet_datasets": ["recorder"],
         "OBJ_lorafleet_artifacts": ["artifact-store"],
         "KV_lorafleet_gateway": ["gateway"],
+        "KV_lorafleet_node_marks": ["scheduler"],
     }
 
 

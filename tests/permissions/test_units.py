@@ -22,7 +22,7 @@ from lorafleet.access.permissions import (
     identity_block,
     subject_matches,
 )
-from lorafleet.names import InvalidNameError, Names, msg_get_subject
+from lorafleet.names import InvalidNameError, Names, object_read_subjects
 from lorafleet.nats._bus import redact_url
 from lorafleet.nats._natspy import permissions_violation_message
 from lorafleet.nats.server import binary
@@ -55,8 +55,9 @@ def test_an_agent_may_do_its_own_nodes_work() -> None:
         N.status("node-1", "job-a"),
         N.artifact_chunks("node-1", "job-a", "peft"),
         "$JS.API.STREAM.MSG.GET.OBJ_lorafleet_datasets",
+        "$JS.API.DIRECT.GET.OBJ_lorafleet_datasets",
         # A resumed job reads its checkpoint as it reads its dataset.
-        msg_get_subject(N.artifacts_bucket),
+        *object_read_subjects(N.artifacts_bucket),
     ):
         assert allows(p, "publish", subject), subject
     assert allows(p, "publish", N.serving_report("node-1", "job-a"))
@@ -219,3 +220,18 @@ def test_the_serving_requests_go_from_the_scheduler_to_the_nodes_only() -> None:
     assert allows(client, "publish", N.adapters_list)
     for block in (recorder, client):
         assert not allows(block, "publish", N.node_serve("gpu-3")), block
+
+
+def test_marks_are_the_scheduler_s_and_the_gateway_watches_the_heartbeats() -> None:
+    scheduler = identity_block(N, "service", "scheduler")
+    gateway = identity_block(N, "service", "gateway")
+    agent = identity_block(N, "node", "gpu-3")
+    client = identity_block(N, "client", "cli")
+    marks = N.kv_subject(N.node_marks_bucket, "gpu-3")
+    assert allows(scheduler, "publish", marks) and allows(scheduler, "subscribe", N.nodes_schedule)
+    assert allows(client, "publish", N.nodes_schedule)
+    for block in (agent, client, gateway):
+        assert not allows(block, "publish", marks), block
+    nodes_kv = f"$JS.API.CONSUMER.CREATE.KV_{N.nodes_bucket}"
+    assert allows(gateway, "publish", nodes_kv)
+    assert not allows(gateway, "publish", N.node_heartbeat("gpu-3"))

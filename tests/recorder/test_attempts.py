@@ -98,6 +98,29 @@ async def test_no_requeue_without_attempts_left_and_a_cancel_wins(models: Sessio
     assert applied and after.state is JobState.CANCELLED
 
 
+async def test_a_move_requeues_without_attempts_left_and_uses_none(models: Sessions) -> None:
+    """A drain's move_training: the operator's requeue, not a loss."""
+    job = await running_at(models, await new_job(models, max_attempts=1), "n1", range(1, 3))
+    said = "node n1 was drained with move_training at step 2"
+    applied, back = await store.transition(
+        models, job.id, JobState.RUNNING, JobState.QUEUED, said, moved=True
+    )
+    assert applied and back.state is JobState.QUEUED and back.node is None
+    assert back.attempt == 1 and back.max_attempts == 2
+    assert (await events(models, job.id))[-1] == ("running", "queued", said)
+    applied, again = await store.transition(
+        models, job.id, JobState.QUEUED, JobState.STARTING, node="n2"
+    )
+    assert applied and again.attempt == 2 and again.max_attempts == 2
+    # A move races a cancel as a requeue does: the cancel wins.
+    applied, _ = await store.transition(models, job.id, JobState.STARTING, JobState.CANCELLED)
+    assert applied
+    applied, after = await store.transition(
+        models, job.id, JobState.STARTING, JobState.QUEUED, moved=True
+    )
+    assert not applied and after.state is JobState.CANCELLED and after.max_attempts == 2
+
+
 async def test_a_retryable_failure_requeues_with_attempts_left_else_fails(
     models: Sessions,
 ) -> None:

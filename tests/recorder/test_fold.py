@@ -42,6 +42,8 @@ def job_row(**columns: Any) -> dict[str, Any]:
         "loss": None,
         "eval_loss": None,
         "tokens_seen": None,
+        "preference": None,
+        "eval_preference": None,
         "peak_mib": 0,
         "attempt": 1,
         "last_seq": 0,
@@ -130,7 +132,9 @@ def test_peak_only_grows() -> None:
 def test_points_carry_the_report_attempt() -> None:
     folded = fold(job_row(), RUN, T1)
     assert [p["step"] for p in folded.points] == [1, 2, 3]
-    assert folded.evals == [{"job_id": "j1", "step": 2, "eval_loss": 1.9, "attempt": 1}]
+    assert folded.evals == [
+        {"job_id": "j1", "step": 2, "eval_loss": 1.9, "attempt": 1, "preference": None}
+    ]
     assert folded.points[0] == {
         "job_id": "j1",
         "step": 1,
@@ -139,6 +143,7 @@ def test_points_carry_the_report_attempt() -> None:
         "tokens_per_s": None,
         "peak_mib": 400,
         "attempt": 1,
+        "preference": None,
     }
 
 
@@ -229,3 +234,18 @@ def test_a_later_attempt_supersedes_from_the_step_it_started_at() -> None:
     assert [(p.step, p.attempt) for p in kept] == [(1, 1), (2, 1), (3, 2), (4, 2)]
     evals = [EvalPoint(step=2, eval_loss=1.0, attempt=1), EvalPoint(step=4, eval_loss=0.5)]
     assert effective(evals, {}) == evals
+
+
+def test_a_dpo_jobs_numbers_go_to_the_job_and_its_points() -> None:
+    """The step's numbers and the eval's, each from its own report: the
+    job keeps the newest of each, each curve point its own."""
+    step = {"margin": 0.5, "accuracy": 0.75}
+    held = {"eval_margin": 0.4, "eval_accuracy": 1.0}
+    folded = fold(job_row(), [
+        rep(1, step=1, loss=0.6, preference={"margin": 0.1, "accuracy": 0.5}),
+        rep(2, step=2, loss=0.5, preference=step),
+        rep(3, step=2, eval_loss=0.55, eval_preference=held),
+    ], T1)  # fmt: skip
+    assert folded.values["preference"] == step and folded.values["eval_preference"] == held
+    assert [p["preference"] for p in folded.points] == [{"margin": 0.1, "accuracy": 0.5}, step]
+    assert [e["preference"] for e in folded.evals] == [held]

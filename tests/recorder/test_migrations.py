@@ -90,7 +90,8 @@ def test_0004_keeps_the_jobs_and_points_from_before_and_goes_back(tmp_path: Path
             assert [tuple(j) for j in jobs] == [("q", 1, "n1"), ("r", 1, None)]
             assert conn.execute(text("SELECT step, attempt FROM loss_points")).all() == [(3, 1)]
             # Another attempt's point at the same step now fits.
-            conn.execute(text("INSERT INTO loss_points VALUES ('r', 3, 1.4, NULL, NULL, NULL, 2)"))
+            conn.execute(text("INSERT INTO loss_points (job_id, step, loss, attempt) "
+                              "VALUES ('r', 3, 1.4, 2)"))  # fmt: skip
         command.downgrade(config, "0003")
         with engine.begin() as conn:
             assert conn.execute(text("SELECT step, loss FROM loss_points")).all() == [(3, 1.5)]

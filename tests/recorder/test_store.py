@@ -8,6 +8,7 @@ import random
 
 import pytest
 
+from lorafleet.errors import NotFoundError
 from lorafleet.states import IllegalTransitionError
 from lorafleet_schemas.messages import (
     ArtifactKind,
@@ -71,6 +72,24 @@ def comparable(job: JobRecord) -> dict[str, object]:
         k: getattr(job, k)
         for k in ("state", "message", "step", "steps", "loss", "eval_loss", "peak_mib", "node")
     }
+
+
+async def test_a_list_pages_with_after_in_either_order(models: Sessions) -> None:
+    made = {(await new_job(models, "tiny-vllm")).id for _ in range(5)}
+    for oldest_first in (False, True):
+        want = [j.id for j in await store.list_jobs(models, oldest_first=oldest_first)]
+        assert set(want) == made
+        pages: list[list[str]] = []
+        after: str | None = None
+        for _ in range(5):
+            page = await store.list_jobs(models, limit=2, oldest_first=oldest_first, after=after)
+            pages.append([j.id for j in page])
+            if len(page) < 2:
+                break
+            after = page[-1].id
+        assert pages == [want[0:2], want[2:4], want[4:]], (oldest_first, pages)
+    with pytest.raises(NotFoundError, match="give the last id of a page"):
+        await store.list_jobs(models, after="nope")
 
 
 async def test_create_get_list_filters(models: Sessions) -> None:

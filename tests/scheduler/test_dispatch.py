@@ -9,13 +9,14 @@ from __future__ import annotations
 import asyncio
 
 import msgspec
+import nats.errors
 import pytest
 import structlog
 
 from lorafleet._recorder_client import RecorderClient
-from lorafleet.errors import NotFoundError
+from lorafleet.errors import NotFoundError, UnavailableError
 from lorafleet.names import Names
-from lorafleet.states import can_move, can_requeue
+from lorafleet.states import ON_NODE, can_move, can_requeue
 from lorafleet_schemas.messages import (
     ArtifactKind,
     CheckpointRef,
@@ -28,6 +29,7 @@ from lorafleet_schemas.messages import (
     ModelRecord,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeSchedule,
     StartReply,
     StartRequest,
     TransitionReply,
@@ -69,8 +71,9 @@ class MemoryRecorder(RecorderClient):
         if current is None:
             raise NotFoundError(f"no job {req.id}")
         message_only = req.from_state is req.to_state is JobState.QUEUED
-        requeue = req.to_state is JobState.QUEUED and can_requeue(
-            current.state, current.attempt, current.max_attempts
+        requeue = req.to_state is JobState.QUEUED and (
+            (req.moved and current.state in ON_NODE)
+            or can_requeue(current.state, current.attempt, current.max_attempts)
         )
         if current.state is not req.from_state or not (
             message_only or requeue or can_move(req.from_state, req.to_state)
@@ -82,6 +85,7 @@ class MemoryRecorder(RecorderClient):
             message=req.message,
             node=current.requested_node if requeue else req.node or current.node,
             attempt=current.attempt + (req.to_state is JobState.STARTING),
+            max_attempts=current.max_attempts + (requeue and req.moved),
         )
         self.jobs[req.id] = moved
         return TransitionReply(applied=True, job=moved)
@@ -148,6 +152,19 @@ async def test_a_start_the_agent_refuses_fails_the_job_with_its_reason() -> None
     failed = rec.jobs["j1"]
     assert failed.state is JobState.FAILED
     assert failed.message == "the agent on a did not accept the job: busy with j0"
+
+
+async def test_a_start_an_agent_presumed_lost_will_not_take_is_a_loss_not_a_failure() -> None:
+    """Seed 16: an agent frozen past its fence answers unavailable; the job is
+    requeued with attempts left (not failed: nothing was wrong with it)."""
+    rec = MemoryRecorder(msgspec.structs.replace(job("j1", node="a"), max_attempts=2))
+    said = UnavailableError("a is presumed lost (no heartbeat acknowledged ...)")
+    d = dispatcher(rec, FakeAgents(said), nodes(hb("a", cards=[(24000, 24000)])))
+    await d.round(100.0, [])
+    await settle(d)
+    back = rec.jobs["j1"]
+    assert back.state is JobState.QUEUED, back
+    assert back.message.startswith("the agent on a is presumed lost"), back.message
 
 
 async def test_a_start_nobody_answers_leaves_the_job_starting() -> None:
@@ -270,6 +287,56 @@ async def test_a_lost_nodes_job_with_attempts_left_is_requeued_and_resumes_elsew
     assert rec.jobs["j1"].message.startswith("node b stopped heartbeating")
 
 
+class SlowStoppingAgents(FakeAgents):
+    """Agents whose cancel is answered once `answer` is set: the node stopping
+    its trainer (or, with `fail`, the request failing: nobody there)."""
+
+    def __init__(self, fail: BaseException | None = None) -> None:
+        super().__init__()
+        self.answer = asyncio.Event()
+        self.fail = fail
+
+    async def cancel(self, node: str, req: NodeCancelRequest) -> NodeCancelReply:
+        self.cancels.append((node, req))
+        await self.answer.wait()
+        if self.fail is not None:
+            raise self.fail
+        return NodeCancelReply(stopped=True)
+
+
+@pytest.mark.parametrize("fail", [None, nats.errors.NoRespondersError()])
+async def test_a_lost_nodes_job_runs_elsewhere_only_once_that_node_was_told_to_stop_it(
+    fail: BaseException | None,
+) -> None:
+    """Issue 33: attempt 1 went on reporting on a node judged lost after
+    attempt 2 began elsewhere. The lost node is told to stop the job, which
+    is held from dispatch until the node answered (or could not: no agent)."""
+    lost_job = msgspec.structs.replace(
+        job("j1", node="a", state=JobState.RUNNING), attempt=1, max_attempts=2
+    )
+    rec = MemoryRecorder(lost_job)
+    table = nodes(hb("a", cards=[(24000, 24000)], job="j1"), hb("b", cards=[(24000, 24000)]))
+    lost = table.expire("a")
+    assert lost is not None
+    agents = SlowStoppingAgents(fail)
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [lost])
+    await d.round(101.0, [])
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert rec.jobs["j1"].state is JobState.QUEUED
+    assert agents.starts == [], "sent elsewhere while the lost node may still run it"
+    [(node, req)] = agents.cancels
+    assert node == "a" and req.job_id == "j1" and "node a was lost" in (req.reason or "")
+    agents.answer.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    await d.round(102.0, [])
+    await settle(d)
+    [(node, start)] = agents.starts
+    assert node == "b" and start.attempt == 2
+
+
 async def test_a_start_the_last_leader_never_sent_is_sent_again_with_the_same_attempt() -> None:
     stuck = msgspec.structs.replace(job("j1", node="a", state=JobState.STARTING), attempt=1)
     rec = MemoryRecorder(stuck)
@@ -342,3 +409,71 @@ async def test_a_start_to_send_again_whose_model_left_the_catalog_fails() -> Non
     await settle(d)
     assert agents.starts == [] and rec.jobs["j1"].state is JobState.FAILED
     assert "no longer in the catalog" in rec.jobs["j1"].message
+
+
+async def test_a_drained_nodes_training_moves_elsewhere_once_the_node_stopped_it() -> None:
+    """drain --move-training: the job (on its last attempt) is requeued, a
+    new attempt that uses none of its own; the node is told to stop it and
+    the job is held until it answered, as a lost node's job is; then it
+    resumes from its checkpoint on another node, never the drained one."""
+    cp = ref("j1", ArtifactKind.CHECKPOINT, 40)
+    running = msgspec.structs.replace(
+        job("j1", node="a", state=JobState.RUNNING), attempt=1, step=47, checkpoint=cp
+    )
+    rec = MemoryRecorder(running)
+    table = nodes(hb("a", cards=[(80000, 80000)], job="j1"), hb("b", cards=[(24000, 24000)]))
+    table.mark("a", NodeSchedule.DRAINED, move_training=True)
+    agents = SlowStoppingAgents()
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [])
+    moved = rec.jobs["j1"]
+    assert moved.state is JobState.QUEUED and moved.node is None and moved.max_attempts == 2
+    assert moved.message == (
+        "node a was drained with move_training at step 47; attempt 2 of 2 resumes from the "
+        "checkpoint at step 40 on another node (the move uses none of its attempts)"
+    )
+    await d.round(101.0, [])
+    for _ in range(10):
+        await asyncio.sleep(0)
+    assert agents.starts == [], "sent elsewhere while the drained node still runs it"
+    # Reconcile too tells a node that runs a job queued again to stop it.
+    assert {(node, req.job_id) for node, req in agents.cancels} == {("a", "j1")}
+    assert "drained" in (agents.cancels[0][1].reason or "")
+    agents.answer.set()
+    for _ in range(10):
+        await asyncio.sleep(0)
+    # The drained node beats idle now, with more free memory than b: still not chosen.
+    table.beat(hb("a", cards=[(80000, 80000)]), 102.0)
+    await d.round(102.0, [])
+    await settle(d)
+    [(node, start)] = agents.starts
+    assert node == "b" and start.attempt == 2 and start.resume == cp
+
+
+async def test_a_cordoned_or_plainly_drained_nodes_job_is_left_running() -> None:
+    """Cordon (and drain without move_training): the job there trains on
+    there, untouched; nothing new goes to the node, even once it is idle and
+    the only node there is."""
+    for schedule in (NodeSchedule.CORDONED, NodeSchedule.DRAINED):
+        # With a checkpoint: movable, were it asked.
+        running = msgspec.structs.replace(
+            job("j1", node="a", state=JobState.RUNNING),
+            attempt=1, step=5, checkpoint=ref("j1", ArtifactKind.CHECKPOINT, 4),
+        )  # fmt: skip
+        rec = MemoryRecorder(running, job("j2"))
+        table = nodes(hb("a", cards=[(24000, 24000)], job="j1"))
+        table.mark("a", schedule)
+        agents = FakeAgents()
+        d = dispatcher(rec, agents, table)
+        for now in (100.0, 101.0, 102.0):
+            await d.round(now, [])
+        for _ in range(10):
+            await asyncio.sleep(0)
+        assert rec.jobs["j1"] == running and agents.cancels == [] and agents.starts == []
+        # j1 ends there; the idle node still takes nothing new.
+        rec.jobs["j1"] = msgspec.structs.replace(running, state=JobState.DONE)
+        table.beat(hb("a", cards=[(24000, 24000)]), 103.0)
+        await d.round(103.0, [])
+        await settle(d)
+        assert agents.starts == [] and rec.jobs["j2"].state is JobState.QUEUED
+        assert "cordoned" in rec.jobs["j2"].message, rec.jobs["j2"].message

@@ -4,14 +4,22 @@ from __future__ import annotations
 
 import datetime as dt
 
+import msgspec
+import pytest
+
+from lorafleet.errors import BadRequestError, ConflictError
 from lorafleet_schemas.messages import (
     Card,
+    CheckpointRef,
     Heartbeat,
     JobRecord,
     JobState,
+    NodeSchedule,
+    NodeScheduleRequest,
 )
 from lorafleet_services.scheduler import node_table, placement
 from lorafleet_services.scheduler import reconcile as reconcile_mod
+from lorafleet_services.scheduler.node_marks import check_request, plan_moves
 from lorafleet_services.scheduler.node_table import BeatChange, Node, NodeTable, lost_nodes
 from lorafleet_services.scheduler.placement import busy_nodes, plan_dispatch
 from lorafleet_services.scheduler.reconcile import LET_GO_GRACE_S, reconcile
@@ -246,6 +254,25 @@ def test_reconcile_needs_a_beat_newer_than_the_dispatch() -> None:
     assert reconcile([starting], t.nodes, 105.0, {"j": 100.2}).fail == []
 
 
+def test_reconcile_ignores_a_beat_composed_before_the_agent_took_the_job() -> None:
+    """Seed 15: the agent's beats failed for 4 s on a cut-off member; one
+    composed before it took the job reached the bucket after the dispatch
+    and read as "the agent no longer runs the job": the job ran on two nodes.
+    A beat is news of the job only when composed after the agent's accept."""
+    t = table(hb("a", cpu=True), now=100.0)
+    running = job("j", node="a", state=JobState.RUNNING)
+    took = T0 + dt.timedelta(seconds=10)
+    stale = hb("a", cpu=True, time=took - dt.timedelta(seconds=2))
+    t.beat(stale, 103.3)  # received 3.3 s after the dispatch, past the grace
+    assert reconcile([running], t.nodes, 103.3, {"j": 100.0}, accepted_at={"j": took}).fail == []
+    # without the agent's accept time it is taken as news (as before)
+    assert [f.job.id for f in reconcile([running], t.nodes, 103.3, {"j": 100.0}).fail] == ["j"]
+    # a beat composed after the accept that lacks the job is a loss
+    t.beat(hb("a", cpu=True, time=took + dt.timedelta(seconds=1)), 104.0)
+    result = reconcile([running], t.nodes, 104.0, {"j": 100.0}, accepted_at={"j": took})
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
 def test_reconcile_after_our_view_came_back_waits_for_a_fresh_beat() -> None:
     # A beat from before the dispatch, then blindness (a cluster's election);
     # when the view comes back every node counts as just seen: that is no
@@ -313,6 +340,32 @@ def test_uploading_job_after_delivery_is_kept_unless_the_agent_restarted() -> No
     t.beat(hb("a", cpu=True, started_at=T0 + dt.timedelta(seconds=1)), 210.0)
     result = reconcile([uploading], t.nodes, 210.0, {"j": 150.0})
     assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_a_delivered_upload_never_stored_is_lost_after_the_store_wait() -> None:
+    """Nemesis seed 17: delivered, then neither stored nor failed by the
+    artifact-store; the job stayed `uploading` for good. Past the wait it is
+    lost (requeued to resume from its checkpoint, or failed), on a live node
+    or a gone one; an undelivered job is not judged by this wait."""
+    sent = T0 + dt.timedelta(seconds=5)
+    uploading = job("j", node="a", state=JobState.UPLOADING, started_at=sent)
+    running = job("r", node="b", state=JobState.RUNNING)
+    t = table(hb("a", cpu=True), hb("b", cpu=True, job="r"), now=100.0)
+    seen, wait_s, delivered = {"j": 150.0, "r": 150.0}, 300.0, {}
+    stale = reconcile_mod.deliveries_never_stored
+    assert stale([uploading, running], t.nodes, seen, delivered, 160.0, wait_s) == []
+    assert delivered == {"j": 160.0}
+    assert stale([uploading], t.nodes, seen, delivered, 160.0 + wait_s - 1, wait_s) == []
+    [lost] = stale([uploading, running], t.nodes, seen, delivered, 160.0 + wait_s, wait_s)
+    assert lost.job.id == "j" and "did not store them within 300 s" in lost.message
+    assert "delivered by a" in lost.cause
+    t.expire("a")
+    [gone] = stale([uploading], t.nodes, seen, delivered, 160.0 + wait_s, wait_s)
+    assert gone.message == lost.message
+    # A new agent process since: not delivered (the agent lost it), forgotten here.
+    t.beat(hb("a", cpu=True, started_at=T0 + dt.timedelta(seconds=60)), 500.0)
+    assert stale([uploading], t.nodes, seen, delivered, 600.0, wait_s) == []
+    assert delivered == {}
 
 
 def test_delivered_uploads_by_wall_clock_when_the_scheduler_did_not_see_the_job_sent() -> None:
@@ -425,3 +478,49 @@ def test_a_node_running_a_requeued_or_moved_job_is_told_to_stop() -> None:
     moved = job_record(id="j", state=JobState.RUNNING, node="b", attempt=2)
     assert reconcile_mod.should_cancel_on_node(moved, "a")
     assert not reconcile_mod.should_cancel_on_node(moved, "b")
+
+
+def test_which_training_a_drain_moves() -> None:
+    """move_training moves what has training ahead or under way, from a
+    checkpoint, off a live node; the rest stays to finish, saying why."""
+    cp = CheckpointRef(job_id="r", kind="checkpoint", step=40, object="r/checkpoint", size=1,
+                       sha256="0" * 64)  # fmt: skip
+
+    def on_a(job_id: str, state: JobState, step: int = 0, **more: object) -> JobRecord:
+        return msgspec.structs.replace(job(job_id, node="a", state=state), step=step, **more)
+
+    running = on_a("r", JobState.RUNNING, 47, checkpoint=cp)
+    fresh = on_a("s", JobState.STARTING)
+    uploading = on_a("u", JobState.UPLOADING, 80, checkpoint=cp)
+    pinned = on_a("p", JobState.RUNNING, 47, checkpoint=cp, requested_node="a")
+    bare = on_a("b", JobState.RUNNING, 12)
+    elsewhere = msgspec.structs.replace(running, id="x", node="b")
+    jobs = [running, fresh, uploading, pinned, bare, elsewhere]
+    nodes = table(hb("a", job="r"), hb("b", job="x")).nodes
+    moves = reconcile_mod.training_moves
+    assert [j.id for j in moves(jobs, nodes, {"a": False})] == ["r", "s"]
+    assert [j.id for j in moves(jobs, nodes, {"a": True})] == ["r", "s", "b"]
+    assert moves(jobs, nodes, {}) == []
+    nodes["a"].alive = False  # a lost node's jobs are the loss's
+    assert moves(jobs, nodes, {"a": True}) == []
+    why = reconcile_mod.why_training_stays
+    assert "its training is over" in (why(uploading, True) or "")
+    assert "submitted for node a" in (why(pinned, True) or "")
+    assert "lose its 12 steps" in (why(bare, False) or "") and why(bare, True) is None
+
+    drain = NodeScheduleRequest(node="a", schedule=NodeSchedule.DRAINED, move_training=True)
+    with pytest.raises(ConflictError, match=r"nothing changed: node a runs job b: .*--force"):
+        plan_moves(drain, jobs)
+    forced = msgspec.structs.replace(drain, force=True)
+    moving, staying = plan_moves(forced, jobs)
+    assert moving == ["r", "s", "b"] and set(staying) == {"u", "p"}
+    assert plan_moves(msgspec.structs.replace(drain, move_training=False), jobs) == ([], {})
+    for bad, field in (
+        (NodeScheduleRequest(node="a", schedule=NodeSchedule.CORDONED, move_training=True),
+         "move_training"),
+        (NodeScheduleRequest(node="a", schedule=NodeSchedule.DRAINED, force=True), "force"),
+    ):  # fmt: skip
+        with pytest.raises(BadRequestError) as refused:
+            check_request(bad)
+        assert refused.value.field == f"$.{field}"
+    check_request(forced)

@@ -22,7 +22,7 @@ from structlog.testing import capture_logs
 
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE
-from lorafleet_services.scheduler.kv_watch import REBUILD_AFTER_S, KeyWatch, behind
+from lorafleet.nats._kv_watch import REBUILD_AFTER_S, KeyWatch, behind
 from lorafleet_services.scheduler.node_table import SWEEP_MARGIN_S
 from lorafleet_services.scheduler.nodes import Departure, NodeWatcher, departure
 from tests.scheduler.clock import Clock
@@ -118,6 +118,32 @@ def test_a_replica_that_does_not_lead_applies_a_deferred_marker_a_timeout_later(
     assert [n.name for n in w.take_lost()] == ["a"]
     w.sweep(clock.now + TIMEOUT_S, majority_at=0.0)
     assert w.take_lost() == []
+
+
+def test_a_replica_without_the_lease_leaves_an_expiry_to_the_sweep() -> None:
+    """Issue 33 (nemesis seed 8): in a member's cut-off both schedulers were
+    between leases, read expiry markers of nodes whose beats came 0.1-1.2 s
+    later, and judged them lost (false losses). Without the lease a marker
+    waits a node timeout for a beat; with it, it is a loss at once."""
+    clock = Clock()
+    leading = [False]
+    w = NodeWatcher(TIMEOUT_S, clock, structlog.get_logger(), lambda: None, lambda: leading[0])
+    w.on_entry(beat("a"))
+    w.on_entry(beat("b"))
+    with capture_logs() as logs:
+        w.on_entry(entry("a", operation=KV_PURGE))
+        w.on_entry(entry("b", operation=KV_PURGE))
+    assert [e for e, _ in events(logs, "a")] == [Event.NODE_DEPARTURE_DEFERRED]
+    assert w.table.nodes["a"].alive and w.take_lost() == []
+    clock.now += 0.1
+    w.on_entry(beat("a"))  # a lives: its beat came just after the marker
+    clock.now += TIMEOUT_S + SWEEP_MARGIN_S
+    w.sweep(clock.now, majority_at=0.0)
+    assert w.table.nodes["a"].alive, "a beat after the marker, and was lost all the same"
+    assert [n.name for n in w.take_lost()] == ["b"]  # b never beat again
+    leading[0] = True
+    w.on_entry(entry("a", operation=KV_PURGE))
+    assert [n.name for n in w.take_lost()] == ["a"]
 
 
 def test_a_second_marker_for_a_lost_node_changes_nothing() -> None:

@@ -170,13 +170,24 @@ async def test_watch_until_served_follows_the_adapter_to_its_engine(stack: Stack
         await stack.js.publish(subject, msgspec.json.encode(sent))
 
     await report(ServingState.LOADING)
-    watcher = asyncio.create_task(
-        lorafleet(stack, "watch", quiet.id, "--json", "--until-served", "--serve-timeout-s", "60")
-    )
-    await asyncio.sleep(1.5)  # the watch is reading: it must wait through loading
-    assert not watcher.done()
+    env = {**os.environ, **stack.settings.to_env(), "COLUMNS": "200"}
+    watcher = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "lorafleet_services.cli", "watch", quiet.id, "--json",
+        "--until-served", "--serve-timeout-s", "60",
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE, env=env,
+    )  # fmt: skip
+    assert watcher.stdout is not None
+    lines: list[str] = []
+    # The watch has shown loading before served is sent: a slow start of the
+    # CLI must not let it see served first (a fixed sleep did, under load).
+    while not any('"loading"' in line for line in lines):
+        line = await asyncio.wait_for(watcher.stdout.readline(), 60)
+        assert line, "the watch ended before it showed loading"
+        lines.append(line.decode())
+    assert watcher.returncode is None, "the watch must wait through loading"
     await report(ServingState.SERVED)
-    rc, out, err = await watcher
+    out, err_bytes = await asyncio.wait_for(watcher.communicate(), 60)
+    rc, out, err = watcher.returncode, "".join(lines) + out.decode(), err_bytes.decode()
     assert rc == 0, err
     servings = [e["serving"] for e in map(json.loads, out.splitlines()) if e["kind"] == "serving"]
     assert [s["state"] for s in servings] == ["loading", "served"]

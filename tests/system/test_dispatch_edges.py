@@ -68,4 +68,7 @@ async def test_a_start_nobody_answers_is_left_to_reconcile(
     # Not failed on the timeout itself: the agent might have taken it.
     failed = await stack.wait_state(job.id, JobState.FAILED, timeout_s=15)
     assert "the agent on mute" in failed.message and "never received it" in failed.message
-    assert len(received) == 1
+    # Sent once; a leader that takes over a `starting` job it did not send
+    # sends it once more, same attempt (Dispatcher._resend): on a loaded
+    # machine the lead can change hands in these seconds.
+    assert 1 <= len(received) <= 2, received

@@ -41,10 +41,13 @@ def wide_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model("llama", tmp_path_factory.mktemp("wide"), sizes=SIZES)
 
 
-def long_records(n: int = 16) -> list[dict[str, str]]:
+def long_records(n: int = 16, words_each: tuple[int, int] = (300, 300)) -> list[dict[str, str]]:
     words = " ".join(TOKENIZER_TEXT).replace("?", "").replace(".", "").split()
     rng = random.Random(0)
-    return [{"q": f"Question {i}?", "a": " ".join(rng.choices(words, k=300))} for i in range(n)]
+    return [
+        {"q": f"Question {i}?", "a": " ".join(rng.choices(words, k=rng.randint(*words_each)))}
+        for i in range(n)
+    ]
 
 
 def tensors_estimate_mib(base: Path) -> int:
@@ -88,3 +91,31 @@ def test_a_budget_nothing_fits_fails_before_the_weights_load(
     assert m is not None and int(m.group(1)) > 300, error
     assert error.startswith("the job's memory budget of 300 MiB (gpu_memory_mib) is below ")
     assert "with gradient checkpointing every layer, the frugal heap, forward passes of 1" in error
+
+
+@pytest.mark.timeout(400)  # two trainer processes: 81 s on the shared machine (load 18)
+def test_the_smallest_budget_the_trainer_accepts_is_kept_from_step_1(
+    wide_model: Path, tmp_path: Path
+) -> None:
+    # Rows of about 60 to 160 tokens under a plan made for max_seq_len's
+    # 512: each forward pass holds several narrow rows, whose tensors are
+    # small enough to come from the heap even when it is frugal. The guard
+    # reads a peak only after a step, so step 1 has the estimate alone.
+    # Before the fix: step 1 at 1.35x its estimate, over the budget.
+    data = ndjson(long_records(words_each=(40, 100)))
+    refused = run_trainer(
+        write_job(tmp_path / "refused", wide_model, data=data, params=PARAMS, gpu_memory_mib=1)
+    )
+    error = refused.events("error")[0]["message"]
+    m = re.search(r"give it at least (\d+) MiB", error)
+    assert refused.rc != 0 and m is not None, error
+    budget = int(m.group(1))
+    run = run_trainer(
+        write_job(tmp_path / "kept", wide_model, data=data, params=PARAMS, gpu_memory_mib=budget)
+    )
+    logs = [x["message"] for x in run.events("log")]
+    peaks = [s["peak_mib"] for s in run.events("step")]
+    assert peaks and max(peaks) <= budget, (peaks, budget, logs, run.lines[-1:])
+    assert run.rc == 0, (run.lines[-1:], logs)
+    assert "the frugal heap, forward passes of 1 of the micro-batch's 8 rows" in logs[3], logs
+    assert run.events("done")[0]["summary"]["peak_mib"] <= budget

@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 from lorafleet_trainer.batches import split_batch, to_batch
 from lorafleet_trainer.budget import PeakMeter
 from lorafleet_trainer.guard import (
@@ -28,27 +28,13 @@ from lorafleet_trainer.loop import _accumulate, enable_checkpointing, prepare_tr
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import LineWriter, TrainingFailureError
 from lorafleet_trainer.rendering import IGNORE, Encoded
+from tests.trainer.shapes import PEFT_DEPRECATION, bench_arch, cpu, tiny_llama
 
-# peft 0.21 still calls transformers' deprecated is_gradient_checkpointing.
-pytestmark = pytest.mark.filterwarnings("ignore:`is_gradient_checkpointing` is deprecated")
+pytestmark = PEFT_DEPRECATION
 
-ARCH = memory.Architecture(
-    num_hidden_layers=10,
-    hidden_size=512,
-    intermediate_size=1376,
-    num_attention_heads=8,
-    num_key_value_heads=4,
-    vocab_size=32_000,
-)
+ARCH = bench_arch(32_000)
 PARAMS = Params(batch_size=8, max_seq_len=512, dtype="fp32")
 SIZING = Sizing(ARCH, PARAMS, "cpu", 400, 512)
-CPU: Any = None
-
-
-def _cpu() -> Any:
-    import torch
-
-    return torch.device("cpu")
 
 
 def _rows(n: int, width: int, prompt: int = 4) -> list[Encoded]:
@@ -84,7 +70,7 @@ def test_a_tighter_plan_has_less_memory_and_fits_with_the_measured_ratio() -> No
     worse = tighter_plan(SIZING, now, 512, 1.3, budget)
     assert worse is not None and SIZING.mib(worse, 512) * 1.3 <= budget * (1 - HEADROOM_FRACTION)
     assert SIZING.mib(worse, 512) <= SIZING.mib(plan, 512)
-    least = min(SIZING.mib(p, 512) for p in memory.candidate_plans(10, PARAMS, "cpu"))
+    least = min(SIZING.mib(p, 512) for p in plans.candidate_plans(10, PARAMS, "cpu"))
     assert tighter_plan(SIZING, now, 512, 1.0, least) is None  # no room for the headroom
     assert smallest_budget_mib(SIZING, 512, 1.0) == least
     assert smallest_budget_mib(SIZING, 512, 1.5) == math.ceil(least * 1.5)
@@ -92,27 +78,31 @@ def test_a_tighter_plan_has_less_memory_and_fits_with_the_measured_ratio() -> No
 
 def test_the_guard_tightens_before_a_step_that_would_pass_and_fails_when_nothing_fits() -> None:
     out = io.StringIO()
-    step = [to_batch(_rows(8, 512), 0, _cpu())]
+    step = [to_batch(_rows(8, 512), 0, cpu())]
     budget = int(SIZING.mib(memory.Plan(), 512) * 0.8)
-    guard = MemoryGuard(SIZING, budget, memory.Plan(), PeakMeter(_cpu()), LineWriter(out))
+    guard = MemoryGuard(SIZING, budget, memory.Plan(), PeakMeter(cpu()), LineWriter(out))
     applied: list[memory.Plan] = []
     guard.apply = applied.append
     guard.before_step(1, step)
     assert applied and applied[-1] == guard.plan and guard.tightened == 1
-    assert SIZING.mib(guard.plan, 512) <= budget * (1 - HEADROOM_FRACTION)
+    # Before any step was measured, the estimate's error is the ratio.
+    assert guard.ratio == 1 + memory.ESTIMATE_ERROR_FRACTION
+    assert SIZING.mib(guard.plan, 512) * guard.ratio <= budget * (1 - HEADROOM_FRACTION)
     log = json.loads(out.getvalue().splitlines()[-1])["message"]
     assert log.startswith("memory plan tightened before step 1 to ")
     assert f"neared the budget of {budget} MiB" in log
     # Steps that fit leave the plan alone.
     guard.before_step(2, step)
     assert guard.tightened == 1
-    # The least plan, near its budget but under it: nothing has less, so on.
+    # The least plan, near the budget it was chosen for but under it:
+    # nothing has less, so on.
     least = memory.Plan(1, True, 1)
-    near = MemoryGuard(SIZING, SIZING.mib(least, 512), least, PeakMeter(_cpu()), LineWriter(out))
+    budget_least = memory.budget_for(SIZING.mib(least, 512))
+    near = MemoryGuard(SIZING, budget_least, least, PeakMeter(cpu()), LineWriter(out))
     near.before_step(1, step)
     assert near.plan == least and near.tightened == 0
     # Peaks measured at five times their estimates: nothing is left that fits.
-    guard.ratio = 5.0
+    guard.measured, guard.ratio = True, 5.0
     with pytest.raises(TrainingFailureError) as e:
         guard.before_step(3, step)
     need = smallest_budget_mib(SIZING, 512, 5.0)
@@ -120,32 +110,55 @@ def test_the_guard_tightens_before_a_step_that_would_pass_and_fails_when_nothing
     assert f"would pass the memory budget of {budget} MiB" in str(e.value)
 
 
+def test_step_1_goes_by_the_estimates_error_and_later_steps_by_the_measured_peaks() -> None:
+    step = [to_batch(_rows(8, 512), 0, cpu())]
+    plan = memory.Plan()
+    estimate = SIZING.mib(plan, 512)
+    # The plan's estimate fits the budget with the headroom to spare, with
+    # its error it does not: step 1 gets a tighter plan, before any peak.
+    budget = math.ceil(estimate / (1 - HEADROOM_FRACTION)) + 1
+    first = MemoryGuard(SIZING, budget, plan, PeakMeter(cpu()), LineWriter(io.StringIO()))
+    first.before_step(1, step)
+    assert first.tightened == 1 and SIZING.mib(first.plan, 512) < estimate
+    # Measured (this process, far under the bench model's estimate), the
+    # ratio is the measurement's, lower than the prior; then the worst.
+    guard = MemoryGuard(SIZING, 10 * estimate, plan, PeakMeter(cpu()), LineWriter(io.StringIO()))
+    guard.before_step(1, step)
+    peak = guard.after_step()
+    assert guard.ratio == peak / estimate < 1 + memory.ESTIMATE_ERROR_FRACTION
+    block = bytearray(200 << 20)  # touched: a higher peak in step 2
+    guard.before_step(2, step)
+    second = guard.after_step()
+    del block
+    assert second > peak and guard.ratio == second / estimate
+    guard.before_step(3, step)
+    guard.after_step()
+    assert guard.ratio == second / estimate  # the worst is kept
+    # The least plan at its bare estimate: the prior fails no job before
+    # step 1 (nothing is tighter); a measured ratio over the budget does.
+    least = memory.Plan(1, True, 1)
+    bare = SIZING.mib(least, 512)
+    tight = MemoryGuard(SIZING, bare, least, PeakMeter(cpu()), LineWriter(io.StringIO()))
+    tight.before_step(1, step)
+    tight.measured, tight.ratio = True, 1.2
+    with pytest.raises(TrainingFailureError):
+        tight.before_step(2, step)
+
+
 def test_forward_passes_of_fewer_rows_give_the_micro_batchs_gradients() -> None:
     import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
 
     def grads(rows: int, every: int) -> list[Any]:
-        torch.manual_seed(0)
-        config = LlamaConfig(
-            vocab_size=64,
-            hidden_size=32,
-            intermediate_size=64,
-            num_hidden_layers=2,
-            num_attention_heads=2,
-            num_key_value_heads=1,
-        )
-        loop = prepare_training(
-            LlamaForCausalLM(config), Params(rank=4, dropout=0.0), "fp32", _cpu(), 1
-        )
+        loop = prepare_training(tiny_llama(2), Params(rank=4, dropout=0.0), "fp32", cpu(), 1)
         enable_checkpointing(loop.model, every)  # after peft: a tightened plan's
         # Rows of unlike lengths (padded) and answer counts.
         encoded = [
             Encoded(list(range(1, n + 1)), [IGNORE] * 3 + list(range(4, n + 1)), cut=False)
             for n in (12, 9, 7, 12, 5)
         ]
-        batch = to_batch(encoded, 0, _cpu())
+        batch = to_batch(encoded, 0, cpu())
         loop.micro_tokens = rows * 12
-        _accumulate(loop, [batch, to_batch(encoded[:2], 0, _cpu())])
+        _accumulate(loop, [batch, to_batch(encoded[:2], 0, cpu())])
         return [p.grad.clone() for p in loop.model.parameters() if p.requires_grad]
 
     whole = grads(0, 0)
@@ -155,20 +168,20 @@ def test_forward_passes_of_fewer_rows_give_the_micro_batchs_gradients() -> None:
 
 
 def test_a_split_batch_keeps_each_rows_answers() -> None:
-    batch = to_batch(_rows(3, 10, prompt=4) + _rows(2, 6, prompt=5), 0, _cpu())
+    batch = to_batch(_rows(3, 10, prompt=4) + _rows(2, 6, prompt=5), 0, cpu())
     parts = split_batch(batch, 2)
     assert [int(p.input_ids.shape[0]) for p in parts] == [2, 2, 1]
     assert sum(p.answer_tokens for p in parts) == batch.answer_tokens
     assert [p.answer_tokens for p in parts] == [12, 6 + 1, 1]
     assert split_batch(batch, 0) == [batch] and split_batch(batch, 5) == [batch]
     # A part without an answer token is left out.
-    none = to_batch(_rows(1, 10) + _rows(1, 10, prompt=10), 0, _cpu())
+    none = to_batch(_rows(1, 10) + _rows(1, 10, prompt=10), 0, cpu())
     assert len(split_batch(none, 1)) == 1
 
 
 @pytest.mark.skipif(not __import__("os").path.exists("/proc/self/clear_refs"), reason="Linux")
 def test_the_meter_reads_each_steps_own_peak() -> None:
-    meter = PeakMeter(_cpu())
+    meter = PeakMeter(cpu())
     meter.read()
     block = bytearray(300 << 20)  # touched: resident
     del block

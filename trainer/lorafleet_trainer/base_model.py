@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 from typing import Any, cast
 
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 from lorafleet_trainer.guard import Sizing
 from lorafleet_trainer.jobfile import Base, JobFile
 from lorafleet_trainer.loop import Loop, prepare_training, torch_dtype
-from lorafleet_trainer.memory import MemoryPlan
+from lorafleet_trainer.plans import MemoryPlan
 from lorafleet_trainer.protocol import BadInputError, EnvironmentFailureError, TrainingFailureError
 
 HF_PATTERNS = [
@@ -104,7 +104,7 @@ def check_target_modules(base_dir: Path, target_modules: list[str] | str) -> Non
 def choose_memory_plan(
     job: JobFile, base_dir: Path, device: Any, longest: int, process_mib: int
 ) -> tuple[MemoryPlan, Sizing | None]:
-    """The job's memory plan (lorafleet_trainer.memory.choose_plan) by the
+    """The job's memory plan (lorafleet_trainer.plans.choose_plan) by the
     estimate of the base's config.json for rows of `longest` tokens, within
     gpu_memory_mib, with the process's own `process_mib` on the CPU; and
     what the guard estimates with. A base the estimate does not know gets
@@ -116,14 +116,14 @@ def choose_memory_plan(
     try:
         config = json.loads((base_dir / "config.json").read_text(encoding="utf-8"))
         arch = memory.architecture_from_config(config)
-        choice = memory.choose_plan(arch, p, device.type, longest, job.gpu_memory_mib, process_mib)
+        choice = plans.choose_plan(arch, p, device.type, longest, job.gpu_memory_mib, process_mib)
         return choice, Sizing(arch, p, device.type, process_mib, longest)
     except memory.EstimateError as e:
         budget = job.gpu_memory_mib is not None
         setting = p.gradient_checkpointing
         every = int(setting) if isinstance(setting, bool) else int(budget)
         plan = memory.Plan(every, budget and device.type == "cpu")
-        words = memory.plan_words(plan, 0, p.batch_size, device.type)
+        words = plans.plan_words(plan, 0, p.batch_size, device.type)
         return MemoryPlan(plan, 0, 0, f"no memory estimate ({e})", words), None
 
 

@@ -105,10 +105,14 @@ _M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
 #: system when freed. glibc's default starts at 128 KiB but rises to 32 MiB
 #: as big blocks are freed, after which a training step's transient tensors
 #: come from the heap, whose freed holes between the kept activations the
-#: process keeps (memory.HEAP_SLACK_FRACTION). The price is a page fault
-#: per page of every big block (memory.FRUGAL_HEAP_COST), which is why it is
-#: one of the plans a budget may choose, not the default.
-FRUGAL_MMAP_THRESHOLD_BYTES = 1 << 20
+#: process keeps (memory.HEAP_SLACK_FRACTION). Fixed at glibc's own start:
+#: at 1 MiB a forward pass of a few narrow rows (the least plan's, 3 rows of
+#: 143 tokens at hidden 512 in fp32: 0.86 MiB a tensor) still came from the
+#: heap, and step 1 left 153 MiB of holes (1.35x its estimate); at 128 KiB,
+#: 11 MiB. The price is a page fault per page of every mapped block
+#: (memory.FRUGAL_HEAP_COST), which is why it is one of the plans a budget
+#: may choose, not the default.
+FRUGAL_MMAP_THRESHOLD_BYTES = 128 << 10
 
 
 def frugal_host_heap() -> str | None:
@@ -127,7 +131,7 @@ def frugal_host_heap() -> str | None:
         return None
     trim(0)  # the free pages the heap holds already (a plan tightened mid-job)
     return (
-        f"host heap: blocks of {threshold >> 20} MiB or more mapped and returned when freed "
+        f"host heap: blocks of {threshold >> 10} KiB or more mapped and returned when freed "
         "(the process's memory stays its tensors', as the estimate counts them)"
     )
 

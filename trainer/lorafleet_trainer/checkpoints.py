@@ -36,7 +36,7 @@ from lorafleet_trainer.protocol import EnvironmentFailureError, Event, LineWrite
 
 #: The parameters a checkpoint's trajectory does not depend on: a "continue"
 #: may change them (more or fewer checkpoints, another card's dtype).
-FINGERPRINT_EXCLUDED = ("checkpoint_every_steps", "checkpoint_every_s", "dtype")
+FINGERPRINT_EXCLUDED = ("checkpoint_every_steps", "checkpoint_every_s", "dtype", "yield_to_serving")
 
 
 def checkpoint_due(

@@ -4,8 +4,10 @@ step, and the memory plan tightened before a step that would pass it.
 `MemoryGuard.before_step(micro)` predicts the coming step's peak: its
 estimate (lorafleet_trainer.memory, for rows as wide as the step's widest)
 times the worst ratio of a measured peak to the highest estimate of a step
-so far (1 until a step was measured: a narrow step's peak is held against
-the widest before it, whose pages the heap may keep). When that comes
+so far (a narrow step's peak is held against the widest before it, whose
+pages the heap may keep); until a step was measured, 1 plus the estimate's
+error (memory.ESTIMATE_ERROR_FRACTION), as the plan was chosen: the peak is
+read only after a step, so step 1 goes by the estimate alone. When that comes
 within HEADROOM_FRACTION of the budget, the guard moves to the cheapest
 plan whose prediction fits (`tighter_plan`: more checkpointing, the frugal
 heap, forward passes of fewer rows, each with less memory than the plan it
@@ -20,7 +22,7 @@ import dataclasses
 import math
 from typing import Any
 
-from lorafleet_trainer import memory
+from lorafleet_trainer import memory, plans
 from lorafleet_trainer.batches import Batch
 from lorafleet_trainer.budget import PeakMeter, process_rss_mib
 from lorafleet_trainer.memory import Plan
@@ -87,8 +89,8 @@ def tighter_plan(
     now = sizing.mib(current, width)
     limit = budget_mib * (1 - HEADROOM_FRACTION)
     fitting = [
-        (memory.plan_cost(p, layers, batch, sizing.device), mib, p)
-        for p in memory.candidate_plans(layers, sizing.params, sizing.device)
+        (plans.plan_cost(p, layers, batch, sizing.device), mib, p)
+        for p in plans.candidate_plans(layers, sizing.params, sizing.device)
         if (mib := sizing.mib(p, width)) < now and mib * ratio <= limit
     ]
     return min(fitting, key=lambda t: (t[0], t[1]))[2] if fitting else None
@@ -97,8 +99,8 @@ def tighter_plan(
 def smallest_budget_mib(sizing: Sizing, width: int, ratio: float) -> int:
     """The least budget any allowed plan would keep to for rows `width`
     tokens wide, by the estimate times `ratio`."""
-    plans = memory.candidate_plans(sizing.arch.num_hidden_layers, sizing.params, sizing.device)
-    least = min(sizing.mib(p, width) for p in plans)
+    every = plans.candidate_plans(sizing.arch.num_hidden_layers, sizing.params, sizing.device)
+    least = min(sizing.mib(p, width) for p in every)
     return math.ceil(least * max(ratio, 1.0))
 
 
@@ -121,7 +123,11 @@ class MemoryGuard:
     ) -> None:
         self.sizing, self.budget_mib, self.plan = sizing, budget_mib, plan
         self.meter, self.lines = meter, lines
-        self.ratio = 1.0
+        #: A step's peak over its estimate: before any step was measured the
+        #: estimate's error (memory.ESTIMATE_ERROR_FRACTION), after it the
+        #: worst measured.
+        self.ratio = 1 + memory.ESTIMATE_ERROR_FRACTION
+        self.measured = False
         self.width = 0
         #: The highest estimate of a step under the plan: what a narrower
         #: step's peak is held against (the heap keeps the wider one's pages).
@@ -134,12 +140,19 @@ class MemoryGuard:
         self.width = step_width(micro)
         if self.sizing is None or self.budget_mib is None or self.lines is None:
             return
-        predicted = self.sizing.mib(self.plan, self.width) * self.ratio
+        estimate = self.sizing.mib(self.plan, self.width)
+        predicted = estimate * self.ratio
         if predicted <= self.budget_mib * (1 - HEADROOM_FRACTION):
             return
         plan = tighter_plan(self.sizing, self.plan, self.width, self.ratio, self.budget_mib)
         if plan is None and predicted <= self.budget_mib:
             return  # near, not over, and nothing has less: the headroom is spent
+        if plan is None and not self.measured and estimate <= self.budget_mib:
+            # The error is a prior, not a measurement: it chooses a tighter
+            # plan where there is one, but fails no job the plan was chosen
+            # for (the process counted again after loading may have eaten
+            # into it); step 1's peak decides.
+            return
         if plan is None:
             need = smallest_budget_mib(self.sizing, self.width, self.ratio)
             raise TrainingFailureError(
@@ -149,7 +162,7 @@ class MemoryGuard:
                 f"that would do is {need} MiB, or lower batch_size or max_seq_len"
             )
         layers, batch = self.sizing.arch.num_hidden_layers, self.sizing.params.batch_size
-        words = memory.plan_words(plan, layers, batch, self.sizing.device)
+        words = plans.plan_words(plan, layers, batch, self.sizing.device)
         after = self.sizing.mib(plan, self.width) * self.ratio
         self.lines.log(
             f"memory plan tightened before step {step} to {words}: its predicted peak "
@@ -169,5 +182,7 @@ class MemoryGuard:
         peak = self.meter.read()
         if self.sizing is not None and self.width:
             self.high_mib = max(self.high_mib, self.sizing.mib(self.plan, self.width))
-            self.ratio = max(self.ratio, peak / self.high_mib)
+            ratio = peak / self.high_mib
+            self.ratio = max(self.ratio, ratio) if self.measured else ratio
+            self.measured = True
         return peak

@@ -96,11 +96,14 @@ class JobFile:
     #: params.eval_fraction of the data is held out.
     eval_data_path: Path | None = None
     eval_data_sha256: str | None = None
+    #: The pause file the agent writes while the node's engines are busy
+    #: (lorafleet_trainer.protocol.PauseGate); None: the trainer never yields.
+    pause_path: Path | None = None
 
     def to_json(self) -> str:
         """The job file's text (parse's input)."""
         raw = dataclasses.asdict(self)
-        for key in ("data_path", "out_dir", "checkpoint_dir", "eval_data_path"):
+        for key in ("data_path", "out_dir", "checkpoint_dir", "eval_data_path", "pause_path"):
             raw[key] = None if raw[key] is None else str(raw[key])
         if self.resume is not None:
             raw["resume"] = {"dir": str(self.resume.dir), "mode": self.resume.mode}
@@ -157,6 +160,7 @@ class JobFile:
             resume=parse_resume(raw.get("resume")),
             eval_data_path=_path(eval_path),
             eval_data_sha256=eval_sha,
+            pause_path=_path(_str(raw, "pause_path", optional=True)),
         )
 
 

@@ -9,7 +9,7 @@ import dataclasses
 import math
 import time
 from collections.abc import Callable, Iterator, Sequence
-from typing import Any, cast
+from typing import Any, Protocol, cast
 
 from lorafleet_trainer.batches import Batch, plan_grouped, split_batch, to_batch
 from lorafleet_trainer.budget import PeakMeter
@@ -17,8 +17,28 @@ from lorafleet_trainer.guard import MemoryGuard, pass_rows
 from lorafleet_trainer.loss import answer_loss, kernel_name
 from lorafleet_trainer.memory import Plan
 from lorafleet_trainer.params import Params
-from lorafleet_trainer.protocol import BadInputError, Event, LineWriter, TrainingFailureError
+from lorafleet_trainer.protocol import (
+    BadInputError,
+    Event,
+    LineWriter,
+    PauseGate,
+    TrainingFailureError,
+)
 from lorafleet_trainer.rendering import Tokens
+
+
+class Objective(Protocol):
+    """A training objective other than the answers' cross-entropy (DPO's:
+    lorafleet_trainer.preference): a step's forward and backward passes, the
+    numbers its step line adds, and the evaluation of the held-out records."""
+
+    def accumulate(self, loop: Loop, micro: list[Batch]) -> Any: ...
+
+    def step_metrics(self) -> dict[str, float]: ...
+
+    def evaluate(
+        self, loop: Loop, tokens: Tokens, held: Sequence[int], p: Params
+    ) -> dict[str, float]: ...
 
 
 @dataclasses.dataclass
@@ -38,6 +58,10 @@ class Loop:
     micro_tokens: int = 0
     #: Reads each step's peak (and, given a budget, keeps the steps within it).
     guard: MemoryGuard | None = None
+    #: Waits between steps while the agent yields to the engine's users.
+    gate: PauseGate | None = None
+    #: None: the answers' cross-entropy.
+    objective: Objective | None = None
 
 
 @dataclasses.dataclass
@@ -107,16 +131,20 @@ def train_steps(
     The only host sync per step is the loss's .item(), after the optimizer step
     and after the next step's batches are made (they overlap the card's work).
     A step's time runs from the end of the one before, so that making its
-    batches and reporting count too (tokens/s is what the job really gets).
+    batches and reporting count too (tokens/s is what the job really gets),
+    a pause to yield to the engine's users (`loop.gate`) does not.
     """
     t0 = time.perf_counter()
     upcoming = next(steps_plan, None)
     while upcoming is not None:
+        if loop.gate is not None:
+            t0 += loop.gate.wait(progress.step)  # a pause is not the next step's time
         epoch, micro = upcoming
         lr = loop.scheduler.get_last_lr()[0]
         if loop.guard is not None:
             loop.guard.before_step(progress.step + 1, micro)
-        total = _accumulate(loop, micro)
+        objective = loop.objective
+        total = _accumulate(loop, micro) if objective is None else objective.accumulate(loop, micro)
         _optimizer_step(loop)
         # On a card all of the above is only queued: make the next step's
         # batches now, while it runs, then wait for the loss.
@@ -147,6 +175,7 @@ def train_steps(
                 "eta_s": round(progress.train_s / progress.step * (total_steps - progress.step), 2),
                 "peak_mib": peak_mib(loop),
                 "epoch": epoch,
+                **({} if objective is None else objective.step_metrics()),
             }
         )
 
@@ -375,7 +404,11 @@ def train_epochs(
 
         train_steps(loop, steps_of(plan[skip:], epoch), total_steps, progress, on_step)
         skip = 0
-        if split[1]:
+        if split[1] and loop.objective is not None:
+            found = loop.objective.evaluate(loop, tokens, split[1], p)
+            progress.last_eval = found["eval_loss"]
+            lines.emit(Event.EVAL, step=progress.step, epoch=epoch, **found)
+        elif split[1]:
             if eval_batches is None:
                 eval_batches = eval_batches_of(tokens, split[1], p, pad_id, device)
             if eval_batches:

@@ -137,21 +137,19 @@ def fused_head(causal_lm: Any) -> tuple[Any, float | None] | None:
     return head.weight, getattr(config, "final_logit_softcapping", None) or None
 
 
-def answer_loss(model: Any, batch: Batch, kernel: str = "torch") -> Any:
-    """The summed cross-entropy over `batch`'s answer tokens: a 0-dim fp32
-    tensor, nothing read back from a card. `model`: the peft model (or the
-    causal LM); its decoder gives the hidden states, and no logits are made
-    beyond a chunk's."""
+def answer_rows(model: Any, batch: Batch) -> tuple[Any, Any, float | None] | Any:
+    """What the loss projects at `batch`'s answer positions: (hidden rows,
+    head weight, soft-cap) in the head's matmul dtype, the matmul to be run
+    with autocast off; or, for a head `fused_head` cannot take, the picked
+    fp32 logits themselves (a tensor)."""
     import torch
-    import torch.nn.functional as F
 
     causal_lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     head = fused_head(causal_lm)
     if head is None:
         logits = model(input_ids=batch.input_ids, attention_mask=batch.attention_mask).logits
         flat = logits[:, :-1].reshape(-1, logits.shape[-1])
-        picked = flat.index_select(0, batch.answer_positions).float()
-        return F.cross_entropy(picked, batch.answer_targets, reduction="sum")
+        return flat.index_select(0, batch.answer_positions).float()
     weight, softcap = head
     hidden = causal_lm.get_decoder()(
         input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False
@@ -161,8 +159,21 @@ def answer_loss(model: Any, batch: Batch, kernel: str = "torch") -> Any:
     if torch.is_autocast_enabled(device):
         # The head's matmul in the autocast dtype, as the model's own lm_head's.
         dtype = torch.get_autocast_dtype(device)
-        rows, weight = rows.to(dtype), weight.to(dtype)
-    else:
-        rows = rows.to(weight.dtype)
-    with torch.autocast(device, enabled=False):
+        return rows.to(dtype), weight.to(dtype), softcap
+    return rows.to(weight.dtype), weight, softcap
+
+
+def answer_loss(model: Any, batch: Batch, kernel: str = "torch") -> Any:
+    """The summed cross-entropy over `batch`'s answer tokens: a 0-dim fp32
+    tensor, nothing read back from a card. `model`: the peft model (or the
+    causal LM); its decoder gives the hidden states, and no logits are made
+    beyond a chunk's."""
+    import torch
+    import torch.nn.functional as F
+
+    found = answer_rows(model, batch)
+    if not isinstance(found, tuple):
+        return F.cross_entropy(found, batch.answer_targets, reduction="sum")
+    rows, weight, softcap = found
+    with torch.autocast(rows.device.type, enabled=False):
         return _summed(kernel, rows, weight, batch.answer_targets, softcap)

@@ -10,18 +10,17 @@ process's own memory and what the C library's heap keeps (each line's rule:
 libs/lorafleet/DESIGN.md). A `Plan` is one way to keep to a budget:
 gradient checkpointing (`every` 0: none; k: every k-th decoder layer, 1:
 every layer), on the CPU the frugal heap, and forward passes of fewer rows
-than the micro-batch. `choose_plan(...)` answers the cheapest plan
-(`plan_cost`) whose estimate fits a budget, or the one of the least
-estimate, marked as not fitting. `architecture_from_config` reads a
-config.json's sizes. `arch` is anything with `Architecture`'s fields (the
-control plane's ModelArchitecture too), `params` anything with `Params`'.
+than the micro-batch (lorafleet_trainer.plans chooses one).
+`architecture_from_config` reads a config.json's sizes. `arch` is anything
+with `Architecture`'s fields (the control plane's ModelArchitecture too),
+`params` anything with `Params`'.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import math
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 MIB = 1 << 20
 
@@ -48,10 +47,23 @@ PROCESS_MIB = 400
 #: to 32 MiB as big blocks are freed, after which a step's transient tensors
 #: come from the heap and the holes between the kept ones stay with the
 #: process. Measured (less HEAP_SLACK_MIB) from 0.36 (152k vocabulary,
-#: 8 x 512) to 0.6 (hidden 128 and 512, 2 and 8 x 512); the frugal heap
-#: (lorafleet_trainer.budget) keeps none.
+#: 8 x 512) to 0.6 (hidden 128 and 512, 2 and 8 x 512). HEAP_SLACK_MIB is
+#: what either heap keeps between blocks under its mapping threshold (the
+#: LoRA matrices' gradients and optimizer states, a pass's smallest
+#: tensors): under the frugal heap (lorafleet_trainer.budget), step 1 of the
+#: least plan left 11 MiB of holes and peaked 24 MiB over the rest.
 HEAP_SLACK_FRACTION = 0.6
 HEAP_SLACK_MIB = 40
+
+#: How far over its estimate a step's peak may come before any step was
+#: measured: the estimate's error, which bench/trainer_trl.py holds within
+#: 10% of the measured peak in each of its cases. The guard reads a peak only
+#: after a step, so step 1 has the estimate alone: a plan is chosen, and the
+#: smallest budget named, as if the peak were this much over its estimate
+#: (`budget_for`); from the first measured step on the guard goes by the
+#: measured ratio instead. It costs only a budget within 10% of a plan's
+#: estimate, which gets the next tighter plan (or, at the least, a refusal).
+ESTIMATE_ERROR_FRACTION = 0.10
 
 #: A step's time that a plan adds, relative to a step without any of it:
 #: checkpointing every layer recomputes the decoder's forward pass (about a
@@ -304,6 +316,7 @@ def estimate_lines(
     checkpointing every `every`-th layer (0: none), forward passes of
     `micro_rows` rows (0: batch_size) and on the CPU the heap the job runs
     with and the process's own `process_mib`."""
+    params = pair_rows_of(params)
     dtype = training_dtype(params.dtype, device)
     matrices = adapter_matrices(arch, params.target_modules)
     adapter_params = params.rank * sum(matrices)
@@ -335,7 +348,26 @@ def estimate_lines(
         if device == "cuda"
         else host_overhead_lines(arch, params, seq_len, dtype, rows, frugal_heap, process_mib)
     )
+    if isinstance(params, _PairRows):
+        overhead.append(("reference pass", rows * 4, "DPO: log-probabilities, no gradients"))
     return lines + overhead
+
+
+class _PairRows:
+    """A DPO job's parameters as its passes see them: two rows a pair. Its
+    reference pass (adapter disabled, no gradients) frees its activations
+    before the policy's are made: a forward pass of time, not peak memory."""
+
+    def __init__(self, params: Knobs) -> None:
+        self._params, self.batch_size = params, 2 * params.batch_size
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._params, name)
+
+
+def pair_rows_of(params: Knobs) -> Knobs:
+    dpo = getattr(params, "method", "") == "dpo" and not isinstance(params, _PairRows)
+    return cast(Knobs, _PairRows(params)) if dpo else params
 
 
 def card_overhead_lines(acts: int) -> list[tuple[str, int, str]]:
@@ -359,22 +391,23 @@ def host_overhead_lines(
     frugal_heap: bool,
     process_mib: int,
 ) -> list[tuple[str, int, str]]:
-    """What a CPU job's process holds beyond its tensors: itself, and glibc's
-    heap's freed holes unless the job runs with the frugal heap."""
+    """What a CPU job's process holds beyond its tensors: itself, and the
+    heap's freed holes: those between blocks under either heap's mapping
+    threshold (HEAP_SLACK_MIB), and with glibc's default heap those between
+    a step's transient tensors too."""
     lines = [("process", process_mib * MIB, "the interpreter and libraries, before any tensor")]
-    if not frugal_heap:
-        # Of a forward pass's activations as if none were checkpointed: a
-        # rebuilt layer makes (and frees) them again all the same.
-        whole = activation_bytes(arch, params, seq_len, dtype, "cpu", 0, rows)
-        lines.append(
-            (
-                "heap slack",
-                int(whole * HEAP_SLACK_FRACTION) + HEAP_SLACK_MIB * MIB,
-                f"the C library's heap keeps freed holes: {HEAP_SLACK_FRACTION:.0%} of the "
-                f"forward pass's activations uncheckpointed, and {HEAP_SLACK_MIB} MiB",
-            )
-        )
-    return lines
+    if frugal_heap:
+        note = "the heap keeps freed holes between blocks under its mapping threshold"
+        return [*lines, ("heap slack", HEAP_SLACK_MIB * MIB, note)]
+    # Of a forward pass's activations as if none were checkpointed: a
+    # rebuilt layer makes (and frees) them again all the same.
+    whole = activation_bytes(arch, params, seq_len, dtype, "cpu", 0, rows)
+    slack = int(whole * HEAP_SLACK_FRACTION) + HEAP_SLACK_MIB * MIB
+    note = (
+        f"the C library's heap keeps freed holes: {HEAP_SLACK_FRACTION:.0%} of the "
+        f"forward pass's activations uncheckpointed, and {HEAP_SLACK_MIB} MiB"
+    )
+    return [*lines, ("heap slack", slack, note)]
 
 
 def plan_lines(
@@ -411,6 +444,12 @@ def plan_mib(
     return math.ceil(sum(b for _, b, _ in lines) / MIB)
 
 
+def budget_for(total_mib: int) -> int:
+    """The least budget a plan of estimate `total_mib` MiB is chosen for before
+    any step was measured (ESTIMATE_ERROR_FRACTION over it)."""
+    return math.ceil(total_mib * (1 + ESTIMATE_ERROR_FRACTION))
+
+
 def checkpointing_words(every: int, layers: int) -> str:
     """'no gradient checkpointing', 'gradient checkpointing every 3rd layer
     (4 of 10)', 'gradient checkpointing every layer'."""
@@ -421,131 +460,6 @@ def checkpointing_words(every: int, layers: int) -> str:
     suffix = {2: "nd", 3: "rd"}.get(every % 10 if every % 100 not in (12, 13) else 0, "th")
     m = checkpointed_layers(layers, every)
     return f"gradient checkpointing every {every}{suffix} layer ({m} of {layers})"
-
-
-def plan_words(plan: Plan, layers: int, batch_size: int, device: str) -> str:
-    """The plan as the trainer logs it: its checkpointing, on the CPU its
-    heap, and its forward passes when they split the micro-batch."""
-    words = [checkpointing_words(plan.every, layers)]
-    if device == "cpu":
-        words.append("the frugal heap" if plan.frugal_heap else "the C library's heap")
-    rows = plan.micro_rows
-    if rows and rows < batch_size:
-        words.append(f"forward passes of {rows} of the micro-batch's {batch_size} rows")
-    return ", ".join(words)
-
-
-def plan_cost(plan: Plan, layers: int, batch_size: int, device: str) -> float:
-    """A step's time under `plan`, relative to none of it (the costs' constants)."""
-    cost = 1.0 + RECOMPUTE_COST * checkpointed_layers(layers, plan.every) / max(layers, 1)
-    if plan.frugal_heap:
-        cost += FRUGAL_HEAP_COST
-    rows = plan.micro_rows or batch_size
-    if rows < batch_size:
-        cost += SPLIT_COST[device] * math.log2(batch_size / rows)
-    return cost
-
-
-def candidate_plans(layers: int, params: Knobs, device: str) -> list[Plan]:
-    """Every plan params allow: gradient_checkpointing true is every layer,
-    false none, "auto" any interval (each that checkpoints one more layer
-    than the one before); on the CPU either heap; forward passes of the
-    micro-batch's rows halved down to one."""
-    setting = params.gradient_checkpointing
-    if isinstance(setting, bool):
-        intervals = [1 if setting else 0]
-    else:
-        ks = {math.ceil(layers / m) for m in range(1, layers + 1)} if layers else {1}
-        intervals = [0, *sorted(ks, reverse=True)]
-    heaps = [False, True] if device == "cpu" else [False]
-    rows, r = [params.batch_size], params.batch_size
-    while r > 1:
-        r = math.ceil(r / 2)
-        rows.append(r)
-    return [
-        Plan(every, heap, 0 if n == params.batch_size else n)
-        for every in intervals
-        for heap in heaps
-        for n in rows
-    ]
-
-
-@dataclasses.dataclass(frozen=True)
-class MemoryPlan:
-    """The plan chosen for a job (`Plan`) over `layers` decoder layers, its
-    estimate in MiB (0: none made), whether that fits the budget, and why it
-    was chosen."""
-
-    plan: Plan
-    layers: int
-    total_mib: int
-    reason: str
-    words: str
-    fits: bool = True
-
-    @property
-    def every(self) -> int:
-        return self.plan.every
-
-    @property
-    def message(self) -> str:
-        """The choice and its reason, as the trainer logs it."""
-        return f"{self.words}: {self.reason}"
-
-
-def choose_plan(
-    arch: Shapes,
-    params: Knobs,
-    device: str,
-    seq_len: int,
-    budget_mib: int | None,
-    process_mib: int = PROCESS_MIB,
-) -> MemoryPlan:
-    """The cheapest plan (`plan_cost`) params allow whose estimate fits
-    `budget_mib`; without a budget the default (no checkpointing unless
-    params ask for it, the C library's heap, whole micro-batches); when none
-    fits, the one of the least estimate (`fits` false: the smallest budget
-    that would do)."""
-    layers, batch = arch.num_hidden_layers, params.batch_size
-    plans = candidate_plans(layers, params, device)
-
-    def mib(plan: Plan) -> int:
-        return plan_mib(arch, params, device, seq_len, plan, process_mib)
-
-    def chosen(plan: Plan, total: int, reason: str, fits: bool = True) -> MemoryPlan:
-        words = plan_words(plan, layers, batch, device)
-        return MemoryPlan(plan, layers, total, reason, words, fits)
-
-    first = plans[0]
-    if budget_mib is None:
-        setting = params.gradient_checkpointing
-        fixed = f"params.gradient_checkpointing is {str(setting).lower()}; " * isinstance(
-            setting, bool
-        )
-        return chosen(
-            first, mib(first), f"{fixed}no memory budget; the estimate is {mib(first)} MiB"
-        )
-    totals = [(plan_cost(p, layers, batch, device), mib(p), p) for p in plans]
-    fitting = [t for t in totals if t[1] <= budget_mib]
-    if not fitting:
-        _, least, plan = min(totals, key=lambda t: (t[1], t[0]))
-        return chosen(
-            plan,
-            least,
-            f"the least estimate, {least} MiB, is over the budget of {budget_mib} MiB",
-            fits=False,
-        )
-    cost, total, plan = min(fitting, key=lambda t: (t[0], t[1]))
-    if plan == first:
-        return chosen(
-            plan, total, f"the estimate of {total} MiB fits the budget of {budget_mib} MiB"
-        )
-    return chosen(
-        plan,
-        total,
-        f"the cheapest that fits the budget of {budget_mib} MiB: its estimate is {total} MiB "
-        f"(without any of it {mib(first)} MiB), its steps about {cost - 1:.0%} slower",
-    )
 
 
 def architecture_from_config(config: dict[str, Any]) -> Architecture:

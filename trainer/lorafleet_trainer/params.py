@@ -32,6 +32,9 @@ class Params:
     eval_fraction: float = 0.1
     checkpoint_every_steps: int = 0
     checkpoint_every_s: float = 600.0
+    yield_to_serving: str = "auto"
+    method: str = "supervised"
+    beta: float = 0.1
 
 
 #: Each parameter's check: (kind, bounds). kind: int and float (bounds gt, ge,
@@ -56,4 +59,7 @@ PARAM_RULES: dict[str, tuple[str, dict[str, Any]]] = {
     "eval_fraction": ("float", {"ge": 0, "lt": 1}),
     "checkpoint_every_steps": ("int", {"ge": 0}),
     "checkpoint_every_s": ("float", {"ge": 0}),
+    "yield_to_serving": ("choice", {"values": ("auto", "off")}),
+    "method": ("choice", {"values": ("supervised", "dpo")}),
+    "beta": ("float", {"gt": 0, "le": 100}),
 }

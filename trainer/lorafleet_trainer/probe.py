@@ -12,7 +12,7 @@ The object: `text`, `dtype` ("float32"), `token_ids`, then `adapter` and
 `base`: each the greedy continuation of PROBE_TOKENS tokens (`ids`) and
 their log-probabilities (`logprobs`), with the adapter on and off. Why
 float32 only, and why a continuation rather than the prompt's own
-log-probabilities: trainer/DESIGN.md and docs/serving.md. Standard library
+log-probabilities: trainer/DESIGN.md and docs/architecture.md. Standard library
 at import; torch, transformers and peft when called.
 """
 

@@ -9,6 +9,11 @@ names are here. Anything else (warnings, tracebacks, library chatter) goes
 to stderr. The exit status is an `ExitCode`; each failure is raised as the
 exception that names its code (`BadInputError`, ...) and turned into the
 code once, by `__main__`.
+
+The other way, the agent asks the trainer to yield to the engine's users
+through a pause file (`PauseGate`): while it exists the trainer waits
+between two optimizer steps (never inside one), with a "yield" line when
+it stops and when it goes on.
 """
 
 from __future__ import annotations
@@ -20,6 +25,9 @@ import re
 import signal
 import sys
 import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any, TextIO
 
 
@@ -34,6 +42,7 @@ class Event(enum.StrEnum):
     CHECKPOINT = "checkpoint"
     DONE = "done"
     ERROR = "error"
+    YIELD = "yield"
 
 
 class ExitCode(enum.IntEnum):
@@ -138,3 +147,54 @@ def is_environment_failure(e: BaseException) -> bool:
     if "device-side assert" in text:
         return False
     return type(e).__name__ == "AcceleratorError" or bool(_ENVIRONMENT_ERROR.search(text))
+
+
+#: Seconds between two looks at the pause file while paused: the time a
+#: resume may take to be seen, for a stat() each (microseconds).
+PAUSE_POLL_S = 0.02
+#: Seconds a pause file may go untouched before the trainer takes it for
+#: stale and goes on: the agent touches it while it holds the pause, so a
+#: pause never outlives the agent that asked for it.
+PAUSE_LEASE_S = 30.0
+
+
+class PauseGate:
+    """The trainer's side of yielding: `wait(step)` between two optimizer
+    steps returns at once without a pause file (one stat()); with one it
+    says so in a "yield" line (paused, why: the file's text) and waits until
+    the file goes or is stale, then answers the seconds it waited. Paused
+    time is no one's step time: the loop leaves it out of tokens/s."""
+
+    def __init__(
+        self,
+        path: Path,
+        lines: LineWriter,
+        sleep: Callable[[float], None] = time.sleep,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.path = path
+        self.lines = lines
+        self.sleep = sleep
+        self.clock = clock
+
+    def _held(self) -> bool:
+        try:
+            age_s = time.time() - self.path.stat().st_mtime
+        except OSError:
+            return False
+        return age_s < PAUSE_LEASE_S
+
+    def wait(self, step: int) -> float:
+        if not self._held():
+            return 0.0
+        try:
+            cause = self.path.read_text(encoding="utf-8", errors="replace").strip()[:200]
+        except OSError:
+            cause = ""
+        t0 = self.clock()
+        self.lines.emit(Event.YIELD, state="paused", step=step, cause=cause)
+        while self._held():
+            self.sleep(PAUSE_POLL_S)
+        paused_s = self.clock() - t0
+        self.lines.emit(Event.YIELD, state="resumed", step=step, paused_s=round(paused_s, 3))
+        return paused_s

@@ -203,12 +203,17 @@ def _parallel_tokenizing() -> Iterator[None]:
 
 
 def encode_many(
-    tokenizer: Any, template: str, records: Sequence[tuple[int, Conversation]], max_seq_len: int
+    tokenizer: Any,
+    template: str,
+    records: Sequence[tuple[int, Conversation]],
+    max_seq_len: int,
+    last_answer_only: bool = False,
 ) -> list[Encoded]:
     """`encode_conversation` of each (line number, record), the same tokens, in
     one pass: the template compiled once, then every record's pieces tokenized
     in one batched call (the fast tokenizer's Rust loop, not a Python call a
-    piece)."""
+    piece). last_answer_only: earlier assistant turns are context (a
+    preference pair's prompt), only the last is labelled."""
     render = renderer(tokenizer, template)
     texts: list[str] = []
     trained: list[bool] = []
@@ -221,6 +226,9 @@ def encode_many(
                 f"data line {lineno} cannot be rendered with the model's chat template: "
                 f"{type(e).__name__}: {e}"
             ) from e
+        if last_answer_only:
+            last = max((k for k, (_, x) in enumerate(pieces) if x), default=-1)
+            pieces = [(t, k == last) for k, (t, _) in enumerate(pieces)]
         texts += [t for t, _ in pieces]
         trained += [x for _, x in pieces]
         counts.append(len(pieces))
@@ -257,7 +265,9 @@ class Tokens:
         records: Sequence[tuple[int, Conversation]],
         max_seq_len: int,
         on_progress: Callable[[int], None] = lambda done: None,
+        last_answer_only: bool = False,
     ) -> None:
+        self._last_answer_only = last_answer_only
         self._tokenizer = tokenizer
         self._template = template
         self._records = records
@@ -277,6 +287,7 @@ class Tokens:
                 self._template,
                 [self._records[i] for i in chunk],
                 self._max_seq_len,
+                self._last_answer_only,
             )
             for i, e in zip(chunk, encoded, strict=True):
                 self._encoded[i] = e

@@ -49,8 +49,10 @@ from lorafleet_trainer.loop import (
     resolve_dtype,
     train_epochs,
 )
-from lorafleet_trainer.memory import CUDA_CONTEXT_MIB, PROCESS_MIB, MemoryPlan, Plan
+from lorafleet_trainer.memory import CUDA_CONTEXT_MIB, PROCESS_MIB, Plan, budget_for
 from lorafleet_trainer.params import Params
+from lorafleet_trainer.plans import MemoryPlan
+from lorafleet_trainer.preference import Dpo, PairTokens, pair_rows
 from lorafleet_trainer.probe import write_probe
 from lorafleet_trainer.protocol import (
     BadInputError,
@@ -58,24 +60,33 @@ from lorafleet_trainer.protocol import (
     Event,
     ExitCode,
     LineWriter,
+    PauseGate,
 )
-from lorafleet_trainer.records import Conversation, RecordError, file_sha256, read_records
+from lorafleet_trainer.records import (
+    PREFERENCE,
+    Preference,
+    Record,
+    RecordError,
+    file_sha256,
+    read_lines,
+)
 from lorafleet_trainer.rendering import PLAIN_TEMPLATE, Tokens, chat_template_of
 from lorafleet_trainer.resume import apply_resume, check_resume, describe_resume, restore_rng
 
 
 def load_records(
-    path: Path, want_sha256: str, what: str = "data"
-) -> list[tuple[int, Conversation]]:
-    """(line number, record) of each non-blank line of the data file, after
-    checking its sha256 against the job's; `what` names the file in errors."""
+    path: Path, want_sha256: str, what: str = "data", kind: str = "supervised"
+) -> list[tuple[int, Record]]:
+    """(line number, record of `kind`, the job's method) of each non-blank
+    line of the data file, after checking its sha256 against the job's;
+    `what` names the file in errors."""
     if not path.is_file():
         raise BadInputError(f"the {what} file {path} does not exist")
     got = file_sha256(path)
     if got != want_sha256:
         raise BadInputError(f"the {what}'s sha256 is {got}, the job's is {want_sha256}")
     try:
-        records = read_records(path)
+        records = read_lines(path, kind)
     except RecordError as e:
         raise BadInputError(f"{what} {e}") from None
     if not records:
@@ -85,17 +96,17 @@ def load_records(
 
 def load_data(
     job: JobFile, lines: LineWriter
-) -> tuple[list[tuple[int, Conversation]], tuple[list[int], list[int]]]:
+) -> tuple[list[tuple[int, Record]], tuple[list[int], list[int]]]:
     """The records and their (train, eval) indices. With an evaluation set,
     every record of the data is trained on and the set's records, appended,
     are evaluated on; without, params.eval_fraction of the data is held out."""
     p = job.params
-    records = load_records(job.data_path, job.data_sha256)
+    records = load_records(job.data_path, job.data_sha256, kind=p.method)
     if job.eval_data_path is None or job.eval_data_sha256 is None:
         split = split_records(len(records), p.eval_fraction, p.seed)
         lines.log(f"{len(records)} records: {len(split[0])} to train on, {len(split[1])} held out")
         return records, split
-    held = load_records(job.eval_data_path, job.eval_data_sha256, "eval data")
+    held = load_records(job.eval_data_path, job.eval_data_sha256, "eval data", p.method)
     n = len(records)
     lines.log(
         f"{n} records, all to train on; {len(held)} in the evaluation set (eval_data), "
@@ -154,6 +165,8 @@ def run(job: JobFile, lines: LineWriter) -> int:
     plan, sizing = plan_memory(job, inputs, base_dir, device, lines)
     loop = load_for_training(job, base_dir, dtype, device, total_steps, plan.every)
     guard_memory(loop, job, plan, sizing, lines)
+    loop.gate = None if job.pause_path is None else PauseGate(job.pause_path, lines)
+    loop.objective = Dpo(p.beta, inputs.pad_id) if p.method == PREFERENCE else None
     n_trainable = sum(x.numel() for x in loop.model.parameters() if x.requires_grad)
     lines.log(
         f"training {n_trainable} LoRA parameters for {total_steps} steps on {device} in {dtype}"
@@ -183,9 +196,7 @@ def run(job: JobFile, lines: LineWriter) -> int:
         "resumed_from": describe_resume(job, resume, done_steps),
         "checkpoints": 0 if checkpointer is None else checkpointer.writer.written,
     }
-    (adapter_dir / TRAINING_SUMMARY).write_text(
-        json.dumps(summary, indent=2) + "\n", encoding="utf-8"
-    )
+    (adapter_dir / TRAINING_SUMMARY).write_text(json.dumps(summary, indent=2) + "\n", "utf-8")
     lines.emit(Event.DONE, adapter_dir=str(adapter_dir), base_dir=str(base_dir), summary=summary)
     return ExitCode.DONE
 
@@ -201,6 +212,13 @@ def save_results(
     skipped = write_probe(model, base_dir, adapter_dir, dtype)
     if skipped is not None:
         lines.log(skipped)
+
+
+#: The process's own memory, measured at each start (libraries, tokenizer,
+#: records), differs by a MiB or two from one start to the next: the budget
+#: a refusal names leaves this much over this run's least, so that the next
+#: run, given it, takes it.
+START_NOISE_MIB = 8
 
 
 def plan_memory(
@@ -219,10 +237,12 @@ def plan_memory(
     choice, sizing = choose_memory_plan(job, base_dir, device, longest, own or PROCESS_MIB)
     lines.log(f"memory plan: {choice.message}")
     if not choice.fits:
+        need = budget_for(choice.total_mib)
         raise BadInputError(
             f"the job's memory budget of {job.gpu_memory_mib} MiB (gpu_memory_mib) is below "
-            f"the least this job can train in: {choice.total_mib} MiB, with {choice.words}, "
-            f"for rows of {longest} tokens; give it at least {choice.total_mib} MiB, or lower "
+            f"the least this job can train in: {need} MiB (an estimate of {choice.total_mib} "
+            f"MiB and its error), with {choice.words}, for rows of {longest} tokens; give it "
+            f"at least {need + START_NOISE_MIB} MiB, or lower "
             "batch_size or max_seq_len (raising gradient_accumulation keeps the batch)"
         )
     if device.type == "cpu" and choice.plan.frugal_heap:
@@ -307,7 +327,7 @@ def start_torch(job: JobFile, lines: LineWriter) -> tuple[Any, str]:
 class Inputs:
     """The records as training reads them, planned before the weights load."""
 
-    records: list[tuple[int, Conversation]]
+    records: list[tuple[int, Record]]
     split: tuple[list[int], list[int]]
     template: str
     pad_id: int
@@ -317,7 +337,7 @@ class Inputs:
 
 def prepare_inputs(
     base_dir: Path,
-    records: list[tuple[int, Conversation]],
+    records: list[tuple[int, Record]],
     split: tuple[list[int], list[int]],
     p: Params,
     lines: LineWriter,
@@ -335,9 +355,8 @@ def prepare_inputs(
     pad_id = tokenizer.pad_token_id
     if pad_id is None:
         pad_id = tokenizer.eos_token_id if tokenizer.eos_token_id is not None else 0
-    tokens = Tokens(
-        tokenizer, template, records, p.max_seq_len, preparing_progress(len(records), lines)
-    )
+    rows = len(records) * (2 if p.method == PREFERENCE else 1)  # a pair is two rows
+    tokens = tokens_of(tokenizer, template, records, p, preparing_progress(rows, lines))
     total_steps = plan_total_steps(tokens, split[0], p)
     if p.max_steps > 0:
         first = plan_grouped(
@@ -356,6 +375,21 @@ def prepare_inputs(
         )
     tokens.on_progress = lambda done: None  # past preparing: no more state lines
     return Inputs(records, split, template, pad_id, tokens, total_steps)
+
+
+def tokens_of(
+    tokenizer: Any,
+    template: str,
+    records: list[tuple[int, Record]],
+    p: Params,
+    progress: Callable[[int], None],
+) -> Tokens:
+    """The records' Tokens: a DPO job's pairs as PairTokens (two rows each)."""
+    if p.method != PREFERENCE:
+        convs = [(n, r) for n, r in records if not isinstance(r, Preference)]
+        return Tokens(tokenizer, template, convs, p.max_seq_len, progress)
+    pairs = [(n, r) for n, r in records if isinstance(r, Preference)]
+    return PairTokens(tokenizer, template, pair_rows(pairs), p.max_seq_len, progress, True)
 
 
 def describe_inputs(job: JobFile, inputs: Inputs, base_dir: Path) -> dict[str, Any]:
@@ -404,6 +438,8 @@ def describe_training(
         "peak_mib": peak_mib(loop),
         "device": str(loop.device),
         "dtype": dtype,
+        # A DPO job's held-out rewards, margin and accuracy at the end.
+        "preference_eval": loop.objective.last_eval if isinstance(loop.objective, Dpo) else None,
     }
 
 

@@ -7,10 +7,11 @@ without training anything: a loss that depends only on the step, a peak
 MiB, eval lines (with an evaluation set, the step's loss plus a thousandth
 per record, so a test can tell which set was evaluated), TOKENS_PER_STEP
 tokens a step, and a small adapter whose bytes depend only on the job id
-(`adapter_files`). Checkpoints and resume follow lorafleet_trainer.layout
+(`adapter_files`); a DPO job's step and eval lines carry a margin and an
+accuracy that depend only on the loss. Checkpoints and resume follow lorafleet_trainer.layout
 and the real trainer's rules cheaply, so a resumed run prints the
 uninterrupted one's lines. Standard library only, like the real trainer.
-Its knobs (LORAFLEET_STANDIN_*): docs/operations.md.
+Its knobs (LORAFLEET_STANDIN_*): docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from lorafleet_trainer import probe
 from lorafleet_trainer.jobfile import JobFile
 from lorafleet_trainer.layout import (
     ADAPTER_CONFIG,
@@ -38,6 +40,7 @@ from lorafleet_trainer.layout import (
     is_temporary,
     newest_checkpoint,
 )
+from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import BadInputError, Event, ExitCode, LineWriter
 
 #: Bytes of the stand-in adapter's weights file.
@@ -65,7 +68,25 @@ def adapter_files(job_id: str) -> dict[str, bytes]:
     return {
         ADAPTER_CONFIG: json.dumps(config, indent=2, sort_keys=True).encode(),
         ADAPTER_WEIGHTS: bytes(blocks[:ADAPTER_WEIGHTS_BYTES]),
+        probe.PROBE_FILE: json.dumps(probe_reference(seed), sort_keys=True).encode(),
     }
+
+
+def probe_reference(seed: bytes) -> dict[str, Any]:
+    """A probe reference in the trainer's form (lorafleet_trainer.probe),
+    made up from `seed`: an engine stand-in (tests/gateway/engine.py) answers
+    the probe with it, so the agent's load and confirm run unchanged."""
+
+    def continuation(salt: bytes) -> dict[str, list[Any]]:
+        digest = hashlib.sha256(seed + salt).digest()
+        ids = [100 + b for b in digest[: probe.PROBE_TOKENS]]
+        return {"ids": ids, "logprobs": [-b / 256 for b in digest[: probe.PROBE_TOKENS]]}
+
+    token_ids = list(range(1, len(probe.PROBE_TEXT.split()) + 1))
+    return {
+        "text": probe.PROBE_TEXT, "dtype": probe.PROBE_DTYPE, "token_ids": token_ids,
+        "adapter": continuation(b"adapter"), "base": continuation(b"base"),
+    }  # fmt: skip
 
 
 def gguf_bytes(job_id: str) -> bytes:
@@ -172,14 +193,22 @@ def resume_step(job: JobFile, lines: LineWriter) -> tuple[int, int]:
     return step, int(meta.get("progress", {}).get("tokens", 0))
 
 
+def _dpo(loss: float, prefix: str = "") -> dict[str, float]:
+    """A DPO line's numbers, from the stand-in's loss."""
+    margin = round(2.5 - loss, 6)
+    return {f"{prefix}rewards_chosen": margin / 2, f"{prefix}rewards_rejected": -margin / 2,
+            f"{prefix}margin": margin, f"{prefix}accuracy": 1.0}  # fmt: skip
+
+
 def _steps(
-    lines: LineWriter, steps: int, epochs: int, step_s: float, fail_at: int, first: int,
+    lines: LineWriter, steps: int, params: Params, step_s: float, fail_at: int, first: int,
     ckpt: Checkpoints, eval_offset: float,
 ) -> float | None:  # fmt: skip
     """The step and eval lines of a falling loss, from step `first` (the eval
     loss `eval_offset` above it); the last loss, or None after failing at
     `fail_at` as asked."""
-    per_epoch = max(1, -(-steps // epochs))
+    per_epoch = max(1, -(-steps // params.epochs))
+    dpo = params.method == "dpo"
     loss = 2.5 * 0.9 ** (first - 1)
     started = time.monotonic()
     for step in range(first, steps + 1):
@@ -201,10 +230,13 @@ def _steps(
             eta_s=round(elapsed / (step - first + 1) * (steps - step), 3),
             peak_mib=100 + step,
             epoch=epoch,
+            **(_dpo(loss) if dpo else {}),
         )
         ckpt.after_step(step, epoch, step - (epoch - 1) * per_epoch)
         if step % per_epoch == 0 or step == steps:
-            lines.emit(Event.EVAL, step=step, epoch=epoch, eval_loss=round(loss + eval_offset, 6))
+            more = _dpo(loss, "eval_") if dpo else {}
+            eval_loss = round(loss + eval_offset, 6)
+            lines.emit(Event.EVAL, step=step, epoch=epoch, eval_loss=eval_loss, **more)
     return loss
 
 
@@ -285,8 +317,8 @@ def main(argv: list[str]) -> int:
         time.sleep(60)
 
     loss = _steps(
-        lines, steps, job.params.epochs, step_s, fail_at, done + 1, ckpt, eval_records / 1000
-    )
+        lines, steps, job.params, step_s, fail_at, done + 1, ckpt, eval_records / 1000
+    )  # fmt: skip
     if loss is None:
         return fail_exit
     _save(lines, job, loss, steps, records, tokens_before + (steps - done) * TOKENS_PER_STEP)

@@ -10,7 +10,7 @@ here does not import the others (nats and access import each other's modules).
 
 from __future__ import annotations
 
-import importlib
+from lorafleet._lazy import lazy_exports
 
 _HOME = {
     "Identity": "identities",
@@ -23,8 +23,4 @@ _HOME = {
 
 __all__ = sorted(_HOME)
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOME)

@@ -9,7 +9,7 @@ files (an operator pastes `lorafleet nats-config --blocks` into a config of
 their own), and tests/permissions/test_fleet.py and test_refusals.py run the
 whole system on it, so the node's block is proved under both forms. Prefer
 nkeys: with the shared user a stolen service credential opens every door
-(docs/operations.md). Remove this module with its command, its tests and
+(docs/deploy.md). Remove this module with its command, its tests and
 those docs when no installation needs it.
 """
 

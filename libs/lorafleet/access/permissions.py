@@ -6,13 +6,13 @@ names.py's subject builders, usable in a server config
 (`lorafleet.nats.config`), an operator's JWT tooling, or read by a person.
 Everything not allowed is denied. The agent of node N may only put its own
 heartbeat, publish its own status reports and artifact chunks, read the
-datasets and artifacts buckets by message gets (which cannot write, purge
+datasets and artifacts buckets by message and direct gets (which cannot write, purge
 or delete: a resumed job fetches its checkpoint), receive its own
 start/cancel/serve/unserve requests and answer them, and read replies on
 its own inboxes (`_INBOX_N.>`). With nkey identities each service has its
 own block, allowed only what it uses, and creates only the JetStream pieces
 it owns (`LAYOUT_OWNERS`); who may do what, per identity:
-docs/operations.md. The older shared-password form is `lorafleet.access.passwords`.
+docs/deploy.md. The older shared-password form is `lorafleet.access.passwords`.
 """
 
 from __future__ import annotations
@@ -28,10 +28,10 @@ from lorafleet.names import (
     js_flow_control_subjects,
     kv_stream,
     kv_subjects,
-    msg_get_subject,
     node_inbox_prefix,
     object_chunk_subjects,
     object_meta_subjects,
+    object_read_subjects,
     object_stream,
     object_subjects,
 )
@@ -56,10 +56,10 @@ def agent_permissions(names: Names, node: str) -> Permissions:
                 names.node_heartbeat(node),
                 names.node_status_subjects(node),
                 names.node_artifact_subjects(node),
-                msg_get_subject(names.datasets_bucket),
+                *object_read_subjects(names.datasets_bucket),
                 # A resumed job's checkpoint or adapter, read as datasets are
-                # (message gets only: nothing that writes, purges or deletes).
-                msg_get_subject(names.artifacts_bucket),
+                # (message and direct gets only: nothing that writes, purges or deletes).
+                *object_read_subjects(names.artifacts_bucket),
             ]
         },
         "subscribe": {
@@ -84,7 +84,7 @@ SERVICES = ("recorder", "scheduler", "artifact-store", "gateway")
 #: (bus.Layout's part names); no other identity may.
 LAYOUT_OWNERS: dict[str, tuple[str, ...]] = {
     "recorder": ("status_stream", "datasets_store"),
-    "scheduler": ("nodes_kv", "leader_kv"),
+    "scheduler": ("nodes_kv", "leader_kv", "node_marks_kv"),
     "artifact-store": ("artifacts_stream", "artifacts_store"),
     "gateway": ("gateway_kv",),
 }
@@ -185,11 +185,15 @@ def recorder_permissions(names: Names) -> Permissions:
             *_reader(datasets),
             js_api_subject("STREAM", "PURGE", datasets),
             object_subjects(names.datasets_bucket),
+            # Retention reads which datasets the gateway's files name.
+            js_api_subject("INFO"),  # nats-py's key_value reads the account's limits
+            *_reader(kv_stream(names.gateway_bucket)),
         ],
         [
+            names.datasets_gc,
             *(
                 names.api("jobs", verb)
-                for verb in ("submit", "get", "list", "curve", "estimate", "resume")
+                for verb in ("submit", "get", "list", "curve", "estimate", "resume", "delete")
             ),
             names.api("models", "*"),
             names.adapters_list,
@@ -204,6 +208,7 @@ def scheduler_permissions(names: Names) -> Permissions:
     """The scheduler's block (see the module doc)."""
     p = names.prefix
     nodes_kv, leader_kv = kv_stream(names.nodes_bucket), kv_stream(names.leader_bucket)
+    marks_kv = kv_stream(names.node_marks_bucket)
     return _block(
         [
             names.jobs_get,
@@ -221,11 +226,15 @@ def scheduler_permissions(names: Names) -> Permissions:
             *_stream_owner(leader_kv),
             *_reader(leader_kv),
             kv_subjects(names.leader_bucket),
+            *_stream_owner(marks_kv),
+            *_reader(marks_kv),
+            kv_subjects(names.node_marks_bucket),
         ],
         [
             names.all_job_events,
             names.jobs_cancel,
             names.nodes_list,
+            names.nodes_schedule,
             names.adapters_serve,
             names.adapters_unserve,
             SERVICE_DISCOVERY_SUBJECTS,
@@ -240,6 +249,10 @@ def artifact_store_permissions(names: Names) -> Permissions:
     return _block(
         [
             names.jobs_get,  # is the delivering node the job's? (the recorder says)
+            # Retention: the artifacts' jobs, who starts from them, who serves them.
+            names.jobs_list,
+            names.models_list,
+            names.adapters_list,
             names.store_artifact,
             *_stream_owner(chunks),
             *_every_consumer(chunks),
@@ -269,7 +282,7 @@ def client_permissions(names: Names, client: str) -> Permissions:
             object_chunk_subjects(datasets),
             object_meta_subjects(datasets),
             js_api_subject("STREAM", "INFO", object_stream(datasets)),
-            js_api_subject("STREAM", "MSG", "GET", object_stream(datasets)),
+            *object_read_subjects(datasets),  # its own uploads, read back by the gateway
             *_reader(object_stream(artifacts)),
         ],
         [names.all_job_events, _inbox("client", client)],
@@ -289,6 +302,8 @@ def gateway_permissions(names: Names) -> Permissions:
             js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits
             *_stream_owner(gateway_kv),
             *_reader(gateway_kv),
+            # The heartbeats, watched: a lost node leaves the routes at its expiry.
+            *_reader(kv_stream(names.nodes_bucket)),
             kv_subjects(names.gateway_bucket),
         ],
         [

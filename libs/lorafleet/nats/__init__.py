@@ -7,6 +7,7 @@ leading `_`, which change without notice).
 - config: a server config's text (TLS, nkey users, authorization);
 - _bus: connections, requests, the JetStream layout;
 - _consumer: the JetStream pull loop;
+- _kv_watch: one KV watch that lasts;
 - _publisher: messages published in order, each until acknowledged;
 - _micro: NATS micro endpoints;
 - _natspy: nats-py workarounds (publishes, objects, key-value reads).
@@ -17,7 +18,7 @@ here does not import the others (nats and access import each other's modules).
 
 from __future__ import annotations
 
-import importlib
+from lorafleet._lazy import lazy_exports
 
 _HOME = {
     "NatsCluster": "cluster",
@@ -29,8 +30,4 @@ _HOME = {
 
 __all__ = sorted(_HOME)
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOME)

@@ -66,6 +66,8 @@ MAX_OUTSTANDING_PINGS = 2
 CONNECTION_DRAIN_TIMEOUT_S = 5.0
 #: Seconds between two tries of a request nobody answered.
 NO_RESPONDERS_PAUSE_S = 0.1
+#: Seconds before a read JetStream answered "temporarily unavailable" is made again.
+UNAVAILABLE_PAUSE_S = 1.0
 
 
 def redact_url(url: str) -> str:
@@ -324,6 +326,16 @@ class Layout:
             description="lorafleet scheduler leadership",
         )
 
+    def node_marks_kv(self) -> KeyValueConfig:
+        # Values live until deleted: a cordon outlasts every restart.
+        return KeyValueConfig(
+            bucket=self.names.node_marks_bucket,
+            history=1,
+            storage=StorageType.FILE,
+            replicas=self.replicas,
+            description="lorafleet cordoned and drained nodes",
+        )
+
     def gateway_kv(self) -> KeyValueConfig:
         # Values live until deleted: a file object or a job's OpenAI fields
         # must survive a gateway restart (lorafleet_services.gateway.state).
@@ -354,13 +366,75 @@ class Layout:
 
 #: JetStream's "no suitable peers for placement": a cluster just ready with a
 #: member not yet connected, or one down; the layout is tried again
-#: (`_runtime.ensure_layout_retrying`), never taken for a stream that exists.
+#: (`when_cluster_answers`), never taken for a stream that exists.
 NO_PLACEMENT_ERR_CODE = 10005
 
 
 def placement_pending(e: Exception) -> bool:
     """Whether `e` is JetStream's "no suitable peers for placement"."""
     return isinstance(e, nats.js.errors.BadRequestError) and e.err_code == NO_PLACEMENT_ERR_CODE
+
+
+#: Errors of a JetStream request that a cluster between leaders explains: a
+#: member electing a stream's or the meta leader times out (or answers "no
+#: responders"), one still catching up answers 503 "temporarily unavailable".
+CLUSTER_PENDING = (
+    nats.errors.TimeoutError,
+    nats.errors.NoRespondersError,
+    nats.js.errors.ServiceUnavailableError,
+)
+#: Seconds a service's start waits for its cluster to answer: a minority
+#: member answers no JetStream request until it is back, an election takes
+#: seconds on a loaded host (tests/nemesis/test_found.py pins it).
+CLUSTER_WAIT_S = 30.0
+#: Seconds between those tries.
+CLUSTER_WAIT_PAUSE_S = 1.0
+
+
+class ClusterUnavailableError(ConnectError):
+    """The NATS cluster did not answer a start's JetStream request in time."""
+
+
+def cluster_pending(e: BaseException) -> bool:
+    """Whether `e` is a JetStream answer that a cluster between leaders (or
+    placing a new stream's group) explains: worth trying again."""
+    return isinstance(e, CLUSTER_PENDING) or (isinstance(e, Exception) and placement_pending(e))
+
+
+async def when_cluster_answers(
+    what: str,
+    work: Callable[[], Awaitable[T]],
+    wait_s: float = CLUSTER_WAIT_S,
+    pause_s: float = CLUSTER_WAIT_PAUSE_S,
+) -> T:
+    """`work()`, tried again every `pause_s` while the cluster answers as one
+    between leaders does (`cluster_pending`; each try logged as
+    `nats.waiting`), for `wait_s` seconds; then ClusterUnavailableError naming
+    `what` (as "the artifact-store's recovery") and the last answer. Every
+    JetStream step of a service's start goes through here, so a start that
+    meets an election waits for it instead of exiting. Other errors pass."""
+    loop = asyncio.get_running_loop()
+    started = loop.time()
+    tries = 0
+    while True:
+        tries += 1
+        try:
+            return await work()
+        except Exception as e:
+            if not cluster_pending(e):
+                raise
+            waited_s = loop.time() - started
+            if waited_s + pause_s > wait_s:
+                raise ClusterUnavailableError(
+                    f"{what}: the NATS cluster did not answer within {wait_s:g} s ({tries} "
+                    f"tries; the last: {e!r}): a majority of its servers must be up and "
+                    "routed to each other (their logs say which is not), then start it again"
+                ) from e
+            log.get().warning(
+                Event.NATS_WAITING, what=what, tries=tries, waited_s=round(waited_s, 1),
+                wait_s=wait_s, error=repr(e),
+            )  # fmt: skip
+            await asyncio.sleep(pause_s)
 
 
 async def ensure_layout(
@@ -383,7 +457,7 @@ async def ensure_layout(
                 if e.err_code == NO_PLACEMENT_ERR_CODE:
                     raise  # not a stream that exists: a member not there yet
                 await js.update_stream(cfg)
-    for part in ("nodes_kv", "leader_kv", "gateway_kv"):
+    for part in ("nodes_kv", "leader_kv", "node_marks_kv", "gateway_kv"):
         if wanted(part):
             await js.create_key_value(getattr(layout, part)())
     for part in ("datasets_store", "artifacts_store"):
@@ -427,12 +501,30 @@ async def request(
     got no reply within `timeout_s` is sent once more: a responder killed
     while it held the request never answers, and another one will.
     """
-    if idempotent:
-        with contextlib.suppress(TimeoutError):
-            return await _request_once(
-                nc, subject, message, reply_type, timeout_s, no_responders_retry_s
-            )
-    return await _request_once(nc, subject, message, reply_type, timeout_s, no_responders_retry_s)
+
+    def once() -> Awaitable[T]:
+        return _request_once(nc, subject, message, reply_type, timeout_s, no_responders_retry_s)
+
+    return await (once_more_on_timeout(once) if idempotent else once())
+
+
+async def once_more_on_timeout(read: Callable[[], Awaitable[T]]) -> T:
+    """`read()`, made once more when it timed out. For a read (its repeat
+    changes nothing): a request whose reply was lost never gets one — the
+    responder killed while it held it, or the connection's own server gone
+    with the reply (nats-py sends a request made while reconnecting once
+    reconnected, but not again one already sent) — and the second goes out
+    on the link as it is now. One JetStream answered "temporarily unavailable"
+    is asked again after UNAVAILABLE_PAUSE_S."""
+    try:
+        return await read()
+    except TimeoutError:
+        pass
+    except nats.js.errors.ServiceUnavailableError:
+        # JetStream's own 503 (a member restarting, a leader being elected):
+        # asked again a moment later, as a client would.
+        await asyncio.sleep(UNAVAILABLE_PAUSE_S)
+    return await read()
 
 
 async def _request_once(

@@ -18,6 +18,8 @@ from typing import Any, TypeVar
 
 import msgspec
 import msgspec.inspect
+import nats.errors
+import nats.js.errors
 from nats.aio.client import Client
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -25,7 +27,13 @@ from nats.micro.service import Endpoint, EndpointConfig, Service, ServiceConfig
 
 import lorafleet.log as log
 import lorafleet.metrics as metrics
-from lorafleet.errors import HTTP_CODES, ApiError, BadRequestError, InternalError
+from lorafleet.errors import (
+    HTTP_CODES,
+    ApiError,
+    BadRequestError,
+    InternalError,
+    UnavailableError,
+)
 from lorafleet.log import Event
 from lorafleet.nats._bus import encode
 from lorafleet.nats._natspy import count_endpoint_error, last_endpoint
@@ -94,6 +102,25 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
         raise BadRequestError(f"the request is not valid JSON: {e}") from None
 
 
+def jetstream_unavailable(e: nats.js.errors.ServiceUnavailableError) -> UnavailableError:
+    """JetStream's own 503 (a member down, a leader being elected): the
+    request's step did not happen, and a retry is what it needs (nemesis
+    seed 25: a submit's dataset write answered `internal`, a gateway 500)."""
+    return UnavailableError(
+        f"JetStream is temporarily unavailable ({e.description or e}): a NATS member is "
+        "down or a leader is being elected; retry in a few seconds"
+    )
+
+
+def too_big(size: int) -> BadRequestError:
+    """An answer of `size` bytes that no NATS message holds (a thousand jobs)."""
+    return BadRequestError(
+        f"the answer is {size:,} bytes, more than a NATS message holds (the server's "
+        "max_payload): ask for less at once (a smaller limit, a narrower filter, or the "
+        "next page with `after`)"
+    )
+
+
 def endpoint(
     typ: type[Req],
     fn: Callable[[Req], Awaitable[Any]],
@@ -122,13 +149,20 @@ def endpoint(
         except ApiError as e:
             await fail(req, e)
             return
+        except nats.js.errors.ServiceUnavailableError as e:
+            await fail(req, jetstream_unavailable(e))
+            return
         except Exception as e:
             logger.exception(Event.REQUEST_FAILED, subject=subject, error=repr(e))
             await fail(
                 req, InternalError(f"the service failed on this request: {e!r}; it is logged")
             )
             return
-        await req.respond(result if isinstance(result, bytes) else encode(result))
+        data = result if isinstance(result, bytes) else encode(result)
+        try:
+            await req.respond(data)
+        except nats.errors.MaxPayloadError:
+            await fail(req, too_big(len(data)))
 
     async def handle(req: Request) -> None:
         started = time.perf_counter()

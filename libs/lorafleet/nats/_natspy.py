@@ -41,6 +41,7 @@ from lorafleet.names import (
     object_meta_subject,
     object_stream,
 )
+from lorafleet.nats._direct_get import SubjectReader
 
 # --- the connection behind a JetStream context -----------------------------------
 
@@ -316,19 +317,34 @@ def _object_info(data: bytes) -> ObjectInfo | None:
 
 
 async def read_object(js: JetStreamContext, bucket: str, name: str, out: BinaryIO) -> int:
-    """Write object `name` of `bucket` into `out`; return its size in bytes.
+    """Write object `name` of `bucket` into `out`; return its size in bytes
+    (`read_object_sha256` says how)."""
+    size, _sha256 = await read_object_sha256(js, bucket, name, out)
+    return size
 
-    Reads the object's meta message and then each chunk with
-    `$JS.API.STREAM.MSG.GET` on `OBJ_<bucket>`, so that one subject on that
-    one stream is all a reader's permissions need (names.msg_get_subject).
-    Costs one request per chunk (128 KiB by default). Checks the size and
-    the sha256 the meta message records. Raises ObjectNotFoundError,
+
+async def read_object_sha256(
+    js: JetStreamContext, bucket: str, name: str, out: BinaryIO
+) -> tuple[int, str]:
+    """Write object `name` of `bucket` into `out`; return its size in bytes
+    and the hex sha256 of what was written (no second pass over it).
+
+    Reads the object's meta message with `$JS.API.STREAM.MSG.GET` on
+    `OBJ_<bucket>` (the leader's: never a stale info), then its chunks with
+    batched direct gets (`$JS.API.DIRECT.GET`, `_direct_get.SubjectReader`, 16 chunks per
+    request), so those two subjects on that one stream are all a reader's
+    permissions need (names.object_read_subjects). Where a direct get
+    fails (a stream without allow_direct, a replica behind the leader, a
+    refused subject) the rest comes by message gets, one request per chunk
+    (measured: about a fifth of the throughput). Checks the size and the
+    sha256 the meta message records. Raises ObjectNotFoundError,
     ObjectDamagedError, or nats' errors (a timeout when the server does not
     answer, or refuses the request).
 
     Upstream: `ObjectStore.get` looks the stream up by subject
     (`$JS.API.STREAM.NAMES`, which lists every stream's name), asks for its
-    info and creates a consumer; a node's credentials would have to allow all three.
+    info and creates a consumer; a node's credentials would have to allow all
+    three. nats-py has no batched direct get.
     """
     stream = object_stream(bucket)
     try:
@@ -338,27 +354,25 @@ async def read_object(js: JetStreamContext, bucket: str, name: str, out: BinaryI
     info = _object_info(meta.data or b"")
     if info is None or info.deleted or not info.nuid:
         raise ObjectNotFoundError(f"no object {name!r} in bucket {bucket} (deleted)")
-    subject = object_chunk_subject(bucket, info.nuid)
     h = hashlib.sha256()
     size = 0
-    seq = 1
-    for _ in range(info.chunks or 0):
-        try:
-            msg = await js.get_msg(stream, seq=seq, subject=subject, next=True)
-        except nats.js.errors.NotFoundError:
-            break
-        data = msg.data or b""
-        await asyncio.to_thread(out.write, data)
-        h.update(data)
-        size += len(data)
-        seq = (msg.seq or seq) + 1
+    chunks = SubjectReader(js, client_of(js), stream, object_chunk_subject(bucket, info.nuid))
+    async with chunks:
+        while chunks.read < (info.chunks or 0):
+            batch = await chunks.next_batch((info.chunks or 0) - chunks.read)
+            if not batch:
+                break
+            await asyncio.to_thread(out.writelines, batch)
+            for data in batch:
+                h.update(data)
+                size += len(data)
     if size != (info.size or 0):
         raise ObjectDamagedError(
             f"object {name!r} in {bucket}: read {size} bytes, its meta says {info.size or 0}"
         )
     if not digest_matches(info, h.digest()):
         raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its meta")
-    return size
+    return size, h.hexdigest()
 
 
 def object_digest(sha256_hex: str) -> str:
@@ -390,8 +404,10 @@ async def download_object(
     name: str,
     out: BinaryIO,
     chunk_wait_s: float = CHUNK_WAIT_S,
-) -> None:
-    """Write object `name` of `bucket` into `out` (a file or io.BytesIO).
+) -> str:
+    """Write object `name` of `bucket` into `out` (a file or io.BytesIO);
+    answer the hex sha256 of what was written (a caller checking it needs
+    no second pass over the file).
 
     Raises nats.js.errors.ObjectNotFoundError (ObjectDeletedError for a
     deleted one), ObjectChunksMissingError when the store holds fewer chunks
@@ -407,15 +423,15 @@ async def download_object(
     """
     obs = await js.object_store(bucket)
     info = await obs.get_info(name)
+    h = hashlib.sha256()
     if not info.size:
-        return
+        return h.hexdigest()
     subject = object_chunk_subject(bucket, info.nuid or "")
     chunks = info.chunks or 0
     state = (await js.stream_info(object_stream(bucket), subjects_filter=subject)).state
     held = int((state.subjects or {}).get(subject, 0))
     if held < chunks:
         raise ObjectChunksMissingError(bucket, name, subject, held, chunks)
-    h = hashlib.sha256()
     sub = await js.subscribe(subject, ordered_consumer=True)
     try:
         for got in range(chunks):
@@ -429,6 +445,7 @@ async def download_object(
         await sub.unsubscribe()
     if not digest_matches(info, h.digest()):
         raise ObjectDamagedError(f"object {name!r} in {bucket}: sha256 differs from its info")
+    return h.hexdigest()
 
 
 # --- creating an object store from its config ------------------------------------------

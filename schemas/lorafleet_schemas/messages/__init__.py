@@ -1,6 +1,6 @@
 """Every message lorafleet puts on NATS, as msgspec Structs, one module per
 domain: fields (constrained types), errors, catalog, jobs, job_store (the
-recorder's internal API), nodes, status, trainer_lines, artifacts, serving. Import
+recorder's internal API), nodes, status, trainer_lines, artifacts, serving, retention. Import
 them from here: `from lorafleet_schemas.messages import JobSpec`.
 
 These are the wire shapes. The JSON Schemas in schemas/json/ are generated
@@ -29,6 +29,8 @@ from lorafleet_schemas.messages.catalog import (
     ModelListRequest,
     ModelRecord,
     ModelSpec,
+    Replicas,
+    ServingPolicy,
 )
 from lorafleet_schemas.messages.errors import (
     ErrorBody,
@@ -52,6 +54,7 @@ from lorafleet_schemas.messages.jobs import (
     JobCancelRequest,
     JobCurve,
     JobCurveRequest,
+    JobDeleteRequest,
     JobEstimate,
     JobEstimateRequest,
     JobEvent,
@@ -76,8 +79,16 @@ from lorafleet_schemas.messages.nodes import (
     NodeInfo,
     NodeList,
     NodeListRequest,
+    NodeMark,
+    NodeSchedule,
+    NodeScheduleRequest,
     StartReply,
     StartRequest,
+)
+from lorafleet_schemas.messages.retention import (
+    GcItem,
+    GcReport,
+    GcRequest,
 )
 from lorafleet_schemas.messages.serving import (
     AdapterList,
@@ -94,6 +105,7 @@ from lorafleet_schemas.messages.serving import (
     ServingState,
 )
 from lorafleet_schemas.messages.status import (
+    YIELDING_TO_SERVING,
     StatusReport,
 )
 from lorafleet_schemas.messages.trainer_lines import (
@@ -106,10 +118,12 @@ from lorafleet_schemas.messages.trainer_lines import (
     TrainerLog,
     TrainerState,
     TrainerStep,
+    TrainerYield,
 )
 
 __all__ = [
     "PUBLISHED",
+    "YIELDING_TO_SERVING",
     "AdapterList",
     "AdapterListRequest",
     "AdapterServeRequest",
@@ -132,10 +146,14 @@ __all__ = [
     "ErrorReply",
     "EstimateLine",
     "EvalPoint",
+    "GcItem",
+    "GcReport",
+    "GcRequest",
     "Heartbeat",
     "JobCancelRequest",
     "JobCurve",
     "JobCurveRequest",
+    "JobDeleteRequest",
     "JobEstimate",
     "JobEstimateRequest",
     "JobEvent",
@@ -159,10 +177,15 @@ __all__ = [
     "NodeInfo",
     "NodeList",
     "NodeListRequest",
+    "NodeMark",
+    "NodeSchedule",
+    "NodeScheduleRequest",
     "NodeServeReply",
     "NodeServeRequest",
     "NodeUnserveRequest",
     "PositiveMiB",
+    "Replicas",
+    "ServingPolicy",
     "ServingRecord",
     "ServingReport",
     "ServingState",
@@ -181,6 +204,7 @@ __all__ = [
     "TrainerParams",
     "TrainerState",
     "TrainerStep",
+    "TrainerYield",
     "TransitionReply",
     "TransitionRequest",
 ]
@@ -200,6 +224,7 @@ PUBLISHED: dict[str, object] = {
     "job-list": JobList,
     "job-cancel-request": JobCancelRequest,
     "job-resume-request": JobResumeRequest,
+    "job-delete-request": JobDeleteRequest,
     "checkpoint-ref": CheckpointRef,
     "job-curve-request": JobCurveRequest,
     "job-curve": JobCurve,
@@ -216,6 +241,8 @@ PUBLISHED: dict[str, object] = {
     "heartbeat": Heartbeat,
     "node-list-request": NodeListRequest,
     "node-list": NodeList,
+    "node-mark": NodeMark,
+    "node-schedule-request": NodeScheduleRequest,
     "status-report": StatusReport,
     "trainer-line": TrainerLine,
     "artifact-chunk-header": ArtifactChunkHeader,
@@ -234,4 +261,6 @@ PUBLISHED: dict[str, object] = {
     "node-serve-request": NodeServeRequest,
     "node-unserve-request": NodeUnserveRequest,
     "node-serve-reply": NodeServeReply,
+    "gc-request": GcRequest,
+    "gc-report": GcReport,
 }

@@ -44,6 +44,23 @@ class ModelArchitecture(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     attention_bias: bool = False
 
 
+class Replicas(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A serving policy of N replicas: the adapter on `replicas` nodes chosen
+    by rendezvous hashing over the live nodes with a free adapter slot in an
+    engine serving its base, so a placement stays put while other nodes come
+    and go."""
+
+    replicas: Annotated[int, Meta(ge=1, le=1000)]
+
+
+#: Where a finished adapter is served across the fleet: "all" (every live
+#: node whose heartbeat lists an engine serving the base), or
+#: `{"replicas": N}`. The control plane places it and keeps it placed
+#: (docs/fine-tune-and-serve.md, "Placement"); None: only the node that trained it
+#: (JobSpec.serve).
+ServingPolicy = Literal["all"] | Replicas
+
+
 class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     """A catalog entry: where a model's safetensors weights are, and what serves it.
 
@@ -60,6 +77,8 @@ class ModelSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     description: str = ""
     #: From the model's config.json; without it jobs get no memory estimate.
     architecture: ModelArchitecture | None = None
+    #: The serving policy of this model's jobs that name none (JobSpec.serving).
+    serving: ServingPolicy | None = None
 
 
 class ModelRecord(msgspec.Struct, kw_only=True):
@@ -71,6 +90,8 @@ class ModelRecord(msgspec.Struct, kw_only=True):
     description: str
     created_at: dt.datetime
     architecture: ModelArchitecture | None = None
+    #: See ModelSpec.serving.
+    serving: ServingPolicy | None = None
 
 
 class ModelListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -10,7 +10,9 @@ from lorafleet_schemas.messages.fields import Sha256Hex
 from lorafleet_schemas.messages.jobs import JobRecord, JobState
 
 
-class TransitionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+class TransitionRequest(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
     """`lorafleet.store.jobs.transition`: compare-and-set of a job's state.
 
     Applied only when the job is in `from_state` (and, when `node` is given
@@ -23,6 +25,10 @@ class TransitionRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True
     message: str = ""
     #: Set the job's node (placement of a job submitted without one).
     node: str | None = None
+    #: A requeue the operator asked for (a drain's `move_training`), not a
+    #: loss: applied whatever the attempts left, and the job's max_attempts
+    #: grows by one, so the move uses none of the attempts it has for failures.
+    moved: bool = False
 
 
 class TransitionReply(msgspec.Struct, kw_only=True):
@@ -43,3 +49,7 @@ class ArtifactStoredRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=
     step: int | None = None
     attempt: int | None = None
     object: str | None = None
+    #: Retention is about to remove this stored artifact (the artifact-store,
+    #: before it removes it): the recorder forgets its reference, refusing
+    #: (conflict) while the job is not final. `size` and `sha256` are unread.
+    removed: bool = False

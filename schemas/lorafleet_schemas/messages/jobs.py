@@ -11,7 +11,7 @@ import msgspec
 from msgspec import Meta
 
 from lorafleet_schemas.messages.artifacts import ArtifactKind
-from lorafleet_schemas.messages.catalog import Engine
+from lorafleet_schemas.messages.catalog import Engine, ServingPolicy
 from lorafleet_schemas.messages.fields import PositiveMiB, Sha256Hex, SubjectToken
 from lorafleet_schemas.messages.serving import ServingRecord
 
@@ -77,6 +77,18 @@ class TrainerParams(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: LoRA's state (only the trainable weights, no base) takes seconds to
     #: write, off the training loop, so a few per hour cost well under 1%.
     checkpoint_every_s: Annotated[float, Meta(ge=0)] = 600.0
+    #: "auto" (the default): on a node whose engines serve users, training
+    #: pauses between steps while they are busy and goes on once they have
+    #: been idle a moment (the node's thresholds: AgentConfig.yield_*);
+    #: "off": it trains on whatever the engines' load.
+    yield_to_serving: Literal["auto", "off"] = "auto"
+    #: What the records train: "supervised" (conversations, cross-entropy on
+    #: the answers) or "dpo" (preference pairs, DPO's sigmoid loss against the
+    #: model with the adapter disabled); lorafleet_trainer.records has both.
+    method: Literal["supervised", "dpo"] = "supervised"
+    #: DPO's beta: how far the adapter may move from the reference for a
+    #: preference (higher: less); default 0.1. Unused by "supervised".
+    beta: Annotated[float, Meta(gt=0, le=100)] = 0.1
 
 
 class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -121,6 +133,10 @@ class JobSpec(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: engine runs on the node; False: never; True: yes, and a node with no
     #: such engine records why.
     serve: bool | None = None
+    #: Served across the fleet once done ("all", or {"replicas": N}); None:
+    #: the model's default (ModelSpec.serving), else only where it trained.
+    #: `serve: false` serves it nowhere, whatever this says.
+    serving: ServingPolicy | None = None
 
 
 class EstimateLine(msgspec.Struct, kw_only=True):
@@ -232,6 +248,8 @@ class JobRecord(msgspec.Struct, kw_only=True):
     version: int = 0
     #: See JobSpec.serve.
     serve: bool | None = None
+    #: See JobSpec.serving (as given; the model's default is not copied in).
+    serving: ServingPolicy | None = None
     #: The tokens the trainer trained on (padding not counted) over every
     #: attempt: a run resumed from a checkpoint starts from the count it
     #: holds. From the done summary; None until then, and for a trainer
@@ -244,6 +262,11 @@ class JobRecord(msgspec.Struct, kw_only=True):
     eval_dataset_sha256: str | None = None
     #: The evaluation set's records (0 without one).
     eval_records: int = 0
+    #: A DPO job's newest step numbers (rewards_chosen, rewards_rejected,
+    #: margin, accuracy: lorafleet_schemas.messages.TrainerStep) and newest
+    #: held-out ones (eval_margin, eval_accuracy, ...); None otherwise.
+    preference: dict[str, float] | None = None
+    eval_preference: dict[str, float] | None = None
 
 
 class JobGetRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
@@ -263,6 +286,9 @@ class JobListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: These jobs only (empty: any): many jobs in one request (the gateway's
     #: model list asks for its caller's jobs at once).
     ids: list[str] = msgspec.field(default_factory=list)
+    #: The jobs after this one in the list's order (the last id of the page
+    #: before): the next page. A page a NATS message cannot hold is refused.
+    after: str | None = None
 
 
 class JobList(msgspec.Struct, kw_only=True):
@@ -270,6 +296,16 @@ class JobList(msgspec.Struct, kw_only=True):
 
 
 class JobCancelRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    id: str
+    reason: str = ""
+
+
+class JobDeleteRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`lorafleet.api.jobs.delete`: forget a final job (its record, events and
+    curves); retention then removes what only it needed (its artifacts, data
+    no other job or file names). Refused while it is not final, while an
+    engine serves its adapter, or while a job not final starts from it."""
+
     id: str
     reason: str = ""
 
@@ -292,6 +328,8 @@ class LossPoint(msgspec.Struct, kw_only=True):
     peak_mib: int | None = None
     #: The attempt that wrote it.
     attempt: int = 1
+    #: A DPO job's step numbers (JobRecord.preference); None otherwise.
+    preference: dict[str, float] | None = None
 
 
 class EvalPoint(msgspec.Struct, kw_only=True):
@@ -299,6 +337,8 @@ class EvalPoint(msgspec.Struct, kw_only=True):
     eval_loss: float
     #: The attempt that wrote it.
     attempt: int = 1
+    #: A DPO job's held-out numbers (JobRecord.eval_preference); None otherwise.
+    preference: dict[str, float] | None = None
 
 
 class JobCurveRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

@@ -4,12 +4,13 @@ each node keeps in the `lorafleet_nodes` bucket."""
 from __future__ import annotations
 
 import datetime as dt
+import enum
 
 import msgspec
 
 from lorafleet_schemas.messages.artifacts import ArtifactKind
 from lorafleet_schemas.messages.catalog import ModelRecord
-from lorafleet_schemas.messages.fields import Sha256Hex
+from lorafleet_schemas.messages.fields import Sha256Hex, SubjectToken
 from lorafleet_schemas.messages.jobs import CheckpointRef, TrainerParams
 from lorafleet_schemas.messages.serving import EngineRef
 
@@ -49,6 +50,11 @@ class StartReply(msgspec.Struct, kw_only=True):
     reason: str = ""
     #: The job the node is busy with, when busy.
     running_job: str | None = None
+    #: The agent's clock when it took the job: a heartbeat of the node's
+    #: composed no later says nothing of the job (reconcile; a beat that
+    #: reaches the bucket late, after the dispatch, once read as "the agent
+    #: no longer runs the job": nemesis seed 15). None: an older agent.
+    accepted_at: dt.datetime | None = None
 
 
 class NodeCancelRequest(
@@ -97,9 +103,66 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     serving: list[EngineRef] = msgspec.field(default_factory=list)
 
 
+class NodeSchedule(enum.StrEnum):
+    """What the operator allows on a node (`lorafleet nodes cordon|drain|uncordon`).
+
+    open: training and serving. cordoned: no new training (a job there
+    finishes); serving untouched. drained: cordoned, and its placed
+    replicas placed elsewhere first, then unloaded here; a training job
+    there finishes, or with `move_training` resumes elsewhere.
+    """
+
+    OPEN = "open"
+    CORDONED = "cordoned"
+    DRAINED = "drained"
+
+
+class NodeMark(msgspec.Struct, kw_only=True):
+    """The value of key `<node>` in KV `lorafleet_node_marks` (no key: open).
+    Kept until uncordoned, whether or not the node is alive."""
+
+    node: str
+    schedule: NodeSchedule
+    time: dt.datetime
+    #: Drained only: its training jobs are stopped there and resume elsewhere
+    #: (NodeScheduleRequest.move_training); kept so that a new leader, and a
+    #: job sent there just before the mark, are moved too.
+    move_training: bool = False
+    #: With move_training: a job with no checkpoint moves too, from step 0.
+    force: bool = False
+
+
+class NodeScheduleRequest(
+    msgspec.Struct, kw_only=True, forbid_unknown_fields=True, omit_defaults=True
+):
+    """`lorafleet.api.nodes.schedule`: cordon, drain or uncordon (open) a node.
+    Any node name is taken: a node may be marked before its agent starts."""
+
+    node: SubjectToken
+    schedule: NodeSchedule
+    #: Drained only: each training job on the node (starting, preparing or
+    #: running) is stopped there and queued again, a new attempt that does
+    #: not use up the job's own, to resume on another node from its newest
+    #: checkpoint. A job in converting or uploading, or submitted for this
+    #: node, finishes there. Refused (nothing changed) while a job that has
+    #: trained has no checkpoint to resume from, unless `force`.
+    move_training: bool = False
+    #: With move_training: move a job with no checkpoint too; it starts
+    #: again from step 0 elsewhere.
+    force: bool = False
+
+
 class NodeInfo(msgspec.Struct, kw_only=True):
     heartbeat: Heartbeat
     alive: bool
+    schedule: NodeSchedule = NodeSchedule.OPEN
+    #: Drained with move_training: its training jobs resume elsewhere.
+    move_training: bool = False
+    #: In `api.nodes.schedule`'s answer only: the jobs on the node that this
+    #: mark moves (they resume elsewhere) ...
+    moving: list[str] = msgspec.field(default_factory=list)
+    #: ... and those that stay there to finish, each with why.
+    staying: dict[str, str] = msgspec.field(default_factory=dict)
 
 
 class NodeListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

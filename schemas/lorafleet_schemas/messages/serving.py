@@ -160,6 +160,9 @@ class NodeServeRequest(
     object: str
     sha256: Sha256Hex
     engine: str | None = None
+    #: Sent by the control plane's placement (a job's serving policy): the
+    #: agent never evicts it to make room (it may be the last replica).
+    placed: bool = False
 
 
 class NodeUnserveRequest(

@@ -10,6 +10,10 @@ from msgspec import Meta
 
 from lorafleet_schemas.messages.jobs import JobState
 
+#: How a job's message begins while its trainer yields to the node's
+#: engines (`watch` and `top` show it so).
+YIELDING_TO_SERVING = "yielding to serving"
+
 
 class StatusReport(msgspec.Struct, kw_only=True):
     """Published on the `lorafleet.status.<node>.<job>` stream by the agent.
@@ -34,6 +38,11 @@ class StatusReport(msgspec.Struct, kw_only=True):
     eta_s: float | None = None
     eval_loss: float | None = None
     peak_mib: int | None = None
+    #: A DPO job's step numbers (TrainerStep's rewards_chosen, rewards_rejected,
+    #: margin, accuracy), with the step's report; None otherwise.
+    preference: dict[str, float] | None = None
+    #: A DPO job's held-out numbers (TrainerEval's eval_*), with the eval's report.
+    eval_preference: dict[str, float] | None = None
     #: The attempt's trained tokens (the trainer's done summary), with the
     #: report that follows training; becomes JobRecord.tokens_seen.
     tokens_seen: int | None = None

@@ -16,8 +16,9 @@ class TrainerState(msgspec.Struct, kw_only=True, tag="state", tag_field="event")
     message: str = ""
 
 
-class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event"):
-    """One optimizer step."""
+class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event", omit_defaults=True):
+    """One optimizer step. Encoded without its defaults: a supervised job's
+    line has no DPO fields."""
 
     step: int
     steps: int
@@ -32,14 +33,28 @@ class TrainerStep(msgspec.Struct, kw_only=True, tag="step", tag_field="event"):
     peak_mib: int
     #: Counted from 1.
     epoch: int = 0
+    #: A DPO job's (params.method "dpo"), the means over the step's pairs:
+    #: each answer's reward, beta * (its log-probability under the adapter
+    #: less under the model without it); their difference; the share of
+    #: pairs whose chosen answer has the higher reward. None otherwise.
+    rewards_chosen: float | None = None
+    rewards_rejected: float | None = None
+    margin: float | None = None
+    accuracy: float | None = None
 
 
-class TrainerEval(msgspec.Struct, kw_only=True, tag="eval", tag_field="event"):
+class TrainerEval(msgspec.Struct, kw_only=True, tag="eval", tag_field="event", omit_defaults=True):
     step: int
     epoch: int
     #: After each epoch and at the end, when there is an evaluation set: the
-    #: mean cross-entropy per answer token over it.
+    #: mean cross-entropy per answer token over it (a DPO job's: the mean
+    #: DPO loss per pair).
     eval_loss: float
+    #: A DPO job's, over the held-out pairs (as TrainerStep's); None otherwise.
+    eval_rewards_chosen: float | None = None
+    eval_rewards_rejected: float | None = None
+    eval_margin: float | None = None
+    eval_accuracy: float | None = None
 
 
 class TrainerLog(msgspec.Struct, kw_only=True, tag="log", tag_field="event"):
@@ -88,6 +103,18 @@ class TrainerLengths(msgspec.Struct, kw_only=True, tag="lengths", tag_field="eve
     mean: int
 
 
+class TrainerYield(msgspec.Struct, kw_only=True, tag="yield", tag_field="event"):
+    """The trainer yields to the node's engines: "paused" between two steps
+    once it sees the agent's pause file (`cause`: the file's text), then
+    "resumed" when the file is gone (`paused_s`: the wait)."""
+
+    state: Literal["paused", "resumed"]
+    #: The optimizer steps done when it paused.
+    step: int
+    cause: str = ""
+    paused_s: float = 0.0
+
+
 TrainerLine = (
     TrainerState
     | TrainerStep
@@ -97,4 +124,5 @@ TrainerLine = (
     | TrainerError
     | TrainerLengths
     | TrainerCheckpoint
+    | TrainerYield
 )

@@ -85,6 +85,8 @@ class AgentConfig:
     cancel_grace_s: seconds between SIGTERM and SIGKILL of the trainer's
         process group; default 5.
     chunk_bytes: artifact chunk body size; default 512 KiB.
+    overlay_packages: the pinned packages training needs besides the
+        engine's Python, installed into the overlay with --no-deps.
     vllm_servers: the vLLM servers on this node that serve adapters, each
         `URL` or `URL|API_KEY` (comma separated in the environment); default
         none: the agent scans the processes (`running_engines`).
@@ -98,6 +100,19 @@ class AgentConfig:
         by: an engine listening on every address (0.0.0.0, ::, no --host)
         is reported there, for the gateway on another host; default none:
         127.0.0.1, right only when the gateway runs on this node.
+    llamacpp_servers: the node's llama-servers whose load training yields
+        to, each `URL` or `URL|slots` (read /slots: a server without
+        --metrics); default none.
+    yield_sample_s: seconds between two reads of the engines' load while a
+        job that yields to serving trains; default 0.1.
+    yield_busy_requests: an engine with this many requests running or
+        waiting is busy: the trainer pauses; default 1.
+    yield_idle_s: seconds every engine must have been idle before a paused
+        trainer goes on; default 0.3.
+    yield_run_share: under load that never leaves yield_idle_s of quiet,
+        the trainer still runs this share of each yield_period_s (0: it waits
+        for quiet however long); default 0.25.
+    yield_period_s: that duty cycle's period in seconds; default 4.
     """
 
     node: str
@@ -119,6 +134,12 @@ class AgentConfig:
     engines_refresh_s: float = 5.0
     llamacpp_adapters_dir: Path | None = None
     advertise_host: str | None = None
+    llamacpp_servers: tuple[str, ...] = ()
+    yield_sample_s: float = 0.1
+    yield_busy_requests: int = 1
+    yield_idle_s: float = 0.3
+    yield_run_share: float = 0.25
+    yield_period_s: float = 4.0
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")
@@ -143,6 +164,7 @@ class AgentConfig:
                 "LORAFLEET_AGENT_ADVERTISE_HOST must be the name or address other hosts "
                 f"reach this node by, not {self.advertise_host!r}"
             )
+        self._check_yield()
         if not 1024 <= self.chunk_bytes <= 8 * 1024 * 1024:
             raise AgentConfigError("LORAFLEET_AGENT_CHUNK_BYTES must be 1 KiB .. 8 MiB")
         if self.llamacpp_tag is not None:
@@ -150,6 +172,21 @@ class AgentConfig:
                 check_llamacpp_tag(self.llamacpp_tag, "LORAFLEET_AGENT_LLAMACPP_TAG")
             except LlamacppTagError as e:
                 raise AgentConfigError(str(e)) from None
+
+    def _check_yield(self) -> None:
+        bounds = {
+            "yield_sample_s": (0.01, 10.0),
+            "yield_busy_requests": (1, 1_000_000),
+            "yield_idle_s": (0.0, 3600.0),
+            "yield_run_share": (0.0, 1.0),
+            "yield_period_s": (0.1, 3600.0),
+        }
+        for name, (lo, hi) in bounds.items():
+            value = getattr(self, name)
+            if not lo <= value <= hi:
+                raise AgentConfigError(
+                    f"LORAFLEET_AGENT_{name.upper()} must be {lo:g} .. {hi:g}, not {value:g}"
+                )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> AgentConfig:

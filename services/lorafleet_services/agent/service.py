@@ -28,6 +28,7 @@ import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
 from lorafleet._tasks import stop_tasks
+from lorafleet.errors import UnavailableError
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, Header, InvalidNameError, check_token, status_msg_id
 from lorafleet.nats._bus import encode
@@ -46,9 +47,11 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.heartbeat import Heartbeater, fence_bound_s, fence_reason
 from lorafleet_services.agent.metric_views import RUNNING_JOBS
+from lorafleet_services.agent.node.engine_load import LoadTarget
 from lorafleet_services.agent.node.leftovers import kill_leftover_trainers, remove_job_dirs
 from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.training.job_run import JobRun, StopRequest
+from lorafleet_services.agent.training.yielding import load_targets
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -141,6 +144,18 @@ class Agent:
         except InvalidNameError as e:
             self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=str(e))
             return StartReply(accepted=False, reason=str(e))
+        presumed_lost = self._presumed_lost()
+        if presumed_lost is not None:
+            # Frozen (SIGSTOP, a stalled host) or cut off past the fence's
+            # bound, it may be lost and the job sent elsewhere: a start read
+            # from its socket on waking, before the fence check ran, made a
+            # job run on two nodes (nemesis seed 16). Unavailable, not a
+            # refusal: the scheduler requeues the job.
+            self.logger.warning(Event.JOB_REFUSED, job_id=req.job_id, message=presumed_lost)
+            raise UnavailableError(
+                f"{self.node} is presumed lost ({presumed_lost}): it takes no job until a "
+                "heartbeat of its is stored again"
+            )
         ended = self.ended.get((req.job_id, req.attempt))
         if ended is not None:
             # A start retried after the job ran here already: running it again
@@ -150,7 +165,8 @@ class Agent:
         running = self.job
         if running is not None:
             if running.job_id == req.job_id and running.req.attempt == req.attempt:
-                return StartReply(accepted=True)  # a retried request: already running
+                # a retried request: already running (taken no later than now)
+                return StartReply(accepted=True, accepted_at=dt.datetime.now(dt.UTC))
             self.logger.info(Event.NODE_BUSY, job_id=req.job_id, running_job=running.job_id)
             return StartReply(
                 accepted=False,
@@ -158,12 +174,15 @@ class Agent:
                 f"(attempt {running.req.attempt})",
                 running_job=running.job_id,
             )
-        run = JobRun(self.js, self.names, self.cfg, req, on_delivered=self.serving.job_delivered)
+        run = JobRun(
+            self.js, self.names, self.cfg, req,
+            on_delivered=self.serving.job_delivered, engines=self._load_targets,
+        )  # fmt: skip
         self.job = run
         run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
         self.heartbeat.poke()
-        return StartReply(accepted=True)
+        return StartReply(accepted=True, accepted_at=dt.datetime.now(dt.UTC))
 
     def _job_ended(self, run: JobRun) -> None:
         RUNNING_JOBS.ended(self.node, run.job_id)
@@ -178,6 +197,12 @@ class Agent:
             self.logger.info(Event.JOB_FINISHED, job_id=run.job_id, state=run.final_state)
             self.heartbeat.poke()
 
+    def _load_targets(self) -> list[LoadTarget]:
+        """The engines a job yielding to serving reads: the vLLM servers of the
+        last engine read, and the configured llama-servers."""
+        vllm = [(v.server.url, v.server.api_key) for v in self.serving.watch.views.values()]
+        return load_targets(vllm, self.cfg.llamacpp_servers)
+
     async def cancel_job(self, req: NodeCancelRequest) -> NodeCancelReply:
         run = self.job
         if run is None or run.job_id != req.job_id:
@@ -190,6 +215,15 @@ class Agent:
         return NodeCancelReply(stopped=run.task is not None and run.task.done())
 
     # --- fencing --------------------------------------------------------------
+
+    def _presumed_lost(self) -> str | None:
+        """Why the scheduler may hold this node lost now (the fence's reason,
+        also before the fence's own check has run), or None."""
+        now = asyncio.get_running_loop().time()
+        timeout_s = self.settings.node_timeout_s
+        silent_s = now - self.heartbeat.last_ack
+        reason = fence_reason(silent_s, now - self.heartbeat.last_reached, timeout_s)
+        return reason if reason is not None or not self.fenced else "fenced"
 
     async def watch_fence(self, stop: asyncio.Event) -> None:
         loop = asyncio.get_running_loop()

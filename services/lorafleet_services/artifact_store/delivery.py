@@ -162,7 +162,7 @@ class Deliveries:
             d.held.append(msg)
             await self.fail(d, str(e))
         except Exception as e:
-            if await self._gave_up(key, e, msg):
+            if await self._gave_up(chunk, stream_seq, e, msg):
                 return
             await self.drop(key)
             raise
@@ -192,23 +192,39 @@ class Deliveries:
             if (bad := self.open.get(chunk.key)) is not None:
                 await self.fail(bad, str(e))
         except Exception as e:
-            if await self._gave_up(chunk.key, e):
+            if await self._gave_up(chunk, last_seq, e):
                 return
             self.logger.exception(Event.ARTIFACT_REJECTED, job_id=chunk.key.job_id, error=repr(e))
             await self.drop(chunk.key)
 
-    async def _gave_up(self, key: Key, error: Exception, msg: Msg | None = None) -> bool:
+    async def _gave_up(
+        self, chunk: Chunk, upto_seq: int, error: Exception, msg: Msg | None = None
+    ) -> bool:
         """After a failed try: True when the delivery has failed for
-        `store_patience_s` and its job is now failed, saying why."""
+        `store_patience_s` and its job is now failed, saying why. A delivery
+        that cannot even be opened (its object's info unreadable while the
+        object store's stream is halted: nemesis seed 17's job stayed
+        `uploading`) is given up on the same bound."""
+        key = chunk.key
         now = self.clock()
         failing_s = now - self.failing.setdefault(key, now)
-        d = self.open.get(key)
-        if failing_s < self.store_patience_s or d is None:
+        if failing_s < self.store_patience_s:
             return False
-        del self.failing[key]
+        message = store_failed_message(key, failing_s, error)
+        d = self.open.get(key)
+        if d is not None:
+            if msg is not None:
+                d.held.append(msg)
+            await self.fail(d, message)
+            return True
+        await self._reject(key, message)
+        self.failing.pop(key, None)
+        self.ended.add(key)  # its later chunks are purged as they come
+        with contextlib.suppress(Exception):  # what stays, the next chunk's purge takes
+            await self.streams.purge_delivery(chunk.subject, upto_seq)
         if msg is not None:
-            d.held.append(msg)
-        await self.fail(d, store_failed_message(key, failing_s, error))
+            with contextlib.suppress(Exception):
+                await msg.ack()
         return True
 
     # --- one delivery -------------------------------------------------------------
@@ -374,16 +390,19 @@ class Deliveries:
     async def fail(self, d: Delivery, message: str) -> None:
         """A short or corrupt delivery: nothing stored, the job failed, saying why
         (a checkpoint's job goes on: the one stored before stays its newest)."""
-        key = d.key
+        await self._reject(d.key, message)
+        await self.discard(d)
+
+    async def _reject(self, key: Key, message: str) -> None:
+        """Count, log, and fail the job saying `message`: the job first (a
+        store that dies after this finds the job failed and purges the chunks;
+        the other way round, the job would wait for nothing). Not for a
+        checkpoint: no job waits for one, and the stored one stays."""
         metrics.ARTIFACTS_REJECTED.inc()
         self.logger.warning(Event.ARTIFACT_REJECTED, job_id=key.job_id, node=key.node,
                             kind=key.kind.value, error=message)  # fmt: skip
-        # The job first: a store that dies after this finds the job failed and
-        # purges the chunks; the other way round, the job would wait for nothing.
-        # Not for a checkpoint: no job waits for one, and the stored one stays.
         if not key.is_checkpoint:
             await self.recorder.fail_job(key.job_id, message)
-        await self.discard(d)
 
     async def discard(self, d: Delivery) -> None:
         """Remove what the delivery wrote and what the stream holds of it; it is over."""
@@ -429,9 +448,9 @@ class Deliveries:
 def store_failed_message(key: Key, failing_s: float, error: Exception) -> str:
     """Why a job failed whose artifact the store could not write (the job's message)."""
     return (
-        f"the artifact store could not store the job's {key.kind.value} artifact: its writes "
-        f"to the object store failed for {failing_s:.0f} s (last: {error!r}). A NATS server "
-        "whose disk is full halts the object store's stream (its writes time out) until it "
-        "is restarted with space: free space under its JetStream store directory, restart "
-        "it, then resubmit the job"
+        f"the artifact store could not store the job's {key.kind.value} artifact: its reads "
+        f"and writes of the object store failed for {failing_s:.0f} s (last: {error!r}). "
+        "A NATS server whose disk is full halts the object store's stream (its writes time "
+        "out) until it is restarted with space: free space under its JetStream store "
+        "directory, restart it, then resubmit the job"
     )

@@ -1,5 +1,6 @@
 """What every command group shares: the Typer apps, the consoles, the
-settings a command connects with, and running a client call as a command."""
+global --data-dir, the settings a command connects with, and running a
+client call as a command."""
 
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from lorafleet.errors import ApiError, ConnectError
 from lorafleet.exits import Exit, help_epilog
 from lorafleet.nats._bus import redact_url
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import Engine
+from lorafleet_schemas.messages import Engine, Replicas, ServingPolicy
 
 T = TypeVar("T")
 
@@ -39,6 +40,29 @@ app.add_typer(jobs_app, name="jobs", rich_help_panel="Jobs")
 
 console = Console()
 err = Console(stderr=True)
+
+#: The setting the global --data-dir sets, for this process and the ones it starts.
+DATA_DIR_ENV = "LORAFLEET_DATA_DIR"
+
+
+@app.callback()
+def global_options(
+    data_dir: Path | None = typer.Option(
+        None,
+        "--data-dir",
+        envvar=DATA_DIR_ENV,
+        show_envvar=False,
+        metavar="DIR",
+        help="Where `up` keeps its NATS URL, database and API keys, where every command "
+        "looks for them (default: LORAFLEET_DATA_DIR, else ~/.local/share/lorafleet).",
+    ),
+) -> None:
+    """Options every command takes, given before the command's name."""
+    # Into the environment: every setting is read from it (Settings.from_env,
+    # GatewayConfig.from_env), in this process and in the services `up` starts.
+    if data_dir is not None:
+        os.environ[DATA_DIR_ENV] = str(data_dir)
+
 
 #: The engine of the demo's tiny model, for `demo` and `models add-demo`
 #: alike: llama.cpp, so that the job also makes a GGUF.
@@ -108,6 +132,27 @@ JSON_OPTION = typer.Option(
     "--json",
     help="Print JSON (the API's records) on stdout instead of the view for a person.",
 )
+
+
+#: `--serving` of `submit` and `models add`: a serving policy.
+SERVING_OPTION = typer.Option(
+    None,
+    "--serving",
+    metavar="all|N",
+    help="Serve the adapter across the fleet once done: `all` (every live node with an engine "
+    "of the base) or N replicas (default: the model's, else only where it trained).",
+)
+
+
+def serving_policy(value: str | None) -> ServingPolicy | None:
+    """`--serving`'s value as a policy; a usage error (exit 2) naming the forms otherwise."""
+    if value is None:
+        return None
+    if value == "all":
+        return "all"
+    if value.isdigit() and int(value) >= 1:
+        return Replicas(replicas=int(value))
+    raise typer.BadParameter(f"{value!r}: give `all` or a number of replicas (1 or more)")
 
 
 def show(value: T, as_json: bool, view: Callable[[T], RenderableType | str]) -> None:

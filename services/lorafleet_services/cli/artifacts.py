@@ -16,7 +16,7 @@ from lorafleet.artifacts import (
 )
 from lorafleet.client import Client
 from lorafleet.exits import Exit
-from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord
+from lorafleet_schemas.messages import ArtifactKind, ArtifactRecord, GcReport
 from lorafleet_services.cli._app import (
     JOB_ARGUMENT,
     JSON_OPTION,
@@ -86,3 +86,36 @@ def download(
     files = run_client(go)
     if as_json:
         print_json(files)
+
+
+@app.command("gc", rich_help_panel="Artifacts")
+def gc(
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="List what would be removed, and why; remove nothing."
+    ),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Remove the artifacts and datasets nothing needs (docs/operations.md, "Retention")."""
+    reports = run_client(lambda c: c.gc(dry_run))
+    show(reports, as_json, gc_view)
+    refused = [r.refused for r in reports if r.refused]
+    if refused:
+        fail(" / ".join(refused), Exit.REFUSED)
+
+
+def gc_view(reports: list[GcReport]) -> Table:
+    dry = reports[0].dry_run if reports else False
+    removed = [i for r in reports for i in r.removed]
+    waiting = [i for r in reports for i in r.waiting]
+    freed = sum(r.freed_bytes for r in reports)
+    verb = "would remove" if dry else "removed"
+    table = Table(
+        "object", "kind", "size", "", "why", title=(
+            f"{verb} {len(removed)} objects ({human_bytes(freed)}); "
+            f"{len(waiting)} in their grace; {sum(r.examined for r in reports)} looked at"
+        ),
+    )  # fmt: skip
+    for item, when in [(i, verb) for i in removed] + [(i, "grace") for i in waiting]:
+        table.add_row(f"{item.bucket}/{item.object}", item.kind, human_bytes(item.size),
+                      when, item.reason)  # fmt: skip
+    return table

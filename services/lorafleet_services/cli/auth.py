@@ -7,6 +7,7 @@ from the seed directory — adding `--node gpu-3` later writes one new seed.
 
 from __future__ import annotations
 
+import datetime as dt
 import sys
 from pathlib import Path
 
@@ -67,18 +68,16 @@ def write_outputs(
 
 #: `lorafleet auth`'s help (one paragraph: the help wraps it to the terminal).
 AUTH_HELP = (
-    "Make the nkey identities that are missing — one per service (recorder, scheduler, "
-    "artifact-store, gateway), per client and per node, each seed a 0600 file — and write "
-    "DIR/nats-server.conf (public keys and permissions only) (and its authorization block "
-    "alone, DIR/authorization.conf, for a config of one's own to include) and "
-    "DIR/env/<kind>-<name>.env (the LORAFLEET_* settings of each process). "
-    "`lorafleet auth api-key NAME` makes an API key of the HTTP gateway instead."
+    "Make the nkey identities that are missing (a 0600 seed per service, client and node) "
+    "and write DIR/nats-server.conf, DIR/authorization.conf and each process's settings, "
+    'DIR/env/<kind>-<name>.env (docs/deploy.md, "Identities"). '
+    "`lorafleet auth api-key create|list|revoke` manages the HTTP gateway's API keys instead."
 )
 auth_app = typer.Typer(
     invoke_without_command=True,
     help=AUTH_HELP,
     short_help="Make the installation's nkey identities and server config (--dir), "
-    "or an API key of the HTTP gateway (api-key).",
+    "or the HTTP gateway's API keys (api-key).",
 )
 app.add_typer(auth_app, name="auth", rich_help_panel="Access")
 
@@ -170,30 +169,124 @@ def identity_lines(said: list[IdentityLine]) -> Text:
     return Text("\n".join(f"{i.state}  {i.label:<28} {i.public_key}  {i.seed_file}" for i in said))
 
 
-@auth_app.command("api-key")
-def api_key_cmd(
-    name: str = typer.Argument(
-        ..., metavar="NAME", help="The client the key is for (letters, digits, - and _)."
-    ),
-    keys_file: Path | None = typer.Option(
-        None,
-        "--file",
-        help="The gateway's keys file. Default: LORAFLEET_GATEWAY_API_KEYS_FILE, else "
-        "gateway-api-keys.json in LORAFLEET_DATA_DIR.",
-    ),
-) -> None:
-    """Make an API key of the HTTP gateway (`lorafleet gateway`) for client
-    NAME: printed once on stdout, only its sha256 is kept (in the keys file
-    the gateway reads; it takes a new key at once)."""
-    from lorafleet_services.gateway.api_keys import ApiKeysError, make_key
+api_key_app = typer.Typer(
+    help="The HTTP gateway's API keys: each belongs to a project, whose keys share its "
+    "files, jobs and models.",
+    no_args_is_help=True,
+)
+auth_app.add_typer(api_key_app, name="api-key")
+
+KEYS_FILE_OPTION = typer.Option(
+    None,
+    "--file",
+    help="The gateway's keys file. Default: LORAFLEET_GATEWAY_API_KEYS_FILE, else "
+    "gateway-api-keys.json in the data directory.",
+)
+
+
+def keys_path(keys_file: Path | None) -> Path:
+    """--file, else where the gateway's settings say its keys are."""
     from lorafleet_services.gateway.config import GatewayConfig
 
     try:
-        path = keys_file or GatewayConfig.from_env().keys_file(Settings.from_env().data_dir)
-        key = make_key(path, name)
+        return keys_file or GatewayConfig.from_env().keys_file(Settings.from_env().data_dir)
+    except ValueError as e:
+        fail(str(e), Exit.USAGE)
+
+
+@api_key_app.command("create")
+def api_key_create(
+    name: str = typer.Argument(
+        ..., metavar="NAME", help="The key's name (letters, digits, - and _)."
+    ),
+    project: str | None = typer.Option(
+        None,
+        help="The project the key belongs to: its keys share files, jobs and models. "
+        "Default: a project of its own, named NAME.",
+    ),
+    keys_file: Path | None = KEYS_FILE_OPTION,
+) -> None:
+    """Make an API key of the HTTP gateway (`lorafleet gateway`): printed once
+    on stdout, only its sha256 is kept (in the keys file the gateway reads;
+    it takes a new key at once)."""
+    from lorafleet_services.gateway.api_keys import (
+        ApiKeysError,
+        KeysFileError,
+        make_key,
+    )
+
+    path = keys_path(keys_file)
+    try:
+        key = make_key(path, name, project)
+    except KeysFileError as e:
+        fail(str(e), Exit.BAD_FILE)
     except (ApiKeysError, ValueError) as e:
         fail(str(e), Exit.REFUSED)
     except OSError as e:
-        unwritable(keys_file or Path("the keys file"), "--file", e)
+        unwritable(path, "--file", e)
     sys.stdout.write(key + "\n")
-    typer.echo(f"API key of {name!r} (shown this once; its hash is in {path})", err=True)
+    typer.echo(
+        f"API key {name!r} of project {project or name!r} (shown this once; its hash is in {path})",
+        err=True,
+    )
+
+
+@api_key_app.command("list")
+def api_key_list(keys_file: Path | None = KEYS_FILE_OPTION, as_json: bool = JSON_OPTION) -> None:
+    """The keys: name, project, when made (never the key itself: only its hash is kept)."""
+    from lorafleet_services.gateway.api_keys import (
+        ApiKeysError,
+        KeysFileError,
+        read_keys,
+    )
+
+    path = keys_path(keys_file)
+    try:
+        keys = [KeyLine(k.name, k.project_name, k.created_at) for k in read_keys(path).keys]
+    except (KeysFileError, ApiKeysError) as e:
+        fail(str(e), Exit.BAD_FILE)
+    except OSError as e:
+        unwritable(path, "--file", e)
+    show(keys, as_json, key_lines)
+
+
+@api_key_app.command("revoke")
+def api_key_revoke(
+    name: str = typer.Argument(..., metavar="NAME", help="The key's name (`api-key list`)."),
+    keys_file: Path | None = KEYS_FILE_OPTION,
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Revoke key NAME: a gateway refuses it from its next request (401).
+    What its project made stays the project's."""
+    from lorafleet_services.gateway.api_keys import (
+        ApiKeysError,
+        KeysFileError,
+        revoke_key,
+    )
+
+    path = keys_path(keys_file)
+    try:
+        gone = revoke_key(path, name)
+    except KeysFileError as e:
+        fail(str(e), Exit.BAD_FILE)
+    except ApiKeysError as e:
+        fail(str(e), Exit.REFUSED)
+    except OSError as e:
+        unwritable(path, "--file", e)
+    revoked = KeyLine(gone.name, gone.project_name, gone.created_at)
+    show(revoked, as_json, lambda k: f"revoked {k.name} (project {k.project})")
+
+
+class KeyLine(msgspec.Struct):
+    """One API key as `api-key list` shows it."""
+
+    name: str
+    project: str
+    created_at: dt.datetime
+
+
+def key_lines(keys: list[KeyLine]) -> Text:
+    if not keys:
+        return Text("no API keys: make one with `lorafleet auth api-key create NAME`")
+    rows = [f"{k.name:<24} {k.project:<24} {k.created_at:%Y-%m-%d %H:%M:%S}" for k in keys]
+    return Text("\n".join([f"{'NAME':<24} {'PROJECT':<24} CREATED", *rows]))

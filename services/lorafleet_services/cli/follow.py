@@ -27,6 +27,7 @@ from rich.text import Text
 from lorafleet.client import Client, job_order
 from lorafleet.exits import Exit
 from lorafleet_schemas.messages import (
+    YIELDING_TO_SERVING,
     ArtifactRecord,
     JobEvent,
     JobRecord,
@@ -99,6 +100,14 @@ class JobView:
         return max(0.0, self.eta_s - ((time.monotonic() if now is None else now) - self.eta_at))
 
 
+def shown_state(job: JobRecord) -> str:
+    """The job's state, with "yielding to serving" while its trainer pauses
+    for the node's engines (its latest message says so)."""
+    if job.state is JobState.RUNNING and job.message.startswith(YIELDING_TO_SERVING):
+        return f"{job.state.value}, {YIELDING_TO_SERVING}"
+    return job.state.value
+
+
 def state_line(job: JobRecord) -> str:
     said = f"  {job.message}" if job.message else ""
     where = f" on {job.node}" if job.node else ""
@@ -120,6 +129,14 @@ def duration(seconds: float | None) -> str:
     return f"{h}:{m:02d}:{sec:02d}" if h else f"{m}:{sec:02d}" if m else f"{sec}s"
 
 
+def preference_words(numbers: dict[str, float], prefix: str) -> str:
+    """A DPO job's reward margin and preference accuracy ("" without them)."""
+    margin, accuracy = numbers.get(f"{prefix}margin"), numbers.get(f"{prefix}accuracy")
+    if margin is None or accuracy is None:
+        return ""
+    return f"margin {margin:.3g} acc {accuracy:.0%}"
+
+
 def progress_fields(view: JobView, now: float | None = None) -> list[str]:
     """step, loss, eval, tokens/s, ETA, peak: what is known of them."""
     job = view.job
@@ -130,6 +147,10 @@ def progress_fields(view: JobView, now: float | None = None) -> list[str]:
         parts.append(f"loss {job.loss:.4g}")
     if job.eval_loss is not None:
         parts.append(f"eval {job.eval_loss:.4g}")
+    for numbers, prefix in ((job.preference, ""), (job.eval_preference, "eval_")):
+        words = preference_words(numbers or {}, prefix)
+        if words:
+            parts.append(("eval " if prefix else "") + words)
     if view.tokens_per_s is not None:
         parts.append(f"{view.tokens_per_s:,.0f} tok/s")
     left = view.eta_left_s(now)
@@ -143,7 +164,7 @@ def progress_fields(view: JobView, now: float | None = None) -> list[str]:
 def plain_line(view: JobView, now: float | None = None) -> str:
     job = view.job
     return "  ".join(
-        [f"{_clock(job.updated_at)}  {job.state.value:<10}", *progress_fields(view, now)]
+        [f"{_clock(job.updated_at)}  {shown_state(job):<10}", *progress_fields(view, now)]
     )
 
 
@@ -176,7 +197,7 @@ def live_panel(view: JobView, now: float | None = None) -> RenderableType:
         (job.id, "bold"),
         (f" {job.name}" if job.name else "", ""),
         "  ",
-        (job.state.value, _STATE_STYLE.get(job.state, "")),
+        (shown_state(job), _STATE_STYLE.get(job.state, "")),
         (f"  on {job.node}" if job.node else "  not placed yet", "dim"),
         (f"  {job.model}", "dim"),
     )

@@ -1,4 +1,4 @@
-"""Jobs: `submit`, `jobs list|get|show|curve`, `watch`, `cancel`, `resume`."""
+"""Jobs: `submit`, `jobs list|get|show|curve|delete`, `watch`, `cancel`, `resume`."""
 
 from __future__ import annotations
 
@@ -23,6 +23,7 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.cli._app import (
     JOB_ARGUMENT,
     JSON_OPTION,
+    SERVING_OPTION,
     app,
     console,
     err,
@@ -31,6 +32,7 @@ from lorafleet_services.cli._app import (
     print_json,
     read_input,
     run_client,
+    serving_policy,
     show,
     unwritable,
 )
@@ -43,6 +45,7 @@ from lorafleet_services.cli.follow import (
     follow,
     follow_serving,
     human_bytes,
+    preference_words,
 )
 from lorafleet_services.cli.plots import PlotsMissingError, terminal_plot, write_png
 
@@ -51,8 +54,8 @@ _MAX_ATTEMPTS = typer.Option(
     1,
     min=1,
     max=100,
-    help="Attempts in all (the job's max_attempts): with attempts left, a job whose node "
-    "is lost goes back to the queue and resumes from its newest checkpoint.",
+    help="Attempts in all (the job's max_attempts): with attempts left, a lost job resumes "
+    "from its newest checkpoint.",
 )
 _RESUME_FROM = typer.Option(
     None,
@@ -65,6 +68,13 @@ _EVAL_DATA = typer.Option(
     "every record of --data is trained on (eval_fraction unused).",
 )
 _PARAMS = typer.Option(None, help="Trainer parameters as a JSON file (an object); --param wins.")
+_METHOD = typer.Option(
+    None,
+    "--method",
+    metavar="supervised|dpo",
+    help="What the records train (params.method): supervised or dpo (preference pairs; "
+    "--param beta=0.1). Default: supervised, or the --params file's.",
+)
 _SUBMIT_JSON = typer.Option(
     False,
     "--json",
@@ -83,12 +93,15 @@ def submit(
     gpu_memory_mib: int | None = typer.Option(
         None, help="MiB of one card the job needs (default: the memory estimate + its margin)."
     ),
-    data: Path = typer.Option(..., help="NDJSON of {q, a} or {messages} records."),
+    data: Path = typer.Option(
+        ..., help="NDJSON records ({q, a}, {messages}; --method dpo: pairs)."
+    ),
     eval_data: Path | None = _EVAL_DATA,
     node: str | None = typer.Option(None, help="The node to train on (default: placed)."),
     name: str = typer.Option("", help="A name for the job."),
     param: list[str] = _PARAM,
     params: Path | None = _PARAMS,
+    method: str | None = _METHOD,
     watch_: bool = typer.Option(False, "--watch", help="Follow the job to its end."),
     plain: bool = typer.Option(False, "--plain", help="With --watch: lines, no live display."),
     as_json: bool = _SUBMIT_JSON,
@@ -101,12 +114,13 @@ def submit(
     max_attempts: int = _MAX_ATTEMPTS,
     resume_from: str | None = _RESUME_FROM,
     serve: bool | None = _SERVE,
+    serving: str | None = SERVING_OPTION,
 ) -> None:
     """Queue a training job. Data (and an evaluation set) over 512 KiB goes
     to the datasets bucket first."""
     body = read_input(data, "--data")
     eval_body = None if eval_data is None else read_input(eval_data, "--eval-data")
-    trainer = parse_params(param, params)
+    trainer = parse_params(param + ([f"method={method}"] if method else []), params)
     if dry_run:
         show_estimate(model, trainer, gpu_memory_mib)
         return
@@ -120,6 +134,7 @@ def submit(
         max_attempts=max_attempts,
         resume_from=resume_from,
         serve=serve,
+        serving=serving_policy(serving),
     )
 
     async def go(c: Client) -> JobRecord:
@@ -187,6 +202,18 @@ class JobShown(msgspec.Struct):
     artifacts: list[ArtifactRecord]
 
 
+@jobs_app.command("delete")
+def jobs_delete(
+    job_id: str = JOB_ARGUMENT,
+    reason: str = typer.Option("", help="Why, for the recorder's log (job.deleted)."),
+    as_json: bool = JSON_OPTION,
+) -> None:
+    """Forget a final job (its record, events, curves): `lorafleet gc` then
+    removes its artifacts and the data no other job or file names."""
+    show(run_client(lambda c: c.delete(job_id, reason)), as_json,
+         lambda job: f"deleted job {job.id} ({job.state.value})")  # fmt: skip
+
+
 @jobs_app.command("show")
 def jobs_show(
     job_id: str = JOB_ARGUMENT,
@@ -250,6 +277,7 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
         ("progress", f"step {job.step}/{job.steps}" if job.steps else "-"),
         ("loss", f"{job.loss:.4g}" if job.loss is not None else "-"),
         ("eval loss", f"{job.eval_loss:.4g}" if job.eval_loss is not None else "-"),
+        *preference_rows(job),
         ("peak", f"{job.peak_mib} MiB" if job.peak_mib else "-"),
         ("created", job.created_at.isoformat(timespec="seconds")),
         ("took", duration(took) if took is not None else "-"),
@@ -260,6 +288,17 @@ def job_details(job: JobRecord, stored: list[ArtifactRecord]) -> Table:
     for key, value in rows:
         table.add_row(key, Text(value))
     return table
+
+
+def preference_rows(job: JobRecord) -> list[tuple[str, str]]:
+    """A DPO job's newest reward margin and preference accuracy, on its
+    steps and on the held-out pairs (none for a supervised job)."""
+    if job.params.method != "dpo":
+        return []
+    return [
+        ("preference", preference_words(job.preference or {}, "") or "-"),
+        ("eval preference", preference_words(job.eval_preference or {}, "eval_") or "-"),
+    ]
 
 
 def eval_data_line(job: JobRecord) -> str:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 from pathlib import Path
@@ -72,7 +73,7 @@ def artifact_store_cmd() -> None:
 @app.command("gateway", rich_help_panel="Services")
 def gateway_cmd() -> None:
     """Run the HTTP gateway (OpenAI's fine-tuning API, inference routed to the
-    engines) until SIGTERM; its settings are LORAFLEET_GATEWAY_* (docs/gateway.md)."""
+    engines) until SIGTERM; its settings are LORAFLEET_GATEWAY_* (docs/settings.md)."""
     from lorafleet_services.gateway.service import main
 
     main()
@@ -108,7 +109,11 @@ def agent_cmd(
 
 @app.command("up", rich_help_panel="Services")
 def up_cmd(
-    data_dir: Path | None = typer.Option(None, help="Default: LORAFLEET_DATA_DIR."),
+    data_dir: Path | None = typer.Option(
+        None,
+        help="Default: lorafleet's --data-dir, else LORAFLEET_DATA_DIR (the commands "
+        "find it there: `up` prints the line that points them at it).",
+    ),
     nats_port: int = typer.Option(EMBEDDED_NATS_PORT, help="The embedded nats-server's port."),
     node: str = typer.Option(LOCAL_NODE, help="The local agent's node name."),
     agent: bool = typer.Option(True, help="Run a local agent."),
@@ -122,24 +127,50 @@ def up_cmd(
         help="Where the first process serves /metrics, the others on the next ports; "
         f'"" for none. Default: LORAFLEET_METRICS_ADDR, else {UP_METRICS_ADDR}.',
     ),
+    serve: bool = typer.Option(
+        False,
+        "--serve",
+        help="Also run the CPU vLLM (installed once, in the engines cache), as `demo --serve` "
+        "does; `models add-demo` then adds the model it serves.",
+    ),
 ) -> None:
     """Run all of lorafleet on this machine (embedded NATS, SQLite, one agent)."""
     from lorafleet import _runtime as runtime
     from lorafleet import log
 
+    if serve and not agent:
+        raise typer.BadParameter(
+            "the local agent serves the adapters on the CPU vLLM: drop --no-agent",
+            param_hint="--serve",
+        )
     base = runtime.read_or_exit("up", Settings.from_env)
-    directory = writable_dir(data_dir or Path(base.data_dir), "--data-dir")
+    # Absolute: `up` prints it for commands run from other directories.
+    directory = writable_dir(data_dir or Path(base.data_dir), "--data-dir").absolute()
     log.configure("up", base.log_level)
     # The services log JSON into a pipe; a person at a terminal reads them rendered.
     echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
+    stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, echo=echo)
+    stack.gateway = runtime.read_or_exit("up", GatewayConfig.from_env) if gateway else None
+    stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
+    if metrics_addr is not None:
+        stack.metrics_addr = metrics_addr
+    asyncio.run(_up(stack, node if agent else None, serve))
 
-    async def main() -> None:
-        config = await up_agent_config(directory, node) if agent else None
-        stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, agent=config, echo=echo)
-        stack.gateway = runtime.read_or_exit("up", GatewayConfig.from_env) if gateway else None
-        stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
-        if metrics_addr is not None:
-            stack.metrics_addr = metrics_addr
+
+async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
+    """Run `stack` — with a local agent named `node` unless None, beside the
+    CPU vLLM with `serve` — until it is told to stop, saying what to type next."""
+    from lorafleet_services.demo import DEMO_MODEL, SERVED_MODEL, serving_engine
+
+    async with contextlib.AsyncExitStack() as scope:
+        if node is not None:
+            stack.agent = await up_agent_config(stack.data_dir, node)
+        if serve and stack.agent is not None:
+            from lorafleet_services.demo_serve import served_by
+
+            # Stopped after the stack (the exit stack unwinds last): the agent goes first.
+            engine = await scope.enter_async_context(serving_engine(stack.data_dir, err))
+            stack.agent = served_by(stack.agent, engine)
         settings = await stack.start()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
@@ -149,15 +180,14 @@ def up_cmd(
         gateway_url = stack.gateway_url()
         if gateway_url:
             err.print(
-                f"OpenAI API: {gateway_url}/v1 (a key: lorafleet auth api-key NAME)",
+                f"OpenAI API: {gateway_url}/v1 (a key: lorafleet auth api-key create NAME)",
                 highlight=False, soft_wrap=True, markup=False,
             )  # fmt: skip
-        hints = "\n".join(next_steps(directory, node if agent else None))
+        model = SERVED_MODEL if serve else DEMO_MODEL
+        hints = "\n".join(next_steps(stack.data_dir, node, model))
         err.print(hints, highlight=False, soft_wrap=True, markup=False)
         err.print(endpoints_text(stack.metrics_urls()), highlight=False, markup=False)
         await _until_stopped(stack)
-
-    asyncio.run(main())
 
 
 async def _until_stopped(stack: EmbeddedStack) -> None:
@@ -202,8 +232,8 @@ def demo_cmd(
     serve: bool = typer.Option(
         False,
         "--serve",
-        help="Then serve the adapter on a real CPU vLLM (installed once, in the engines cache) "
-        "and print the base model's and the adapter's answers side by side (implies vllm).",
+        help="Then serve the adapter on the CPU vLLM (installed once) and print the base "
+        "model's and the adapter's answers side by side (implies vllm).",
     ),
 ) -> None:
     """The main job on the embedded default: train a tiny model's adapter on

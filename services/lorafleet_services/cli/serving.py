@@ -71,9 +71,8 @@ def serve(
     ),
     as_json: bool = JSON_OPTION,
 ) -> None:
-    """Load a done job's adapter into the node's running engines that serve
-    its model. Another node serving the same model fetches the adapter from
-    the store. `lorafleet adapters --job JOB` shows how each load ends."""
+    """Load a done job's adapter into a node's running engines that serve its
+    model. `lorafleet adapters --job JOB` shows how each load ends."""
     reply = run_client(lambda c: c.serve(job_id, node, engine))
     show(reply, as_json, lambda r: Text(reply_line(job_id, "loads into", r)))
 

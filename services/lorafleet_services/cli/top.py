@@ -26,6 +26,7 @@ from lorafleet.client import Client
 from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import JobEvent, JobListRequest, JobRecord, JobState, NodeInfo
 from lorafleet_services.cli._app import app, console, run_client, show
+from lorafleet_services.cli.follow import shown_state
 
 #: Seconds between two snapshots of a live `top`.
 TOP_INTERVAL_S = 1.0
@@ -99,7 +100,7 @@ def _engines_table(snap: FleetSnapshot) -> Table:
 
 def _nodes_table(snap: FleetSnapshot) -> Table:
     table = Table(title=f"nodes ({len(snap.nodes)})", title_justify="left", expand=True)
-    for column in ("node", "alive", "cards (free/total MiB)", "training", "beat"):
+    for column in ("node", "alive", "schedule", "cards (free/total MiB)", "training", "beat"):
         table.add_column(column)
     for info in sorted(snap.nodes, key=lambda n: n.heartbeat.node):
         hb = info.heartbeat
@@ -108,6 +109,7 @@ def _nodes_table(snap: FleetSnapshot) -> Table:
         table.add_row(
             hb.node,
             Text("yes", "green") if info.alive else Text("no", "red"),
+            info.schedule.value,
             cards or ("cpu" if hb.cpu_training else "none"),
             hb.job or "-",
             f"{max(age_s, 0):.0f}s ago",
@@ -126,7 +128,7 @@ def _running_table(snap: FleetSnapshot) -> Table:
             job.id,
             job.name,
             job.node or "-",
-            job.state.value,
+            shown_state(job),
             ProgressBar(total=max(job.steps, 1), completed=job.step, width=20),
             f"{job.step}/{job.steps}" if job.steps else "",
             f"{job.loss:.4g}" if job.loss is not None else "",

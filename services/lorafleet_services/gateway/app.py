@@ -1,8 +1,9 @@
 """The gateway's HTTP application: its routes, authentication and errors.
 
-Starlette (docs/architecture.md says why): every route needs an API key
-(`Authorization: Bearer lf-...`, api_keys.py); a key that has
-`max_requests_per_key` requests in flight gets a 429. Every error is
+Starlette (gateway/DESIGN.md says why): every route needs an API key
+(`Authorization: Bearer lf-...`, api_keys.py), whose project owns what the
+request makes and sees (tenancy.py); a key that has `max_requests_per_key`
+requests in flight gets a 429. Every error is
 OpenAI's shape (http_errors.py), logged once as `gateway.refused`.
 
 Inference and `GET /v1/models`: inference_routes.py; the fine-tuning API:
@@ -23,6 +24,7 @@ from starlette.routing import Route
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from lorafleet import log
+from lorafleet.artifacts import PublishRefusedError
 from lorafleet.errors import ApiError
 from lorafleet_services.gateway import inference_routes as inference
 from lorafleet_services.gateway import training_routes as tr
@@ -50,31 +52,32 @@ class Authenticate:
             return
         headers = dict(scope["headers"])
         scheme, _, key = headers.get(b"authorization", b"").decode(errors="replace").partition(" ")
-        owner = self.keys.client_of(key.strip()) if scheme.lower() == "bearer" else None
-        if owner is None:
+        caller = self.keys.caller_of(key.strip()) if scheme.lower() == "bearer" else None
+        if caller is None:
             error = GatewayHttpError(
                 401,
-                "no valid API key: send `Authorization: Bearer <key>` with a key made by "
-                "`lorafleet auth api-key NAME`",
+                "no valid API key (none, unknown or revoked): send `Authorization: Bearer "
+                "<key>` with a key made by `lorafleet auth api-key create NAME`",
                 code="invalid_api_key",
             )
             await _refuse(error, scope, receive, send, None)
             return
-        if self.in_flight[owner] >= self.max_in_flight:
+        name = caller.key
+        if self.in_flight[name] >= self.max_in_flight:
             error = GatewayHttpError(
                 429,
                 f"this key has {self.max_in_flight} requests in flight already: wait for "
                 "one to finish (LORAFLEET_GATEWAY_MAX_REQUESTS_PER_KEY sets the limit)",
                 code="rate_limit_exceeded",
             )
-            await _refuse(error, scope, receive, send, owner)
+            await _refuse(error, scope, receive, send, name)
             return
-        scope.setdefault("state", {})["owner"] = owner
-        self.in_flight[owner] += 1
+        scope.setdefault("state", {}).update(owner=caller.project, key=caller.key)
+        self.in_flight[name] += 1
         try:
             await self.app(scope, receive, send)
         finally:
-            self.in_flight[owner] -= 1
+            self.in_flight[name] -= 1
 
 
 async def _refuse(
@@ -97,8 +100,8 @@ async def _on_error(request: Request, exc: Exception) -> Response:
     elif isinstance(exc, HTTPException):  # Starlette's own: no route, wrong method
         error = GatewayHttpError(
             exc.status_code,
-            f"{request.method} {request.url.path}: {exc.detail}; docs/gateway.md lists "
-            "what the gateway serves",
+            f"{request.method} {request.url.path}: {exc.detail}; docs/fine-tune-and-serve.md "
+            "lists what the gateway serves",
             code="unknown_route",
         )
     elif isinstance(exc, ApiError):
@@ -107,6 +110,22 @@ async def _on_error(request: Request, exc: Exception) -> Response:
         error = unavailable(exc)
     _log_refused(error, request.url.path, request.scope.get("state", {}).get("owner"))
     return error.response()
+
+
+#: What becomes an OpenAI-shaped error rather than Starlette's bare 500.
+EXCEPTION_HANDLERS: dict[Any, Any] = {
+    HTTPException: _on_error,
+    GatewayHttpError: _on_error,
+    ApiError: _on_error,
+    # Every NATS error, JetStream's too (a stream mid-election answers 503,
+    # a reconnecting client refuses): the upload during a NATS member's
+    # restart in tests/deploy was a bare 500 before.
+    nats.errors.Error: _on_error,
+    TimeoutError: _on_error,
+    # A chunk's publish that no stream took (its stream leaderless while a
+    # member's link crawled: nemesis seed 12) or that JetStream refused.
+    PublishRefusedError: _on_error,
+}
 
 
 # --- models and inference ------------------------------------------------------------
@@ -133,14 +152,6 @@ def make_app(ctx: GatewayContext, keys: KeyRing) -> ASGIApp:
         ),
         Route("/v1/completions", inference.Inference("completions").handle, methods=["POST"]),
     ]
-    errors: dict[Any, Any] = {
-        HTTPException: _on_error,
-        GatewayHttpError: _on_error,
-        ApiError: _on_error,
-        nats.errors.NoRespondersError: _on_error,
-        nats.errors.TimeoutError: _on_error,
-        TimeoutError: _on_error,
-    }
-    app = Starlette(routes=routes, exception_handlers=errors)
+    app = Starlette(routes=routes, exception_handlers=EXCEPTION_HANDLERS)
     app.state.ctx = ctx
     return Authenticate(app, keys, ctx.config.max_requests_per_key)

@@ -40,6 +40,13 @@ class GatewayConfig:
     engine_models_ttl_s: seconds the engines' model lists (and the fleet's
         serving view) are reused before they are asked again (a model not
         found asks at once); default 2.
+    max_jobs_in_flight_per_project: jobs (queued or on a node) one project
+        may have; one more is a 429 (tenancy.py); default none (no quota).
+    max_upload_bytes_per_project: bytes of files one project may keep; an
+        upload past it is a 429; default none (no quota).
+    adapter_load_wait_s: seconds a completion for a fine-tuned model whose
+        adapter is being loaded waits for the load before its 404
+        (adapter_wait.py); default 60.
     """
 
     addr: str = "127.0.0.1:8090"
@@ -48,6 +55,9 @@ class GatewayConfig:
     api_keys_file: Path | None = None
     max_requests_per_key: int = 64
     engine_models_ttl_s: float = 2.0
+    max_jobs_in_flight_per_project: int | None = None
+    max_upload_bytes_per_project: int | None = None
+    adapter_load_wait_s: float = 60.0
 
     def __post_init__(self) -> None:
         parse_host_port(self.addr, "LORAFLEET_GATEWAY_ADDR")
@@ -61,6 +71,14 @@ class GatewayConfig:
             raise GatewayConfigError("LORAFLEET_GATEWAY_MAX_REQUESTS_PER_KEY must be >= 1")
         if self.engine_models_ttl_s < 0:
             raise GatewayConfigError("LORAFLEET_GATEWAY_ENGINE_MODELS_TTL_S must be >= 0 seconds")
+        if self.adapter_load_wait_s < 0:
+            raise GatewayConfigError("LORAFLEET_GATEWAY_ADAPTER_LOAD_WAIT_S must be >= 0 seconds")
+        for name in ("max_jobs_in_flight_per_project", "max_upload_bytes_per_project"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise GatewayConfigError(
+                    f"LORAFLEET_GATEWAY_{name.upper()} must be >= 1 (unset: no quota)"
+                )
 
     @classmethod
     def from_env(cls, env: Mapping[str, str] | None = None, **overrides: Any) -> GatewayConfig:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import io
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import httpx2
@@ -18,6 +18,7 @@ from lorafleet.objects import ObjectNotFoundError, read_object
 from lorafleet_services.gateway.config import GatewayConfig
 from lorafleet_services.gateway.http_errors import not_found
 from lorafleet_services.gateway.model_location import ModelLocator
+from lorafleet_services.gateway.replica_choice import Loads
 from lorafleet_services.gateway.state import GatewayState
 
 _encoder = msgspec.json.Encoder()
@@ -34,6 +35,8 @@ class GatewayContext:
     http: httpx2.AsyncClient
     #: Where uploads' records are checked (a worker process: uploads.py).
     checker: Executor
+    #: Requests in flight per engine: which replica a completion goes to.
+    loads: Loads = field(default_factory=Loads)
 
     @staticmethod
     def of(request: Request) -> GatewayContext:
@@ -54,7 +57,8 @@ class GatewayContext:
 
 
 def owner_of(request: Request) -> str:
-    """The API key's name the request came with (set by the auth middleware)."""
+    """The project of the API key the request came with (set by the auth
+    middleware): what it owns is stored under this name (tenancy.py)."""
     owner: str = request.scope["state"]["owner"]
     return owner
 

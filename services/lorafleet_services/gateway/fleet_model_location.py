@@ -9,7 +9,7 @@ to each engine of a live node whose base model is that entry. The view
 and renewed beside the requests; a miss asks again at once; a location whose
 engine answered 404 is dropped (`forget`). `ConfiguredFirstLocator` puts
 LORAFLEET_GATEWAY_ENGINES first. What an operator must give (engine
-addresses the gateway can reach): docs/gateway.md.
+addresses the gateway can reach): docs/deploy.md.
 """
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ from dataclasses import dataclass, field
 
 from lorafleet import log
 from lorafleet.client import Client
+from lorafleet.fleet_serving import serves_base
 from lorafleet_schemas.messages import (
-    EngineRef,
     ModelRecord,
     NodeInfo,
     ServingRecord,
@@ -41,14 +41,6 @@ def engine_base_url(url: str) -> str:
     return url if url.endswith("/v1") else f"{url}/v1"
 
 
-def serves_base(engine: EngineRef, model: ModelRecord) -> bool:
-    """Whether `engine`'s base model is the catalog's `model`."""
-    names = {model.name, model.local_dir, model.hf_repo} - {None}
-    return engine.model is not None and engine.model.rstrip("/") in {
-        n.rstrip("/") for n in names if n
-    }
-
-
 @dataclass
 class FleetView:
     """job id -> its locations; catalog model -> its locations (each with the name to send)."""
@@ -57,6 +49,15 @@ class FleetView:
     by_base: dict[str, list[ModelLocation]] = field(default_factory=dict)
     #: job id -> the base its served records are of.
     job_base: dict[str, str] = field(default_factory=dict)
+    #: node -> the base URLs of its engines in this view.
+    by_node: dict[str, set[str]] = field(default_factory=dict)
+
+    def without_node(self, node: str) -> None:
+        """Every location on `node` out (in place; the lists are replaced)."""
+        urls = self.by_node.pop(node, set())
+        for table in (self.by_job, self.by_base):
+            for key, locations in list(table.items()):
+                table[key] = [loc for loc in locations if loc.base_url not in urls]
 
 
 def fleet_view(
@@ -68,6 +69,8 @@ def fleet_view(
     """Where each served adapter and each catalog base can be asked now."""
     engines = {(n.heartbeat.node, e.url): e for n in nodes if n.alive for e in n.heartbeat.serving}
     view = FleetView()
+    for node, url in engines:
+        view.by_node.setdefault(node, set()).add(engine_base_url(url))
     for r in records:
         if r.state is not ServingState.SERVED or (r.node, r.engine) not in engines:
             continue  # a lost node, or an engine its node no longer runs
@@ -130,6 +133,22 @@ class FleetModelLocator:
         self._asked_at: float | None = None
         self._lock = asyncio.Lock()
         self._renewal: asyncio.Task[None] | None = None
+        #: Nodes whose heartbeat key went (deleted or expired) and that have
+        #: not beaten since: left out of every view, whatever the scheduler says.
+        self._gone: set[str] = set()
+
+    def node_gone(self, node: str) -> None:
+        """`node`'s heartbeat expired or its agent stopped: out of the routes
+        now, not at the view's renewal (the gateway's watch of the nodes bucket)."""
+        self._gone.add(node)
+        self._view.without_node(node)
+
+    def node_beat(self, node: str) -> None:
+        """`node` beat: routes to it may come back at the next renewal."""
+        self._gone.discard(node)
+
+    def _live(self, nodes: list[NodeInfo]) -> list[NodeInfo]:
+        return [n for n in nodes if n.heartbeat.node not in self._gone]
 
     async def where(self, model: str) -> list[ModelLocation]:
         locations = locations_in(await self._fresh(), model)
@@ -172,7 +191,7 @@ class FleetModelLocator:
                 self.client.nodes(),
                 self.client.models(),
             )
-            self._view = fleet_view(records, nodes.nodes, catalog, self.api_key)
+            self._view = fleet_view(records, self._live(nodes.nodes), catalog, self.api_key)
             self._asked_at = time.monotonic()
             return self._view
 

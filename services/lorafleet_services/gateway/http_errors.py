@@ -80,17 +80,16 @@ def from_lorafleet(error: ApiError) -> GatewayHttpError:
 
 
 def unavailable(error: BaseException) -> GatewayHttpError:
-    """No lorafleet service answered (`error`: the NATS error or timeout)."""
-    what = (
-        "no lorafleet service answered"
-        if isinstance(error, nats.errors.NoRespondersError)
-        else "a lorafleet service did not answer in time"
-    )
+    """No lorafleet service answered, or the bus itself did not (`error`: the
+    NATS error or timeout): a 503 the SDK retries, never a bare 500."""
+    if isinstance(error, nats.errors.NoRespondersError):
+        what = "no lorafleet service answered: the control plane (recorder, scheduler) is down"
+    elif isinstance(error, TimeoutError):
+        what = "a lorafleet service did not answer in time: the control plane is down"
+    else:  # JetStream mid-election, a connection reconnecting: the bus, not a service
+        what = f"the bus (NATS) refused the request ({type(error).__name__}: {error}): it is down"
     return GatewayHttpError(
-        503,
-        f"{what}: the control plane (recorder, scheduler) is down or restarting; "
-        "retry in a few seconds",
-        code="unavailable",
+        503, f"{what} or restarting; retry in a few seconds", code="unavailable"
     )
 
 

@@ -9,17 +9,21 @@ as they arrive, never buffered, and a whole answer is passed on whole. An
 engine's 404 for a fine-tuned model (its adapter unloaded since the location
 was read) drops that location and is the gateway's own 404, with the hint.
 
-`GET /v1/models`: the catalog bases, and the caller's succeeded jobs'
-fine-tuned names, each with the engines serving it; a constant number of
-requests however many jobs (the jobs and their served records are asked
-for all at once).
+Before an engine is asked, `tenancy.usable_model`: another project's
+fine-tuned model is a 404, and one whose adapter is being loaded waits for
+it (adapter_wait.py).
+
+`GET /v1/models`: the catalog bases, and the caller's project's succeeded
+jobs' fine-tuned names, each with the engines serving it; what a configured
+engine lists under an adapter's served name (any project's) is left out. A
+constant number of requests however many jobs (the jobs and their served
+records are asked for all at once).
 """
 
 from __future__ import annotations
 
 import asyncio
 import datetime as dt
-import itertools
 
 import httpx2
 import msgspec
@@ -27,8 +31,16 @@ from starlette.background import BackgroundTask
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-from lorafleet_schemas.messages import JobListRequest, JobState, ServingState
+from lorafleet import log
+from lorafleet_schemas.messages import (
+    JobListRequest,
+    JobRecord,
+    JobState,
+    ServingRecord,
+    ServingState,
+)
 from lorafleet_services.gateway import job_mapping as jm
+from lorafleet_services.gateway import tenancy
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
 from lorafleet_services.gateway.fleet_model_location import engine_base_url, unserved_hint
 from lorafleet_services.gateway.http_errors import (
@@ -65,10 +77,12 @@ async def list_models(request: Request) -> Response:
         ctx.client.models(), ctx.locator.served(), ctx.state.jobs(owner)
     )
     ids = [f.job_id for f in jobs][-LISTED_JOBS_LIMIT:]
-    done, serving = await asyncio.gather(
-        ctx.client.jobs(JobListRequest(ids=ids, state=JobState.DONE, limit=LISTED_JOBS_LIMIT)),
-        ctx.client.adapters(ids, state=ServingState.SERVED, limit=LISTED_JOBS_LIMIT),
+    done, serving, adapters = await asyncio.gather(
+        _project_jobs(ctx, ids),
+        _project_served(ctx, ids),
+        ctx.client.adapters(limit=LISTED_JOBS_LIMIT),
     )
+    hidden = {r.served_name for r in adapters}
     fields_of = {f.job_id: f for f in jobs}
     models: dict[str, Model] = {}
     for m in catalog:
@@ -80,9 +94,27 @@ async def list_models(request: Request) -> Response:
         models[name].served_by = [engine_base_url(r.engine) for r in serving if r.job_id == job.id]
     now = int(dt.datetime.now(dt.UTC).timestamp())
     for name, locations in served.items():
+        if name in hidden and name not in models:
+            continue  # an adapter's served name: listed (if the caller's) by its ft name
         model = models.setdefault(name, Model(id=name, created=now, owned_by="engine"))
         model.served_by = list(dict.fromkeys([*model.served_by, *(r.base_url for r in locations)]))
     return json_response(Page(data=list(models.values())))
+
+
+async def _project_jobs(ctx: GatewayContext, ids: list[str]) -> list[JobRecord]:
+    """The succeeded jobs among `ids` (none for none: no ids asks for every job)."""
+    if not ids:
+        return []
+    return await ctx.client.jobs(
+        JobListRequest(ids=ids, state=JobState.DONE, limit=LISTED_JOBS_LIMIT)
+    )
+
+
+async def _project_served(ctx: GatewayContext, ids: list[str]) -> list[ServingRecord]:
+    """The served records of `ids` (none for none, as `_project_jobs`)."""
+    if not ids:
+        return []
+    return await ctx.client.adapters(ids, state=ServingState.SERVED, limit=LISTED_JOBS_LIMIT)
 
 
 async def unserved_message(ctx: GatewayContext, model: str) -> str:
@@ -104,7 +136,6 @@ class Inference:
 
     def __init__(self, path: str) -> None:
         self.path = path
-        self._turn = itertools.count()
 
     async def handle(self, request: Request) -> Response:
         ctx = GatewayContext.of(request)
@@ -113,13 +144,11 @@ class Inference:
             model = msgspec.json.decode(body, type=_ModelOnly).model
         except msgspec.DecodeError as e:
             raise bad_request(f"the request body has no model: {e}", "model") from None
+        await tenancy.usable_model(ctx, owner_of(request), model)
         locations = await ctx.locator.where(model)
         if not locations:
             raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
-        location = locations[next(self._turn) % len(locations)]
-        if location.served_name is not None and location.served_name != model:
-            body = with_model(body, location.served_name)
-        reply = await self._forward(ctx.http, location, body)
+        reply, location = await self._to_replicas(ctx, ctx.loads.ranked(locations), model, body)
         if reply.status_code == 404 and jm.fine_tuned_parts(model) is not None:
             # Its adapter was unloaded since the location was read (the TTL):
             # the engine's own 404 would name the served name, not the model.
@@ -127,9 +156,27 @@ class Inference:
             raise not_found(await unserved_message(ctx, model), "model", code="model_not_found")
         return reply
 
-    async def _forward(
-        self, http: httpx2.AsyncClient, location: ModelLocation, body: bytes
-    ) -> Response:
+    async def _to_replicas(
+        self, ctx: GatewayContext, ranked: list[ModelLocation], model: str, body: bytes
+    ) -> tuple[Response, ModelLocation]:
+        """The answer of the first replica (least loaded first) that answers at
+        all: one that refuses the connection or fails before its first byte
+        gives the request to the next; the last one's failure is the 503."""
+        for i, location in enumerate(ranked):
+            sent = body
+            if location.served_name is not None and location.served_name != model:
+                sent = with_model(body, location.served_name)
+            try:
+                return await self._forward(ctx, location, sent), location
+            except GatewayHttpError as e:
+                if i == len(ranked) - 1:
+                    raise
+                log.get().warning(log.Event.GATEWAY_RETRIED, engine=location.base_url,
+                                  error=e.message)  # fmt: skip
+        raise RuntimeError("no location to send to")  # ranked is never empty here
+
+    async def _forward(self, ctx: GatewayContext, location: ModelLocation, body: bytes) -> Response:
+        http, loads = ctx.http, ctx.loads
         headers = {"content-type": "application/json"}
         if location.api_key:
             headers["authorization"] = f"Bearer {location.api_key}"
@@ -137,9 +184,11 @@ class Inference:
             "POST", f"{location.base_url}/{self.path}", content=body, headers=headers,
             timeout=httpx2.Timeout(None, connect=ENGINE_CONNECT_TIMEOUT_S),
         )  # fmt: skip
+        loads.begin(location.base_url)
         try:
             reply = await http.send(outgoing, stream=True)
         except httpx2.HTTPError as e:
+            loads.end(location.base_url)
             raise GatewayHttpError(
                 503, f"the engine at {location.base_url} did not answer ({e!r}): retry, or "
                 "check the engine", code="engine_unavailable",
@@ -152,10 +201,16 @@ class Inference:
                 body = await reply.aread()
             finally:
                 await reply.aclose()
+                loads.end(location.base_url)
             return Response(body, status_code=reply.status_code, media_type=media_type or None)
+
+        async def ended() -> None:
+            await reply.aclose()
+            loads.end(location.base_url)
+
         return StreamingResponse(
             reply.aiter_raw(),
             status_code=reply.status_code,
             media_type=media_type,
-            background=BackgroundTask(reply.aclose),
+            background=BackgroundTask(ended),
         )

@@ -1,10 +1,10 @@
 """lorafleet's jobs in OpenAI's shapes, and back: pure code, no bus, no HTTP.
 
 Ids (`ftjob-<job id>`, a fine-tuned model `ft:<base>:<suffix>:<job id>`),
-the status of each lorafleet state, and the hyperparameters (`n_epochs`,
-`batch_size`, `learning_rate_multiplier` of the trainer's 2e-4; "auto" keeps
-the trainer's default) are written once here; docs/gateway.md has the
-tables.
+the status of each lorafleet state, the methods taken (`supervised`, `dpo`)
+and the hyperparameters (`n_epochs`, `batch_size`, `learning_rate_multiplier`
+of the trainer's 2e-4, DPO's `beta`; "auto" keeps the trainer's default) are
+written once here; docs/fine-tune-and-serve.md has the tables.
 """
 
 from __future__ import annotations
@@ -24,12 +24,15 @@ from lorafleet_schemas.messages import (
     JobRecord,
     JobSpec,
     JobState,
+    LossPoint,
     TrainerParams,
 )
 from lorafleet_services.gateway.http_errors import GatewayHttpError, bad_request
 from lorafleet_services.gateway.openai_shapes import (
     Checkpoint,
     CheckpointMetrics,
+    Dpo,
+    DpoHyperparameters,
     FineTuningJob,
     Hyperparameters,
     JobCreate,
@@ -50,6 +53,8 @@ DEFAULT_PAGE = 20
 
 _STATUS = {JobState.QUEUED: "queued", JobState.DONE: "succeeded", JobState.FAILED: "failed"}
 _DEFAULTS = TrainerParams()
+#: The `method.type`s lorafleet trains (OpenAI's third, "reinforcement", it does not).
+METHODS = ("supervised", "dpo")
 
 
 def openai_job_id(job_id: str) -> str:
@@ -81,26 +86,41 @@ def status_of(job: JobRecord, fields: JobFields) -> str:
     return _STATUS[job.state]
 
 
-def requested_hyperparameters(create: JobCreate) -> Hyperparameters:
-    """`method.supervised.hyperparameters`, or the older top-level ones (not both)."""
-    if create.method is not None and create.method.type != "supervised":
+def method_type(create: JobCreate) -> str:
+    """The job's method: "supervised" without one; a 400 naming those taken
+    for any other."""
+    kind = "supervised" if create.method is None else create.method.type
+    if kind not in METHODS:
         raise bad_request(
-            f"method.type {create.method.type!r}: lorafleet trains supervised LoRA "
-            'adapters only; use "supervised"',
+            f"method.type {kind!r}: lorafleet trains LoRA adapters by "
+            + " or ".join(f'"{m}"' for m in METHODS)
+            + "; use one of those",
             "method.type",
         )
-    method_hp = (
-        create.method.supervised.hyperparameters
-        if create.method and create.method.supervised
-        else None
-    )
+    return kind
+
+
+def requested_hyperparameters(create: JobCreate) -> Hyperparameters:
+    """`method.<type>.hyperparameters`, or the older top-level ones (not both);
+    a DPO job's are DpoHyperparameters (with beta)."""
+    kind = method_type(create)
+    method = create.method
+    method_hp: Hyperparameters | None = None
+    if method is not None and kind == "dpo":
+        method_hp = method.dpo.hyperparameters if method.dpo else None
+    elif method is not None and method.supervised:
+        method_hp = method.supervised.hyperparameters
     if method_hp is not None and create.hyperparameters is not None:
         raise bad_request(
-            "give the hyperparameters once: in method.supervised.hyperparameters "
+            f"give the hyperparameters once: in method.{kind}.hyperparameters "
             "(the top-level hyperparameters are the older form of the same)",
             "hyperparameters",
         )
-    return method_hp or create.hyperparameters or Hyperparameters()
+    found = method_hp or create.hyperparameters
+    if kind == "dpo" and not isinstance(found, DpoHyperparameters):
+        fields = {} if found is None else msgspec.structs.asdict(found)
+        return DpoHyperparameters(**fields)
+    return found or Hyperparameters()
 
 
 def trainer_params(create: JobCreate, hp: Hyperparameters) -> TrainerParams:
@@ -114,6 +134,10 @@ def trainer_params(create: JobCreate, hp: Hyperparameters) -> TrainerParams:
         values["learning_rate"] = _DEFAULTS.learning_rate * hp.learning_rate_multiplier
     if create.seed is not None:
         values["seed"] = create.seed
+    if isinstance(hp, DpoHyperparameters):
+        values["method"] = "dpo"
+        if isinstance(hp.beta, float | int):
+            values["beta"] = hp.beta
     ext = create.lorafleet
     if ext is not None:
         for name in ("rank", "max_steps", "checkpoint_every_steps"):
@@ -126,12 +150,18 @@ def trainer_params(create: JobCreate, hp: Hyperparameters) -> TrainerParams:
 
 
 def job_spec(
-    create: JobCreate, file: FileRecord, params: TrainerParams, validation: FileRecord | None = None
+    create: JobCreate,
+    file: FileRecord,
+    params: TrainerParams,
+    validation: FileRecord | None = None,
+    parent: tuple[str, str] | None = None,
 ) -> JobSpec:
-    """The job to submit: `file`'s data, `validation`'s as its evaluation set."""
+    """The job to submit: `file`'s data, `validation`'s as its evaluation set;
+    `parent`: (base, job id) of the fine-tuned model it starts from."""
     ext = create.lorafleet
     return JobSpec(
-        model=create.model,
+        model=create.model if parent is None else parent[0],
+        resume_from=None if parent is None else parent[1],
         name=create.suffix or "",
         dataset=file.dataset,
         eval_dataset=None if validation is None else validation.dataset,
@@ -144,9 +174,13 @@ def job_spec(
 
 def job_fields(create: JobCreate, job: JobRecord, now: dt.datetime) -> JobFields:
     params = job.params
+    parent = job.resume_from is not None
     return JobFields(
         job_id=job.id,
-        model=create.model,
+        model=job.model,
+        parent_model=create.model if parent else None,
+        method=params.method,
+        beta=params.beta if params.method == "dpo" else None,
         training_file=create.training_file,
         validation_file=create.validation_file,
         suffix=create.suffix,
@@ -174,11 +208,18 @@ def estimated_finish(job: JobRecord, now: dt.datetime) -> int | None:
     return int(job.started_at.timestamp() + spent_s * job.steps / job.step)
 
 
+def method_of(fields: JobFields) -> Method:
+    """The job's `method`, as OpenAI echoes it."""
+    hp = fields.hyperparameters
+    if fields.method == "dpo":
+        dpo_hp = DpoHyperparameters(**msgspec.structs.asdict(hp), beta=fields.beta)
+        return Method(type="dpo", dpo=Dpo(hyperparameters=dpo_hp))
+    return Method(type="supervised", supervised=Supervised(hyperparameters=hp))
+
+
 def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -> FineTuningJob:
     status = status_of(job, fields)
-    method = Method(
-        type="supervised", supervised=Supervised(hyperparameters=fields.hyperparameters)
-    )
+    method = method_of(fields)
     return FineTuningJob(
         id=openai_job_id(job.id),
         created_at=unix(job.created_at) or 0,
@@ -190,7 +231,7 @@ def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -
         ),
         finished_at=unix(job.finished_at) if job.state not in ON_NODE else None,
         hyperparameters=fields.hyperparameters,
-        model=fields.model,
+        model=fields.parent_model or fields.model,
         organization_id=owner,
         result_files=[],
         seed=fields.seed,
@@ -205,6 +246,8 @@ def to_openai(job: JobRecord, fields: JobFields, owner: str, now: dt.datetime) -
             "state": job.state.value, "message": job.message, "node": job.node,
             "step": job.step, "steps": job.steps, "attempt": job.attempt,
             "loss": job.loss, "eval_loss": job.eval_loss,
+            "base_model": fields.model,
+            "parent_job": None if job.resume_from is None else openai_job_id(job.resume_from),
         },
     )  # fmt: skip
 
@@ -244,12 +287,22 @@ def _step_times(job: JobRecord, curve: JobCurve, now: dt.datetime) -> Callable[[
     return lambda step: start + (end - start) * (min(step, steps) / steps)
 
 
+def metrics_message(point: LossPoint, steps: int) -> str:
+    """A metrics event's words: the loss, and a DPO step's margin and accuracy."""
+    text = f"Step {point.step}/{steps}: training loss={point.loss:.4f}"
+    numbers = point.preference or {}
+    if "margin" in numbers and "accuracy" in numbers:
+        text += f", reward margin={numbers['margin']:.4f}, accuracy={numbers['accuracy']:.2f}"
+    return text
+
+
 def events(job: JobRecord, curve: JobCurve, now: dt.datetime) -> list[JobEvent]:
     """The job's events, newest first: its state changes (type "message") and
     one "metrics" event per logged step (train loss; valid loss where the
-    trainer evaluated at that step)."""
+    trainer evaluated at that step; a DPO job's rewards, margin and accuracy,
+    eval_* where it evaluated)."""
     time_of = _step_times(job, curve, now)
-    valid = {(e.attempt, e.step): e.eval_loss for e in curve.evals}
+    valid = {(e.attempt, e.step): e for e in curve.evals}
     timeline: list[tuple[dt.datetime, int, JobEvent]] = []
     for n, change in enumerate(curve.events):
         text = f"{change.from_state or 'new'} -> {change.to_state}"
@@ -262,15 +315,17 @@ def events(job: JobRecord, curve: JobCurve, now: dt.datetime) -> list[JobEvent]:
     for n, point in enumerate(curve.points):
         data: dict[str, Any] = {"step": point.step, "train_loss": point.loss,
                                 "total_steps": job.steps, "attempt": point.attempt}  # fmt: skip
-        if (point.attempt, point.step) in valid:
-            data["valid_loss"] = valid[point.attempt, point.step]
+        evaluated = valid.get((point.attempt, point.step))
+        if evaluated is not None:
+            data["valid_loss"] = evaluated.eval_loss
+            data.update(evaluated.preference or {})
         if point.learning_rate is not None:
             data["learning_rate"] = point.learning_rate
+        data.update(point.preference or {})
         at = time_of(point.step)
         timeline.append((at, len(curve.events) + n, JobEvent(
             id=f"ftevent-{job.id}-m{point.attempt}-{point.step}", created_at=unix(at) or 0,
-            level="info", message=f"Step {point.step}/{job.steps}: training loss={point.loss:.4f}",
-            type="metrics", data=data,
+            level="info", message=metrics_message(point, job.steps), type="metrics", data=data,
         )))  # fmt: skip
     timeline.sort(key=lambda t: (t[0], t[1]))
     return [event for _, _, event in reversed(timeline)]

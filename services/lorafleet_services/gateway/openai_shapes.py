@@ -71,9 +71,19 @@ class Supervised(msgspec.Struct, kw_only=True):
     hyperparameters: Hyperparameters | None = None
 
 
+class DpoHyperparameters(Hyperparameters, kw_only=True):
+    #: DPO's beta; "auto" is 0.1.
+    beta: Auto | Annotated[float, Meta(gt=0, le=100)] | None = None
+
+
+class Dpo(msgspec.Struct, kw_only=True):
+    hyperparameters: DpoHyperparameters | None = None
+
+
 class Method(msgspec.Struct, kw_only=True):
     type: str = "supervised"
     supervised: Supervised | None = None
+    dpo: Dpo | None = None
 
 
 class LorafleetOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):

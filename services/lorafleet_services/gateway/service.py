@@ -17,10 +17,14 @@ from collections.abc import Iterator
 import httpx2
 import uvicorn
 from nats.aio.client import Client as Nats
+from nats.js.kv import KeyValue
 
 from lorafleet import _runtime as runtime
 from lorafleet import log
+from lorafleet._tasks import stop_tasks
 from lorafleet.client import Client
+from lorafleet.nats._bus import when_cluster_answers
+from lorafleet.nats._kv_watch import KeyWatch, removed
 from lorafleet.settings import Settings, SettingsError, parse_host_port
 from lorafleet.training_data import check_lines
 from lorafleet_services.gateway.api_keys import KeyRing
@@ -32,6 +36,7 @@ from lorafleet_services.gateway.fleet_model_location import (
     FleetModelLocator,
 )
 from lorafleet_services.gateway.model_location import EngineModels, ModelLocation, ModelLocator
+from lorafleet_services.gateway.replica_choice import METRICS_EVERY_S, Loads
 from lorafleet_services.gateway.state import GatewayState
 from lorafleet_services.gateway.uploads import CheckWorkers
 
@@ -85,16 +90,28 @@ class Gateway:
         self.checker = CheckWorkers(CHECK_WORKERS)
         self._server: _Server | None = None
         self._task: asyncio.Task[None] | None = None
+        self._scraper: asyncio.Task[None] | None = None
+        self._node_watch: KeyWatch | None = None
         self.url = ""
 
     async def start(self) -> None:
-        state = await GatewayState.open(self.client.js, self.settings.names.gateway_bucket)
+        bucket = self.settings.names.gateway_bucket
+        state = await when_cluster_answers(
+            "the gateway's bucket", lambda: GatewayState.open(self.client.js, bucket)
+        )
         ttl_s, key = self.config.engine_models_ttl_s, self.config.engine_api_key
-        locator: ModelLocator = FleetModelLocator(self.client, key, ttl_s)
+        fleet = FleetModelLocator(self.client, key, ttl_s)
+        locator: ModelLocator = fleet
+        self._node_watch = KeyWatch(
+            self.client.js, self.settings.names.nodes_bucket, ">",
+            lambda entry: _node_entry(fleet, entry), log.get(),
+        )  # fmt: skip
+        self._node_watch.start()
         if self.config.engines:
             configured = [ModelLocation(url.rstrip("/"), key) for url in self.config.engines]
             locator = ConfiguredFirstLocator(EngineModels(configured, self.http, ttl_s), locator)
         ctx = GatewayContext(self.config, self.client, state, locator, self.http, self.checker)
+        self._scraper = asyncio.create_task(_scrape_loads(ctx.loads, self.http))
         # Started now, so that the first upload does not wait for their imports.
         for _ in range(CHECK_WORKERS):
             self.checker.submit(check_lines, b"", 1)
@@ -122,8 +139,30 @@ class Gateway:
             self._server.should_exit = True
             with contextlib.suppress(Exception):
                 await self._task
+        await stop_tasks(self._scraper)
+        if self._node_watch is not None:
+            await self._node_watch.stop()
         await self.http.aclose()
         self.checker.shutdown(wait=False, cancel_futures=True)
+
+
+def _node_entry(fleet: FleetModelLocator, entry: KeyValue.Entry | None) -> None:
+    """A heartbeat key's change: a departure takes the node out of the routes at once."""
+    if entry is None:
+        return
+    if removed(entry.operation):
+        fleet.node_gone(entry.key)
+        log.get().info(log.Event.GATEWAY_NODE_GONE, node=entry.key)
+    else:
+        fleet.node_beat(entry.key)
+
+
+async def _scrape_loads(loads: Loads, http: httpx2.AsyncClient) -> None:
+    """The engines' own counts of requests, read every METRICS_EVERY_S (replica_choice.py)."""
+    while True:
+        await asyncio.sleep(METRICS_EVERY_S)
+        with contextlib.suppress(Exception):  # one bad read must not end the loop
+            await loads.scrape(http, list(loads.own))
 
 
 def program(config: GatewayConfig) -> runtime.Program:

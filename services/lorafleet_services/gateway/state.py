@@ -9,9 +9,9 @@ by its content's sha256, so two uploads of the same bytes would share one;
 and a client identity may not purge it to delete a file.
 
 Keys: `files.<owner>.<file id>` and `jobs.<owner>.<lorafleet job id>`,
-`owner` the API key's name, so a key sees only its own (another's is
-"not found") and its listing is one watch over its own prefix
-(`_natspy.kv_values`).
+`owner` the API key's project (tenancy.py), so a project sees only its own
+(another's is "not found") and its listing is one watch over its own
+prefix (`_natspy.kv_values`).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ import nats.js.errors
 from nats.js import JetStreamContext
 from nats.js.kv import KeyValue
 
+from lorafleet.nats._bus import once_more_on_timeout
 from lorafleet.nats._natspy import kv_values
 from lorafleet_services.gateway.openai_shapes import Hyperparameters, LorafleetOptions
 
@@ -61,6 +62,12 @@ class JobFields(msgspec.Struct, kw_only=True):
     #: checkpoint); cleared by resume and by cancel.
     paused: bool = False
     created_at: dt.datetime
+    #: "supervised" or "dpo"; `beta` is DPO's.
+    method: str = "supervised"
+    beta: float | None = None
+    #: The fine-tuned model the job started from (`ft:...`), when it named one:
+    #: `model` is then that model's base.
+    parent_model: str | None = None
 
 
 class GatewayState:
@@ -76,8 +83,8 @@ class GatewayState:
         return cls(js, bucket, await js.key_value(bucket))
 
     async def _get(self, key: str, typ: type[T]) -> T | None:
-        try:
-            entry = await self.kv.get(key)
+        try:  # a chat reads its job here: one lost with a NATS member is read again
+            entry = await once_more_on_timeout(lambda: self.kv.get(key))
         except nats.js.errors.KeyNotFoundError:
             return None
         return msgspec.json.decode(entry.value or b"", type=typ) if entry.value else None

@@ -6,7 +6,8 @@ job_mapping's, the errors http_errors'. A file is checked with the
 training records' rules while it is put into the datasets bucket, and is
 named there (by its sha256) only once all of it passed (uploads.py; the
 error names the line). Two uploads of the same bytes share one object;
-deleting a file object leaves the data, which jobs may still name.
+deleting a file object leaves the data, which jobs may still name: the
+recorder's retention removes it once nothing names it (lorafleet.retention).
 """
 
 from __future__ import annotations
@@ -21,9 +22,12 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from lorafleet import log
+from lorafleet.errors import NotFoundError
 from lorafleet.objects import StagedObject
-from lorafleet_schemas.messages import JobRecord
+from lorafleet.states import FINAL
+from lorafleet_schemas.messages import JobRecord, JobState
 from lorafleet_services.gateway import job_mapping as jm
+from lorafleet_services.gateway import tenancy
 from lorafleet_services.gateway.context import GatewayContext, json_response, owner_of
 from lorafleet_services.gateway.http_errors import bad_request, conflict, not_found
 from lorafleet_services.gateway.openai_shapes import (
@@ -54,8 +58,13 @@ def _limit(request: Request, default: int = jm.DEFAULT_PAGE) -> int:
 async def create_file(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
     content_type = request.headers.get("content-type", "")
+    length = request.headers.get("content-length", "")
+    await tenancy.check_upload_quota(ctx, owner, int(length) if length.isdigit() else 1)
     async with StagedObject(ctx.client.js, ctx.client.names.datasets_bucket) as staged:
         stored = await store_upload(request.stream(), content_type, staged, ctx.checker)
+    # Exact now (a body without a length passed the first check): over, no
+    # file entry is made, and the data is what a delete would leave.
+    await tenancy.check_upload_quota(ctx, owner, stored.size)
     record = FileRecord(
         id=f"file-{uuid.uuid4().hex[:24]}", filename=stored.filename, bytes=stored.size,
         created_at=dt.datetime.now(dt.UTC), purpose=stored.purpose, dataset=stored.dataset,
@@ -110,6 +119,7 @@ async def delete_file(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
     found = await _file_or_404(request)
     await ctx.state.delete_file(owner, found.id)
+    log.get().info(log.Event.GATEWAY_FILE_DELETED, file_id=found.id, client=owner)
     return json_response(FileDeleted(id=found.id, deleted=True))
 
 
@@ -145,15 +155,41 @@ async def _fine_tune_file(ctx: GatewayContext, owner: str, file_id: str, param: 
     return file
 
 
+async def _parent(ctx: GatewayContext, owner: str, model: str) -> tuple[str, str] | None:
+    """(base, job id) of the fine-tuned model `model` a job starts from (None
+    for a base): only the caller's own, and only once its job succeeded.
+    The one place a job's start is checked for its owner."""
+    parts = jm.fine_tuned_parts(model)
+    if parts is None:
+        return None
+    fields = await ctx.state.job(owner, parts[1])
+    if fields is None:
+        raise not_found(
+            f"model: no fine-tuned model {model!r} of yours: start from one of your "
+            "own (GET /v1/fine_tuning/jobs lists them) or from a base model",
+            "model",
+        )
+    status = jm.status_of(await ctx.client.get(parts[1]), fields)
+    if status != "succeeded":
+        raise bad_request(
+            f"model: the job of {model!r} is {status}: a job starts from a fine-tuned "
+            "model once its job has succeeded",
+            "model",
+        )
+    return fields.model, parts[1]
+
+
 async def create_job(request: Request) -> Response:
     ctx, owner = GatewayContext.of(request), owner_of(request)
     create: JobCreate = await _decode_json(request, JobCreate)
+    hp = jm.requested_hyperparameters(create)  # a method not taken: 400 before any lookup
+    await tenancy.check_job_quota(ctx, owner)
     file = await _fine_tune_file(ctx, owner, create.training_file, "training_file")
     validation = None
     if create.validation_file is not None:
         validation = await _fine_tune_file(ctx, owner, create.validation_file, "validation_file")
-    hp = jm.requested_hyperparameters(create)
-    spec = jm.job_spec(create, file, jm.trainer_params(create, hp), validation)
+    parent = await _parent(ctx, owner, create.model)
+    spec = jm.job_spec(create, file, jm.trainer_params(create, hp), validation, parent)
     job = await ctx.client.submit(spec)
     fields = jm.job_fields(create, job, dt.datetime.now(dt.UTC))
     await ctx.state.put_job(owner, fields)
@@ -185,10 +221,23 @@ async def list_jobs(request: Request) -> Response:
         request.query_params.get("after"),
         _limit(request),
     )
-    records = await asyncio.gather(*(ctx.client.get(f.job_id) for f in page.data))
+    records = await asyncio.gather(*(_record_or_none(ctx, f.job_id) for f in page.data))
     now = dt.datetime.now(dt.UTC)
-    page.data = [jm.to_openai(r, f, owner, now) for r, f in zip(records, page.data, strict=True)]
+    page.data = [
+        jm.to_openai(r, f, owner, now)
+        for r, f in zip(records, page.data, strict=True)
+        if r is not None
+    ]
     return json_response(page)
+
+
+async def _record_or_none(ctx: GatewayContext, job_id: str) -> JobRecord | None:
+    """The job's record; None for a job deleted in lorafleet (`lorafleet jobs
+    delete`): left out of a listing (its page is one shorter), not a 404 for it."""
+    try:
+        return await ctx.client.get(job_id)
+    except NotFoundError:
+        return None
 
 
 async def retrieve_job(request: Request) -> Response:
@@ -201,11 +250,23 @@ async def cancel_job(request: Request) -> Response:
     if fields.paused:
         fields.paused = False  # lorafleet cancelled it when it was paused
         await ctx.state.put_job(owner, fields)
-    else:
-        job = await ctx.client.cancel(
-            fields.job_id, reason=f"cancelled through the gateway by {owner}"
-        )
+        return _job_response(request, job, fields)
+    _refuse_ended(job, fields)
+    job = await ctx.client.cancel(fields.job_id, reason=f"cancelled through the gateway by {owner}")
+    if job.state is not JobState.CANCELLED:
+        _refuse_ended(job, fields)  # it ended between the read and the cancel
     return _job_response(request, job, fields)
+
+
+def _refuse_ended(job: JobRecord, fields: JobFields) -> None:
+    """OpenAI's 400 for cancelling a job that has ended (succeeded, failed, cancelled)."""
+    if job.state in FINAL:
+        status = jm.status_of(job, fields)
+        raise bad_request(
+            f"the job {jm.openai_job_id(job.id)} has already ended: it is {status}, "
+            "and only a queued or running job can be cancelled",
+            "fine_tuning_job_id",
+        )
 
 
 async def pause_job(request: Request) -> Response:

@@ -12,7 +12,7 @@ only for what needs them, and `python -m` runs its module once.
 
 from __future__ import annotations
 
-import importlib
+from lorafleet._lazy import lazy_exports
 
 _HOME = {
     "build_tiny_model": "tiny_model",
@@ -24,8 +24,4 @@ _HOME = {
 
 __all__ = sorted(_HOME)
 
-
-def __getattr__(name: str) -> object:
-    if name not in _HOME:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f"{__name__}.{_HOME[name]}"), name)
+__getattr__ = lazy_exports(__name__, _HOME)

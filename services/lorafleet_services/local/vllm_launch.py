@@ -54,12 +54,12 @@ def free_port() -> int:
     return free_ports(1)[0]
 
 
-def server_argv(python: Path, model_dir: Path, port: int) -> list[str]:
+def server_argv(python: Path, model_dir: Path, port: int, host: str = "127.0.0.1") -> list[str]:
     return [
         str(python), "-m", API_SERVER_MODULE, "--model", str(model_dir),
         "--enable-lora", "--max-lora-rank", str(MAX_LORA_RANK), "--max-loras", str(MAX_LORAS),
         "--max-model-len", "256", "--dtype", "float32",
-        "--host", "127.0.0.1", "--port", str(port),
+        "--host", host, "--port", str(port),
     ]  # fmt: skip
 
 
@@ -71,9 +71,12 @@ def running_vllm(
     port: int | None = None,
     extra_args: Sequence[str] = (),
     warm_up: bool = True,
+    host: str = "127.0.0.1",
+    prefix: Sequence[str] = (),
 ) -> Iterator[RunningVllm]:
-    """The server, ready; on `port` (default: a free one; a restart reuses
-    its port), with `extra_args` after the usual flags. Ready is after one
+    """The server, ready; on `host` and `port` (default: a free one; a restart
+    reuses its port), with `extra_args` after the usual flags, its argv after
+    `prefix` (`ip netns exec NS`: a node of the deploy rehearsal). Ready is after one
     completion (the first costs tens of seconds); `warm_up=False`: at
     /health (the latency bench times the first completion itself)."""
     port = port or free_port()
@@ -85,11 +88,11 @@ def running_vllm(
     }
     with log_path.open("wb") as log:
         proc = subprocess.Popen(
-            die_with_parent([*server_argv(python, model_dir, port), *extra_args]),
+            die_with_parent([*prefix, *server_argv(python, model_dir, port, host), *extra_args]),
             stdout=log, stderr=subprocess.STDOUT, env=env, start_new_session=True,
         )  # fmt: skip
     try:
-        url = f"http://127.0.0.1:{port}"
+        url = f"http://{host}:{port}"
         _wait_healthy(url, proc, log_path)
         if warm_up:
             _warm_up(url, model_dir)

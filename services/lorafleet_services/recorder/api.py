@@ -13,9 +13,10 @@ from collections.abc import Awaitable, Callable, Sequence
 from typing import Any, Protocol
 
 import msgspec
+import sqlalchemy.exc
 
 from lorafleet import estimate, log, metrics, training_data
-from lorafleet.errors import BadRequestError, ConflictError, NotFoundError
+from lorafleet.errors import BadRequestError, ConflictError, NotFoundError, UnavailableError
 from lorafleet.log import Event
 from lorafleet.names import Names, dataset_object_name
 from lorafleet.nats._bus import encode
@@ -27,6 +28,7 @@ from lorafleet_schemas.messages import (
     ArtifactStoredRequest,
     JobCurve,
     JobCurveRequest,
+    JobDeleteRequest,
     JobEstimate,
     JobEstimateRequest,
     JobEvent,
@@ -46,9 +48,10 @@ from lorafleet_schemas.messages import (
     TransitionRequest,
 )
 from lorafleet_services.recorder import job_writes, store
-from lorafleet_services.recorder.db import Sessions
+from lorafleet_services.recorder.db import Sessions, database_down
 from lorafleet_services.recorder.fold import Move
 from lorafleet_services.recorder.job_writes import JobChange, StatusResult
+from lorafleet_services.recorder.retention import RetentionApi
 from lorafleet_services.recorder.serving_api import ServingApi
 
 
@@ -56,7 +59,12 @@ class Datasets(Protocol):
     """The datasets object-store bucket, as the recorder uses it."""
 
     async def put(self, name: str, content: bytes) -> None:
-        """Store `content` under `name` (a no-op when that object exists)."""
+        """Store `content` under `name` (when that object exists, only touched:
+        lorafleet.objects.touch_object)."""
+
+    async def touch(self, name: str) -> bool:
+        """Touch the stored object `name` before a job names it (retention's
+        rule, lorafleet.objects); False when there is none."""
 
     async def get(self, name: str) -> bytes | None:
         """The object's bytes, or None when there is no such object."""
@@ -109,6 +117,38 @@ def refusing_nul(fn: Callable[[Any], Awaitable[Any]]) -> Callable[[Any], Awaitab
     return checked
 
 
+#: PostgreSQL's disk_full: a write found no room (reads go on).
+DISK_FULL_SQLSTATE = "53100"
+
+
+def unavailable_while_database_down(
+    fn: Callable[[Any], Awaitable[Any]],
+) -> Callable[[Any], Awaitable[Any]]:
+    """`fn`, answering `unavailable` (a retry) while the database does not
+    answer (down, restarting, starting up): an `internal` error said "it is
+    logged" and the gateway gave clients a 500 that they do not retry
+    (nemesis seed 12, PostgreSQL restarted)."""
+
+    async def guarded(request: Any) -> Any:
+        try:
+            return await fn(request)
+        except sqlalchemy.exc.OperationalError as e:
+            if not database_down(e):
+                raise
+            first = str(e.orig).strip().splitlines()[0] if e.orig is not None else str(e)
+            if getattr(e.orig, "sqlstate", None) == DISK_FULL_SQLSTATE:
+                raise UnavailableError(
+                    f"the recorder's database is out of disk space ({first}): free space "
+                    "under its data directory; retry once it has"
+                ) from None
+            raise UnavailableError(
+                f"the recorder's database does not answer ({first}): it is down or "
+                "restarting; retry in a few seconds"
+            ) from None
+
+    return guarded
+
+
 class RecorderApi:
     """Everything the recorder answers and applies, without a bus of its own."""
 
@@ -120,6 +160,8 @@ class RecorderApi:
         self.logger = log.get()
         #: The serving records' list and reports (serving_api.py).
         self.serving = ServingApi(sm, self._send_event)
+        #: Deleting jobs, forgetting removed artifacts (retention.py).
+        self.retention = RetentionApi(sm, self._publish)
 
     def routes(self) -> list[Route]:
         n = self.names
@@ -132,11 +174,15 @@ class RecorderApi:
             (n.jobs_curve, JobCurveRequest, self.jobs_curve),
             (n.jobs_estimate, JobEstimateRequest, self.jobs_estimate),
             (n.jobs_resume, JobResumeRequest, self.jobs_resume),
+            (n.jobs_delete, JobDeleteRequest, self.retention.jobs_delete),
             (n.adapters_list, AdapterListRequest, self.serving.adapters_list),
             (n.store_transition, TransitionRequest, self.transition),
             (n.store_artifact, ArtifactStoredRequest, self.artifact),
         ]
-        return [Route(subject, typ, refusing_nul(fn)) for subject, typ, fn in handlers]
+        return [
+            Route(subject, typ, unavailable_while_database_down(refusing_nul(fn)))
+            for subject, typ, fn in handlers
+        ]
 
     # --- the catalog ---
 
@@ -198,11 +244,12 @@ class RecorderApi:
                 "$.eval_data",
             )
         # Both sets are checked before either is stored: a refused job stores nothing.
-        train = await self._checked_data(spec.data, spec.dataset, "data", "dataset")
+        kind = spec.params.method
+        train = await self._checked_data(spec.data, spec.dataset, "data", "dataset", kind)
         eval_set = None
         if spec.eval_data is not None or spec.eval_dataset is not None:
             eval_set = await self._checked_data(
-                spec.eval_data, spec.eval_dataset, "eval_data", "eval_dataset"
+                spec.eval_data, spec.eval_dataset, "eval_data", "eval_dataset", kind
             )
         for inline, stored in ((spec.data, train), (spec.eval_data, eval_set)):
             if inline is not None and stored is not None:
@@ -266,22 +313,30 @@ class RecorderApi:
         except store.NotResumableError as e:
             raise ConflictError(str(e), "$.id") from None
         change = JobChange(job, "state", [move])
-        self._log_moves(change)
+        log_moves(self.logger, change)
         await self._publish(change)
         return job
 
     async def _checked_data(
-        self, inline: str | None, named: str | None, inline_field: str, named_field: str
+        self,
+        inline: str | None,
+        named: str | None,
+        inline_field: str,
+        named_field: str,
+        kind: str,
     ) -> store.StoredData:
         """Records given inline or by name, checked by the records' rule
-        (lorafleet.training_data); nothing stored yet. The errors name the
-        field: the training data's and the evaluation set's are alike."""
+        (lorafleet.training_data), each of `kind` (the job's method); nothing
+        stored yet. The errors name the field: the training data's and the
+        evaluation set's are alike."""
         if inline is not None:
             content = inline.encode()
-            records, sha = _check_data(content, inline_field)
+            records, sha = _check_data(content, inline_field, kind)
             return store.StoredData(dataset_object_name(sha), sha, records)
         name = named or ""
-        stored = await self.datasets.get(name)
+        # Touched before it is read and the job row written: a retention
+        # sweep that found it unneeded before this cannot remove it now.
+        stored = await self.datasets.get(name) if await self.datasets.touch(name) else None
         if stored is None:
             raise NotFoundError(
                 f"no object {name} in bucket {self.names.datasets_bucket} ({named_field}): "
@@ -289,7 +344,7 @@ class RecorderApi:
                 f'the records inline ("{inline_field}")',
                 f"$.{named_field}",
             )
-        records, sha = _check_data(stored, named_field)
+        records, sha = _check_data(stored, named_field, kind)
         _check_named_by_content(name, sha, named_field)
         return store.StoredData(name, sha, records)
 
@@ -309,6 +364,7 @@ class RecorderApi:
             limit=req.limit,
             oldest_first=req.oldest_first,
             ids=req.ids,
+            after=req.after,
         )
         return JobList(jobs=jobs)
 
@@ -323,8 +379,9 @@ class RecorderApi:
     async def transition(self, req: TransitionRequest) -> TransitionReply:
         try:
             applied, job = await store.transition(
-                self.sm, req.id, req.from_state, req.to_state, req.message, req.node
-            )
+                self.sm, req.id, req.from_state, req.to_state, req.message, req.node,
+                moved=req.moved,
+            )  # fmt: skip
         except IllegalTransitionError as e:
             raise ConflictError(str(e), "$.to_state") from None
         except store.NoSuchJobError:
@@ -334,7 +391,7 @@ class RecorderApi:
             await self._publish(JobChange(job, "progress", []))
         elif applied:
             change = JobChange(job, "state", [Move(req.from_state, req.to_state, req.message)])
-            self._log_moves(change)
+            log_moves(self.logger, change)
             await self._publish(change)
         else:
             self.logger.info(
@@ -348,6 +405,8 @@ class RecorderApi:
         return TransitionReply(applied=applied, job=job)
 
     async def artifact(self, req: ArtifactStoredRequest) -> JobRecord:
+        if req.removed:
+            return await self.retention.forget_artifact(req)
         try:
             job, change = await job_writes.record_artifact(
                 self.sm,
@@ -366,7 +425,7 @@ class RecorderApi:
         if change is not None and req.kind is ArtifactKind.CHECKPOINT:
             self.logger.info(Event.JOB_CHECKPOINT, job_id=job.id, node=job.node, step=req.step)
         if change is not None:
-            self._log_moves(change)
+            log_moves(self.logger, change)
             await self._publish(change)
         return job
 
@@ -393,41 +452,8 @@ class RecorderApi:
                 loss=job.loss,
                 peak_mib=job.peak_mib,
             )
-            self._log_moves(change)
+            log_moves(self.logger, change)
             await self._publish(change)
-
-    def _log_moves(self, change: JobChange) -> None:
-        job = change.job
-        for move in change.moves:
-            self.logger.info(
-                Event.JOB_STATE,
-                job_id=job.id,
-                node=job.node,
-                state=move.to_state.value,
-                message=move.message,
-            )
-            if move.to_state is JobState.QUEUED:
-                self.logger.info(
-                    Event.JOB_REQUEUED,
-                    job_id=job.id,
-                    node=job.node,
-                    state=move.from_state.value,
-                    attempt=job.attempt,
-                    message=move.message,
-                )
-            if move.to_state in FINAL:
-                metrics.JOBS_FINISHED.labels(move.to_state.value).inc()
-                fields: dict[str, Any] = {
-                    "job_id": job.id,
-                    "node": job.node,
-                    "state": move.to_state.value,
-                    "message": move.message,
-                    "step": job.step,
-                    "steps": job.steps,
-                    "loss": job.loss,
-                    "peak_mib": job.peak_mib,
-                }
-                self.logger.info(Event.JOB_FINISHED, **fields)
 
     async def _publish(self, change: JobChange) -> None:
         # Best effort: the change is committed; a watcher that missed the
@@ -447,10 +473,10 @@ class RecorderApi:
             self.logger.warning(Event.NATS_ERROR, job_id=job_id, error=repr(e))
 
 
-def _check_data(content: bytes, field: str) -> tuple[int, str]:
+def _check_data(content: bytes, field: str, kind: str) -> tuple[int, str]:
     """(records, sha256) of `content`, or a bad request naming `field`."""
     try:
-        return training_data.validate(content)
+        return training_data.validate(content, kind)
     except training_data.DataError as e:
         label = "the training data" if field in ("data", "dataset") else field
         raise BadRequestError(f"{label}: {e}", f"$.{field}") from None
@@ -517,3 +543,38 @@ def memory_checked(model: ModelRecord, spec: JobSpec) -> JobSpec:
             "$.gpu_memory_mib",
         )
     return spec
+
+
+def log_moves(logger: Any, change: JobChange) -> None:
+    """Each state move of `change` as log lines: the state, a requeue, an end."""
+    job = change.job
+    for move in change.moves:
+        logger.info(
+            Event.JOB_STATE,
+            job_id=job.id,
+            node=job.node,
+            state=move.to_state.value,
+            message=move.message,
+        )
+        if move.to_state is JobState.QUEUED:
+            logger.info(
+                Event.JOB_REQUEUED,
+                job_id=job.id,
+                node=job.node,
+                state=move.from_state.value,
+                attempt=job.attempt,
+                message=move.message,
+            )
+        if move.to_state in FINAL:
+            metrics.JOBS_FINISHED.labels(move.to_state.value).inc()
+            fields: dict[str, Any] = {
+                "job_id": job.id,
+                "node": job.node,
+                "state": move.to_state.value,
+                "message": move.message,
+                "step": job.step,
+                "steps": job.steps,
+                "loss": job.loss,
+                "peak_mib": job.peak_mib,
+            }
+            logger.info(Event.JOB_FINISHED, **fields)

@@ -8,7 +8,7 @@ front (no SQLITE_BUSY_SNAPSHOT) and the guarded updates behave the same on
 both backends. `migrate(url)` is Alembic's `upgrade head`, skipped without
 importing Alembic at `HEAD_REVISION` (bench/recorder_start.py);
 `migrate_when_up` waits for a PostgreSQL that is down or starting
-(docs/operations.md; tests/nemesis/test_found.py pins it).
+(docs/deploy.md; tests/nemesis/test_found.py pins it).
 """
 
 from __future__ import annotations
@@ -42,7 +42,7 @@ SQLITE_BUSY_TIMEOUT_MS = 30_000
 
 #: The newest migration's revision (tests/recorder/test_migrations.py holds
 #: it to Alembic's head): bump it with each new file in migrations/versions.
-HEAD_REVISION = "0007"
+HEAD_REVISION = "0009"
 
 #: Seconds between tries of a PostgreSQL that does not answer at start.
 DATABASE_RETRY_PAUSE_S = 1.0

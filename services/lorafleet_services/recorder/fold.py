@@ -41,7 +41,10 @@ from lorafleet_services.recorder.rows import (
 )
 
 #: Scalar job fields a status report sets, each from its newest report.
-SCALARS = ("step", "steps", "loss", "eval_loss", "message", "tokens_seen")
+SCALARS = (
+    "step", "steps", "loss", "eval_loss", "message", "tokens_seen",
+    "preference", "eval_preference",
+)  # fmt: skip
 
 
 @dataclass

@@ -281,6 +281,43 @@ async def _record_artifact_once(
     return job, JobChange(job, "state" if moves else "progress", moves)
 
 
+async def forget_artifact(
+    sm: Sessions, job_id: str, kind: ArtifactKind
+) -> tuple[JobRecord, JobChange | None]:
+    """Retention removes the job's stored `kind`: its reference goes (a
+    resume then says there is no checkpoint, a `resume_from` names what is
+    left). Only of a final job: `store.ArtifactNeededError` otherwise, checked
+    in the same transaction, so a job resumed since retention judged it keeps
+    its checkpoint. Idempotent."""
+    return await until_unraced(partial(_forget_artifact_once, sm, job_id, kind))
+
+
+async def _forget_artifact_once(
+    sm: Sessions, job_id: str, kind: ArtifactKind
+) -> tuple[JobRecord, JobChange | None]:
+    async with sm() as s, s.begin():
+        row = await store.load_job(s, job_id)
+        if row is None:
+            raise store.NoSuchJobError(job_id)
+        state = JobState(row["state"])
+        if state not in FINAL:
+            raise store.ArtifactNeededError(
+                f"job {job_id} is {state.value}: its {kind.value} is needed, not removed"
+            )
+        if kind is ArtifactKind.CHECKPOINT:
+            if row["checkpoint"] is None:
+                return job_record(row), None
+            values: dict[str, Any] = {"checkpoint": None}
+        else:
+            refs = dict(row["artifact_refs"] or {})
+            if refs.pop(kind.value, None) is None:
+                return job_record(row), None
+            values = {"artifact_refs": refs}
+        await _guarded_update(s, row, {**values, "updated_at": now()})
+    job = job_record(row)
+    return job, JobChange(job, "progress", [])
+
+
 # --- resume ---------------------------------------------------------------------
 
 

@@ -100,12 +100,16 @@ def loss_point_row(job_id: str, r: StatusReport) -> dict[str, Any]:
         "tokens_per_s": r.tokens_per_s,
         "peak_mib": r.peak_mib,
         "attempt": r.attempt,
+        "preference": r.preference,
     }
 
 
 def eval_point_row(job_id: str, r: StatusReport) -> dict[str, Any]:
     """The `eval_points` row of a report that carries a step and its eval loss."""
-    return {"job_id": job_id, "step": r.step, "eval_loss": r.eval_loss, "attempt": r.attempt}
+    return {
+        "job_id": job_id, "step": r.step, "eval_loss": r.eval_loss, "attempt": r.attempt,
+        "preference": r.eval_preference,
+    }  # fmt: skip
 
 
 def loss_point(row: Row) -> LossPoint:

@@ -13,6 +13,7 @@ redelivering it would never help.
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import datetime as dt
 import io
@@ -29,17 +30,22 @@ from sqlalchemy.ext.asyncio import AsyncEngine
 import lorafleet
 from lorafleet import _runtime as runtime
 from lorafleet import log, metrics
+from lorafleet._tasks import stop_tasks
 from lorafleet.access.permissions import owned_layout_parts
 from lorafleet.log import Event
 from lorafleet.nats import _bus as bus
 from lorafleet.nats._consumer import PullConsumer, PullConsumerConfig
-from lorafleet.nats._micro import start_service
+from lorafleet.nats._micro import Route, start_service
 from lorafleet.nats._natspy import download_object
+from lorafleet.objects import touch_object
+from lorafleet.retention._sweep import RetentionSweep, wall_now
+from lorafleet.retention.rules import Policy
 from lorafleet.settings import Settings
-from lorafleet_schemas.messages import ServingReport, StatusReport
+from lorafleet_schemas.messages import GcReport, GcRequest, ServingReport, StatusReport
 from lorafleet_services.recorder import db, servings, store
 from lorafleet_services.recorder.api import RecorderApi, nul_at
 from lorafleet_services.recorder.metric_views import JobCounts
+from lorafleet_services.recorder.retention import DatasetJudge
 
 #: Reports fetched and applied in one transaction, at most.
 REPORT_FETCH_BATCH = 256
@@ -63,12 +69,15 @@ class ObjectStoreDatasets:
         self.bucket = bucket
 
     async def put(self, name: str, content: bytes) -> None:
+        # The name is the content's sha256: a stored one is this data already,
+        # touched so that a retention sweep that judged it keeps it.
+        if await touch_object(self.js, self.bucket, name):
+            return
         obs = await self.js.object_store(self.bucket)
-        with contextlib.suppress(nats.js.errors.ObjectNotFoundError):
-            info = await obs.get_info(name)
-            if info.size == len(content) and not info.deleted:
-                return  # the name is the content's sha256: it is there already
         await obs.put(name, content)
+
+    async def touch(self, name: str) -> bool:
+        return await touch_object(self.js, self.bucket, name)
 
     async def get(self, name: str) -> bytes | None:
         buf = io.BytesIO()
@@ -111,6 +120,12 @@ class Recorder:
             ObjectStoreDatasets(self.js, self.names.datasets_bucket),
             self._publish,
         )
+        policy = Policy.of(settings)
+        self.retention = RetentionSweep(
+            self.js, self.names.datasets_bucket,
+            DatasetJudge(self.js, self.names, self.api.sm, policy, wall_now), policy,
+        )  # fmt: skip
+        self._retention_task: asyncio.Task[None] | None = None
         self.logger = log.get()
         self._service: Service | None = None
         self._unregister: Callable[[], None] | None = None
@@ -128,22 +143,31 @@ class Recorder:
 
     async def start(self) -> None:
         """Consume status and serve requests (the JetStream layout exists: runtime.serve)."""
-        await self._consumer.start()
+        await bus.when_cluster_answers("the recorder's status consumer", self._consumer.start)
         self._unregister = metrics.LIVE.add(self.job_counts.samples, self._count_jobs)
         self._service = await start_service(
             self.nc,
             self.names.recorder_service,
             lorafleet.__version__,
             "lorafleet's system of record: jobs, catalog, loss curves",
-            self.api.routes(),
+            [*self.api.routes(), Route(self.names.datasets_gc, GcRequest, self.gc)],
             self.names.queue_group,
         )
+        if self.settings.retention_sweep_every_s > 0:
+            self._retention_task = asyncio.create_task(
+                self.retention.every(self.settings.retention_sweep_every_s)
+            )
         # The server knows the endpoints' subscriptions once this returns:
         # only then may `service.started` promise that requests are answered.
         await self.nc.flush()
 
+    async def gc(self, req: GcRequest) -> GcReport:
+        """`api.datasets.gc`: one retention run of the datasets bucket."""
+        return await self.retention.run(req.dry_run)
+
     async def stop(self) -> None:
         """Stop consuming and answering, then close the database engine (owned here)."""
+        await stop_tasks(self._retention_task)
         await self._consumer.stop()
         if self._unregister is not None:
             self._unregister()

@@ -22,10 +22,11 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
-from sqlalchemy import Update, func, insert, or_, select, update
+from sqlalchemy import Update, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
+from lorafleet.errors import NotFoundError
 from lorafleet.states import (
     FINAL,
     REQUEUE_FROM,
@@ -56,7 +57,14 @@ from lorafleet_services.recorder.rows import (
     plain,
     start_ref,
 )
-from lorafleet_services.recorder.tables import eval_points, job_events, jobs, loss_points, models
+from lorafleet_services.recorder.tables import (
+    eval_points,
+    job_events,
+    jobs,
+    loss_points,
+    models,
+    servings,
+)
 
 
 class StoreError(Exception):
@@ -77,6 +85,14 @@ class ArtifactKindError(StoreError):
 
 class CheckpointFieldsError(StoreError):
     """A checkpoint reported without its step, attempt or object."""
+
+
+class ArtifactNeededError(StoreError):
+    """Retention asked to forget an artifact of a job that is not final."""
+
+
+class NotDeletableError(StoreError):
+    """A job whose record something still needs (active, served, started from)."""
 
 
 class NotResumableError(StoreError):
@@ -114,6 +130,7 @@ async def add_model(sm: Sessions, spec: ModelSpec) -> ModelRecord:
         "architecture": None
         if spec.architecture is None
         else msgspec.to_builtins(spec.architecture),
+        "serving": msgspec.to_builtins(spec.serving),
     }
     try:
         async with sm() as s, s.begin():
@@ -170,9 +187,8 @@ async def create_job(
     """Insert a queued job for `spec` (already checked) and its first job
     event; `eval_set`: its evaluation set, if it has one."""
     t = now()
-    expected = [ArtifactKind.PEFT.value]
-    if model.engine is Engine.LLAMACPP:
-        expected.append(ArtifactKind.GGUF.value)
+    gguf = [ArtifactKind.GGUF.value] if model.engine is Engine.LLAMACPP else []
+    expected = [ArtifactKind.PEFT.value, *gguf]
     row: dict[str, Any] = {
         "id": job_id or new_job_id(),
         "name": spec.name,
@@ -209,6 +225,7 @@ async def create_job(
         "artifact_refs": None,
         "attempt_starts": None,
         "serve": spec.serve,
+        "serving": msgspec.to_builtins(spec.serving),  # null: the model's default
         **eval_columns(eval_set),
     }
     async with sm() as s, s.begin():
@@ -235,9 +252,11 @@ async def list_jobs(
     limit: int = 50,
     oldest_first: bool = False,
     ids: Iterable[str] = (),
+    after: str | None = None,
 ) -> list[JobRecord]:
     """Jobs matching every filter given (`state` joins `states`; `ids`: these
-    jobs only); newest first by default."""
+    jobs only); newest first by default; `after`: those past that job in
+    this order (the next page; a job unknown is a NotFoundError)."""
     wanted = {s.value for s in states}
     if state is not None:
         wanted.add(state.value)
@@ -256,6 +275,21 @@ async def list_jobs(
     else:
         q = q.order_by(jobs.c.created_at.desc(), jobs.c.id.desc())
     async with sm() as s, s.begin():
+        if after is not None:
+            mark = (await s.execute(select(jobs.c.created_at).where(jobs.c.id == after))).scalar()
+            if mark is None:
+                raise NotFoundError(
+                    f"no job {after!r} (after): give the last id of a page", "$.after"
+                )
+            if oldest_first:
+                past = or_(
+                    jobs.c.created_at > mark, (jobs.c.created_at == mark) & (jobs.c.id > after)
+                )
+            else:
+                past = or_(
+                    jobs.c.created_at < mark, (jobs.c.created_at == mark) & (jobs.c.id < after)
+                )
+            q = q.where(past)
         rows = (await s.execute(q.limit(limit))).mappings().all()
     return [job_record(r) for r in rows]
 
@@ -279,6 +313,8 @@ async def transition(
     to_state: JobState,
     message: str = "",
     node: str | None = None,
+    *,
+    moved: bool = False,
 ) -> tuple[bool, JobRecord]:
     """Compare-and-set the job's state; return (applied, the job as it is now).
 
@@ -296,8 +332,8 @@ async def transition(
 
     on a node -> queued is the requeue (`lorafleet.states`): applied only
     while the job has attempts left; the job's node goes back to the one
-    its submitter named.
-    """
+    its submitter named. `moved` (a drain's move_training, not a loss):
+    applied whatever the attempts left, max_attempts grown by one."""
     if from_state is JobState.QUEUED and to_state is JobState.QUEUED:
         return await _set_queued_message(sm, job_id, message)
     requeue = to_state is JobState.QUEUED and from_state in REQUEUE_FROM
@@ -309,9 +345,9 @@ async def transition(
             "not by a transition"
         )
     t = now()
-    guard, values = _move_statement(job_id, from_state, to_state, message, node, t)
+    guard, values = _move_statement(job_id, from_state, to_state, message, node, t, moved)
     async with sm() as s, s.begin():
-        if requeue:
+        if requeue and not moved:
             _check_attempts_left(await load_job(s, job_id), from_state)
         if to_state is JobState.STARTING:
             before = await load_job(s, job_id)
@@ -338,6 +374,7 @@ def _move_statement(
     message: str,
     node: str | None,
     t: dt.datetime,
+    moved: bool = False,
 ) -> tuple[Update, dict[str, Any]]:
     """The guarded UPDATE of a transition (see `transition`) and its values."""
     requeue = to_state is JobState.QUEUED and from_state in REQUEUE_FROM
@@ -356,7 +393,9 @@ def _move_statement(
     guard = update(jobs).where(jobs.c.id == job_id, jobs.c.state == from_state.value)
     if node is not None:
         guard = guard.where(or_(jobs.c.node.is_(None), jobs.c.node == node))
-    if requeue:
+    if requeue and moved:
+        values["max_attempts"] = jobs.c.max_attempts + 1
+    elif requeue:
         guard = guard.where(jobs.c.attempt < jobs.c.max_attempts)
     return guard, values
 
@@ -448,3 +487,48 @@ async def resume_source(sm: Sessions, job_id: str) -> tuple[JobRecord, Checkpoin
     if row is None:
         return None
     return job_record(row), start_ref(row)
+
+
+#: Serving states in which an engine holds a job's adapter (or is about to).
+_HOLDING = ("loading", "served", "restart_required")
+
+
+async def delete_job(sm: Sessions, job_id: str) -> JobRecord:
+    """Delete a final job's row (its events, curves and serving records go
+    with it: ON DELETE CASCADE); the record as it was. NoSuchJobError, or
+    NotDeletableError saying what to do first."""
+    async with sm() as s, s.begin():
+        row = await load_job(s, job_id)
+        if row is None:
+            raise NoSuchJobError(job_id)
+        state = JobState(row["state"])
+        if state not in FINAL:
+            raise NotDeletableError(f"job {job_id} is {state.value}: cancel it first")
+        held = (
+            await s.execute(
+                select(servings.c.node)
+                .where(servings.c.job_id == job_id, servings.c.state.in_(_HOLDING))
+                .limit(1)
+            )
+        ).scalar()
+        if held is not None:
+            raise NotDeletableError(
+                f"job {job_id}'s adapter is served on {held}: `lorafleet unserve {job_id}` first"
+            )
+        starting = (
+            await s.execute(
+                select(jobs.c.id)
+                .where(jobs.c.resume_from == job_id, jobs.c.state.notin_([f.value for f in FINAL]))
+                .limit(1)
+            )
+        ).scalar()
+        if starting is not None:
+            raise NotDeletableError(
+                f"job {starting} starts from job {job_id}: delete {job_id} once it has ended"
+            )
+        gone = await s.execute(
+            delete(jobs).where(jobs.c.id == job_id, jobs.c.version == row["version"])
+        )
+        if gone.rowcount != 1:  # type: ignore[attr-defined]
+            raise NotDeletableError(f"job {job_id} changed while being deleted: try again")
+    return job_record(row)

@@ -72,6 +72,8 @@ models = Table(
     Column("created_at", UtcDateTime, nullable=False),
     # ModelArchitecture as JSON (migration 0002); null without one.
     Column("architecture", JSON),
+    # Migration 0008: ModelSpec.serving ("all" or {"replicas": N}); null: none.
+    Column("serving", JSON),
 )
 
 #: The jobs. `version` grows by one at every write: the guard of every
@@ -128,6 +130,11 @@ jobs = Table(
     Column("eval_dataset", Text),
     Column("eval_dataset_sha256", String(64)),
     Column("eval_records", Integer, nullable=False, server_default="0"),
+    # Migration 0008: JobSpec.serving; null: the model's default.
+    Column("serving", JSON),
+    # A DPO job's newest step and held-out numbers (migration 0009).
+    Column("preference", JSON),
+    Column("eval_preference", JSON),
 )
 
 #: One reported optimizer step; (job_id, step, attempt) is stored once.
@@ -141,6 +148,7 @@ loss_points = Table(
     Column("tokens_per_s", Float),
     Column("peak_mib", Integer),
     Column("attempt", Integer, primary_key=True, server_default="1"),
+    Column("preference", JSON),
 )
 
 #: One evaluation of the held-out records; (job_id, step, attempt) is stored once.
@@ -151,6 +159,7 @@ eval_points = Table(
     Column("step", Integer, primary_key=True),
     Column("eval_loss", Float, nullable=False),
     Column("attempt", Integer, primary_key=True, server_default="1"),
+    Column("preference", JSON),
 )
 
 #: One state change of a job and its reason.

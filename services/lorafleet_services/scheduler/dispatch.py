@@ -1,7 +1,8 @@
 """Jobs onto and off nodes: the leader's dispatch round, and cancel.
 
 One round (`Dispatcher.round`, the leader's, one at a time): fail the jobs
-of nodes lost since the last round, plan and send queued jobs
+of nodes lost since the last round, move the training of nodes drained
+with move_training (`move_off_node`), plan and send queued jobs
 (`placement.plan_dispatch`), say why the others wait, and every
 `RECONCILE_EVERY_S` compare what the recorder holds on nodes with what the
 nodes run (`reconcile.reconcile`). Every decision is in node_table.py,
@@ -16,6 +17,8 @@ scheduler/DESIGN.md.
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
+import math
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -25,7 +28,14 @@ from nats.aio.client import Client
 from lorafleet import metrics
 from lorafleet._recorder_client import RecorderClient
 from lorafleet._tasks import stop_tasks
-from lorafleet.errors import ApiError, BadRequestError, ConflictError, NotFoundError
+from lorafleet.errors import (
+    ApiError,
+    BadRequestError,
+    ConflictError,
+    NotFoundError,
+    UnavailableError,
+)
+from lorafleet.fleet_serving import policy_of
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet.nats import _bus as bus
@@ -96,6 +106,46 @@ class AgentRequests:
         )
 
 
+class WaitingMessages:
+    """What each queued job waits for, said once per change: logged, and set
+    as the job's message by the recorder's `queued -> queued`."""
+
+    def __init__(self, recorder: RecorderClient, logger: Any) -> None:
+        self.recorder = recorder
+        self.logger = logger
+        self.said: dict[str, str] = {}
+        #: False once the recorder refused a message-only transition (an older one).
+        self.updates = True
+
+    async def say(self, job: JobRecord, message: str) -> None:
+        """Tell the recorder (and the log) what `job` waits for, once per message."""
+        if self.said.get(job.id) == message:
+            return
+        self.said[job.id] = message
+        if len(self.said) > 10 * LIST_LIMIT:
+            self.said.clear()
+        self.logger.info(Event.JOB_WAITING, job_id=job.id, node=job.node, message=message)
+        if job.message == message or not self.updates:
+            return
+        # A queued -> queued "transition" only sets the message (the recorder
+        # records no event for it); older recorders refuse it.
+        try:
+            await self.recorder.transition(
+                TransitionRequest(
+                    id=job.id, from_state=JobState.QUEUED, to_state=JobState.QUEUED, message=message
+                )
+            )
+        except (BadRequestError, ConflictError) as e:
+            self.updates = False
+            self.logger.warning(
+                Event.TRANSITION_REFUSED,
+                job_id=job.id,
+                message="the recorder cannot set a queued job's message; "
+                "waiting reasons are only logged",
+                error=str(e),
+            )
+
+
 class Dispatcher:
     """Moves jobs between the queue and the nodes of `table`.
 
@@ -109,8 +159,10 @@ class Dispatcher:
         table: NodeTable,
         clock: Callable[[], float],
         logger: Any,
+        store_wait_s: float = math.inf,
     ) -> None:
         self.recorder = recorder
+        self.store_wait_s = store_wait_s
         self.agents = agents
         self.table = table
         self.clock = clock
@@ -119,11 +171,18 @@ class Dispatcher:
         self.first_seen: dict[str, float] = {}
         #: The jobs whose start this scheduler sent (or sent again).
         self.sent: set[str] = set()
+        #: job id -> the agent's clock when it took the job (its start reply).
+        self.accepted_at: dict[str, dt.datetime] = {}
+        #: job id -> monotonic seconds when this scheduler first saw it delivered.
+        self.delivered_at: dict[str, float] = {}
         self._last_reconcile = 0.0
-        self._waiting_said: dict[str, str] = {}
         self._model_cache: dict[str, ModelRecord] = {}
-        self._message_updates = True
+        self.waiting = WaitingMessages(recorder, logger)
         self._background: set[asyncio.Task[Any]] = set()
+        #: Jobs lost with a node -> the request telling that node to stop them:
+        #: held from dispatch until it is answered or fails (`_stop_and_hold`);
+        #: the jobs moved off a drained node too.
+        self.held: dict[str, asyncio.Task[None]] = {}
 
     async def stop(self) -> None:
         """Drop pending start and node-cancel requests: what they would have
@@ -185,11 +244,61 @@ class Dispatcher:
                 cause = reconcile.node_lost_cause(node)
                 if await self.lose_on_node(job, cause, reconcile.node_lost_message(node)):
                     failed.add(job.id)
+                    self._stop_and_hold(node.name, job.id, cause)
+        for job in reconcile.training_moves(on_node, self.table.nodes, self.table.moves):
+            if job.id not in failed and await self.move_off_node(job):
+                failed.add(job.id)
+        held = self._holding()
+        queued = [j for j in queued if j.id not in held]
         if queued:
             await self._dispatch_queued(queued, on_node, now)
         if now - self._last_reconcile >= RECONCILE_EVERY_S:
             self._last_reconcile = now
             await self._reconcile([j for j in on_node if j.id not in failed], now)
+
+    async def move_off_node(self, job: JobRecord) -> bool:
+        """Move `job` off its node, drained with move_training: requeued (a new
+        attempt that uses none of its own), then stopped and held as a lost
+        node's job is (`_stop_and_hold`); dispatch sends it elsewhere."""
+        node = job.node or ""  # training_moves picks only placed jobs
+        cause = reconcile.drained_cause(node)
+        moved = await self.recorder.move_job(job, cause, still=lambda j: j.node == node)
+        if not moved.applied or moved.job is None:
+            return False
+        self.logger.info(
+            Event.JOB_REQUEUED,
+            job_id=job.id,
+            node=node,
+            state=moved.from_state.value if moved.from_state else "",
+            attempt=job.attempt,
+            message=moved.job.message,
+        )
+        self.sent.discard(job.id)
+        self._stop_and_hold(node, job.id, cause)
+        return True
+
+    def _stop_and_hold(self, node: str, job_id: str, cause: str) -> None:
+        """Tell the node a job was lost with (or moved off) to stop it, and hold
+        the job from dispatch until it answered or cannot (no responders, a
+        timeout). A move's node is alive and answers once its trainer stopped. A node
+        judged lost may still run it: an agent whose beats the bucket did not
+        store while its server answered (an election, a member catching up)
+        keeps its trainer, and a loss judged wrongly reaches a live agent. Sent
+        elsewhere at once, the job ran in two places (nemesis, issue 33). An
+        agent that cannot be reached has fenced itself by the time its node is
+        lost (agent/DESIGN.md, "Fencing"). Cost: a job lost with a cut-off
+        node waits up to the cancel's timeout before it runs again."""
+        why = f"{cause}: it runs elsewhere"
+        task = asyncio.create_task(self._cancel_on_node(node, job_id, why))
+        self.held[job_id] = task
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)
+
+    def _holding(self) -> set[str]:
+        """The jobs held now (a job failed with its node is held no longer than
+        its request: the map keeps nothing that ended)."""
+        self.held = {j: t for j, t in self.held.items() if not t.done()}
+        return set(self.held)
 
     async def _dispatch_queued(
         self, queued: list[JobRecord], on_node: list[JobRecord], now: float
@@ -198,7 +307,7 @@ class Dispatcher:
         plan = placement.plan_dispatch(queued, self.table.nodes, busy, now)
         by_id = {j.id: j for j in queued}
         for job_id, message in plan.waiting.items():
-            await self._say_waiting(by_id[job_id], message)
+            await self.waiting.say(by_id[job_id], message)
         if plan.send:
             models = await self._models({j.model for j, _ in plan.send})
             for job, target in plan.send:
@@ -210,33 +319,6 @@ class Dispatcher:
         if not wanted <= self._model_cache.keys():
             self._model_cache = {m.name: m for m in await self.recorder.models()}
         return self._model_cache
-
-    async def _say_waiting(self, job: JobRecord, message: str) -> None:
-        if self._waiting_said.get(job.id) == message:
-            return
-        self._waiting_said[job.id] = message
-        if len(self._waiting_said) > 10 * LIST_LIMIT:
-            self._waiting_said.clear()
-        self.logger.info(Event.JOB_WAITING, job_id=job.id, node=job.node, message=message)
-        if job.message == message or not self._message_updates:
-            return
-        # A queued -> queued "transition" only sets the message (the recorder
-        # records no event for it); older recorders refuse it.
-        try:
-            await self.recorder.transition(
-                TransitionRequest(
-                    id=job.id, from_state=JobState.QUEUED, to_state=JobState.QUEUED, message=message
-                )
-            )
-        except (BadRequestError, ConflictError) as e:
-            self._message_updates = False
-            self.logger.warning(
-                Event.TRANSITION_REFUSED,
-                job_id=job.id,
-                message="the recorder cannot set a queued job's message; "
-                "waiting reasons are only logged",
-                error=str(e),
-            )
 
     async def _dispatch(self, job: JobRecord, node: str, models: dict[str, ModelRecord]) -> None:
         model = models.get(job.model)
@@ -318,24 +400,16 @@ class Dispatcher:
     async def _send_start(
         self, job: JobRecord, node: str, start: StartRequest, resent: bool = False
     ) -> None:
-        try:
-            reply = await self.agents.start(node, start)
-        except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
-            # The agent may have the job: reconcile decides (see the module doc).
-            self.logger.warning(
-                Event.REQUEST_FAILED,
-                job_id=job.id,
-                node=node,
-                message="the agent did not answer the start request; reconcile will decide",
-                error=repr(e),
-            )
+        reply = await ask_start(self.agents, node, start, self.logger, job.id)
+        if reply is None:
             return
-        except ApiError as e:
-            reply = StartReply(accepted=False, reason=str(e))
-        except Exception as e:
-            self.logger.warning(Event.REQUEST_FAILED, job_id=job.id, node=node, error=repr(e))
+        if isinstance(reply, UnavailableError):  # presumed lost itself (agent/DESIGN.md): a loss
+            said = f"the agent on {node} did not take the job: {reply}"
+            await self.lose_on_node(job, f"the agent on {node} is presumed lost", said)
             return
         if reply.accepted:
+            if reply.accepted_at is not None:
+                self.accepted_at[job.id] = reply.accepted_at
             metrics.job_started(job.created_at)
             self.logger.info(
                 Event.JOB_DISPATCHED, job_id=job.id, node=node, message=f"attempt {job.attempt}"
@@ -352,12 +426,15 @@ class Dispatcher:
 
     async def _reconcile(self, on_node: list[JobRecord], now: float) -> None:
         ids = {j.id for j in on_node}
-        for job_id in list(self.first_seen):
-            if job_id not in ids:
-                del self.first_seen[job_id]
+        for seen in (self.first_seen, self.accepted_at, self.delivered_at):
+            for job_id in seen.keys() - ids:
+                del seen[job_id]
         self.sent &= ids
         for job in on_node:
             self.first_seen.setdefault(job.id, now)
+        stale = reconcile.deliveries_never_stored(
+            on_node, self.table.nodes, self.first_seen, self.delivered_at, now, self.store_wait_s
+        )
         result = reconcile.reconcile(
             on_node,
             self.table.nodes,
@@ -365,8 +442,9 @@ class Dispatcher:
             self.first_seen,
             view_since=self.table.touched_at,
             sent_here=self.sent,
+            accepted_at=self.accepted_at,
         )
-        for action in result.fail:
+        for action in [*stale, *result.fail]:
             await self.lose_on_node(action.job, action.cause, action.message)
         for resend in result.resend:
             await self._resend(resend.job, resend.node)
@@ -427,6 +505,28 @@ def _attempt_of(job: JobRecord) -> str:
     return f", attempt {job.attempt + 1} of {max(job.max_attempts, job.attempt + 1)}"
 
 
+async def ask_start(
+    agents: AgentRequests, node: str, start: StartRequest, logger: Any, job_id: str
+) -> StartReply | UnavailableError | None:
+    """The agent's answer to `start`: its reply (an error reply as a refusal),
+    None when it did not answer (it may have the job: reconcile decides, see
+    the module doc), or its UnavailableError: presumed lost itself, it did
+    not take the job."""
+    try:
+        return await agents.start(node, start)
+    except (TimeoutError, nats.errors.TimeoutError, nats.errors.NoRespondersError) as e:
+        message = "the agent did not answer the start request; reconcile will decide"
+        logger.warning(Event.REQUEST_FAILED, job_id=job_id, node=node, message=message,
+                       error=repr(e))  # fmt: skip
+    except UnavailableError as e:
+        return e
+    except ApiError as e:
+        return StartReply(accepted=False, reason=str(e))
+    except Exception as e:
+        logger.warning(Event.REQUEST_FAILED, job_id=job_id, node=node, error=repr(e))
+    return None
+
+
 def start_request(
     job: JobRecord, model: ModelRecord, resume: CheckpointRef | None = None
 ) -> StartRequest:
@@ -444,5 +544,7 @@ def start_request(
         eval_dataset_sha256=job.eval_dataset_sha256,
         params=job.params,
         artifacts=list(job.artifacts_expected),
-        serve=job.serve,
+        # With a serving policy the control plane places every replica, the
+        # trainer's node's too (replica_rounds.py): no auto-serve beside it.
+        serve=False if policy_of(job, model) is not None else job.serve,
     )

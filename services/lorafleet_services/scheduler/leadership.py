@@ -26,7 +26,7 @@ from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import KV_DEL, KV_PURGE, Header, Names, kv_stream
 from lorafleet.nats._bus import LEADER_TTL_S
-from lorafleet_services.scheduler.kv_watch import KeyWatch
+from lorafleet.nats._kv_watch import KeyWatch
 
 #: Seconds between renewals of the leader key (its TTL is bus.LEADER_TTL_S).
 LEADER_RENEW_S = 1.0

@@ -19,6 +19,7 @@ from lorafleet_schemas.messages import (
     Card,
     Heartbeat,
     NodeInfo,
+    NodeSchedule,
 )
 
 #: Seconds the safety-net sweep waits beyond the node timeout before it calls a
@@ -60,6 +61,8 @@ class Node:
     #: (it ended there), and when that beat arrived.
     let_go: str | None = None
     let_go_at: float = 0.0
+    #: What the operator allows here (`NodeTable.marks`, KV `node_marks`).
+    schedule: NodeSchedule = NodeSchedule.OPEN
 
     @property
     def name(self) -> str:
@@ -89,12 +92,42 @@ class NodeTable:
     #: Monotonic seconds of the last touch_all (our view came back): reconcile's
     #: grace runs from there. -inf: never.
     touched_at: float = -math.inf
+    #: node -> its mark when not open (KV `node_marks`); kept for nodes not heard yet.
+    marks: dict[str, NodeSchedule] = field(default_factory=dict)
+    #: Drained nodes whose training moves elsewhere (NodeMark.move_training)
+    #: -> whether a job with no checkpoint moves too (NodeMark.force).
+    moves: dict[str, bool] = field(default_factory=dict)
+
+    def mark(
+        self, name: str, schedule: NodeSchedule, move_training: bool = False, force: bool = False
+    ) -> None:
+        """Cordon, drain or open `name` (whether or not it beats now);
+        `move_training` (drained only): its training jobs resume elsewhere."""
+        if schedule is NodeSchedule.OPEN:
+            self.marks.pop(name, None)
+        else:
+            self.marks[name] = schedule
+        if schedule is NodeSchedule.DRAINED and move_training:
+            self.moves[name] = force
+        else:
+            self.moves.pop(name, None)
+        if name in self.nodes:
+            self.nodes[name].schedule = schedule
+
+    def info(self, node: Node) -> NodeInfo:
+        return NodeInfo(
+            heartbeat=node.heartbeat,
+            alive=node.alive,
+            schedule=node.schedule,
+            move_training=node.name in self.moves,
+        )
 
     def beat(self, hb: Heartbeat, now: float) -> BeatChange:
         old = self.nodes.get(hb.node)
         same_agent = old is not None and old.heartbeat.started_at == hb.started_at
         since = old.agent_since if old is not None and same_agent else now
         node = Node(heartbeat=hb, last_seen=now, alive=True, agent_since=since)
+        node.schedule = self.marks.get(hb.node, NodeSchedule.OPEN)
         if old is not None and same_agent:
             node.let_go, node.let_go_at = old.let_go, old.let_go_at
             if old.heartbeat.job is not None and hb.job != old.heartbeat.job:
@@ -133,10 +166,7 @@ class NodeTable:
                 node.last_seen = now
 
     def infos(self) -> list[NodeInfo]:
-        return [
-            NodeInfo(heartbeat=n.heartbeat, alive=n.alive)
-            for n in sorted(self.nodes.values(), key=lambda n: n.name)
-        ]
+        return [self.info(n) for n in sorted(self.nodes.values(), key=lambda n: n.name)]
 
 
 def lost_nodes(nodes: Iterable[Node], now: float, timeout_s: float) -> list[Node]:

@@ -22,7 +22,8 @@ from nats.js.kv import KeyValue
 
 from lorafleet import metrics
 from lorafleet.log import Event
-from lorafleet.names import KV_DEL, KV_PURGE
+from lorafleet.names import KV_DEL
+from lorafleet.nats._kv_watch import removed
 from lorafleet_schemas.messages import Heartbeat
 from lorafleet_services.scheduler.node_table import (
     SWEEP_MARGIN_S,
@@ -43,11 +44,11 @@ class Departure(enum.Enum):
 
 def departure(operation: str | None) -> Departure | None:
     """What a KV entry's operation says about its node (None: a beat)."""
+    if not removed(operation):
+        return None
     if operation == KV_DEL:
         return Departure.LEFT
-    if operation == KV_PURGE:
-        return Departure.EXPIRED
-    return None
+    return Departure.EXPIRED
 
 
 class NodeWatcher:
@@ -57,6 +58,8 @@ class NodeWatcher:
     and how long after our own reconnect expiry markers are left to it.
     clock: monotonic seconds. wake: called when dispatch may have something
     new to do (a node came up, went idle, was lost, or the table is complete).
+    holds_lease: whether this replica holds the leader's lease now (its last
+    write reached the majority within it); default always.
     """
 
     def __init__(
@@ -65,11 +68,13 @@ class NodeWatcher:
         clock: Callable[[], float],
         logger: Any,
         wake: Callable[[], None],
+        holds_lease: Callable[[], bool] = lambda: True,
     ) -> None:
         self.node_timeout_s = node_timeout_s
         self.clock = clock
         self.logger = logger
         self.wake = wake
+        self.holds_lease = holds_lease
         self.table = NodeTable()
         #: True once the watcher has delivered the bucket's current content.
         self.synced = False
@@ -130,16 +135,28 @@ class NodeWatcher:
             # it was down (and a fresh watch redelivers old deletes): the
             # sweep judges these nodes from now on. Not node.lost: whoever
             # counts those (an alert over the logs) counts real losses only.
-            self.logger.info(
-                Event.NODE_DEPARTURE_DEFERRED,
-                node=name,
-                message=f"{why.value} while our view was blind or just back: left to the sweep",
-            )
-            self._deferred[name] = (why, self.clock())
+            self._defer(name, why, "while our view was blind or just back")
+            return
+        if why is Departure.EXPIRED and not self.holds_lease():
+            # An expiry taken as a loss by a replica without the lease: in a
+            # member's cut-off both replicas were between leases and judged
+            # untouched nodes lost whose beats came 0.1-1 s after the marker
+            # (nemesis, issue 33). The leader's lease proves that its member
+            # reaches the majority; a marker it reads is the majority's.
+            self._defer(name, why, "while this replica holds no lease")
             return
         node = self.table.expire(name)
         if node is not None:
             self._gone(node, why)
+
+    def _defer(self, name: str, why: Departure, when: str) -> None:
+        """Leave a departure to the sweep: applied a node timeout later unless a beat comes."""
+        self.logger.info(
+            Event.NODE_DEPARTURE_DEFERRED,
+            node=name,
+            message=f"{why.value} {when}: left to the sweep",
+        )
+        self._deferred[name] = (why, self.clock())
 
     def _gone(self, node: Node, why: Departure) -> None:
         metrics.node_departed(why.name.lower())

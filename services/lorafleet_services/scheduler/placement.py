@@ -7,6 +7,7 @@ recorder holds none on it (`busy_nodes`): one job per node. A job named for a no
 waits for that node; one without goes to the live idle card node whose best
 card has the most MiB free, a CPU-training node only when no card node is
 alive; a job that cannot go anywhere stays queued saying what it waits for.
+A cordoned or drained node takes no new job (one it runs finishes).
 A *delivered* `uploading` job neither holds its node nor is lost with it,
 unless the agent restarted since (`CLOCK_SKEW_S`). Why each rule:
 scheduler/DESIGN.md.
@@ -22,6 +23,7 @@ from lorafleet.states import ON_NODE
 from lorafleet_schemas.messages import (
     JobRecord,
     JobState,
+    NodeSchedule,
 )
 from lorafleet_services.scheduler.node_table import Node, utc_hms
 
@@ -101,6 +103,11 @@ def _named_node_wait(job: JobRecord, node: Node | None, busy_with: str | None) -
             f"waiting for node {name}: it reports no cards and does not train on the CPU; "
             "check its NVIDIA driver"
         )
+    if node.schedule is not NodeSchedule.OPEN:
+        return (
+            f"waiting for node {name}: it is {node.schedule.value} (no new training there; "
+            f"`lorafleet nodes uncordon {name}`, or submit without a node)"
+        )
     running = node.running or busy_with
     if running is not None:
         return f"waiting for node {name}: it is busy with job {running}"
@@ -131,7 +138,10 @@ def plan_dispatch(
     taken: set[str] = set()
 
     def idle(n: Node) -> bool:
-        return n.alive and n.running is None and n.name not in busy and n.name not in taken
+        open_ = n.schedule is NodeSchedule.OPEN
+        return (
+            open_ and n.alive and n.running is None and n.name not in busy and n.name not in taken
+        )
 
     any_card_node_alive = any(n.alive and n.heartbeat.cards for n in nodes.values())
     for job in queued_jobs:
@@ -176,6 +186,8 @@ def _placement_wait(job: JobRecord, nodes: Mapping[str, Node]) -> str:
     want = f"waiting for a live idle node with a card of {job.gpu_memory_mib} MiB free"
     if not alive:
         return f"{want}: no node is heartbeating"
+    if all(n.schedule is not NodeSchedule.OPEN for n in alive):
+        return f"{want}: every live node is cordoned (`lorafleet nodes uncordon NODE`)"
     cards = [(c, n.name) for n in alive for c in n.heartbeat.cards]
     if cards:
         card, name = max(cards, key=lambda cn: cn[0].free_mib)

@@ -7,16 +7,18 @@ agent, unless it is a `starting` job this scheduler did not send: that
 start is sent again, same attempt. A job on a node that is not alive was
 lost with it. A job a node runs that the recorder holds final there is
 cancelled on the node. A lost job is requeued with attempts left, else
-failed (`lorafleet.states.loss_outcome`). Why: scheduler/DESIGN.md.
+failed (`lorafleet.states.loss_outcome`). A training job on a node drained
+with move_training is moved (`training_moves`). Why: scheduler/DESIGN.md.
 """
 
 from __future__ import annotations
 
+import datetime as dt
 import math
 from collections.abc import Container, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 
-from lorafleet.states import FINAL, ON_NODE
+from lorafleet.states import FINAL, MOVABLE, ON_NODE
 from lorafleet_schemas.messages import (
     CheckpointRef,
     JobRecord,
@@ -108,6 +110,7 @@ def reconcile(
     grace_s: float = RECONCILE_GRACE_S,
     view_since: float = -math.inf,
     sent_here: Container[str] | None = None,
+    accepted_at: Mapping[str, dt.datetime] | None = None,
 ) -> Reconciliation:
     """Compare what the recorder holds on nodes with what the nodes say they run.
 
@@ -118,7 +121,9 @@ def reconcile(
     node table holds the KV bucket's current content: a node missing from
     it is a node that is gone. sent_here: the jobs whose start this scheduler
     sent (or sent again); a `starting` job not in it is sent its start again
-    instead of lost. None: every start counts as sent.
+    instead of lost. None: every start counts as sent. accepted_at: job id ->
+    the agent's clock when it took the job (its start reply): a beat of the
+    node composed no later says nothing of the job, however late it arrives.
     """
     out = Reconciliation()
     held: set[tuple[str, str]] = set()
@@ -127,6 +132,7 @@ def reconcile(
             continue
         held.add((job.node, job.id))
         node = nodes.get(job.node)
+        delivered = is_delivered(job, node, first_seen.get(job.id))
         if node is None or not node.alive:
             if node is None:
                 msg = (
@@ -134,22 +140,19 @@ def reconcile(
                     "submit it again"
                 )
                 out.fail.append(FailJob(job, msg, f"node {job.node} is not heartbeating"))
-            elif not is_delivered(job, node, first_seen.get(job.id)):
+            elif not delivered:
                 out.fail.append(FailJob(job, node_lost_message(node), node_lost_cause(node)))
             continue
         if node.running == job.id:
             continue
         if job.state is JobState.UPLOADING:
-            if not is_delivered(job, node, first_seen.get(job.id)):
+            if not delivered:
                 out.fail.append(_agent_lost(job, job.node))
             continue
         if node.let_go == job.id and now - node.let_go_at < LET_GO_GRACE_S:
             continue  # it ended there: its final report is on its way to the recorder
-        grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
         since = max(first_seen.get(job.id, now), view_since)
-        # The beat must also be newer than the grace: a beat that left the agent
-        # before it took the job says nothing about it.
-        if now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s:
+        if _beat_says_lost(node, now, since, grace_s, (accepted_at or {}).get(job.id)):
             unsent = sent_here is not None and job.id not in sent_here
             if job.state is JobState.STARTING and unsent:
                 out.resend.append(ResendStart(job, job.node))
@@ -161,8 +164,53 @@ def reconcile(
     return out
 
 
+def _beat_says_lost(
+    node: Node, now: float, since: float, grace_s: float, taken: dt.datetime | None
+) -> bool:
+    """The node's beat, without the job sent (or seen there) at `since`, says
+    the agent lost it: past the grace (at least two beat periods), received a
+    beat period after `since` and composed after the agent took the job
+    (`taken`, its clock; a beat composed before can be stored late)."""
+    if taken is not None and node.heartbeat.time <= taken:
+        return False
+    grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
+    return now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s
+
+
 def _agent_lost(job: JobRecord, node: str) -> FailJob:
     return FailJob(job, agent_lost_message(node), agent_lost_cause(node))
+
+
+def deliveries_never_stored(
+    on_node: Iterable[JobRecord],
+    nodes: Mapping[str, Node],
+    first_seen: Mapping[str, float],
+    delivered_at: dict[str, float],
+    now: float,
+    store_wait_s: float,
+) -> list[FailJob]:
+    """The `uploading` jobs delivered (`is_delivered`) `store_wait_s` or more
+    ago and still not stored: lost (nemesis seed 17). `delivered_at` (job id ->
+    when this scheduler first saw it delivered) is the caller's, kept here."""
+    out: list[FailJob] = []
+    for job in on_node:
+        if not is_delivered(job, nodes.get(job.node or ""), first_seen.get(job.id)):
+            delivered_at.pop(job.id, None)
+        elif now - delivered_at.setdefault(job.id, now) >= store_wait_s:
+            out.append(never_stored(job, store_wait_s))
+    return out
+
+
+def never_stored(job: JobRecord, store_wait_s: float) -> FailJob:
+    """`job`'s agent delivered its artifacts `store_wait_s` ago and the
+    artifact-store has stored them not, nor failed the job: lost."""
+    return FailJob(
+        job,
+        f"node {job.node} delivered the job's artifacts and the artifact-store did not store "
+        f"them within {store_wait_s:.0f} s (LORAFLEET_DELIVERY_STORE_WAIT_S): check its log "
+        "(artifact.rejected) and that it runs, then `lorafleet resume JOB`",
+        f"its artifacts, delivered by {job.node}, were not stored within {store_wait_s:.0f} s",
+    )
 
 
 def agent_lost_message(node: str) -> str:
@@ -181,6 +229,49 @@ def should_cancel_on_node(job: JobRecord | None, node: str | None = None) -> boo
     if job.state is JobState.QUEUED and job.attempt > 0:
         return True
     return node is not None and job.node is not None and job.node != node
+
+
+def drained_cause(node: str) -> str:
+    """Why a job moved off a drained node went back to the queue."""
+    return f"node {node} was drained with move_training"
+
+
+def why_training_stays(job: JobRecord, force: bool) -> str | None:
+    """Why `job`, on a node drained with move_training, stays there to finish
+    (None: it moves). Without `force` a job that has trained and has no
+    checkpoint stays: moved, it would start again from step 0 and lose every
+    step it took, which an operator moving work off a node does not expect
+    (kubectl drain refuses what it cannot move safely the same way)."""
+    if job.state not in MOVABLE:  # its training is over: moved, it would train again
+        return f"it is {job.state.value}: its training is over, so it finishes on {job.node}"
+    if job.requested_node is not None and job.requested_node == job.node:
+        return f"it was submitted for node {job.node} (node), so it can run nowhere else"
+    if job.checkpoint is None and job.step > 0 and not force:
+        return (
+            f"it has no checkpoint to resume from: moved, it would start again from step 0 "
+            f"and lose its {job.step} steps; wait for its first checkpoint "
+            "(params.checkpoint_every_s / checkpoint_every_steps), move it anyway with "
+            "force (--force), or drain without move_training and let it finish"
+        )
+    return None
+
+
+def training_moves(
+    on_node_jobs: Iterable[JobRecord], nodes: Mapping[str, Node], moves: Mapping[str, bool]
+) -> list[JobRecord]:
+    """The jobs to move now: on a live node drained with move_training
+    (`moves`: node -> force), and not staying (`why_training_stays`). A job
+    on a node that is not alive is the loss's (jobs_lost_with)."""
+    out = []
+    for job in on_node_jobs:
+        if job.node is None or job.node not in moves:
+            continue
+        node = nodes.get(job.node)
+        if node is None or not node.alive:
+            continue
+        if why_training_stays(job, moves[job.node]) is None:
+            out.append(job)
+    return out
 
 
 def resume_ref(job: JobRecord, other: JobRecord | None) -> CheckpointRef | None:

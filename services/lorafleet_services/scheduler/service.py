@@ -33,6 +33,7 @@ from lorafleet import log, metrics
 from lorafleet._recorder_client import RecorderClient
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
+from lorafleet.nats._kv_watch import KeyWatch
 from lorafleet.nats._micro import Route, start_service
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
@@ -45,12 +46,14 @@ from lorafleet_schemas.messages import (
     JobState,
     NodeList,
     NodeListRequest,
+    NodeScheduleRequest,
 )
 from lorafleet_services.scheduler.dispatch import AgentRequests, Dispatcher
-from lorafleet_services.scheduler.kv_watch import KeyWatch
 from lorafleet_services.scheduler.leadership import Leadership
 from lorafleet_services.scheduler.metric_views import node_samples
+from lorafleet_services.scheduler.node_marks import NodeMarks
 from lorafleet_services.scheduler.nodes import NodeWatcher
+from lorafleet_services.scheduler.replica_rounds import ReplicaRounds
 from lorafleet_services.scheduler.serving import ServeHandlers
 
 #: Seconds between dispatch rounds when nothing wakes them (the safety net
@@ -97,7 +100,9 @@ class Scheduler:
         self._wake = asyncio.Event()
         #: When the rounds last ran (STALL_SHARE).
         self._last_round = clock()
-        self.nodes = NodeWatcher(settings.node_timeout_s, clock, self.logger, self._wake.set)
+        self.nodes = NodeWatcher(
+            settings.node_timeout_s, clock, self.logger, self._wake.set, holds_lease=self.is_leader
+        )
         self.leadership = Leadership(
             self.js, self.names, self.instance, self.logger, clock, on_acquired=self._acquired
         )
@@ -112,9 +117,16 @@ class Scheduler:
             self.nodes.table,
             clock,
             self.logger,
+            store_wait_s=settings.delivery_store_wait_s,
         )
         self.serving = ServeHandlers(
             self.dispatcher.recorder, self.dispatcher.agents, self.nodes.table, self.logger
+        )
+        self.replicas = ReplicaRounds(
+            self.dispatcher.recorder, self.dispatcher.agents, self.nodes.table, clock, self.logger
+        )
+        self.marks = NodeMarks(
+            self.js, self.names, self.nodes.table, self.dispatcher.recorder, self.logger
         )
         self._node_watch = KeyWatch(
             self.js,
@@ -136,6 +148,7 @@ class Scheduler:
     async def start(self) -> None:
         self._unregister = metrics.LIVE.add(self.metric_samples)
         self._node_watch.start()
+        self.marks.watch.start()
         self.leadership.start()
         self._rounds = asyncio.create_task(self._run_rounds())
         await self.nc.subscribe(self.names.all_job_events, cb=self._on_job_event)
@@ -152,6 +165,7 @@ class Scheduler:
         """What every replica answers (the leader or not)."""
         return [
             Route(self.names.nodes_list, NodeListRequest, self.nodes_list),
+            Route(self.names.nodes_schedule, NodeScheduleRequest, self.marks.schedule),
             Route(self.names.jobs_cancel, JobCancelRequest, self.cancel),
             Route(self.names.adapters_serve, AdapterServeRequest, self.serving.serve),
             Route(self.names.adapters_unserve, AdapterUnserveRequest, self.serving.unserve),
@@ -162,7 +176,9 @@ class Scheduler:
         self._wake.set()
         await stop_tasks(self._rounds)
         await self._node_watch.stop()
+        await self.marks.watch.stop()
         await self.dispatcher.stop()
+        await self.replicas.stop()
         if self._service is not None:
             with contextlib.suppress(Exception):
                 await self._service.stop()
@@ -184,6 +200,7 @@ class Scheduler:
         value again), and forgive the silence (it was ours, not the nodes')."""
         self.nodes.reconnected()
         self._node_watch.restart()
+        self.marks.watch.restart()
         self.leadership.restart_watch()
         self._wake.set()
 
@@ -204,6 +221,8 @@ class Scheduler:
             event = msgspec.json.decode(msg.data, type=JobEvent)
         except msgspec.DecodeError:
             return
+        if event.job.state is JobState.DONE:
+            self.replicas.nudge()
         if event.job.state is JobState.QUEUED or event.job.state in FINAL:
             self._wake.set()
 
@@ -232,10 +251,12 @@ class Scheduler:
                 self.logger.warning(Event.REQUEST_FAILED, message="dispatch round", error=repr(e))
 
     async def round(self, now: float) -> None:
-        """One pass: fail lost nodes' jobs, dispatch queued jobs, reconcile."""
+        """One pass: fail lost nodes' jobs, dispatch queued jobs, reconcile,
+        keep the placed replicas placed."""
         if not self.nodes.synced:
             return  # the node table is not complete yet: every node would look unknown
         await self.dispatcher.round(now, self.nodes.take_lost())
+        await self.replicas.round(now)
 
     # --- API handlers ---------------------------------------------------
 

@@ -7,7 +7,7 @@ the node table (`job_refusal`, `node_refusal`, `engine_refusal`,
 answer is the reply; each engine's outcome follows as a ServingReport the
 recorder keeps. An agent that does not answer is an UnavailableError
 naming the node; nothing is recorded for it, so a request sent again is
-safe (docs/serving.md).
+safe (docs/fine-tune-and-serve.md).
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 converter) runs as, with a home of its own under work_dir; the agent runs
 the trainer as itself, and says why with how to fix it, when it cannot
 (not root, no such user, a work directory it cannot reach, an interpreter
-it cannot start). See docs/agent-environment.md."""
+it cannot start). See docs/deploy.md (nodes)."""
 
 from __future__ import annotations
 

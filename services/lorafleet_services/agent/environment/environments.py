@@ -12,7 +12,7 @@
   user; its GGUF is the stand-in's bytes, not a conversion.
 
 `trainer_environment(cfg)` answers the one cfg asks for. See
-docs/agent-environment.md.
+agent/DESIGN.md.
 """
 
 from __future__ import annotations

@@ -8,7 +8,7 @@ cached in the work directory (`ensure_conversion_code`: only the conversion
 scripts and their packages are kept; a link, a device or a path leaving its
 directory refuses the whole tarball). `convert_to_gguf` runs it in the
 engine's Python, as the engines' user. `local_conversion_source` makes such
-a source from llama-cpp-python's sdist, for the demo. docs/gguf-conversion.md.
+a source from llama-cpp-python's sdist, for the demo.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ Built in `overlay-<key>.partial-*`, marked complete last, renamed into
 place: a directory named `overlay-<key>` with its marker is a whole overlay;
 nothing else is ever taken for one. One build at a time per work directory,
 in this process or another agent's (a `filelock` on OVERLAY_LOCK, polled
-off the event loop). See docs/agent-environment.md.
+off the event loop).
 """
 
 from __future__ import annotations

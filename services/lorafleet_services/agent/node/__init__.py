@@ -3,6 +3,7 @@ on it, and the processes the agent starts and the leftovers it clears.
 
 - cards: the node's GPUs (NVML) and the choice of one for a job;
 - card_memory: a job's peak card memory, sampled while it trains;
+- engine_load: how busy each running engine is (its /metrics or /slots);
 - installed_engines: the vLLM and llama.cpp versions under the engines
   directory (what the heartbeat reports);
 - leftovers: trainers and job directories a crashed agent left behind;

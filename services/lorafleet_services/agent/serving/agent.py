@@ -9,7 +9,7 @@ PEFT reference, load and confirm (vllm_adapters.py), one change at a time
 on the node (a lock: slots are counted from one /v1/models read). The
 desired set (plan.DesiredSet) is loaded again into an engine that lost it,
 as the engine watch sees; llama.cpp is llamacpp.py's; reports, reports.py.
-How each step behaves, and what an operator sees: docs/serving.md.
+How each step behaves, and what an operator sees: docs/fine-tune-and-serve.md.
 """
 
 from __future__ import annotations
@@ -165,7 +165,7 @@ class ServingAgent:
     async def serve_request(self, req: NodeServeRequest) -> NodeServeReply:
         order = ServeOrder(
             job_id=req.job_id, model=req.model, sha256=req.sha256, probe_base="",
-            serve=True, engine=req.engine, object=req.object,
+            serve=True, engine=req.engine, object=req.object, placed=req.placed,
         )  # fmt: skip
         if req.model.engine is Engine.LLAMACPP:
             self._spawn(self._llamacpp(order))
@@ -255,7 +255,8 @@ class ServingAgent:
             reason = f"the adapter cannot be served: {e}"
             self.reports.report(_version(order), server.url, ServingState.FAILED, reason)
             return
-        await self._serve_on(server, adapter, probe_base, order.model.name, "")
+        await self._serve_on(server, adapter, probe_base, order.model.name, "",
+                             placed=order.placed)  # fmt: skip
 
     async def _serve_on(
         self,
@@ -266,6 +267,7 @@ class ServingAgent:
         note: str,
         *,
         reload: bool = False,
+        placed: bool = False,
     ) -> bool:
         """Load `adapter` into `server` (the module doc's steps); True once served."""
         v = AdapterVersion(adapter.job_id, model, adapter.served_name, adapter.sha256)
@@ -278,7 +280,7 @@ class ServingAgent:
             if reload and adapter.served_name in loaded:
                 return True  # read before the load was seen: nothing was lost
             self.reports.report(v, server.url, ServingState.LOADING, note)
-            done = await self._load(client, server, adapter, probe_base, v, loaded)
+            done = await self._load(client, server, adapter, probe_base, v, loaded, placed)
         self.watch.poke()
         return done
 
@@ -290,6 +292,7 @@ class ServingAgent:
         probe_base: str,
         v: AdapterVersion,
         loaded: list[str],
+        placed: bool = False,
     ) -> bool:
         desired = self.desired.on(server.url)
         victim = eviction_choice(desired, loaded, server.max_cpu_loras, adapter.served_name)
@@ -310,7 +313,7 @@ class ServingAgent:
         result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir)
         if isinstance(result, Served):
             self.backoff.succeeded((server.url, adapter.served_name))
-            self.desired.add(server.url, _desired(v, adapter, probe_base, result.path))
+            self.desired.add(server.url, _desired(v, adapter, probe_base, result.path, placed))
             reason = f"loaded as {result.name}; probe within {result.probe_error:.2g} of PEFT"
             self.reports.report(v, server.url, ServingState.SERVED, reason,
                          probe_error=result.probe_error)  # fmt: skip
@@ -388,8 +391,9 @@ class ServingAgent:
                 return
             note = f"{server.url} lost it (restarted?): loading it again"
             if not await self._serve_on(
-                server, adapter, entry.probe_base, entry.model, note, reload=True
-            ):
+                server, adapter, entry.probe_base, entry.model, note, reload=True,
+                placed=entry.placed,
+            ):  # fmt: skip
                 delay_s = self.backoff.failed(key)
                 self.logger.warning("serving.reload_failed", engine=server.url,
                                     adapter=entry.served_name, retry_in_s=delay_s)  # fmt: skip
@@ -432,12 +436,12 @@ def _version(item: ServeOrder | DesiredAdapter) -> AdapterVersion:
 
 
 def _desired(
-    v: AdapterVersion, adapter: AdapterToServe, probe_base: str, path: Path
+    v: AdapterVersion, adapter: AdapterToServe, probe_base: str, path: Path, placed: bool
 ) -> DesiredAdapter:
     return DesiredAdapter(
         job_id=v.job_id, served_name=v.served_name, sha256=v.sha256, model=v.model,
         base_model=adapter.base_model, model_type=adapter.model_type, probe_base=probe_base,
-        path=str(path), served_at=time.time(),
+        path=str(path), served_at=time.time(), placed=placed,
     )  # fmt: skip
 
 

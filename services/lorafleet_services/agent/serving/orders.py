@@ -22,11 +22,11 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from lorafleet.artifacts import file_sha256
+from lorafleet.fleet_serving import served_adapter_name
 from lorafleet_schemas.messages import ArtifactKind, Engine, ModelRecord, StartRequest
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.serving.running_engines import VllmServer
 from lorafleet_services.agent.serving.vllm_adapters import (
-    served_adapter_name,
     serves_model,
     stage_adapter,
 )
@@ -58,6 +58,8 @@ class ServeOrder:
     engine: str | None = None
     #: The artifacts bucket's object to fetch when the adapter is not held.
     object: str | None = None
+    #: NodeServeRequest.placed: never evicted here.
+    placed: bool = False
 
     @property
     def served_name(self) -> str:

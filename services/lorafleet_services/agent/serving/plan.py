@@ -3,10 +3,10 @@ tested without a bus or an engine.
 
 `DesiredSet` (which adapter versions each engine should hold, in
 `<work_dir>/served/desired.json`, written atomically), `eviction_choice`
-(the least recently served of the agent's own; one an operator loaded is
-never taken), `ReportSeq` (ServingReport.seq, growing per node across
+(the least recently served of the agent's own; one an operator loaded, or
+the control plane placed, is never taken), `ReportSeq` (ServingReport.seq, growing per node across
 restarts without being stored) and `ReloadBackoff` (when a failed reload may
-be tried again). docs/serving.md says what each means to an operator.
+be tried again). docs/fine-tune-and-serve.md says what each means to an operator.
 """
 
 from __future__ import annotations
@@ -41,6 +41,9 @@ class DesiredAdapter(msgspec.Struct, kw_only=True):
     path: str
     #: time.time() when it was last confirmed served (eviction takes the oldest).
     served_at: float = 0.0
+    #: Placed here by the control plane's serving policy (NodeServeRequest.placed):
+    #: never evicted (the control plane moves it; it may be the last replica).
+    placed: bool = False
 
 
 class _DesiredFile(msgspec.Struct):
@@ -123,12 +126,17 @@ def eviction_choice(
 
     Needed when `incoming` is not loaded and `slots` (--max-cpu-loras) are
     all taken. Possible among the loaded adapters the agent put there
-    (`desired`): the least recently served (lowest served_at) goes.
+    (`desired`): the least recently served (lowest served_at) goes; one the
+    control plane placed never does (it may be the fleet's last replica).
     """
     loaded_now = list(loaded)
     if slots is None or incoming in loaded_now or len(loaded_now) < slots:
         return None
-    ours = [a for a in desired if a.served_name in loaded_now and a.served_name != incoming]
+    ours = [
+        a
+        for a in desired
+        if a.served_name in loaded_now and a.served_name != incoming and not a.placed
+    ]
     if not ours:
         return None
     return min(ours, key=lambda a: (a.served_at, a.served_name)).served_name

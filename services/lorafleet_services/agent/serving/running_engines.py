@@ -6,7 +6,7 @@ parser reads them, with vLLM's defaults for the flags not given, and whose
 environment says whether runtime loading is on (None: unknown, left to the
 engine's answer). `parse_server_argv` and `runtime_updating` are pure;
 `scan_vllm_processes` and `running_vllm_servers` read /proc. The flags and
-their defaults: docs/serving.md ("Which engines run on the node"). A server
+their defaults an operator sets: docs/deploy.md (nodes). A server
 listening on every address is reported at the node's advertised host
 (`AgentConfig.advertise_host`), else at 127.0.0.1: the URL goes into the
 heartbeat, and a gateway on another host calls it.

@@ -9,7 +9,7 @@ same-name reload can serve stale cached output), `load_lora_adapter`, and
 the confirmation against PEFT's reference (`adapter_reference`: the
 adapter's probe.json, else the probe program); a load not confirmed is
 unloaded again (`ServeFailed`). `unserve_adapter` unloads one and removes
-its copy. The steps and their limits: docs/serving.md.
+its copy. What an operator sees: docs/fine-tune-and-serve.md.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from lorafleet.fleet_serving import served_adapter_name
 from lorafleet_services.agent.peft_adapter import PeftAdapterConfig
 from lorafleet_services.agent.serving.running_engines import VllmServer
 from lorafleet_services.agent.serving.vllm_client import ModelCard, VllmClient, VllmError
@@ -135,11 +136,6 @@ class ServeFailed:
 
 
 ServeResult = Served | ServeRefused | ServeFailed
-
-
-def served_adapter_name(job_id: str, sha256: str) -> str:
-    """`<job id>-<first 12 of the adapter's sha256>`: one name per adapter version."""
-    return f"{job_id}-{sha256[:12]}"
 
 
 def preflight(

@@ -53,6 +53,12 @@ from lorafleet_services.agent.node.leftovers import JOB_DIR_VAR
 from lorafleet_services.agent.node.process import ManagedProcess, ProcessResult
 from lorafleet_services.agent.training.status_reports import Reporter
 from lorafleet_services.agent.training.trainer_lines import TrainerLines, job_estimate_mib
+from lorafleet_services.agent.training.yielding import (
+    PAUSE_FILE,
+    LoadTargets,
+    start_yielding,
+    stop_yielding,
+)
 from lorafleet_services.agent.transfer.checkpoints import CheckpointSender
 from lorafleet_services.agent.transfer.fetch import (
     DATA_FILE,
@@ -165,7 +171,8 @@ def job_file(
     """job.json for the trainer (its format: lorafleet_trainer.jobfile).
 
     checkpoint_dir: where the trainer writes its checkpoints (the agent
-    delivers and removes them: agent/transfer/checkpoints.py); resume: where it
+    delivers and removes them: agent/transfer/checkpoints.py); pause_path:
+    the pause file of a job that yields to serving (training/yielding.py); resume: where it
     starts from (agent/training/resume.py's entry {"dir", "mode"}), or None. The
     evaluation set, when the job has one, is EVAL_DATA_FILE beside the data.
     """
@@ -190,6 +197,7 @@ def job_file(
         resume=parse_resume(resume),
         eval_data_path=data_path.with_name(EVAL_DATA_FILE) if has_eval else None,
         eval_data_sha256=req.eval_dataset_sha256 if has_eval else None,
+        pause_path=job_dir / PAUSE_FILE if req.params.yield_to_serving == "auto" else None,
     )
 
 
@@ -248,8 +256,11 @@ class JobRun:
         cfg: AgentConfig,
         req: StartRequest,
         on_delivered: Delivered | None = None,
+        engines: LoadTargets | None = None,
     ) -> None:
         self.js = js
+        #: The node's engines, for a job that yields to serving; None: none.
+        self.engines = engines
         #: Told of the job once its artifacts are delivered (the serving
         #: agent's auto-serve), before the job directory goes; None: nothing
         #: is served.
@@ -489,7 +500,12 @@ class JobRun:
             self.trainer_pid = mp.pid
             self.logger.info(Event.TRAINER_STARTED, pid=mp.pid, python=env.python,
                              device=choice.device, card=choice.index)  # fmt: skip
-            result = await self._wait_trainer(mp)
+            yielding = start_yielding(self.job_dir / PAUSE_FILE, self.req.params.yield_to_serving,
+                                      self.engines, self.cfg, self.logger)  # fmt: skip
+            try:
+                result = await self._wait_trainer(mp)
+            finally:
+                await stop_yielding(yielding)
         finally:
             # The final adapter matters now; a checkpoint in flight is dropped.
             await sender.stop()

@@ -29,11 +29,25 @@ from lorafleet_schemas.messages import (
     TrainerLog,
     TrainerState,
     TrainerStep,
+    TrainerYield,
 )
 from lorafleet_services.agent.training.status_reports import Reporter
+from lorafleet_services.agent.training.yielding import YieldNotes
 from lorafleet_services.agent.transfer.checkpoints import CheckpointSender
 
 _line_decoder: msgspec.json.Decoder[TrainerLine] = msgspec.json.Decoder(TrainerLine)
+
+
+#: A DPO job's numbers on a step line, and on an eval line.
+PREFERENCE_FIELDS = ("rewards_chosen", "rewards_rejected", "margin", "accuracy")
+EVAL_PREFERENCE_FIELDS = tuple(f"eval_{f}" for f in PREFERENCE_FIELDS)
+
+
+def preference_of(line: TrainerStep | TrainerEval) -> dict[str, float] | None:
+    """A DPO job's numbers a step or eval line carries (None: a supervised job's)."""
+    names = PREFERENCE_FIELDS if isinstance(line, TrainerStep) else EVAL_PREFERENCE_FIELDS
+    found = {n: v for n in names if (v := getattr(line, n)) is not None}
+    return found or None
 
 
 def lengths_note(line: TrainerLengths, req: StartRequest) -> str:
@@ -89,6 +103,7 @@ class TrainerLines:
         self.error_line: str | None = None
         self.peak_trainer_mib = 0
         self.checkpoints: CheckpointSender | None = None
+        self.yield_notes = YieldNotes()
 
     def peak(self) -> int:
         return max(self.peak_trainer_mib, self.sampled())
@@ -123,6 +138,7 @@ class TrainerLines:
             tokens_per_s=line.tokens_per_s,
             eta_s=line.eta_s,
             peak_mib=peak,
+            preference=preference_of(line),
         )
         self.logger.info(
             Event.JOB_PROGRESS, step=line.step, steps=line.steps, loss=line.loss, peak_mib=peak
@@ -137,7 +153,7 @@ class TrainerLines:
                 r.report(message=line.message or line.state)
             self.logger.info(Event.TRAINER_LINE, state=line.state, message=line.message)
         elif isinstance(line, TrainerEval):
-            r.report(step=line.step, eval_loss=line.eval_loss)
+            r.report(step=line.step, eval_loss=line.eval_loss, eval_preference=preference_of(line))
             self.logger.info(Event.JOB_EVAL, step=line.step, eval_loss=line.eval_loss)
         elif isinstance(line, TrainerLog):
             r.report(message=line.message)
@@ -149,6 +165,12 @@ class TrainerLines:
             note = lengths_note(line, self.req)
             r.report(message=note)
             self.logger.info(Event.TRAINER_LINE, message=note)
+        elif isinstance(line, TrainerYield):
+            self.logger.info(Event.TRAINER_LINE, message=f"yield {line.state}", step=line.step,
+                             cause=line.cause, paused_s=line.paused_s)  # fmt: skip
+            said = self.yield_notes.message(line)
+            if said is not None:
+                r.report(message=said)
         elif isinstance(line, TrainerDone):
             self.done_line = line
             self.logger.info(Event.TRAINER_LINE, message="done", adapter_dir=line.adapter_dir)

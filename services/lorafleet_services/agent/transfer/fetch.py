@@ -1,8 +1,8 @@
 """Objects fetched onto the node: the job's dataset (and evaluation set), and
 what it resumes from.
 
-A node may read the datasets and the artifacts buckets by message gets
-only (`lorafleet.objects.read_object`; lorafleet.access.permissions allows
+A node may read the datasets and the artifacts buckets by message and
+direct gets only (`lorafleet.objects.read_object`; lorafleet.access.permissions allows
 nothing else there), so this is the one way the agent reads an object.
 """
 
@@ -14,7 +14,6 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from lorafleet import objects
-from lorafleet.artifacts import file_sha256
 from lorafleet_schemas.messages import StartRequest
 
 #: In the job directory: the training data, and the evaluation set beside it.
@@ -36,13 +35,13 @@ async def fetch_object(js: JetStreamContext, bucket: str, name: str, path: Path)
     """
     f = await asyncio.to_thread(path.open, "wb")
     try:
-        # Not nats-py's get: read_object needs one API subject on one
+        # Not nats-py's get: read_object needs two API subjects on one
         # stream, what a node's credentials allow (lorafleet.access.permissions).
-        await objects.read_object(js, bucket, name, f)
+        # The sha256 of the bytes as written: a second pass over the file
+        # cost as much CPU as the reading.
+        return await objects.read_object_sha256(js, bucket, name, f)
     finally:
         await asyncio.to_thread(f.close)
-    sha = await asyncio.to_thread(file_sha256, path)
-    return path.stat().st_size, sha
 
 
 async def fetch_checked(

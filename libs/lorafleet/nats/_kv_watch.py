@@ -25,7 +25,7 @@ from nats.js.kv import KeyValue
 
 from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
-from lorafleet.names import kv_stream
+from lorafleet.names import KV_DEL, KV_PURGE, kv_stream
 from lorafleet.nats._natspy import watch_consumer_info
 
 #: Seconds before the first retry of a failed watch; default 0.5.
@@ -224,3 +224,10 @@ class KeyWatch:
             # while entries still arrive: a big bucket's content takes a while).
             self.rebuilds += 1
             self.restart()
+
+
+def removed(operation: str | None) -> bool:
+    """Whether a KV entry's operation removes its key: a delete, or the purge
+    marker an expired key leaves (a node's heartbeat: the scheduler's
+    `nodes.departure` tells the two apart; the gateway needs only this)."""
+    return operation in (KV_DEL, KV_PURGE)

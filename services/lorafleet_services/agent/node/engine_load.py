@@ -1,0 +1,160 @@
+"""How busy each engine on the node is: read every fraction of a second by
+the trainer's yielding (agent/training/yielding.py).
+
+One plain parser per engine kind, of what the engine itself publishes:
+vLLM's Prometheus `/metrics` (`vllm:num_requests_running`,
+`vllm:num_requests_waiting`, summed over its series: one per model name and
+engine index), llama.cpp's `/metrics` (`llamacpp:requests_processing`,
+`llamacpp:requests_deferred`; llama-server needs `--metrics`) or, without
+it, its `/slots` (a slot `is_processing`, older releases `state` 1). A read
+costs the engine one small text render (vLLM: about 10 KB); `read_load`
+bounds it by `LOAD_READ_TIMEOUT_S` and answers None for an engine that does
+not answer, which the yielding takes as not busy: an engine that is down
+has no users to yield to.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from enum import StrEnum
+
+import httpx2
+
+#: Seconds one engine's load read may take; a busy CPU engine answers in
+#: tens of milliseconds, and a read that takes longer is worth less than
+#: the next one.
+LOAD_READ_TIMEOUT_S = 1.0
+
+
+class LoadSource(StrEnum):
+    """What is read of an engine."""
+
+    VLLM_METRICS = "vllm"
+    LLAMACPP_METRICS = "llamacpp"
+    LLAMACPP_SLOTS = "llamacpp-slots"
+
+
+class EngineLoadError(ValueError):
+    """An engine's answer is not what its kind publishes."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineLoad:
+    """One engine's requests now: being processed, and queued behind them."""
+
+    engine: str
+    running: int
+    waiting: int
+
+    @property
+    def requests(self) -> int:
+        return self.running + self.waiting
+
+    def describe(self) -> str:
+        return f"{self.engine} has {self.running} running, {self.waiting} waiting"
+
+
+@dataclass(frozen=True, slots=True)
+class LoadTarget:
+    """An engine to read: its URL (`http://host:port`), what to read, and
+    the API key its endpoints need (vLLM's --api-key guards /metrics too)."""
+
+    url: str
+    source: LoadSource
+    api_key: str | None = None
+
+    @property
+    def path(self) -> str:
+        return "/slots" if self.source is LoadSource.LLAMACPP_SLOTS else "/metrics"
+
+
+def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
+    """The sum over every series of each metric in `names` in a Prometheus
+    text exposition (labels ignored); EngineLoadError when one is missing."""
+    sums: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
+        name = line[:name_end] if name_end >= 0 else line
+        if name not in names:
+            continue
+        rest = line[len(name) :]
+        fields = (rest[rest.rfind("}") + 1 :] if rest.startswith("{") else rest).split()
+        try:
+            sums[name] = sums.get(name, 0.0) + float(fields[0])
+        except (IndexError, ValueError):
+            raise EngineLoadError(f"a {name} line without a number: {line[:120]!r}") from None
+    missing = [n for n in names if n not in sums]
+    if missing:
+        raise EngineLoadError(f"no {', '.join(missing)} in the engine's /metrics")
+    return sums
+
+
+VLLM_RUNNING = "vllm:num_requests_running"
+VLLM_WAITING = "vllm:num_requests_waiting"
+LLAMACPP_PROCESSING = "llamacpp:requests_processing"
+LLAMACPP_DEFERRED = "llamacpp:requests_deferred"
+
+
+def parse_vllm_metrics(engine: str, text: str) -> EngineLoad:
+    """vLLM's /metrics: requests running and waiting, over all its series."""
+    sums = prometheus_sums(text, (VLLM_RUNNING, VLLM_WAITING))
+    return EngineLoad(engine, round(sums[VLLM_RUNNING]), round(sums[VLLM_WAITING]))
+
+
+def parse_llamacpp_metrics(engine: str, text: str) -> EngineLoad:
+    """llama-server's /metrics (started with --metrics): requests processing
+    and deferred (waiting for a free slot)."""
+    sums = prometheus_sums(text, (LLAMACPP_PROCESSING, LLAMACPP_DEFERRED))
+    return EngineLoad(engine, round(sums[LLAMACPP_PROCESSING]), round(sums[LLAMACPP_DEFERRED]))
+
+
+def parse_llamacpp_slots(engine: str, text: str) -> EngineLoad:
+    """llama-server's /slots: the slots processing a request (`is_processing`,
+    or `state` 1 in releases before it). Requests deferred for want of a
+    slot are not listed there: waiting is 0."""
+    try:
+        slots = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise EngineLoadError(f"the engine's /slots is not JSON: {e}") from None
+    if not isinstance(slots, list) or not all(isinstance(s, dict) for s in slots):
+        raise EngineLoadError("the engine's /slots is not a list of slots")
+    busy = 0
+    for s in slots:
+        if "is_processing" in s:
+            busy += bool(s["is_processing"])
+        elif "state" in s:
+            busy += s["state"] != 0
+        else:
+            raise EngineLoadError(
+                "a slot of the engine's /slots has neither is_processing nor state"
+            )
+    return EngineLoad(engine, busy, 0)
+
+
+PARSERS = {
+    LoadSource.VLLM_METRICS: parse_vllm_metrics,
+    LoadSource.LLAMACPP_METRICS: parse_llamacpp_metrics,
+    LoadSource.LLAMACPP_SLOTS: parse_llamacpp_slots,
+}
+
+
+async def read_load(http: httpx2.AsyncClient, target: LoadTarget) -> EngineLoad | None:
+    """One read of `target`'s load; None when it does not answer in
+    LOAD_READ_TIMEOUT_S, answers an error status or something its kind
+    does not publish (`parse_*` says what, for the caller's log)."""
+    headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
+    try:
+        response = await http.get(
+            target.url + target.path, headers=headers, timeout=LOAD_READ_TIMEOUT_S
+        )
+    except httpx2.HTTPError:
+        return None
+    if response.status_code != 200:
+        return None
+    try:
+        return PARSERS[target.source](target.url, response.text)
+    except EngineLoadError:
+        return None

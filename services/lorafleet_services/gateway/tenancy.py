@@ -1,0 +1,116 @@
+"""A project's own: the one ownership rule, and the project's quotas.
+
+The rule: a file, a job and the job's fine-tuned model belong to the
+project whose key made them (api_keys.py: keys of one project share them),
+and are found only under that project's name in the gateway's bucket
+(state.py: `files.<project>.*`, `jobs.<project>.*`). Every route looks them
+up with the caller's project (`owner_of`), so another project's id is
+"not found" — OpenAI's 404, as for an id that never was, never a 403 that
+would say it exists. A fine-tuned name is its job's: `usable_model` asks
+the same question before any engine is. Jobs submitted around the gateway
+(the CLI, the NATS API) belong to no project: no key chats with their
+models. The bases (catalog models, an engine's own) are every project's.
+
+Quotas (GatewayConfig; None: none): jobs in flight (queued or on a node)
+and bytes uploaded (the sizes of the project's files now kept; deleting a
+file frees its bytes), per project. One more is a 429 that names the quota,
+its limit and the setting. Requests at once may each pass the check before
+any is counted, so a project may pass a quota by the requests it has in
+flight (at most max_requests_per_key per key).
+"""
+
+from __future__ import annotations
+
+from lorafleet.states import ACTIVE
+from lorafleet_schemas.messages import JobListRequest
+from lorafleet_services.gateway.adapter_wait import wait_for_adapter
+from lorafleet_services.gateway.context import GatewayContext
+from lorafleet_services.gateway.http_errors import GatewayHttpError, not_found
+from lorafleet_services.gateway.job_mapping import fine_tuned_parts
+
+#: Jobs asked about in one request (the recorder's cap on a listing).
+ASKED_AT_ONCE = 1000
+
+
+def model_not_found(model: str) -> GatewayHttpError:
+    """OpenAI's answer for a model that is not there, or not the caller's."""
+    return not_found(
+        f"the model {model!r} does not exist or is not this project's: GET /v1/models "
+        "lists the models your key may use",
+        "model",
+        code="model_not_found",
+    )
+
+
+async def usable_model(ctx: GatewayContext, project: str, model: str) -> None:
+    """Check that `project` may use `model` (a 404 when it is another's
+    fine-tuned model), and wait while its adapter is being loaded (bounded:
+    adapter_wait.py)."""
+    tuned = fine_tuned_parts(model)
+    if tuned is None:
+        return
+    base, job_id = tuned
+    fields = await ctx.state.job(project, job_id)
+    if fields is None or fields.model != base:
+        raise model_not_found(model)
+    await wait_for_adapter(ctx, model, base, job_id)
+
+
+#: What a project over each quota can do, besides raising its setting.
+_ADVICE = {
+    "jobs in flight": "cancel one, or wait for one to end",
+    "bytes uploaded": "delete files it no longer needs (DELETE /v1/files/{id})",
+}
+
+
+def quota_exceeded(what: str, used: int, more: int, limit: int | None, setting: str) -> str | None:
+    """The 429's message when `used` + `more` of `what` passes `limit`; None when it fits."""
+    if limit is None or used + more <= limit:
+        return None
+    return (
+        f"this project's quota of {what} is {limit} and it has {used}"
+        f"{f' (this request adds {more})' if more > 1 else ''}: "
+        f"{_ADVICE.get(what, 'wait')}, or raise {setting}"
+    )
+
+
+def _refuse_over(what: str, used: int, more: int, limit: int | None, setting: str) -> None:
+    message = quota_exceeded(what, used, more, limit, setting)
+    if message is not None:
+        raise GatewayHttpError(429, message, code="quota_exceeded")
+
+
+async def check_job_quota(ctx: GatewayContext, project: str) -> None:
+    """A 429 when the project has its quota of jobs in flight already."""
+    limit = ctx.config.max_jobs_in_flight_per_project
+    if limit is None:
+        return
+    ids = [f.job_id for f in await ctx.state.jobs(project)]
+    in_flight = 0
+    for start in range(0, len(ids), ASKED_AT_ONCE):
+        asked = JobListRequest(
+            ids=ids[start : start + ASKED_AT_ONCE], states=sorted(ACTIVE), limit=ASKED_AT_ONCE
+        )
+        in_flight += len(await ctx.client.jobs(asked))
+    _refuse_over(
+        "jobs in flight",
+        in_flight,
+        1,
+        limit,
+        "LORAFLEET_GATEWAY_MAX_JOBS_IN_FLIGHT_PER_PROJECT",
+    )
+
+
+async def check_upload_quota(ctx: GatewayContext, project: str, incoming: int) -> None:
+    """A 429 when `incoming` more bytes would pass the project's upload quota."""
+    limit = ctx.config.max_upload_bytes_per_project
+    if limit is None:
+        return
+    used = sum(f.bytes for f in await ctx.state.files(project))
+    _refuse_over(
+        "bytes uploaded",
+        used,
+        incoming,
+        limit,
+        "LORAFLEET_GATEWAY_MAX_UPLOAD_BYTES_PER_PROJECT",
+    )

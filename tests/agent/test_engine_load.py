@@ -1,0 +1,179 @@
+"""Each engine's load, parsed from what it publishes: the real CPU vLLM's
+/metrics (the session's server, tests/vllm_server.py), idle and with a
+request streaming; llama-server's /metrics and /slots from text in the
+shape its releases print (no llama-server is installed here). And the
+Yielder against that vLLM: a request in flight holds the pause file."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx2
+import pytest
+
+from lorafleet import log
+from lorafleet_services.agent.node.engine_load import (
+    EngineLoad,
+    EngineLoadError,
+    LoadSource,
+    LoadTarget,
+    parse_llamacpp_metrics,
+    parse_llamacpp_slots,
+    parse_vllm_metrics,
+    read_load,
+)
+from lorafleet_services.agent.training.yielding import (
+    PauseFile,
+    Yielder,
+    YieldThresholds,
+)
+from tests.eventually import eventually
+from tests.vllm_server import RunningVllm
+
+#: The first test waits for the session's vLLM to start: minutes on a busy machine.
+pytestmark = pytest.mark.timeout(900)
+
+#: Tokens a streamed request generates: a few seconds of the CPU engine.
+STREAM_TOKENS = 200
+#: Requests streamed one after another while a test reads the load, at most.
+STREAMS = 100
+#: Reads of the load while requests stream, at most.
+READS = 500
+#: Seconds the first completion of a vLLM just started may take.
+WARM_TIMEOUT_S = 300
+
+LLAMACPP_METRICS = """\
+# HELP llamacpp:prompt_tokens_total Number of prompt tokens processed.
+# TYPE llamacpp:prompt_tokens_total counter
+llamacpp:prompt_tokens_total 12
+# HELP llamacpp:requests_processing Number of requests processing.
+# TYPE llamacpp:requests_processing gauge
+llamacpp:requests_processing 2
+# HELP llamacpp:requests_deferred Number of requests deferred.
+# TYPE llamacpp:requests_deferred gauge
+llamacpp:requests_deferred 1
+"""
+
+
+def test_llamacpp_metrics() -> None:
+    assert parse_llamacpp_metrics("l", LLAMACPP_METRICS) == EngineLoad("l", 2, 1)
+
+
+def test_llamacpp_slots_new_and_old_releases() -> None:
+    new = '[{"id": 0, "is_processing": true}, {"id": 1, "is_processing": false}]'
+    old = '[{"id": 0, "state": 1}, {"id": 1, "state": 1}, {"id": 2, "state": 0}]'
+    assert parse_llamacpp_slots("l", new) == EngineLoad("l", 1, 0)
+    assert parse_llamacpp_slots("l", old) == EngineLoad("l", 2, 0)
+
+
+@pytest.mark.parametrize(
+    ("parse", "text", "says"),
+    [
+        (parse_vllm_metrics, LLAMACPP_METRICS, "no vllm:num_requests_running"),
+        (parse_llamacpp_metrics, "llamacpp:requests_processing x\n", "without a number"),
+        (parse_llamacpp_slots, "<html>", "not JSON"),
+        (parse_llamacpp_slots, '[{"id": 0}]', "neither is_processing nor state"),
+    ],
+)
+def test_what_an_engine_does_not_publish_is_refused(parse: object, text: str, says: str) -> None:
+    with pytest.raises(EngineLoadError, match=says):
+        parse("e", text)  # type: ignore[operator]
+
+
+async def test_unreachable_engine_reads_none() -> None:
+    async with httpx2.AsyncClient() as http:
+        # Port 9 (discard) on loopback: nothing listens in the test machine.
+        target = LoadTarget("http://127.0.0.1:9", LoadSource.VLLM_METRICS)
+        assert await read_load(http, target) is None
+
+
+async def warmed(server: RunningVllm) -> None:
+    """One short completion, answered: a vLLM just started compiles its kernels
+    on its first request, which on a loaded machine takes tens of seconds, and
+    until its engine sends outputs the server's gauges stay at zero (a CI run
+    read zeros for 52 s while its requests were in flight)."""
+    body = {"model": str(server.model_dir), "prompt": "Hello", "max_tokens": 2}
+    async with httpx2.AsyncClient(timeout=WARM_TIMEOUT_S) as http:
+        r = await http.post(f"{server.url}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+@contextlib.asynccontextmanager
+async def streaming(server: RunningVllm) -> AsyncIterator[asyncio.Task[int]]:
+    """Streamed completions of STREAM_TOKENS in flight, one after another, until the
+    block ends (at most STREAMS of them): one request on the tiny model can end
+    between two reads of /metrics, which a busy server answers late. The task answers
+    the chunks seen."""
+
+    async def go() -> int:
+        body = {
+            "model": str(server.model_dir), "prompt": "Hello", "stream": True,
+            "max_tokens": STREAM_TOKENS, "ignore_eos": True,
+        }  # fmt: skip
+        chunks = 0
+        async with httpx2.AsyncClient(timeout=120) as http:
+            for _ in range(STREAMS):
+                async with http.stream("POST", f"{server.url}/v1/completions", json=body) as r:
+                    async for line in r.aiter_lines():
+                        chunks += line.startswith("data: {")
+        return chunks
+
+    task = asyncio.create_task(go())
+    try:
+        yield task
+    finally:
+        if not task.done():
+            task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+
+
+async def _loads_until_busy(
+    http: httpx2.AsyncClient, t: LoadTarget, task: asyncio.Task[int]
+) -> list[EngineLoad | None]:
+    """Reads of the load while requests stream, up to the first that shows one running."""
+    seen: list[EngineLoad | None] = []
+    for _ in range(READS):
+        if task.done():
+            break
+        seen.append(load := await read_load(http, t))
+        if load is not None and load.running >= 1:
+            break
+        await asyncio.sleep(0.02)
+    return seen
+
+
+async def test_vllm_idle_then_busy_then_idle(vllm_server: RunningVllm) -> None:
+    target = LoadTarget(vllm_server.url, LoadSource.VLLM_METRICS)
+    await warmed(vllm_server)
+    async with httpx2.AsyncClient() as http:
+        assert await read_load(http, target) == EngineLoad(vllm_server.url, 0, 0)
+        async with streaming(vllm_server) as task:
+            seen = await _loads_until_busy(http, target, task)
+        assert any(x is not None and x.running >= 1 for x in seen), seen
+        idle = EngineLoad(vllm_server.url, 0, 0)
+        await eventually(lambda: read_load(http, target), "vLLM idle again", until=idle.__eq__)
+
+
+async def test_the_yielder_holds_the_pause_while_vllm_streams(
+    vllm_server: RunningVllm, tmp_path: Path
+) -> None:
+    target = LoadTarget(vllm_server.url, LoadSource.VLLM_METRICS)
+    await warmed(vllm_server)
+    pause = PauseFile(tmp_path / "pause")
+    th = YieldThresholds(sample_s=0.05, idle_s=0.2, run_share=0.0)
+    yielder = Yielder(pause, lambda: [target], th, log.get())
+    task = asyncio.create_task(yielder.run())
+    try:
+        async with streaming(vllm_server):
+            await eventually(pause.path.exists, "the pause file, a request streaming")
+            assert vllm_server.url in pause.path.read_text()
+        await eventually(lambda: not pause.path.exists(), "the pause let go, the engine idle")
+    finally:
+        task.cancel()
+        with contextlib.suppress(asyncio.CancelledError):
+            await task
+    assert not pause.path.exists()
