@@ -242,6 +242,14 @@ class NatsCluster:
         for var, peer in zip(("NATS_ROUTE_A", "NATS_ROUTE_B"), peers, strict=True):
             if name in self.isolated or peer in self.isolated:
                 text = text.replace(f"${var}", "")
+        if name in self.isolated:
+            # Removing routes alone can race: a peer that reloaded first may
+            # hear of this member from the third (gossip) and connect to it
+            # as an implicit route, which no reload removes. A password no
+            # peer knows refuses those, and the reload closes any accepted.
+            listen = "  listen: $NATS_CLUSTER_LISTEN\n"
+            cut = f"  authorization {{ user: isolated, password: {secrets.token_hex(8)} }}\n"
+            text = text.replace(listen, listen + cut)
         for var, value in env.items():
             text = text.replace(f"${var}", value)
         path = self.root / f"{name}.conf"
@@ -309,8 +317,22 @@ class NatsCluster:
             )
 
     async def rejoin(self, name: str) -> None:
-        """Undo `isolate(name)`; returns once the cluster is ready again."""
+        """Undo `isolate(name)`; returns once it is routed to every other
+        running member and the cluster is ready again (the meta leader's
+        view of its peers lags the routes, so readiness alone can pass
+        before the member is back)."""
         await self._reroute(remove=name)
+        others = {n for n in self.running() if n != name and n not in self.isolated}
+
+        async def routed() -> bool:
+            routez = await self.monitor(name, "/routez")
+            return others <= {r.get("remote_name") for r in routez.get("routes") or []}
+
+        if not await poll_until(routed, timeout_s=CLUSTER_READY_TIMEOUT_S, interval_s=POLL_S):
+            raise NatsServerError(
+                f"{name} was not routed to {sorted(others)} again "
+                f"within {CLUSTER_READY_TIMEOUT_S:.0f} s"
+            )
         await self.wait_ready()
 
     async def _reroute(self, add: str | None = None, remove: str | None = None) -> None:
