@@ -30,7 +30,7 @@ from lorafleet_services.agent.training.yielding import (
     Yielder,
     YieldThresholds,
 )
-from tests.eventually import eventually
+from tests.eventually import NeverHappenedError, eventually
 from tests.vllm_server import RunningVllm
 
 #: The first test waits for the session's vLLM to start: minutes on a busy machine.
@@ -88,6 +88,28 @@ async def test_unreachable_engine_reads_none() -> None:
         # Port 9 (discard) on loopback: nothing listens in the test machine.
         target = LoadTarget("http://127.0.0.1:9", LoadSource.VLLM_METRICS)
         assert await read_load(http, target) is None
+
+
+async def test_an_engine_that_takes_the_read_but_does_not_answer_reads_late() -> None:
+    """A server on loopback that accepts and never answers: late (taken as
+    busy), not None (taken as down)."""
+    accepted: list[asyncio.StreamWriter] = []
+
+    async def hold(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        accepted.append(writer)
+
+    server = await asyncio.start_server(hold, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    try:
+        async with httpx2.AsyncClient() as http:
+            target = LoadTarget(f"http://127.0.0.1:{port}", LoadSource.VLLM_METRICS)
+            assert await read_load(http, target) == EngineLoad(target.url, 0, 0, late=True)
+    finally:
+        for writer in accepted:
+            writer.close()
+        server.close()
+        await server.wait_closed()
+    assert accepted
 
 
 async def warmed(server: RunningVllm) -> None:
@@ -169,7 +191,10 @@ async def test_the_yielder_holds_the_pause_while_vllm_streams(
     task = asyncio.create_task(yielder.run())
     try:
         async with streaming(vllm_server):
-            await eventually(pause.path.exists, "the pause file, a request streaming")
+            try:
+                await eventually(pause.path.exists, "the pause file, a request streaming")
+            except NeverHappenedError as e:
+                raise NeverHappenedError(f"{e}; the yielder's last state: {yielder.state}") from e
             assert vllm_server.url in pause.path.read_text()
         await eventually(lambda: not pause.path.exists(), "the pause let go, the engine idle")
     finally:

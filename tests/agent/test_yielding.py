@@ -65,6 +65,13 @@ def test_below_busy_requests_is_not_busy() -> None:
     assert run([(0.0, BUSY), (0.1, [EngineLoad("e", 2, 2)])], th) == [False, True]
 
 
+def test_an_engine_too_busy_to_answer_pauses_and_is_named() -> None:
+    late = EngineLoad("http://slow:8000", 0, 0, late=True)
+    state = decide(YieldState(), [*BUSY, late], 1.0, TH)
+    assert state.paused and state.reason == "http://slow:8000 did not answer its 1 s load read"
+    assert run([(0.0, IDLE), (0.1, [late]), (0.3, IDLE), (0.5, IDLE)]) == [False, True, True, False]
+
+
 def test_unanswered_engines_hold_no_pause() -> None:
     """read_load's None is left out: no loads at all is not busy."""
     assert run([(0.0, []), (0.1, BUSY), (0.2, []), (0.6, [])]) == [False, True, True, False]

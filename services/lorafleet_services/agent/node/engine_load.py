@@ -8,9 +8,11 @@ engine index), llama.cpp's `/metrics` (`llamacpp:requests_processing`,
 `llamacpp:requests_deferred`; llama-server needs `--metrics`) or, without
 it, its `/slots` (a slot `is_processing`, older releases `state` 1). A read
 costs the engine one small text render (vLLM: about 10 KB); `read_load`
-bounds it by `LOAD_READ_TIMEOUT_S` and answers None for an engine that does
-not answer, which the yielding takes as not busy: an engine that is down
-has no users to yield to.
+bounds it by `LOAD_READ_TIMEOUT_S`. An engine that takes the connection but
+not answer in time is taken as busy (`EngineLoad.late`): its API server is
+too loaded to render a page of text, and its users feel it. One that
+refuses the connection or answers an error reads None, which the yielding
+takes as not busy: an engine that is down has no users to yield to.
 """
 
 from __future__ import annotations
@@ -46,12 +48,16 @@ class EngineLoad:
     engine: str
     running: int
     waiting: int
+    #: It did not answer within LOAD_READ_TIMEOUT_S (counts are unknown: 0).
+    late: bool = False
 
     @property
     def requests(self) -> int:
         return self.running + self.waiting
 
     def describe(self) -> str:
+        if self.late:
+            return f"{self.engine} did not answer its {LOAD_READ_TIMEOUT_S:g} s load read"
         return f"{self.engine} has {self.running} running, {self.waiting} waiting"
 
 
@@ -142,14 +148,17 @@ PARSERS = {
 
 
 async def read_load(http: httpx2.AsyncClient, target: LoadTarget) -> EngineLoad | None:
-    """One read of `target`'s load; None when it does not answer in
-    LOAD_READ_TIMEOUT_S, answers an error status or something its kind
-    does not publish (`parse_*` says what, for the caller's log)."""
+    """One read of `target`'s load: `late` when it took the connection but
+    did not answer in LOAD_READ_TIMEOUT_S; None when it is not there,
+    answers an error status or something its kind does not publish
+    (`parse_*` says what, for the caller's log)."""
     headers = {"Authorization": f"Bearer {target.api_key}"} if target.api_key else None
     try:
         response = await http.get(
             target.url + target.path, headers=headers, timeout=LOAD_READ_TIMEOUT_S
         )
+    except httpx2.ReadTimeout:
+        return EngineLoad(target.url, 0, 0, late=True)
     except httpx2.HTTPError:
         return None
     if response.status_code != 200:

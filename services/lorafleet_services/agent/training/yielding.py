@@ -4,7 +4,8 @@ While a job with `yield_to_serving: auto` trains, `Yielder` reads every
 engine's load (agent/node/engine_load.py) each `yield_sample_s` and
 `decide` says whether the trainer should be paused:
 
-- an engine with `busy_requests` requests running or waiting: pause;
+- an engine with `busy_requests` requests running or waiting, or too busy
+  to answer its load read in time (`EngineLoad.late`): pause;
 - paused, every engine idle for `idle_s`: go on;
 - paused for `period_s x (1 - run_share)` under load that never left
   `idle_s` of quiet: run for `period_s x run_share` whatever the load (the
@@ -91,12 +92,14 @@ class YieldState:
 
 
 def busiest(loads: Sequence[EngineLoad]) -> EngineLoad | None:
-    return max(loads, key=lambda x: x.requests, default=None)
+    """The engine that says most about the pause: one too busy to answer
+    first, then the one with most requests."""
+    return max(loads, key=lambda x: (x.late, x.requests), default=None)
 
 
 def is_busy(loads: Sequence[EngineLoad], th: YieldThresholds) -> bool:
     top = busiest(loads)
-    return top is not None and top.requests >= th.busy_requests
+    return top is not None and (top.late or top.requests >= th.busy_requests)
 
 
 def decide(
