@@ -25,6 +25,10 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.scheduler.node_table import NodeTable
 from lorafleet_services.scheduler.placement import plan_dispatch
 from lorafleet_services.scheduler.replicas import (
+    ASK_AGAIN_S,
+    NOT_STARTED_AGAIN_S,
+    REFUSED_AGAIN_S,
+    Asks,
     Placed,
     desired_nodes,
     holders,
@@ -247,3 +251,28 @@ def test_the_policy_is_the_job_s_else_the_model_s(
     job = job_record(serving=job_policy, serve=serve)
     model = msgspec.structs.replace(MODEL, serving=model_policy)
     assert policy_of(job, model) == expected
+
+
+def test_an_ask_waits_for_its_load_and_one_that_started_nothing_does_not() -> None:
+    asks = Asks()
+    loading, idle = ("j1", "n1", "place"), ("j1", "n2", "place")
+    for key in (loading, idle):
+        asks.ask(key, 100.0, T0)
+    asks.not_started(idle, 100.5)  # n2 saw no engine of the base yet
+    assert asks.pending("place", 100.0 + NOT_STARTED_AGAIN_S) == {("j1", "n1"), ("j1", "n2")}
+    assert asks.pending("place", 100.5 + NOT_STARTED_AGAIN_S) == {("j1", "n1")}
+    assert asks.pending("place", 100.0 + ASK_AGAIN_S - 0.1) == {("j1", "n1")}
+    assert asks.pending("place", 100.0 + ASK_AGAIN_S) == set()
+
+
+def test_a_load_refused_after_its_ask_is_asked_again_soon_and_an_older_one_not() -> None:
+    asks = Asks()
+    asks.ask(("j1", "n1", "place"), 100.0, T0 + dt.timedelta(seconds=10))
+    older = record("j1", "n1", ServingState.FAILED)  # updated_at T0: before the ask
+    asks.heard([older, record("j1", "n1", ServingState.SERVED)], 101.0)
+    assert asks.pending("place", 101.0 + REFUSED_AGAIN_S) == {("j1", "n1")}
+    newer = record("j1", "n1", ServingState.REFUSED)
+    newer.updated_at = T0 + dt.timedelta(seconds=11)
+    asks.heard([newer], 101.0)
+    assert asks.pending("place", 101.0 + REFUSED_AGAIN_S - 0.1) == {("j1", "n1")}
+    assert asks.pending("place", 101.0 + REFUSED_AGAIN_S) == set()

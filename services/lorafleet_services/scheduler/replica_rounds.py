@@ -5,13 +5,15 @@ Read: the done jobs, the catalog, the jobs' serving records (the recorder)
 and the node table (the heartbeats, the marks). Decide: `plan_replicas`.
 Apply: `node.<node>.serve` (placed) and `.unserve` through the same
 `AgentRequests` as `api.adapters.serve`, sent off the round. A (job, node)
-asked is not asked again for `ASK_AGAIN_S` unless a record or a beat
-answers first: a load takes a while, and a refused one is not hammered.
+asked is not asked again for a while (`replicas.Asks`): a load takes a
+while, and a refused one is not hammered; a node that started nothing is
+asked again soon.
 """
 
 from __future__ import annotations
 
 import asyncio
+import datetime as dt
 from collections.abc import Callable, Coroutine
 from typing import Any
 
@@ -30,12 +32,8 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.scheduler.dispatch import LIST_LIMIT, AgentRequests
 from lorafleet_services.scheduler.node_table import NodeTable
-from lorafleet_services.scheduler.replicas import Placed, plan_replicas
+from lorafleet_services.scheduler.replicas import AskKey, Asks, Placed, plan_replicas
 
-#: Seconds before a (job, node) asked to load or unload is asked again when
-#: nothing answered it: past a load and its probe on a busy node, short
-#: enough that a refused load is tried again soon after its cause is lifted.
-ASK_AGAIN_S = 30.0
 #: Most serving records one pass reads (the recorder's cap).
 RECORDS_LIMIT = 1000
 #: Seconds between two passes at least (rounds run more often when woken).
@@ -62,8 +60,7 @@ class ReplicaRounds:
         self.table = table
         self.clock = clock
         self.logger = logger
-        #: (job, node, "place" | "unplace") -> monotonic seconds when asked.
-        self.asked: dict[tuple[str, str, str], float] = {}
+        self.asks = Asks()
         self._background: set[asyncio.Task[Any]] = set()
         self._last_pass = -IDLE_EVERY_S
         self._idle = False
@@ -103,21 +100,18 @@ class ReplicaRounds:
         records = await self.recorder.adapters(
             AdapterListRequest(job_ids=[p.job.id for p in placed], limit=RECORDS_LIMIT)
         )
-        self.asked = {k: t for k, t in self.asked.items() if now - t < ASK_AGAIN_S}
-        plan = plan_replicas(placed, self.table.nodes, records, self._asked("place"))
+        self.asks.heard(records, now)
+        plan = plan_replicas(placed, self.table.nodes, records, self.asks.pending("place", now))
         by_id = {p.job.id: p for p in placed}
+        wall = dt.datetime.now(dt.UTC)
         for job_id, node in plan.place:
-            self.asked[(job_id, node, "place")] = now
+            self.asks.ask((job_id, node, "place"), now, wall)
             self._spawn(self._place(by_id[job_id], node))
-        for job_id, node in plan.unplace:
-            if (job_id, node, "unplace") in self.asked:
-                continue
-            self.asked[(job_id, node, "unplace")] = now
+        unplacing = self.asks.pending("unplace", now)
+        for job_id, node in (p for p in plan.unplace if p not in unplacing):
+            self.asks.ask((job_id, node, "unplace"), now, wall)
             request = NodeUnserveRequest(job_id=job_id)
             self._spawn(self._ask("unplace", job_id, node, self.agents.unserve(node, request)))
-
-    def _asked(self, what: str) -> set[tuple[str, str]]:
-        return {(job, node) for job, node, kind in self.asked if kind == what}
 
     async def _place(self, placed: Placed, node: str) -> None:
         adapter = placed.job.adapter
@@ -135,11 +129,15 @@ class ReplicaRounds:
     async def _ask(
         self, what: str, job_id: str, node: str, sent: Coroutine[Any, Any, NodeServeReply]
     ) -> None:
+        key: AskKey = (job_id, node, what)
         try:
             reply = await sent
             message = f"engines {', '.join(reply.engines) or 'none'} {reply.reason}".strip()
-        except (ApiError, Exception) as e:  # the next pass after ASK_AGAIN_S asks again
+            if not reply.engines:
+                self.asks.not_started(key, self.clock())
+        except (ApiError, Exception) as e:
             message = f"not answered: {e!r}"
+            self.asks.not_started(key, self.clock())
         self.logger.info(Event.REPLICA_PLACED, job_id=job_id, node=node, state=what,
                          message=message)  # fmt: skip
 

@@ -21,6 +21,7 @@ the nodes toward it each round (`plan_replicas`).
 
 from __future__ import annotations
 
+import datetime as dt
 import hashlib
 from collections.abc import Iterable, Mapping, Sequence, Set
 from dataclasses import dataclass, field
@@ -203,3 +204,55 @@ def plan_replicas(
         if desired and set(desired) <= complete:
             plan.unplace.extend((placed.job.id, n) for n in sorted(holding - set(desired)))
     return plan
+
+
+#: Seconds before a (job, node) asked to load or unload is asked again when
+#: nothing answered it: past a load and its probe on a busy node.
+ASK_AGAIN_S = 30.0
+#: Seconds before asking again a node that started no load (it did not answer,
+#: or its agent saw no engine of the base yet: an agent just started lists its
+#: engine in a beat before its serving side has read it): nothing to wait for.
+NOT_STARTED_AGAIN_S = 2.0
+#: Seconds before asking again a node whose load failed or was refused since
+#: the ask (its record says so): soon, since an engine restarting at the
+#: moment is the common cause, but not each round.
+REFUSED_AGAIN_S = 5.0
+
+#: (job id, node, "place" | "unplace").
+AskKey = tuple[str, str, str]
+
+
+@dataclass
+class Asks:
+    """The leader's back-off on asking nodes to load or unload: a (job, node)
+    asked is not asked again before its time (`ASK_AGAIN_S`, shortened once
+    an answer says nothing is under way). `now`: monotonic seconds; records
+    carry the recorder's wall clock, so each ask keeps both."""
+
+    #: key -> (monotonic seconds when it may be asked again, wall time asked).
+    asked: dict[AskKey, tuple[float, dt.datetime]] = field(default_factory=dict)
+
+    def ask(self, key: AskKey, now: float, wall: dt.datetime) -> None:
+        self.asked[key] = (now + ASK_AGAIN_S, wall)
+
+    def not_started(self, key: AskKey, now: float) -> None:
+        """The node answered that it started nothing, or did not answer."""
+        self._sooner(key, now + NOT_STARTED_AGAIN_S)
+
+    def heard(self, records: Sequence[ServingRecord], now: float) -> None:
+        """Loads the records say failed or were refused after they were asked."""
+        for r in records:
+            if r.state in REFUSING:
+                key = (r.job_id, r.node, "place")
+                if key in self.asked and r.updated_at > self.asked[key][1]:
+                    self._sooner(key, now + REFUSED_AGAIN_S)
+
+    def pending(self, what: str, now: float) -> set[tuple[str, str]]:
+        """(job, node) pairs asked `what` whose time has not come; forgets the rest."""
+        self.asked = {k: v for k, v in self.asked.items() if now < v[0]}
+        return {(job, node) for job, node, kind in self.asked if kind == what}
+
+    def _sooner(self, key: AskKey, at: float) -> None:
+        if key in self.asked:
+            again_at, wall = self.asked[key]
+            self.asked[key] = (min(again_at, at), wall)
