@@ -8,7 +8,10 @@ Each load is preflight, eviction when the engine is full (plan.py), the
 PEFT reference, load and confirm (vllm_adapters.py), one change at a time
 on the node (a lock: slots are counted from one /v1/models read). The
 desired set (plan.DesiredSet) is loaded again into an engine that lost it,
-as the engine watch sees; llama.cpp is llamacpp.py's; reports, reports.py.
+as the engine watch sees: all it lost at once, one /v1/models read and up
+to RELOAD_CONCURRENCY loads and probes in flight (one at a time, an engine
+restarted with 46 adapters took a minute to serve them again); llama.cpp is
+llamacpp.py's; reports, reports.py.
 How each step behaves, and what an operator sees: docs/fine-tune-and-serve.md.
 """
 
@@ -81,6 +84,10 @@ from lorafleet_trainer.layout import ADAPTER_CONFIG
 #: The longest wait between two tries of a reload that keeps failing: an
 #: engine that comes back able to take it is served again within this.
 RELOAD_BACKOFF_MAX_S = 300.0
+#: Loads (each with its probe completion) in flight at once when an engine
+#: lost several adapters: the engine overlaps their round trips and batches
+#: the probes; more gains little on a loaded engine and delays its users.
+RELOAD_CONCURRENCY = 4
 
 
 class ServingAgent:
@@ -369,36 +376,82 @@ class ServingAgent:
             lost = needs_reload(
                 self.desired.on(view.server.url), view.adapters, pid_before, view.server.pid
             )
-            for entry in lost:
-                key = (view.server.url, entry.served_name)
-                if key not in self._reloading and self.backoff.due(key):
-                    self._reloading.add(key)
-                    self._spawn(self._reload(view.server, entry, key))
+            due = [
+                e for e in lost
+                if (key := (view.server.url, e.served_name)) not in self._reloading
+                and self.backoff.due(key)
+            ]  # fmt: skip
+            if due:
+                self._reloading.update((view.server.url, e.served_name) for e in due)
+                self._spawn(self._reload(view.server, due))
 
-    async def _reload(
-        self, server: VllmServer, entry: DesiredAdapter, key: tuple[str, str]
-    ) -> None:
+    async def _reload(self, server: VllmServer, entries: list[DesiredAdapter]) -> None:
+        """Load `entries` again into `server`, which lost them: together when
+        they all fit its --max-cpu-loras beside what it holds (no eviction
+        among them), else one at a time as any load."""
+        keys = [(server.url, e.served_name) for e in entries]
         try:
-            try:
-                adapter = AdapterToServe.read(
-                    entry.job_id, entry.sha256, Path(entry.path), entry.base_model,
-                    entry.model_type,
-                )  # fmt: skip
-            except AdapterConfigError as e:
-                self.desired.remove(server.url, entry.served_name)
-                reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
-                self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
-                return
+            staged = [(e, a) for e in entries if (a := self._staged_copy(server, e))]
             note = f"{server.url} lost it (restarted?): loading it again"
-            if not await self._serve_on(
-                server, adapter, entry.probe_base, entry.model, note, reload=True,
-                placed=entry.placed,
-            ):  # fmt: skip
-                delay_s = self.backoff.failed(key)
-                self.logger.warning("serving.reload_failed", engine=server.url,
-                                    adapter=entry.served_name, retry_in_s=delay_s)  # fmt: skip
+            async with self._lock, VllmClient(server.url, server.api_key) as client:
+                try:
+                    loaded = loaded_adapters(server, await client.models())
+                except VllmError as e:
+                    for entry, _ in staged:
+                        self.reports.report(
+                            _version(entry), server.url, ServingState.FAILED, str(e)
+                        )
+                        self._reload_failed(server, entry)
+                    return
+                todo = [(e, a) for e, a in staged if a.served_name not in loaded]
+                limit = server.max_cpu_loras or server.max_loras
+                together = limit is None or len(loaded) + len(todo) <= limit
+                if together:
+                    width = asyncio.Semaphore(RELOAD_CONCURRENCY)
+
+                    async def one(entry: DesiredAdapter, adapter: AdapterToServe) -> None:
+                        v = _version(entry)
+                        async with width:
+                            self.reports.report(v, server.url, ServingState.LOADING, note)
+                            if not await self._load(client, server, adapter, entry.probe_base,
+                                                    v, loaded, entry.placed):  # fmt: skip
+                                self._reload_failed(server, entry)
+
+                    # Every load ends before the lock goes; the first error then.
+                    ended = await asyncio.gather(
+                        *(one(e, a) for e, a in todo), return_exceptions=True
+                    )
+                    for error in ended:
+                        if isinstance(error, BaseException):
+                            raise error
+            if not together:
+                for entry, adapter in todo:
+                    if not await self._serve_on(
+                        server, adapter, entry.probe_base, entry.model, note, reload=True,
+                        placed=entry.placed,
+                    ):  # fmt: skip
+                        self._reload_failed(server, entry)
+            self.watch.poke()
         finally:
-            self._reloading.discard(key)
+            self._reloading.difference_update(keys)
+
+    def _staged_copy(self, server: VllmServer, entry: DesiredAdapter) -> AdapterToServe | None:
+        """The adapter as staged when it was first served; None (reported, and
+        out of the desired set) when that copy is gone."""
+        try:
+            return AdapterToServe.read(
+                entry.job_id, entry.sha256, Path(entry.path), entry.base_model, entry.model_type
+            )
+        except AdapterConfigError as e:
+            self.desired.remove(server.url, entry.served_name)
+            reason = f"its staged copy {entry.path} is gone ({e!r}): serve it again"
+            self.reports.report(_version(entry), server.url, ServingState.FAILED, reason)
+            return None
+
+    def _reload_failed(self, server: VllmServer, entry: DesiredAdapter) -> None:
+        delay_s = self.backoff.failed((server.url, entry.served_name))
+        self.logger.warning("serving.reload_failed", engine=server.url,
+                            adapter=entry.served_name, retry_in_s=delay_s)  # fmt: skip
 
     # --- unserve --------------------------------------------------------------
 
