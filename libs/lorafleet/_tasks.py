@@ -1,4 +1,5 @@
-"""Stopping asyncio tasks, written once: cancel, and make sure they ended.
+"""asyncio tasks, written once: stopping them (cancel, and make sure they
+ended) and awaiting several a few at a time (`at_most`).
 
 On Python 3.11 a cancellation can be lost: when it lands just as the
 future inside an `asyncio.wait_for` completes, wait_for returns the result
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import Coroutine, Sequence
 from typing import Any
 
 #: Seconds between repeated cancellations of a task that has not ended.
@@ -29,3 +31,18 @@ async def stop_tasks(*tasks: asyncio.Future[Any] | None) -> None:
         if ended is not None and ended.done() and not ended.cancelled():
             with contextlib.suppress(BaseException):
                 ended.exception()
+
+
+async def at_most(width: int, calls: Sequence[Coroutine[Any, Any, None]]) -> None:
+    """Await `calls`, `width` at a time; every one ends before the first
+    error is raised (none is left running behind its caller's back)."""
+    gate = asyncio.Semaphore(width)
+
+    async def gated(call: Coroutine[Any, Any, None]) -> None:
+        async with gate:
+            await call
+
+    ended = await asyncio.gather(*(gated(c) for c in calls), return_exceptions=True)
+    for error in ended:
+        if isinstance(error, BaseException):
+            raise error

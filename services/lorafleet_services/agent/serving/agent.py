@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import shutil
 import time
 from collections.abc import Coroutine, Mapping
 from pathlib import Path
@@ -27,8 +26,8 @@ from typing import Any
 
 from nats.js import JetStreamContext
 
-import lorafleet_services.agent.environment.environments as environment
 from lorafleet import log
+from lorafleet._tasks import at_most
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import (
@@ -42,7 +41,6 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.environment.protocol import TrainerSetupError
-from lorafleet_services.agent.node.cards import CardChoice
 from lorafleet_services.agent.peft_adapter import AdapterConfigError
 from lorafleet_services.agent.serving.engine_watch import EngineView, EngineWatch
 from lorafleet_services.agent.serving.llamacpp import llamacpp_key, serve_llamacpp
@@ -53,6 +51,7 @@ from lorafleet_services.agent.serving.orders import (
     fetch_adapter,
     matching_engines,
     model_base,
+    no_engine_reason,
     order_from_job,
     read_model_type,
 )
@@ -65,15 +64,14 @@ from lorafleet_services.agent.serving.plan import (
     needs_reload,
     remove_stale_copies,
 )
+from lorafleet_services.agent.serving.probe_references import ProbeReferences
 from lorafleet_services.agent.serving.reports import AdapterVersion, ServingReporter
 from lorafleet_services.agent.serving.running_engines import VllmServer, llama_server_running
 from lorafleet_services.agent.serving.vllm_adapters import (
     AdapterToServe,
     ProbeError,
-    ProbeReference,
     Served,
     ServeRefused,
-    adapter_reference,
     loaded_adapters,
     preflight,
     serve_adapter,
@@ -104,12 +102,11 @@ class ServingAgent:
         self.watch.on_read = self._engines_read
         self.desired = DesiredSet.load(cfg.served_dir / DESIRED_FILE)
         self.reports = ServingReporter(js, names, cfg.node)
-        self.references: dict[str, ProbeReference] = {}
+        self.references = ProbeReferences(cfg)
         self._lock = asyncio.Lock()
         self._tasks: set[asyncio.Task[None]] = set()
         self._reloading: set[tuple[str, str]] = set()
         self.backoff = ReloadBackoff(cfg.engines_refresh_s, RELOAD_BACKOFF_MAX_S)
-        self._probe: tuple[str, dict[str, str], Path] | None = None
         self.logger = log.get(node=cfg.node)
 
     # --- lifecycle ------------------------------------------------------------
@@ -179,7 +176,7 @@ class ServingAgent:
             return NodeServeReply(engines=[llamacpp_key(self.cfg)])
         servers = await self._matching(order)
         if not servers:
-            return NodeServeReply(reason=self._no_engine(order))
+            return NodeServeReply(reason=no_engine_reason(self.node, order))
         self._spawn(self._fetch_and_serve(order, servers))
         return NodeServeReply(engines=[s.url for s in servers])
 
@@ -201,14 +198,6 @@ class ServingAgent:
         servers = [v.server for v in self.watch.views.values()]
         return matching_engines(servers, order.model, order.engine)
 
-    def _no_engine(self, order: ServeOrder) -> str:
-        which = f" at {order.engine}" if order.engine else ""
-        return (
-            f"no vLLM{which} on {self.node} serves {model_base(order.model)!r} "
-            f"(model {order.model.name}): start one with --model {model_base(order.model)} "
-            "--enable-lora"
-        )
-
     async def _llamacpp(self, order: ServeOrder) -> None:
         if order.serve is None and not await asyncio.to_thread(llama_server_running):
             if order.gguf is not None:  # not asked, and no llama-server here
@@ -224,14 +213,14 @@ class ServingAgent:
             servers = await self._matching(order)
             if not servers and order.serve:
                 lift = "an engine serving the model on the node"
-                reason = self._no_engine(order)
+                reason = no_engine_reason(self.node, order)
                 self.reports.report(_version(order), NO_ENGINE, ServingState.REFUSED, reason,
                                     lift=lift)  # fmt: skip
             for server in servers:
                 if order.adapter_dir is not None:
                     await self._serve_order_on(server, order, order.adapter_dir)
         finally:
-            self._drop_unused(order.adapter_dir)
+            self.desired.drop_unused(order.adapter_dir)
 
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
         path = self.cfg.served_dir / order.served_name
@@ -249,7 +238,7 @@ class ServingAgent:
             for server in servers:
                 await self._serve_order_on(server, order, path)
         finally:
-            self._drop_unused(path)
+            self.desired.drop_unused(path)
 
     async def _serve_order_on(self, server: VllmServer, order: ServeOrder, staged: Path) -> None:
         probe_base = order.probe_base or _local_base(server) or model_base(order.model)
@@ -310,7 +299,7 @@ class ServingAgent:
             )
             return False
         try:
-            reference = await self._reference(adapter, probe_base)
+            reference = await self.references.of(adapter, probe_base)
         except (ProbeError, TrainerSetupError, TimeoutError, OSError, ValueError) as e:
             reason = f"the PEFT probe of {adapter.served_name} on {probe_base} failed: {e}"
             self.reports.report(v, server.url, ServingState.FAILED, reason)
@@ -340,30 +329,10 @@ class ServingAgent:
         with contextlib.suppress(VllmError):
             await client.unload_lora_adapter(name)
         if entry is not None:
-            self._drop_unused(Path(entry.path))
+            self.desired.drop_unused(Path(entry.path))
             self.reports.report(
                 _version(entry), server.url, ServingState.UNLOADED, f"evicted for {for_name}"
             )
-
-    async def _reference(self, adapter: AdapterToServe, probe_base: str) -> ProbeReference:
-        cached = self.references.get(adapter.served_name)
-        if cached is None:
-            python, env, root = await self._probe_env()
-            cached = await adapter_reference(python, probe_base, adapter.directory, env, root)
-            self.references[adapter.served_name] = cached
-        return cached
-
-    async def _probe_env(self) -> tuple[str, dict[str, str], Path]:
-        """The trainer's Python and environment, on the CPU, and the directory
-        holding the trainer package: the probe program's."""
-        if self._probe is None:
-            env = await environment.trainer_environment(self.cfg)
-            root = self.cfg.work_dir / "probe"
-            root.mkdir(parents=True, exist_ok=True)
-            await asyncio.to_thread(environment.copy_trainer_package, root)
-            env.give(root)
-            self._probe = (env.python, env.process_env(CardChoice(None, "cpu", 0)), root)
-        return self._probe
 
     # --- the engines restarting -------------------------------------------------
 
@@ -407,23 +376,15 @@ class ServingAgent:
                 limit = server.max_cpu_loras or server.max_loras
                 together = limit is None or len(loaded) + len(todo) <= limit
                 if together:
-                    width = asyncio.Semaphore(RELOAD_CONCURRENCY)
 
                     async def one(entry: DesiredAdapter, adapter: AdapterToServe) -> None:
                         v = _version(entry)
-                        async with width:
-                            self.reports.report(v, server.url, ServingState.LOADING, note)
-                            if not await self._load(client, server, adapter, entry.probe_base,
-                                                    v, loaded, entry.placed):  # fmt: skip
-                                self._reload_failed(server, entry)
+                        self.reports.report(v, server.url, ServingState.LOADING, note)
+                        if not await self._load(client, server, adapter, entry.probe_base,
+                                                v, loaded, entry.placed):  # fmt: skip
+                            self._reload_failed(server, entry)
 
-                    # Every load ends before the lock goes; the first error then.
-                    ended = await asyncio.gather(
-                        *(one(e, a) for e, a in todo), return_exceptions=True
-                    )
-                    for error in ended:
-                        if isinstance(error, BaseException):
-                            raise error
+                    await at_most(RELOAD_CONCURRENCY, [one(e, a) for e, a in todo])
             if not together:
                 for entry, adapter in todo:
                     if not await self._serve_on(
@@ -469,18 +430,13 @@ class ServingAgent:
                     except VllmError:
                         pass  # gone with its engine; it will not be loaded again
                 self.desired.remove(url, entry.served_name)
-                self._drop_unused(Path(entry.path))
+                self.desired.drop_unused(Path(entry.path))
                 self.reports.report(_version(entry), url, ServingState.UNLOADED, reason)
         self.watch.poke()
 
     def _server(self, url: str) -> VllmServer:
         view = self.watch.views.get(url)
         return view.server if view is not None else VllmServer(url=url)
-
-    def _drop_unused(self, path: Path | None) -> None:
-        """Remove a staged copy no engine should hold."""
-        if path is not None and str(path) not in self.desired.paths_in_use():
-            shutil.rmtree(path, ignore_errors=True)
 
 
 def _version(item: ServeOrder | DesiredAdapter) -> AdapterVersion:

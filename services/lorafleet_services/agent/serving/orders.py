@@ -186,3 +186,13 @@ def place_gguf(gguf: Path, adapters_dir: Path, name: str) -> Path:
 def lora_flag(path: Path) -> str:
     """What llama-server needs to take the adapter at its next start."""
     return f"--lora {path}"
+
+
+def no_engine_reason(node: str, order: ServeOrder) -> str:
+    """Why `order` is served nowhere on `node`, and what would serve it."""
+    which = f" at {order.engine}" if order.engine else ""
+    base = model_base(order.model)
+    return (
+        f"no vLLM{which} on {node} serves {base!r} (model {order.model.name}): "
+        f"start one with --model {base} --enable-lora"
+    )

@@ -117,6 +117,11 @@ class DesiredSet:
     def paths_in_use(self) -> set[str]:
         return {a.path for entries in self.engines.values() for a in entries}
 
+    def drop_unused(self, path: Path | None) -> None:
+        """Remove a staged copy no engine should hold."""
+        if path is not None and str(path) not in self.paths_in_use():
+            shutil.rmtree(path, ignore_errors=True)
+
 
 def eviction_choice(
     desired: Iterable[DesiredAdapter], loaded: Iterable[str], slots: int | None, incoming: str
