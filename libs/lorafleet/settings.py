@@ -97,7 +97,7 @@ class Settings:
     retention_sweep_every_s: float = 3600.0
     #: Seconds an object must have been found unneeded, by sweeps that far
     #: apart, before it is removed: a reference may be on its way (a submit
-    #: naming a file the sweep saw deleted). Far above any request's time.
+    #: naming a file the sweep saw deleted).
     retention_grace_s: float = 600.0
     #: A final job's checkpoint is removed this long after the job ended (a
     #: checkpoint only serves a resume; it is the largest object a job

@@ -72,6 +72,21 @@ def test_an_engine_too_busy_to_answer_pauses_and_is_named() -> None:
     assert run([(0.0, IDLE), (0.1, [late]), (0.3, IDLE), (0.5, IDLE)]) == [False, True, True, False]
 
 
+def test_tokens_counted_since_the_last_read_are_busy_when_one_request_is() -> None:
+    worked = [EngineLoad("http://e:8000", 0, 0, tokens=400.0, worked=True)]
+    assert run([(0.0, IDLE), (0.1, worked), (0.2, IDLE)]) == [False, True, True]
+    state = decide(YieldState(), worked, 1.0, TH)
+    assert state.reason == "http://e:8000 processed tokens since the last read"
+    assert run([(0.0, worked)], YieldThresholds(busy_requests=2)) == [False]
+
+
+def test_the_yielder_marks_an_engine_worked_when_its_tokens_grew(tmp_path: Path) -> None:
+    yielder = Yielder(PauseFile(tmp_path / "pause"), list, TH, log.get())
+    reads = [10.0, 10.0, 250.0, 3.0, 3.0, None]  # a restart sets the count back
+    marks = [yielder._worked(EngineLoad("e", 0, 0, tokens=t)).worked for t in reads]
+    assert marks == [False, False, True, False, False, False]
+
+
 def test_unanswered_engines_hold_no_pause() -> None:
     """read_load's None is left out: no loads at all is not busy."""
     assert run([(0.0, []), (0.1, BUSY), (0.2, []), (0.6, [])]) == [False, True, True, False]

@@ -106,7 +106,7 @@ class AgentConfig:
     yield_sample_s: seconds between two reads of the engines' load while a
         job that yields to serving trains; default 0.1.
     yield_busy_requests: an engine with this many requests running or
-        waiting is busy: the trainer pauses; default 1.
+        waiting, or at 1 new tokens, is busy: the trainer pauses; default 1.
     yield_idle_s: seconds every engine must have been idle before a paused
         trainer goes on; default 0.3.
     yield_run_share: under load that never leaves yield_idle_s of quiet,

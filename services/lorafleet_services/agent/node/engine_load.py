@@ -6,7 +6,12 @@ vLLM's Prometheus `/metrics` (`vllm:num_requests_running`,
 `vllm:num_requests_waiting`, summed over its series: one per model name and
 engine index), llama.cpp's `/metrics` (`llamacpp:requests_processing`,
 `llamacpp:requests_deferred`; llama-server needs `--metrics`) or, without
-it, its `/slots` (a slot `is_processing`, older releases `state` 1). A read
+it, its `/slots` (a slot `is_processing`, older releases `state` 1). From
+/metrics also the tokens it has processed (`EngineLoad.tokens`): a count
+that grew between two reads is work done between them, which the gauges
+miss when a request starts and ends between two reads, and when a CPU
+engine's API server is starved (it then takes a request's outputs in one
+burst, and its gauges read 0 whenever /metrics is answered). A read
 costs the engine one small text render (vLLM: about 10 KB); `read_load`
 bounds it by `LOAD_READ_TIMEOUT_S`. An engine that takes the connection but
 not answer in time is taken as busy (`EngineLoad.late`): its API server is
@@ -50,6 +55,11 @@ class EngineLoad:
     waiting: int
     #: It did not answer within LOAD_READ_TIMEOUT_S (counts are unknown: 0).
     late: bool = False
+    #: Prompt and generated tokens since the engine started (its counters);
+    #: None where it publishes none (llama.cpp's /slots).
+    tokens: float | None = None
+    #: Tokens were processed since the reader's previous read (the reader sets it).
+    worked: bool = False
 
     @property
     def requests(self) -> int:
@@ -58,6 +68,8 @@ class EngineLoad:
     def describe(self) -> str:
         if self.late:
             return f"{self.engine} did not answer its {LOAD_READ_TIMEOUT_S:g} s load read"
+        if self.worked and not self.requests:
+            return f"{self.engine} processed tokens since the last read"
         return f"{self.engine} has {self.running} running, {self.waiting} waiting"
 
 
@@ -75,16 +87,19 @@ class LoadTarget:
         return "/slots" if self.source is LoadSource.LLAMACPP_SLOTS else "/metrics"
 
 
-def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
-    """The sum over every series of each metric in `names` in a Prometheus
-    text exposition (labels ignored); EngineLoadError when one is missing."""
+def prometheus_sums(
+    text: str, names: tuple[str, ...], optional: tuple[str, ...] = ()
+) -> dict[str, float]:
+    """The sum over every series of each metric in `names` and `optional` in
+    a Prometheus text exposition (labels ignored); EngineLoadError when one
+    of `names` is missing."""
     sums: dict[str, float] = {}
     for line in text.splitlines():
         if not line or line.startswith("#"):
             continue
         name_end = min((i for i in (line.find("{"), line.find(" ")) if i >= 0), default=-1)
         name = line[:name_end] if name_end >= 0 else line
-        if name not in names:
+        if name not in names and name not in optional:
             continue
         rest = line[len(name) :]
         fields = (rest[rest.rfind("}") + 1 :] if rest.startswith("{") else rest).split()
@@ -100,21 +115,30 @@ def prometheus_sums(text: str, names: tuple[str, ...]) -> dict[str, float]:
 
 VLLM_RUNNING = "vllm:num_requests_running"
 VLLM_WAITING = "vllm:num_requests_waiting"
+VLLM_TOKENS = ("vllm:prompt_tokens_total", "vllm:generation_tokens_total")
 LLAMACPP_PROCESSING = "llamacpp:requests_processing"
 LLAMACPP_DEFERRED = "llamacpp:requests_deferred"
+LLAMACPP_TOKENS = ("llamacpp:prompt_tokens_total", "llamacpp:tokens_predicted_total")
+
+
+def _tokens(sums: dict[str, float], names: tuple[str, ...]) -> float | None:
+    found = [sums[n] for n in names if n in sums]
+    return sum(found) if found else None
 
 
 def parse_vllm_metrics(engine: str, text: str) -> EngineLoad:
-    """vLLM's /metrics: requests running and waiting, over all its series."""
-    sums = prometheus_sums(text, (VLLM_RUNNING, VLLM_WAITING))
-    return EngineLoad(engine, round(sums[VLLM_RUNNING]), round(sums[VLLM_WAITING]))
+    """vLLM's /metrics: requests running and waiting, and its tokens, over all its series."""
+    sums = prometheus_sums(text, (VLLM_RUNNING, VLLM_WAITING), VLLM_TOKENS)
+    return EngineLoad(engine, round(sums[VLLM_RUNNING]), round(sums[VLLM_WAITING]),
+                      tokens=_tokens(sums, VLLM_TOKENS))  # fmt: skip
 
 
 def parse_llamacpp_metrics(engine: str, text: str) -> EngineLoad:
     """llama-server's /metrics (started with --metrics): requests processing
-    and deferred (waiting for a free slot)."""
-    sums = prometheus_sums(text, (LLAMACPP_PROCESSING, LLAMACPP_DEFERRED))
-    return EngineLoad(engine, round(sums[LLAMACPP_PROCESSING]), round(sums[LLAMACPP_DEFERRED]))
+    and deferred (waiting for a free slot), and its tokens."""
+    sums = prometheus_sums(text, (LLAMACPP_PROCESSING, LLAMACPP_DEFERRED), LLAMACPP_TOKENS)
+    return EngineLoad(engine, round(sums[LLAMACPP_PROCESSING]), round(sums[LLAMACPP_DEFERRED]),
+                      tokens=_tokens(sums, LLAMACPP_TOKENS))  # fmt: skip
 
 
 def parse_llamacpp_slots(engine: str, text: str) -> EngineLoad:

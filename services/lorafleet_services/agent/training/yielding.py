@@ -4,8 +4,10 @@ While a job with `yield_to_serving: auto` trains, `Yielder` reads every
 engine's load (agent/node/engine_load.py) each `yield_sample_s` and
 `decide` says whether the trainer should be paused:
 
-- an engine with `busy_requests` requests running or waiting, or too busy
-  to answer its load read in time (`EngineLoad.late`): pause;
+- an engine with `busy_requests` requests running or waiting, too busy
+  to answer its load read in time (`EngineLoad.late`) or, with
+  `busy_requests` 1, one that processed tokens since the last read
+  (`EngineLoad.worked`): pause;
 - paused, every engine idle for `idle_s`: go on;
 - paused for `period_s x (1 - run_share)` under load that never left
   `idle_s` of quiet: run for `period_s x run_share` whatever the load (the
@@ -93,13 +95,15 @@ class YieldState:
 
 def busiest(loads: Sequence[EngineLoad]) -> EngineLoad | None:
     """The engine that says most about the pause: one too busy to answer
-    first, then the one with most requests."""
-    return max(loads, key=lambda x: (x.late, x.requests), default=None)
+    first, then the one with most requests, then one that worked."""
+    return max(loads, key=lambda x: (x.late, x.requests, x.worked), default=None)
 
 
 def is_busy(loads: Sequence[EngineLoad], th: YieldThresholds) -> bool:
-    top = busiest(loads)
-    return top is not None and (top.late or top.requests >= th.busy_requests)
+    def busy(x: EngineLoad) -> bool:
+        return x.late or x.requests >= th.busy_requests or (x.worked and th.busy_requests <= 1)
+
+    return any(busy(x) for x in loads)
 
 
 def decide(
@@ -184,6 +188,8 @@ class Yielder:
         self.clock = clock
         self.state = YieldState()
         self.sampled_at = clock()
+        #: engine -> its token count at the previous read (`EngineLoad.worked`).
+        self.tokens: dict[str, float] = {}
         #: When the pause file was last written (the hold latency's start).
         self.held_at: float | None = None
 
@@ -203,16 +209,23 @@ class Yielder:
         """One read of every engine, and what it changes."""
         targets = self.targets()
         found = await asyncio.gather(*(read_load(http, t) for t in targets))
+        loads = [self._worked(x) for x in found if x is not None]
         now = self.clock()
-        before, self.state = (
-            self.state,
-            decide(self.state, [x for x in found if x is not None], now, self.th),
-        )
+        before, self.state = self.state, decide(self.state, loads, now, self.th)
         if before.paused:
             cause = pause_cause(self.state, now)
             metrics.TRAINER_YIELD.labels(cause).inc(max(0.0, now - self.sampled_at))
         self.sampled_at = now
         self._apply(before, now)
+
+    def _worked(self, load: EngineLoad) -> EngineLoad:
+        """`load`, `worked` when its token count grew since the last read (a
+        count that fell is an engine restarted: a new start, not work)."""
+        if load.tokens is None:
+            return load
+        before = self.tokens.get(load.engine)
+        self.tokens[load.engine] = load.tokens
+        return replace(load, worked=before is not None and load.tokens > before)
 
     def _apply(self, before: YieldState, now: float) -> None:
         state = self.state
