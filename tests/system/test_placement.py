@@ -148,10 +148,15 @@ async def test_all_reaches_every_node_and_a_node_that_comes_later(fleet: Fleet) 
     # An engine (and its node) that comes later gets what is desired there.
     await fleet.node("node-4")
     await fleet.wait_holding(name, {"node-1", "node-2", "node-3", "node-4"})
-    records = await fleet.stack.call(
-        fleet.stack.settings.names.adapters_list, {"job_id": job.id, "limit": 100}
-    )
-    assert {r["node"] for r in records["adapters"] if r["state"] == "served"} >= {"node-4"}
+
+    async def served_on() -> set[str]:
+        records = await fleet.stack.call(
+            fleet.stack.settings.names.adapters_list, {"job_id": job.id, "limit": 100}
+        )
+        return {r["node"] for r in records["adapters"] if r["state"] == "served"}
+
+    # The engine lists it once loaded; the record says served after the probe.
+    await eventually(served_on, "node-4's record served", until=lambda nodes: "node-4" in nodes)
 
 
 async def test_replicas_stay_put_when_a_node_joins_and_move_when_one_dies(fleet: Fleet) -> None:
