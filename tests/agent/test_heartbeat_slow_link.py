@@ -20,7 +20,7 @@ from lorafleet_services.agent.heartbeat import (
     Heartbeater,
     fence_bound_s,
 )
-from tests.partition.relay import DelayRelay
+from tests.partition.relay import relay_process
 
 #: Seconds each direction is late: the round trip (1.2 s) outlasts the beat's
 #: ack timeout (the 0.5 s heartbeat) and the PING's (REACH_TIMEOUT_S, 1 s).
@@ -32,9 +32,11 @@ async def test_messages_arriving_while_beats_time_out_mean_the_server_is_reached
     tmp_path: Path,
 ) -> None:
     assert 2 * DELAY_S > REACH_TIMEOUT_S
-    async with NatsServer(tmp_path / "nats") as server:
-        relay = await DelayRelay("127.0.0.1", server.host, server.port, DELAY_S).start()
-        settings = Settings(nats_url=relay.url, heartbeat_s=0.5, node_timeout_s=3)
+    async with (
+        NatsServer(tmp_path / "nats") as server,
+        relay_process("127.0.0.1", server.host, server.port, DELAY_S) as relay_url,
+    ):
+        settings = Settings(nats_url=relay_url, heartbeat_s=0.5, node_timeout_s=3)
         nc = await bus.connect(settings, "agent-under-test")
         sender = await bus.connect(Settings(nats_url=server.url), "chunk-acks")
         hb = Heartbeater(
@@ -69,4 +71,3 @@ async def test_messages_arriving_while_beats_time_out_mean_the_server_is_reached
             hb.cards.close()
             await bus.drain_quietly(sender)
             await nc.close()
-            await relay.stop()

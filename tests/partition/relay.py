@@ -8,14 +8,26 @@ other `delay_s` after it was read, in order, so each direction is `delay_s`
 late as with `tc netem delay` on both ends. Loss is the link's own
 (`NetnsLink.drop`, nftables in the namespace), so TCP retransmits across
 the delay as it would on a real degraded link. It costs one asyncio task
-per direction per connection, in the test's own loop. `stop()` ends every
-connection; nothing else bounds a connection's life, the test does.
+per direction per connection. `stop()` ends every connection; nothing else
+bounds a connection's life, the test does.
+
+Tests run it with `relay_process`, in a process of its own: in the test's
+own event loop a loaded pytest worker stalled it on top of its delay (an
+agent behind it once missed its 2.5 s heartbeat bound by 0.2 s at four
+workers), so the link was worse than the one the test names.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
+import signal
+import sys
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+from lorafleet._process import die_with_parent
 
 #: Bytes read at once from either side.
 READ_BYTES = 64 * 1024
@@ -88,3 +100,42 @@ class DelayRelay:
             with contextlib.suppress(BaseException):
                 await writer
             dst.close()
+
+
+@contextlib.asynccontextmanager
+async def relay_process(
+    listen_host: str, upstream_host: str, upstream_port: int, delay_s: float
+) -> AsyncIterator[str]:
+    """A DelayRelay in a child process, for as long as the block runs: yields its URL."""
+    root = str(Path(__file__).resolve().parents[2])
+    path = os.pathsep.join(p for p in (root, os.environ.get("PYTHONPATH", "")) if p)
+    argv = [sys.executable, "-m", "tests.partition.relay", listen_host, upstream_host]
+    proc = await asyncio.create_subprocess_exec(
+        *die_with_parent([*argv, str(upstream_port), str(delay_s)]),
+        stdout=asyncio.subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": path},
+    )
+    try:
+        assert proc.stdout is not None
+        line = await asyncio.wait_for(proc.stdout.readline(), timeout=30)
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the delay relay did not start (exit {await proc.wait()})")
+        yield f"nats://{listen_host}:{int(line)}"
+    finally:
+        if proc.returncode is None:
+            proc.terminate()
+        await asyncio.wait_for(proc.wait(), timeout=10)
+
+
+async def _serve(listen_host: str, upstream_host: str, upstream_port: int, delay_s: float) -> None:
+    relay = await DelayRelay(listen_host, upstream_host, upstream_port, delay_s).start()
+    print(relay.port, flush=True)
+    stopped = asyncio.Event()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, stopped.set)
+    await stopped.wait()
+    await relay.stop()
+
+
+if __name__ == "__main__":
+    host, upstream_host, upstream_port, delay = sys.argv[1:5]
+    asyncio.run(_serve(host, upstream_host, int(upstream_port), float(delay)))

@@ -6,6 +6,7 @@ degraded link (150 ms, 2% loss) is no node loss."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 
 import nats.js.errors
@@ -16,7 +17,7 @@ from lorafleet_schemas.messages import JobState
 from tests.eventually import NeverHappenedError, eventually
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsLink, netem_available, nft_available
-from tests.partition.relay import DelayRelay
+from tests.partition.relay import relay_process
 from tests.system.conftest import Stack, has_artifact_store, kill_pid, pid_alive, trainer_pids
 
 FINISHED = (JobState.DONE,) if has_artifact_store() else (JobState.DONE, JobState.UPLOADING)
@@ -105,19 +106,20 @@ async def test_a_degraded_link_is_no_node_loss(stack: Stack, link: NetnsLink) ->
     """150 ms each way and 2% of the packets lost each way: by `tc netem` where
     the kernel has it, else by nftables (the loss) and a delaying relay."""
     await stack.add_model()
-    relay: DelayRelay | None = None
-    if netem_available(link) is None:
-        link.degrade(delay_ms=DELAY_MS, loss_pct=LOSS_PCT)
-        url, how = None, "tc netem"
-    else:
-        why = nft_available(link)
-        if why is not None:
-            pytest.skip(f"no tc netem here and {why}")
-        link.drop(LOSS_PCT)
-        server = stack.nats_server
-        relay = await DelayRelay(link.host_ip, server.host, server.port, DELAY_MS / 1000).start()
-        url, how = relay.url, "nftables loss and a delaying relay (no sch_netem here)"
-    try:
+    async with contextlib.AsyncExitStack() as exits:
+        relayed = netem_available(link) is not None
+        if not relayed:
+            link.degrade(delay_ms=DELAY_MS, loss_pct=LOSS_PCT)
+            url, how = None, "tc netem"
+        else:
+            why = nft_available(link)
+            if why is not None:
+                pytest.skip(f"no tc netem here and {why}")
+            link.drop(LOSS_PCT)
+            server = stack.nats_server
+            relay = relay_process(link.host_ip, server.host, server.port, DELAY_MS / 1000)
+            url = await exits.enter_async_context(relay)
+            how = "nftables loss and a delaying relay (no sch_netem here)"
         agent = await agent_in(
             stack,
             link,
@@ -128,16 +130,13 @@ async def test_a_degraded_link_is_no_node_loss(stack: Stack, link: NetnsLink) ->
         started = time.monotonic()
         job = await stack.submit("node-1")
         done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=90)
-    finally:
-        if relay is not None:
-            await relay.stop()
     assert done.state in FINISHED, done.message
     assert stack.schedulers[0].events("node.lost") == []
     assert agent.events("agent.fenced") == []
     curve = await stack.curve(job.id)
     assert [p.step for p in curve.points] == list(range(1, 41))
-    dropped = link.dropped() if relay is not None else None
-    if relay is not None:
+    dropped = link.dropped() if relayed else None
+    if relayed:
         assert dropped, "the loss rules dropped nothing: the link was not degraded"
     print(
         f"degraded link ({how}): done in {time.monotonic() - started:.1f} s, no node loss"
