@@ -15,12 +15,13 @@ from lorafleet_schemas.messages import (
     JobRecord,
     JobState,
     LossPoint,
+    Replicas,
     TrainerParams,
 )
 from lorafleet_services.gateway import job_mapping as jm
 from lorafleet_services.gateway.http_errors import GatewayHttpError
 from lorafleet_services.gateway.openai_shapes import Hyperparameters, JobCreate
-from lorafleet_services.gateway.state import JobFields
+from lorafleet_services.gateway.state import FileRecord, JobFields
 
 T0 = dt.datetime(2026, 1, 1, tzinfo=dt.UTC)
 
@@ -98,6 +99,29 @@ def test_hyperparameters_map_onto_the_trainers_and_auto_keeps_its_default() -> N
     with pytest.raises(GatewayHttpError) as caught:
         jm.trainer_params(too_high, jm.requested_hyperparameters(too_high))
     assert caught.value.status == 400
+
+
+def test_the_extension_sets_where_the_model_is_served() -> None:
+    file = FileRecord(
+        id="file-1", filename="d.jsonl", bytes=1, created_at=T0, purpose="fine-tune",
+        dataset="d", records=4,
+    )  # fmt: skip
+
+    def spec(body: bytes) -> tuple[object, object]:
+        create = msgspec.json.decode(body, type=JobCreate)
+        job = jm.job_spec(create, file, TrainerParams())
+        return job.serve, job.serving
+
+    plain = b'{"model": "tiny", "training_file": "file-1"}'
+    assert spec(plain) == (None, None)  # the catalog model's policy, served where it trained
+    two = b'{"model": "tiny", "training_file": "file-1", "lorafleet": {"serving": {"replicas": 2}}}'
+    assert spec(two) == (None, Replicas(replicas=2))
+    everywhere = b'{"model": "tiny", "training_file": "file-1", "lorafleet": {"serving": "all"}}'
+    assert spec(everywhere) == (None, "all")
+    nowhere = b'{"model": "tiny", "training_file": "file-1", "lorafleet": {"serve": false}}'
+    assert spec(nowhere) == (False, None)
+    with pytest.raises(msgspec.ValidationError, match="serving"):
+        spec(b'{"model": "tiny", "training_file": "f", "lorafleet": {"serving": "some"}}')
 
 
 def test_pages_follow_the_cursor() -> None:

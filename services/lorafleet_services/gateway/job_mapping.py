@@ -169,6 +169,8 @@ def job_spec(
         node=ext.node if ext else None,
         gpu_memory_mib=ext.gpu_memory_mib if ext else None,
         max_attempts=(ext.max_attempts or 1) if ext else 1,
+        serve=ext.serve if ext else None,
+        serving=ext.serving if ext else None,
     )
 
 

@@ -15,6 +15,8 @@ from typing import Annotated, Any, Literal
 import msgspec
 from msgspec import Meta
 
+from lorafleet_schemas.messages import ServingPolicy
+
 #: OpenAI's `"auto"` or a value.
 Auto = Literal["auto"]
 
@@ -102,6 +104,12 @@ class LorafleetOptions(msgspec.Struct, kw_only=True, forbid_unknown_fields=True)
     max_steps: Annotated[int, Meta(ge=0)] | None = None
     #: A checkpoint every this many steps (what `pause` resumes from); default 0.
     checkpoint_every_steps: Annotated[int, Meta(ge=0)] | None = None
+    #: Load the adapter once done (JobSpec.serve); false: `succeeded` with
+    #: the model served nowhere.
+    serve: bool | None = None
+    #: Where it is served once done: "all" or {"replicas": N}; default the
+    #: catalog model's (JobSpec.serving).
+    serving: ServingPolicy | None = None
 
 
 class JobCreate(msgspec.Struct, kw_only=True):
