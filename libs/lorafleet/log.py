@@ -68,6 +68,9 @@ class Event:
     JOB_RESENT: Final = "job.resent"
     #: The recorder took a job's newer checkpoint (JobRecord.checkpoint).
     JOB_CHECKPOINT: Final = "job.checkpoint"
+    #: A checkpoint after the next step was asked of a job's trainer (its node
+    #: drained with its training moved: it resumes elsewhere from it).
+    JOB_CHECKPOINT_ASKED: Final = "job.checkpoint_asked"
     #: The agent paused its trainer for the node's engines, or let it go on
     #: (agent/training/yielding.py).
     JOB_YIELD: Final = "job.yield"

@@ -151,6 +151,9 @@ class Names:
     def node_cancel(self, node: str) -> str:
         return f"{self.prefix}.node.{check_token(node, 'node name')}.cancel"
 
+    def node_checkpoint(self, node: str) -> str:
+        return f"{self.prefix}.node.{check_token(node, 'node name')}.checkpoint"
+
     def node_serve(self, node: str) -> str:
         return f"{self.prefix}.node.{check_token(node, 'node name')}.serve"
 

@@ -1,9 +1,10 @@
 """Cordon and drain with a training job on the node (issue 29), through the
 real recorder, scheduler, artifact-store and agents with the stand-in
 trainer: a cordoned node's job trains on there while nothing new is sent
-there; `drain` with move_training stops the job there and resumes it on
-another node from its checkpoint, a new attempt that uses none of its own;
-without a checkpoint the drain refuses to move it, changing nothing."""
+there; `drain` with move_training has the job checkpoint at the move, stops
+it there and resumes it on another node from that checkpoint, a new attempt
+that uses none of its own; without a checkpoint the drain refuses to move
+it (unless forced), changing nothing."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from lorafleet.errors import ConflictError
 from lorafleet_schemas.messages import JobState, NodeSchedule
 from tests.eventually import eventually
 from tests.system.conftest import Stack
-from tests.system.test_resume import EVERY_STEPS, STEP_S, checkpointed
+from tests.system.test_resume import EVERY_STEPS, STEP_S
 
 FINISHED = (JobState.DONE, JobState.FAILED, JobState.CANCELLED)
 
@@ -59,13 +60,17 @@ async def test_drain_with_move_training_resumes_the_job_elsewhere_from_its_check
     env = {"LORAFLEET_STANDIN_STEP_S": STEP_S}
     await stack.agent("node-1", env=env)
     await stack.agent("node-2", env=env)
-    params = {"max_steps": 80, "checkpoint_every_steps": EVERY_STEPS}
+    # No scheduled checkpoint: the one the job resumes from is taken at the move.
+    params = {"max_steps": 80, "checkpoint_every_steps": 0, "checkpoint_every_s": 0}
     job = await stack.submit(None, params=params)  # max_attempts 1: its only attempt
-    seen = await checkpointed(stack, job.id, 2 * EVERY_STEPS)
-    first = seen.node
-    assert first is not None
+    past = await eventually(
+        lambda: stack.get(job.id), "the job training", until=lambda j: j.step >= EVERY_STEPS
+    )
+    first = past.node
+    assert first is not None and past.checkpoint is None
     other = "node-2" if first == "node-1" else "node-1"
-    marked = await schedule(stack, first, NodeSchedule.DRAINED, move_training=True)
+    # force: it has no checkpoint yet (without, the drain is refused: the test above).
+    marked = await schedule(stack, first, NodeSchedule.DRAINED, move_training=True, force=True)
     assert marked["moving"] == [job.id] and marked["move_training"], marked
 
     done = await stack.wait_state(job.id, *FINISHED, timeout_s=60)
@@ -74,12 +79,11 @@ async def test_drain_with_move_training_resumes_the_job_elsewhere_from_its_check
     curve = await stack.curve(job.id)
     assert [p.step for p in curve.points] == list(range(1, 81))
     resumed = min(p.step for p in curve.points if p.attempt == 2) - 1
-    assert seen.checkpoint is not None and resumed >= seen.checkpoint.step
-    assert resumed % EVERY_STEPS == 0
+    # A checkpoint taken at the move: none of the steps before the drain is lost.
+    assert resumed >= past.step, (resumed, past.step)
     [requeue] = [e for e in curve.events if e.to_state is JobState.QUEUED and e.from_state]
     assert requeue.message.startswith(f"node {first} was drained with move_training at step ")
     said = re.search(r"attempt 2 of 2 resumes from the checkpoint at step (\d+)", requeue.message)
-    # A checkpoint in flight at the move may land before the dispatch: it is newer.
-    assert said is not None and int(said[1]) <= resumed, requeue.message
+    assert said is not None and past.step <= int(said[1]) <= resumed, requeue.message
     nodes = {n.heartbeat.node: n for n in (await stack.nodes()).nodes}
     assert nodes[first].schedule is NodeSchedule.DRAINED and nodes[first].move_training

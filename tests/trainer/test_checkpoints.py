@@ -26,6 +26,7 @@ from lorafleet_trainer.loop import prepare_training
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import (
     BadInputError,
+    CheckpointAsks,
     EnvironmentFailureError,
     LineWriter,
     is_environment_failure,
@@ -446,6 +447,34 @@ def test_an_adapter_of_another_rank_does_not_load(
     with pytest.raises(BadInputError) as e:
         load_adapter_weights(loop.model, job_dir / "out" / "adapter", loop.device)
     assert "it has rank 8 on 14 modules, this job rank 4 on 14 modules" in str(e.value)
+
+
+def test_a_checkpoint_asked_for_comes_after_the_next_step_and_once(
+    tmp_path: Path, tiny_model: Callable[[str], Path]
+) -> None:
+    """Both schedules off; the agent's ask (a token in the file) is there
+    before the first step: one checkpoint, after step 1, none after."""
+    asked = tmp_path / "checkpoint-now"
+    asked.write_text("1\n")
+    job = _job(
+        tmp_path, tiny_model("llama"), checkpoint_now_path=str(asked),
+        params={"max_steps": 4, "checkpoint_every_steps": 0},
+    )  # fmt: skip
+    run = run_trainer(job)
+    assert run.rc == 0, run.stderr[-3000:]
+    assert [x["step"] for x in run.events("checkpoint")] == [1]
+    assert sorted(os.listdir(tmp_path / "checkpoints")) == ["step-00000001"]
+
+
+def test_an_ask_is_one_token_the_trainer_has_not_seen(tmp_path: Path) -> None:
+    path = tmp_path / "checkpoint-now"
+    asks = CheckpointAsks(path)
+    assert not asks.asked()  # no file
+    path.write_text("1\n")
+    assert asks.asked() and not asks.asked()  # the same token again is no ask
+    path.write_text("2\n")
+    assert asks.asked()
+    assert not CheckpointAsks(None).asked()
 
 
 def test_checkpoints_are_due_by_steps_or_time_never_at_the_end() -> None:

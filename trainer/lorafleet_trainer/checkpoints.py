@@ -5,7 +5,9 @@ in the layout of lorafleet_trainer.layout.
 With a checkpoint_dir, one comes after every params.checkpoint_every_steps
 optimizer steps and whenever params.checkpoint_every_s seconds passed since
 the last one (`checkpoint_due`; never after the last step: the adapter is the
-result then). Its "checkpoint" line is printed only once it is complete.
+result then), and after the step during which the agent asked for one
+(JobFile.checkpoint_now_path). Its "checkpoint" line is printed only once it
+is complete.
 """
 
 from __future__ import annotations
@@ -32,7 +34,12 @@ from lorafleet_trainer.layout import (
 )
 from lorafleet_trainer.loop import Loop, Progress
 from lorafleet_trainer.params import Params
-from lorafleet_trainer.protocol import EnvironmentFailureError, Event, LineWriter
+from lorafleet_trainer.protocol import (
+    CheckpointAsks,
+    EnvironmentFailureError,
+    Event,
+    LineWriter,
+)
 
 #: The parameters a checkpoint's trajectory does not depend on: a "continue"
 #: may change them (more or fewer checkpoints, another card's dtype).
@@ -256,8 +263,15 @@ class Checkpointer:
     each optimizer step; the writing is the CheckpointWriter's."""
 
     def __init__(
-        self, parent: Path, p: Params, total_steps: int, meta: dict[str, Any], lines: LineWriter
+        self,
+        parent: Path,
+        p: Params,
+        total_steps: int,
+        meta: dict[str, Any],
+        lines: LineWriter,
+        asked_path: Path | None = None,
     ) -> None:
+        self.asks = CheckpointAsks(asked_path)
         self.every_steps = p.checkpoint_every_steps
         self.every_s = p.checkpoint_every_s
         self.total_steps = total_steps
@@ -268,7 +282,8 @@ class Checkpointer:
     def after_step(self, loop: Loop, progress: Progress, epoch: int, index: int) -> None:
         self.writer.check()
         now = time.monotonic()
-        if checkpoint_due(
+        asked = self.asks.asked() and progress.step < self.total_steps
+        if asked or checkpoint_due(
             progress.step, self.total_steps, self.every_steps, self.every_s, now - self._last
         ):
             # The write before first: one snapshot in host memory at a time.

@@ -99,11 +99,21 @@ class JobFile:
     #: The pause file the agent writes while the node's engines are busy
     #: (lorafleet_trainer.protocol.PauseGate); None: the trainer never yields.
     pause_path: Path | None = None
+    #: The file the agent writes to ask for a checkpoint after the next step
+    #: (protocol.CheckpointAsks); None: checkpoints on the schedule only.
+    checkpoint_now_path: Path | None = None
 
     def to_json(self) -> str:
         """The job file's text (parse's input)."""
         raw = dataclasses.asdict(self)
-        for key in ("data_path", "out_dir", "checkpoint_dir", "eval_data_path", "pause_path"):
+        for key in (
+            "data_path",
+            "out_dir",
+            "checkpoint_dir",
+            "eval_data_path",
+            "pause_path",
+            "checkpoint_now_path",
+        ):
             raw[key] = None if raw[key] is None else str(raw[key])
         if self.resume is not None:
             raw["resume"] = {"dir": str(self.resume.dir), "mode": self.resume.mode}
@@ -161,6 +171,7 @@ class JobFile:
             eval_data_path=_path(eval_path),
             eval_data_sha256=eval_sha,
             pause_path=_path(_str(raw, "pause_path", optional=True)),
+            checkpoint_now_path=_path(_str(raw, "checkpoint_now_path", optional=True)),
         )
 
 

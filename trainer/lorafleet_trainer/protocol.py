@@ -149,6 +149,31 @@ def is_environment_failure(e: BaseException) -> bool:
     return type(e).__name__ == "AcceleratorError" or bool(_ENVIRONMENT_ERROR.search(text))
 
 
+class CheckpointAsks:
+    """The agent asks for a checkpoint after the next step (a node drained
+    with its training moved: the job resumes elsewhere from it) by writing a
+    token it has not written before into the file at `path`. The trainer
+    only reads it (it may run as another user, in a directory it cannot
+    change), so a token is one ask: the same token again is none. An open()
+    a step; None: never asked."""
+
+    def __init__(self, path: Path | None) -> None:
+        self.path = path
+        self.seen = ""
+
+    def asked(self) -> bool:
+        if self.path is None:
+            return False
+        try:
+            token = self.path.read_text(encoding="utf-8", errors="replace").strip()
+        except OSError:
+            return False
+        if not token or token == self.seen:
+            return False
+        self.seen = token
+        return True
+
+
 #: Seconds between two looks at the pause file while paused: the time a
 #: resume may take to be seen, for a stat() each (microseconds).
 PAUSE_POLL_S = 0.02

@@ -444,13 +444,16 @@ def describe_training(
 
 
 def make_checkpointer(job: JobFile, total_steps: int, lines: LineWriter) -> Checkpointer | None:
-    """The job's checkpointer; None without a checkpoint_dir or with both
-    triggers off."""
+    """The job's checkpointer; None without a checkpoint_dir, or with both
+    schedules off and no way to ask for one."""
     p = job.params
-    if job.checkpoint_dir is None or not (p.checkpoint_every_steps or p.checkpoint_every_s):
+    asked = job.checkpoint_now_path
+    if job.checkpoint_dir is None or not (
+        p.checkpoint_every_steps or p.checkpoint_every_s or asked
+    ):
         return None
     meta = {"job_id": job.job_id, "fingerprint": fingerprint_of(job, total_steps)}
-    return Checkpointer(job.checkpoint_dir, p, total_steps, meta, lines)
+    return Checkpointer(job.checkpoint_dir, p, total_steps, meta, lines, asked)
 
 
 def save_adapter(model: Any, adapter_dir: Path, template: str) -> None:

@@ -41,7 +41,7 @@ from lorafleet_trainer.layout import (
     newest_checkpoint,
 )
 from lorafleet_trainer.params import Params
-from lorafleet_trainer.protocol import BadInputError, Event, ExitCode, LineWriter
+from lorafleet_trainer.protocol import BadInputError, CheckpointAsks, Event, ExitCode, LineWriter
 
 #: Bytes of the stand-in adapter's weights file.
 ADAPTER_WEIGHTS_BYTES = 64 * 1024
@@ -122,6 +122,7 @@ class Checkpoints:
         self.job_id = job.job_id
         self.fingerprint = {"data_sha256": job.data_sha256, "total_steps": steps}
         self.lines = lines
+        self.asks = CheckpointAsks(job.checkpoint_now_path)
         self._last = time.monotonic()
         if self.dir is not None:
             self.dir.mkdir(parents=True, exist_ok=True)
@@ -131,7 +132,8 @@ class Checkpoints:
             return
         now = time.monotonic()
         by_steps = self.every_steps > 0 and step % self.every_steps == 0
-        if not (by_steps or (self.every_s > 0 and now - self._last >= self.every_s)):
+        by_time = self.every_s > 0 and now - self._last >= self.every_s
+        if not (self.asks.asked() or by_steps or by_time):
             return
         self._last = now
         name = checkpoint_name(step)

@@ -66,6 +66,7 @@ def agent_permissions(names: Names, node: str) -> Permissions:
             "allow": [
                 names.node_start(node),
                 names.node_cancel(node),
+                names.node_checkpoint(node),
                 names.node_serve(node),
                 names.node_unserve(node),
                 f"{node_inbox_prefix(node)}.>",
@@ -218,6 +219,7 @@ def scheduler_permissions(names: Names) -> Permissions:
             names.store_transition,
             f"{p}.node.*.start",
             f"{p}.node.*.cancel",
+            f"{p}.node.*.checkpoint",
             f"{p}.node.*.serve",
             f"{p}.node.*.unserve",
             js_api_subject("INFO"),  # nats-py's create_key_value reads the account's limits

@@ -71,6 +71,22 @@ class NodeCancelReply(msgspec.Struct, kw_only=True):
     stopped: bool
 
 
+class NodeCheckpointRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """`lorafleet.node.<node>.checkpoint`: a checkpoint of the job after its
+    next optimizer step (its node drained with its training moved: the job
+    resumes elsewhere from it). It comes as any checkpoint does."""
+
+    job_id: str
+    attempt: int
+
+
+class NodeCheckpointReply(msgspec.Struct, kw_only=True):
+    #: True when the job's trainer runs there and was asked.
+    asked: bool
+    #: Why not, when not.
+    reason: str = ""
+
+
 class Card(msgspec.Struct, kw_only=True):
     index: int
     name: str

@@ -1,7 +1,7 @@
 """The node agent process: heartbeat, start and cancel requests, fencing.
 
 Subscribes to its own node's subjects only (`<prefix>.node.<node>.start`,
-`.cancel`, `.serve`, `.unserve`), so a node can run with credentials limited
+`.cancel`, `.checkpoint`, `.serve`, `.unserve`), so a node can run with credentials limited
 to them. One job at a time (a retried start of the running job is accepted
 again, one of a job that ended here refused, any other answered busy);
 serving (serving/agent.py) runs beside it. Fenced (agent/DESIGN.md,
@@ -38,6 +38,8 @@ from lorafleet_schemas.messages import (
     JobState,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeCheckpointReply,
+    NodeCheckpointRequest,
     NodeServeRequest,
     NodeUnserveRequest,
     StartReply,
@@ -52,6 +54,7 @@ from lorafleet_services.agent.node.leftovers import kill_leftover_trainers, remo
 from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.training.job_run import JobRun, StopRequest
 from lorafleet_services.agent.training.yielding import load_targets
+from lorafleet_services.agent.transfer.checkpoints import CHECKPOINT_NOW_FILE, ask_checkpoint
 
 #: Seconds the heartbeat's delete may take on a clean stop.
 HEARTBEAT_DELETE_TIMEOUT_S = 2.0
@@ -105,6 +108,9 @@ class Agent:
         return [
             Route(self.names.node_start(self.node), StartRequest, self.start_job),
             Route(self.names.node_cancel(self.node), NodeCancelRequest, self.cancel_job),
+            Route(
+                self.names.node_checkpoint(self.node), NodeCheckpointRequest, self.checkpoint_job
+            ),
             Route(self.names.node_serve(self.node), NodeServeRequest, self.serving.serve_request),
             Route(self.names.node_unserve(self.node), NodeUnserveRequest, self.serving.unserve),
         ]
@@ -213,6 +219,16 @@ class Agent:
             self.cfg.cancel_grace_s + CANCEL_SLACK_S,
         )
         return NodeCancelReply(stopped=run.task is not None and run.task.done())
+
+    async def checkpoint_job(self, req: NodeCheckpointRequest) -> NodeCheckpointReply:
+        run = self.job
+        if run is None or (run.job_id, run.req.attempt) != (req.job_id, req.attempt):
+            return NodeCheckpointReply(asked=False, reason=f"{self.node} does not run it")
+        if run.trainer_pid is None:
+            return NodeCheckpointReply(asked=False, reason="its trainer has not started")
+        await asyncio.to_thread(ask_checkpoint, run.job_dir / CHECKPOINT_NOW_FILE)
+        self.logger.info(Event.JOB_CHECKPOINT_ASKED, job_id=req.job_id, attempt=req.attempt)
+        return NodeCheckpointReply(asked=True)
 
     # --- fencing --------------------------------------------------------------
 

@@ -43,14 +43,13 @@ def nodes_drain(
     move_training: bool = typer.Option(
         False,
         "--move-training",
-        help="Also resume NODE's training jobs on other nodes from their newest checkpoints "
+        help="Also resume NODE's training jobs elsewhere from a checkpoint taken at the move "
         "(docs/operations.md); refused while one that has trained has none, unless --force.",
     ),
     force: bool = typer.Option(
         False,
         "--force",
-        help="With --move-training: move a job with no checkpoint too; it starts again "
-        "from step 0.",
+        help="With --move-training: move a job with no checkpoint too.",
     ),
     as_json: bool = JSON_OPTION,
 ) -> None:

@@ -49,6 +49,8 @@ from lorafleet_schemas.messages import (
     ModelRecord,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeCheckpointReply,
+    NodeCheckpointRequest,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
@@ -57,6 +59,7 @@ from lorafleet_schemas.messages import (
     TransitionRequest,
 )
 from lorafleet_services.scheduler import placement, reconcile
+from lorafleet_services.scheduler.move_checkpoints import MoveCheckpoints
 from lorafleet_services.scheduler.node_table import Node, NodeTable
 
 #: Seconds between reconcile passes (each asks the recorder about jobs nodes
@@ -99,6 +102,12 @@ class AgentRequests:
         return await bus.request(
             self.nc, self.names.node_serve(node), req, NodeServeReply, timeout_s=self.timeout_s
         )
+
+    async def checkpoint(self, node: str, req: NodeCheckpointRequest) -> NodeCheckpointReply:
+        return await bus.request(
+            self.nc, self.names.node_checkpoint(node), req, NodeCheckpointReply,
+            timeout_s=self.timeout_s,
+        )  # fmt: skip
 
     async def unserve(self, node: str, req: NodeUnserveRequest) -> NodeServeReply:
         return await bus.request(
@@ -183,16 +192,18 @@ class Dispatcher:
         #: held from dispatch until it is answered or fails (`_stop_and_hold`);
         #: the jobs moved off a drained node too.
         self.held: dict[str, asyncio.Task[None]] = {}
+        self.move_checkpoints = MoveCheckpoints(agents, logger)
 
     async def stop(self) -> None:
         """Drop pending start and node-cancel requests: what they would have
         done, reconcile does for the next leader."""
         await stop_tasks(*self._background)
 
-    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> None:
+    def _spawn(self, coro: Coroutine[Any, Any, Any]) -> asyncio.Task[Any]:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+        return task
 
     async def fail_on_node(self, job: JobRecord, message: str) -> bool:
         """Fail `job` from whatever active state it is in, while it is still on its node."""
@@ -245,8 +256,9 @@ class Dispatcher:
                 if await self.lose_on_node(job, cause, reconcile.node_lost_message(node)):
                     failed.add(job.id)
                     self._stop_and_hold(node.name, job.id, cause)
-        for job in reconcile.training_moves(on_node, self.table.nodes, self.table.moves):
-            if job.id not in failed and await self.move_off_node(job):
+        moves = reconcile.training_moves(on_node, self.table.nodes, self.table.moves)
+        for job in await self.move_checkpoints.ready(moves, now, skip=failed):
+            if await self.move_off_node(job):
                 failed.add(job.id)
         held = self._holding()
         queued = [j for j in queued if j.id not in held]
@@ -289,10 +301,7 @@ class Dispatcher:
         lost (agent/DESIGN.md, "Fencing"). Cost: a job lost with a cut-off
         node waits up to the cancel's timeout before it runs again."""
         why = f"{cause}: it runs elsewhere"
-        task = asyncio.create_task(self._cancel_on_node(node, job_id, why))
-        self.held[job_id] = task
-        self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        self.held[job_id] = self._spawn(self._cancel_on_node(node, job_id, why))
 
     def _holding(self) -> set[str]:
         """The jobs held now (a job failed with its node is held no longer than

@@ -59,7 +59,7 @@ from lorafleet_services.agent.training.yielding import (
     start_yielding,
     stop_yielding,
 )
-from lorafleet_services.agent.transfer.checkpoints import CheckpointSender
+from lorafleet_services.agent.transfer.checkpoints import CHECKPOINT_NOW_FILE, CheckpointSender
 from lorafleet_services.agent.transfer.fetch import (
     DATA_FILE,
     EVAL_DATA_FILE,
@@ -198,6 +198,7 @@ def job_file(
         eval_data_path=data_path.with_name(EVAL_DATA_FILE) if has_eval else None,
         eval_data_sha256=req.eval_dataset_sha256 if has_eval else None,
         pause_path=job_dir / PAUSE_FILE if req.params.yield_to_serving == "auto" else None,
+        checkpoint_now_path=job_dir / CHECKPOINT_NOW_FILE,
     )
 
 

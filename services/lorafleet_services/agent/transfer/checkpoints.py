@@ -8,13 +8,19 @@ checkpoint replaces the one waiting there, which is removed unsent, so the
 disk holds at most three. A checkpoint that cannot be delivered is logged
 and skipped (the store keeps the one before); `stop()` at the end of
 training drops what is in flight: the final adapter is what matters then.
+
+`ask_checkpoint` asks the trainer for one after its next step (the
+scheduler's, before it moves a drained node's job: trainer's side in
+lorafleet_trainer.protocol.CheckpointAsks).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import os
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +45,18 @@ def inside(root: Path, path: str) -> Path | None:
     if p.parent != root.resolve() or not p.is_dir():
         return None
     return p
+
+
+#: The file in the job directory that asks the trainer for a checkpoint.
+CHECKPOINT_NOW_FILE = "checkpoint-now"
+
+
+def ask_checkpoint(path: Path) -> None:
+    """A new token in `path` (through a temporary name: the trainer never
+    reads half of it): one more checkpoint asked."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(f"{time.time_ns()}\n", encoding="utf-8")
+    os.replace(tmp, path)
 
 
 def remove_all(paths: list[Path]) -> None:
