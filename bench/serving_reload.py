@@ -38,7 +38,7 @@ from lorafleet_services.agent.serving import agent as serving_agent
 from lorafleet_services.agent.serving.orders import ServeOrder
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
-from tests.agent.test_serving_reload import StandinEngine, staged_adapter
+from tests.agent.serving_in_process import StandinEngine, running_serving_agent, staged_adapter
 from tests.vllm_server import free_port
 
 #: Seconds the whole reload may take before the round is abandoned.
@@ -73,38 +73,31 @@ async def one_round(root: Path, adapters: int, slow_s: float, width: int) -> flo
     model = ModelRecord(name="tiny", engine=Engine.VLLM, hf_repo=None, hf_revision="main",
                         local_dir=str(base), description="",
                         created_at=dt.datetime.now(dt.UTC))  # fmt: skip
-    agent = serving_agent.ServingAgent(js, settings.names, cfg)
-    stop = asyncio.Event()
-    tasks = agent.start(stop)
     try:
-        for i in range(adapters):
-            path, sha = staged_adapter(root / "trained", f"job-{i}")
-            agent.auto_serve(ServeOrder(job_id=f"job-{i}", model=model, sha256=sha,
-                                        probe_base=str(base), adapter_dir=path))  # fmt: skip
-        await agent.idle()
-        for _ in range(100):  # the reports arrive a moment after the loads end
-            if len(served) == adapters:
-                break
-            await asyncio.sleep(0.1)
-        else:
-            raise SystemExit(f"only {len(served)} of {adapters} served before the restart")
-        served.clear()
-        control.write_text(json.dumps({"delay_s": slow_s}))
-        await engine.kill()
-        await engine.start()
-        back = time.monotonic()
-        deadline = back + ROUND_TIMEOUT_S
-        while len({r.served_name for _, r in served}) < adapters:
-            if time.monotonic() > deadline:
-                raise SystemExit(f"{len(served)} of {adapters} served again in time")
-            await asyncio.sleep(0.05)
-        return max(t for t, _ in served) - back
+        async with running_serving_agent(js, settings.names, cfg) as agent:
+            for i in range(adapters):
+                path, sha = staged_adapter(root / "trained", f"job-{i}")
+                agent.auto_serve(ServeOrder(job_id=f"job-{i}", model=model, sha256=sha,
+                                            probe_base=str(base), adapter_dir=path))  # fmt: skip
+            await agent.idle()
+            for _ in range(100):  # the reports arrive a moment after the loads end
+                if len(served) == adapters:
+                    break
+                await asyncio.sleep(0.1)
+            else:
+                raise SystemExit(f"only {len(served)} of {adapters} served before the restart")
+            served.clear()
+            control.write_text(json.dumps({"delay_s": slow_s}))
+            await engine.kill()
+            await engine.start()
+            back = time.monotonic()
+            deadline = back + ROUND_TIMEOUT_S
+            while len({r.served_name for _, r in served}) < adapters:
+                if time.monotonic() > deadline:
+                    raise SystemExit(f"{len(served)} of {adapters} served again in time")
+                await asyncio.sleep(0.05)
+            return max(t for t, _ in served) - back
     finally:
-        stop.set()
-        await agent.stop(5.0)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await engine.kill()
         await nc.close()
         await server.stop()

@@ -40,7 +40,6 @@ from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import Engine, ModelRecord, ServingReport, ServingState
 from lorafleet_services.agent.config import AgentConfig
-from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.serving.orders import ServeOrder
 from lorafleet_services.agent.serving.vllm_adapters import stage_adapter
 from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmError
@@ -50,6 +49,7 @@ from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
 from lorafleet_services.local.vllm_launch import free_port, running_vllm
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
+from tests.agent.serving_in_process import running_serving_agent
 from tests.conversion.adapters import make_adapter
 
 PROMPT = "The capital of France is"
@@ -110,49 +110,45 @@ async def main() -> int:
         node="bench", work_dir=root / "agent", trainer="standin", vllm_servers=(url,),
         engines_refresh_s=1.0,
     )  # fmt: skip
-    stop = asyncio.Event()
     try:
-        with running_vllm(python, model_dir, root / "vllm-1.log", port):
-            agent = ServingAgent(js, settings.names, cfg)
-            tasks = agent.start(stop)
-            record = ModelRecord(
-                name="tiny", engine=Engine.VLLM, hf_repo=None, hf_revision="main",
-                local_dir=str(model_dir), description="", created_at=dt.datetime.now(dt.UTC),
-            )  # fmt: skip
-            staged = stage_adapter(adapter, cfg.work_dir, name)
-            t0 = time.monotonic()
-            agent.auto_serve(ServeOrder(job_id="bench-1", model=record, sha256=sha,
-                                        probe_base=str(model_dir), adapter_dir=staged))  # fmt: skip
-            await agent.idle()
-            ours_s = await first_completion(url, name) - t0
-            states = [r.state for _, r in served]
-            assert states == [ServingState.LOADING, ServingState.SERVED], served
-            print(f"lorafleet: handed over -> first completion with the adapter {ours_s:.1f} s")
-        # The baseline: a restart with the adapter given at start, on the same port.
-        t1 = time.monotonic()
-        probe = asyncio.create_task(asyncio.to_thread(healthy_at, url, t1 + 900))
-        lora = ["--lora-modules", f"by-flag={adapter}"]
-        with running_vllm(python, model_dir, root / "vllm-2.log", port, extra_args=lora):
-            base_s = await first_completion(url, "by-flag") - t1
-            health = await probe
-            reloads = [t for t, r in served[2:] if r.state is ServingState.SERVED]
-            for _ in range(300):  # the agent's reload into the new process
-                if reloads:
-                    break
-                await asyncio.sleep(0.2)
+        async with running_serving_agent(js, settings.names, cfg) as agent:
+            with running_vllm(python, model_dir, root / "vllm-1.log", port):
+                record = ModelRecord(
+                    name="tiny", engine=Engine.VLLM, hf_repo=None, hf_revision="main",
+                    local_dir=str(model_dir), description="", created_at=dt.datetime.now(dt.UTC),
+                )  # fmt: skip
+                staged = stage_adapter(adapter, cfg.work_dir, name)
+                t0 = time.monotonic()
+                order = ServeOrder(job_id="bench-1", model=record, sha256=sha,
+                                   probe_base=str(model_dir), adapter_dir=staged)  # fmt: skip
+                agent.auto_serve(order)
+                await agent.idle()
+                ours_s = await first_completion(url, name) - t0
+                states = [r.state for _, r in served]
+                assert states == [ServingState.LOADING, ServingState.SERVED], served
+                print(f"lorafleet: handed over -> first completion with the adapter {ours_s:.1f} s")
+            # The baseline: a restart with the adapter given at start, on the same port.
+            t1 = time.monotonic()
+            probe = asyncio.create_task(asyncio.to_thread(healthy_at, url, t1 + 900))
+            lora = ["--lora-modules", f"by-flag={adapter}"]
+            with running_vllm(python, model_dir, root / "vllm-2.log", port, extra_args=lora):
+                base_s = await first_completion(url, "by-flag") - t1
+                health = await probe
                 reloads = [t for t, r in served[2:] if r.state is ServingState.SERVED]
-            print(f"baseline: restart with --lora-modules -> first completion {base_s:.1f} s")
-            print(f"ratio baseline / lorafleet: {base_s / ours_s:.1f}x (target >= 10)")
-            if health is not None and reloads:
-                print(f"restart bound: /health back -> served again {reloads[0] - health:.1f} s "
-                      f"(refresh {cfg.engines_refresh_s:g} s; reload reports: "
-                      f"{[r.state.value for _, r in served[2:]]})")  # fmt: skip
-            else:
-                print(f"restart bound: not seen (health {health}, reports {served[2:]})")
-            stop.set()
-            await agent.stop(5.0)
-            for task in tasks:
-                task.cancel()
+                for _ in range(300):  # the agent's reload into the new process
+                    if reloads:
+                        break
+                    await asyncio.sleep(0.2)
+                    reloads = [t for t, r in served[2:] if r.state is ServingState.SERVED]
+                print(f"baseline: restart with --lora-modules -> first completion {base_s:.1f} s")
+                print(f"ratio baseline / lorafleet: {base_s / ours_s:.1f}x (target >= 10)")
+                if health is not None and reloads:
+                    back_s = reloads[0] - health
+                    print(f"restart bound: /health back -> served again {back_s:.1f} s "
+                          f"(refresh {cfg.engines_refresh_s:g} s; reload reports: "
+                          f"{[r.state.value for _, r in served[2:]]})")  # fmt: skip
+                else:
+                    print(f"restart bound: not seen (health {health}, reports {served[2:]})")
     finally:
         await nc.close()
         await nats_server.stop()

@@ -6,25 +6,19 @@ are), killed and started again on its port."""
 
 from __future__ import annotations
 
-import asyncio
 import datetime as dt
 import json
-import os
 from pathlib import Path
 
 import httpx2
 
-from lorafleet.artifacts import file_sha256
 from lorafleet_schemas.messages import Engine, ModelRecord, ServingState
 from lorafleet_services.agent.config import AgentConfig
 from lorafleet_services.agent.serving import agent as serving_agent
-from lorafleet_services.agent.serving.agent import ServingAgent
 from lorafleet_services.agent.serving.orders import ServeOrder
-from lorafleet_trainer.layout import ADAPTER_WEIGHTS
-from lorafleet_trainer.standin import adapter_files
 from tests.agent.conftest import Bus
+from tests.agent.serving_in_process import StandinEngine, running_serving_agent, staged_adapter
 from tests.eventually import eventually
-from tests.gateway.engine import engine_argv
 from tests.serving_reports import ServingReports, of
 from tests.vllm_server import free_port
 
@@ -36,40 +30,6 @@ SLOW_S = 0.5
 REPORT_TIMEOUT_S = 60.0
 
 
-class StandinEngine:
-    """The engine process on a fixed port, started again at will."""
-
-    def __init__(self, base: Path, port: int, control: Path, max_loras: int = 2 * ADAPTERS) -> None:
-        self.base, self.port, self.control, self.max_loras = base, port, control, max_loras
-        self.url = f"http://127.0.0.1:{port}"
-        self.proc: asyncio.subprocess.Process | None = None
-
-    async def start(self) -> None:
-        env = {**os.environ, "LORAFLEET_STANDIN_ENGINE_CONTROL": str(self.control),
-               "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true"}  # fmt: skip
-        self.proc = await asyncio.create_subprocess_exec(
-            *engine_argv(str(self.base), self.port, max_loras=self.max_loras), env=env,
-            stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.DEVNULL,
-        )  # fmt: skip
-        assert self.proc.stdout is not None
-        line = await asyncio.wait_for(self.proc.stdout.readline(), 30)
-        assert line.startswith(b"listening"), line
-
-    async def kill(self) -> None:
-        if self.proc is not None and self.proc.returncode is None:
-            self.proc.kill()
-            await self.proc.wait()
-
-
-def staged_adapter(root: Path, job_id: str) -> tuple[Path, str]:
-    """The stand-in trainer's adapter for `job_id`, as the agent stages it."""
-    path = root / job_id
-    path.mkdir(parents=True)
-    for name, data in adapter_files(job_id).items():
-        (path / name).write_bytes(data)
-    return path, file_sha256(path / ADAPTER_WEIGHTS)
-
-
 async def test_an_engine_restarted_gets_every_adapter_back_several_at_once(
     fleet: Bus, tmp_path: Path
 ) -> None:
@@ -77,7 +37,7 @@ async def test_an_engine_restarted_gets_every_adapter_back_several_at_once(
     base.mkdir()
     (base / "config.json").write_text(json.dumps({"model_type": "llama"}))
     control = tmp_path / "engine-control.json"
-    engine = StandinEngine(base, free_port(), control)
+    engine = StandinEngine(base, free_port(), control, max_loras=2 * ADAPTERS)
     await engine.start()
     cfg = AgentConfig(
         node="node-1", work_dir=tmp_path / "agent", trainer="standin",
@@ -89,54 +49,48 @@ async def test_an_engine_restarted_gets_every_adapter_back_several_at_once(
     )  # fmt: skip
     names = fleet.settings.names
     reports = await ServingReports.of_node(fleet.js, names, "node-1")
-    agent = ServingAgent(fleet.js, names, cfg)
-    stop = asyncio.Event()
-    tasks = agent.start(stop)
     try:
-        jobs = [f"job-{i}" for i in range(ADAPTERS)]
-        for job in jobs:
-            path, sha = staged_adapter(tmp_path / "trained", job)
-            agent.auto_serve(ServeOrder(job_id=job, model=model, sha256=sha,
-                                        probe_base=str(base), adapter_dir=path))  # fmt: skip
-            await agent.idle()
-        served = [
-            await reports.next(of(job, ServingState.SERVED), REPORT_TIMEOUT_S) for job in jobs
-        ]
-        names_served = {r.served_name for r in served}
+        async with running_serving_agent(fleet.js, names, cfg) as agent:
+            jobs = [f"job-{i}" for i in range(ADAPTERS)]
+            for job in jobs:
+                path, sha = staged_adapter(tmp_path / "trained", job)
+                agent.auto_serve(ServeOrder(job_id=job, model=model, sha256=sha,
+                                            probe_base=str(base), adapter_dir=path))  # fmt: skip
+                await agent.idle()
+            served = [
+                await reports.next(of(job, ServingState.SERVED), REPORT_TIMEOUT_S) for job in jobs
+            ]
+            names_served = {r.served_name for r in served}
 
-        # Restarted, slow: every adapter it held is loaded into the new process.
-        control.write_text(json.dumps({"delay_s": SLOW_S}))
-        await engine.kill()
-        await engine.start()
-        again = [
-            await reports.next(
-                lambda r: (
-                    r.served_name in names_served
-                    and r.state in (ServingState.LOADING, ServingState.SERVED, ServingState.FAILED)
-                ),
-                REPORT_TIMEOUT_S,
-            )
-            for _ in range(2 * ADAPTERS)
-        ]
-        assert [r.state for r in again].count(ServingState.SERVED) == ADAPTERS, again
-        assert {r.served_name for r in again if r.state is ServingState.SERVED} == names_served
-        # Several in flight: as many loads begun as the width allows before one ends.
-        first_served = [r.state for r in again].index(ServingState.SERVED)
-        width = min(ADAPTERS, serving_agent.RELOAD_CONCURRENCY)
-        assert first_served == width > 1, [r.state for r in again]
-        assert all(r.reason.endswith("lost it (restarted?): loading it again")
-                   for r in again[:first_served])  # fmt: skip
+            # Restarted, slow: every adapter it held is loaded into the new process.
+            control.write_text(json.dumps({"delay_s": SLOW_S}))
+            await engine.kill()
+            await engine.start()
+            again = [
+                await reports.next(
+                    lambda r: (
+                        r.served_name in names_served
+                        and r.state
+                        in (ServingState.LOADING, ServingState.SERVED, ServingState.FAILED)
+                    ),
+                    REPORT_TIMEOUT_S,
+                )
+                for _ in range(2 * ADAPTERS)
+            ]
+            assert [r.state for r in again].count(ServingState.SERVED) == ADAPTERS, again
+            assert {r.served_name for r in again if r.state is ServingState.SERVED} == names_served
+            # Several in flight: as many loads begun as the width allows before one ends.
+            first_served = [r.state for r in again].index(ServingState.SERVED)
+            width = min(ADAPTERS, serving_agent.RELOAD_CONCURRENCY)
+            assert first_served == width > 1, [r.state for r in again]
+            assert all(r.reason.endswith("lost it (restarted?): loading it again")
+                       for r in again[:first_served])  # fmt: skip
 
-        async def listed() -> set[str]:
-            async with httpx2.AsyncClient() as http:
-                reply = await http.get(f"{engine.url}/v1/models", timeout=5.0)
-            return {m["id"] for m in reply.json()["data"] if m.get("parent")}
+            async def listed() -> set[str]:
+                async with httpx2.AsyncClient() as http:
+                    reply = await http.get(f"{engine.url}/v1/models", timeout=5.0)
+                return {m["id"] for m in reply.json()["data"] if m.get("parent")}
 
-        await eventually(listed, "every adapter on the engine", until=names_served.__eq__)
+            await eventually(listed, "every adapter on the engine", until=names_served.__eq__)
     finally:
-        stop.set()
-        await agent.stop(5.0)
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
         await engine.kill()
