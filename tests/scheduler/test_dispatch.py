@@ -29,6 +29,8 @@ from lorafleet_schemas.messages import (
     ModelRecord,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeCheckpointReply,
+    NodeCheckpointRequest,
     NodeSchedule,
     StartReply,
     StartRequest,
@@ -99,6 +101,10 @@ class FakeAgents(AgentRequests):
         self.reply = reply
         self.starts: list[tuple[str, StartRequest]] = []
         self.cancels: list[tuple[str, NodeCancelRequest]] = []
+        self.checkpoints: list[tuple[str, NodeCheckpointRequest]] = []
+        #: How a checkpoint ask is answered: by default the node cannot take
+        #: it (a trainer that has not started), and the job moves at once.
+        self.checkpoint_reply = NodeCheckpointReply(asked=False, reason="not started")
 
     async def start(self, node: str, req: StartRequest) -> StartReply:
         self.starts.append((node, req))
@@ -109,6 +115,10 @@ class FakeAgents(AgentRequests):
     async def cancel(self, node: str, req: NodeCancelRequest) -> NodeCancelReply:
         self.cancels.append((node, req))
         return NodeCancelReply(stopped=True)
+
+    async def checkpoint(self, node: str, req: NodeCheckpointRequest) -> NodeCheckpointReply:
+        self.checkpoints.append((node, req))
+        return self.checkpoint_reply
 
 
 def dispatcher(
@@ -448,6 +458,35 @@ async def test_a_drained_nodes_training_moves_elsewhere_once_the_node_stopped_it
     await settle(d)
     [(node, start)] = agents.starts
     assert node == "b" and start.attempt == 2 and start.resume == cp
+
+
+async def test_a_drained_nodes_job_moves_once_the_checkpoint_it_was_asked_for_is_stored() -> None:
+    """The node is asked for a checkpoint after the trainer's next step; the
+    job stays until the recorder holds one at least that new, then resumes
+    from it: the steps since the scheduled checkpoint (40 -> 47) are kept."""
+    running = msgspec.structs.replace(
+        job("j1", node="a", state=JobState.RUNNING), attempt=1, step=47,
+        checkpoint=ref("j1", ArtifactKind.CHECKPOINT, 40),
+    )  # fmt: skip
+    rec = MemoryRecorder(running)
+    table = nodes(hb("a", cards=[(80000, 80000)], job="j1"), hb("b", cards=[(24000, 24000)]))
+    table.mark("a", NodeSchedule.DRAINED, move_training=True)
+    agents = FakeAgents()
+    agents.checkpoint_reply = NodeCheckpointReply(asked=True)
+    d = dispatcher(rec, agents, table)
+    await d.round(100.0, [])
+    await d.round(101.0, [])
+    assert rec.jobs["j1"].state is JobState.RUNNING and agents.cancels == []
+    assert [(n, r.job_id, r.attempt) for n, r in agents.checkpoints] == [("a", "j1", 1)]
+    taken = ref("j1", ArtifactKind.CHECKPOINT, 48)
+    rec.jobs["j1"] = msgspec.structs.replace(rec.jobs["j1"], step=48, checkpoint=taken)
+    await d.round(102.0, [])
+    await settle(d)
+    moved = rec.jobs["j1"]
+    assert moved.state is JobState.QUEUED and "resumes from the checkpoint at step 48" in (
+        moved.message
+    ), moved.message
+    assert len(agents.checkpoints) == 1
 
 
 async def test_a_cordoned_or_plainly_drained_nodes_job_is_left_running() -> None:
