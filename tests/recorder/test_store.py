@@ -12,9 +12,12 @@ from lorafleet.errors import NotFoundError
 from lorafleet.states import IllegalTransitionError
 from lorafleet_schemas.messages import (
     ArtifactKind,
+    Engine,
     JobRecord,
     JobSpec,
     JobState,
+    ModelSpec,
+    Replicas,
     StatusReport,
 )
 from lorafleet_services.recorder import job_writes, store
@@ -90,6 +93,29 @@ async def test_a_list_pages_with_after_in_either_order(models: Sessions) -> None
         assert pages == [want[0:2], want[2:4], want[4:]], (oldest_first, pages)
     with pytest.raises(NotFoundError, match="give the last id of a page"):
         await store.list_jobs(models, after="nope")
+
+
+async def test_placed_lists_the_jobs_a_serving_policy_places(models: Sessions) -> None:
+    """Their own policy, else their model's default; never `serve: false`;
+    no policy anywhere (JSON null, as the column stores None) is not placed."""
+    await store.add_model(models, ModelSpec(name="everywhere", engine=Engine.VLLM,
+                                            hf_repo="x/tiny", serving="all"))  # fmt: skip
+
+    async def job(model: str, **spec: object) -> str:
+        m = await store.get_model(models, model)
+        assert m is not None
+        made = JobSpec(model=model, gpu_memory_mib=1000, data="x", **spec)  # type: ignore[arg-type]
+        return (await store.create_job(models, made, m, f"sha256/{SHA}", SHA, 3)).id
+
+    own = await job("tiny-vllm", serving=Replicas(replicas=2))
+    own_all = await job("tiny-vllm", serving="all", serve=True)
+    by_default = await job("everywhere")
+    await job("tiny-vllm")  # no policy: served where it trained
+    await job("tiny-vllm", serve=False, serving="all")  # serve: false wins
+    await job("everywhere", serve=False)
+    placed = await store.list_jobs(models, placed=True)
+    assert {j.id for j in placed} == {own, own_all, by_default}
+    assert len(await store.list_jobs(models)) == 6
 
 
 async def test_create_get_list_filters(models: Sessions) -> None:

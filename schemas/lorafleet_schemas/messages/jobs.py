@@ -289,6 +289,10 @@ class JobListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     #: The jobs after this one in the list's order (the last id of the page
     #: before): the next page. A page a NATS message cannot hold is refused.
     after: str | None = None
+    #: Only jobs a serving policy places (their own `serving`, else their
+    #: catalog model's), never one with `serve: false`: the scheduler's
+    #: replica rounds page through these.
+    placed: bool = False
 
 
 class JobList(msgspec.Struct, kw_only=True):

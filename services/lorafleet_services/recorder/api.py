@@ -365,6 +365,7 @@ class RecorderApi:
             oldest_first=req.oldest_first,
             ids=req.ids,
             after=req.after,
+            placed=req.placed,
         )
         return JobList(jobs=jobs)
 

@@ -22,7 +22,7 @@ from collections.abc import Iterable, Mapping
 from typing import Any, NamedTuple
 
 import msgspec
-from sqlalchemy import Update, delete, func, insert, or_, select, update
+from sqlalchemy import Text, Update, cast, delete, func, insert, or_, select, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -253,10 +253,12 @@ async def list_jobs(
     oldest_first: bool = False,
     ids: Iterable[str] = (),
     after: str | None = None,
+    placed: bool = False,
 ) -> list[JobRecord]:
     """Jobs matching every filter given (`state` joins `states`; `ids`: these
-    jobs only); newest first by default; `after`: those past that job in
-    this order (the next page; a job unknown is a NotFoundError)."""
+    jobs only; `placed`: JobListRequest.placed); newest first by default;
+    `after`: those past that job in this order (the next page; a job unknown
+    is a NotFoundError)."""
     wanted = {s.value for s in states}
     if state is not None:
         wanted.add(state.value)
@@ -270,6 +272,8 @@ async def list_jobs(
         q = q.where(jobs.c.node == node)
     if model is not None:
         q = q.where(jobs.c.model == model)
+    if placed:
+        q = q.where(_placed())
     if oldest_first:
         q = q.order_by(jobs.c.created_at.asc(), jobs.c.id.asc())
     else:
@@ -292,6 +296,21 @@ async def list_jobs(
             q = q.where(past)
         rows = (await s.execute(q.limit(limit))).mappings().all()
     return [job_record(r) for r in rows]
+
+
+def _has_policy(column: Any) -> Any:
+    """A serving policy column set: neither SQL NULL (rows from before the
+    column) nor JSON null, which the JSON type stores for None (the
+    policy's text: PostgreSQL's json has no equality)."""
+    return column.is_not(None) & (cast(column, Text) != "null")
+
+
+def _placed() -> Any:
+    """A job a serving policy places (fleet_serving.policy_of, in SQL)."""
+    defaults = select(models.c.name).where(_has_policy(models.c.serving))
+    return or_(jobs.c.serve.is_(None), jobs.c.serve.is_(True)) & or_(
+        _has_policy(jobs.c.serving), jobs.c.model.in_(defaults)
+    )
 
 
 async def job_counts(sm: Sessions) -> tuple[dict[str, int], dt.datetime | None]:

@@ -1,8 +1,10 @@
 """The leader's replica pass: the desired placement of every done job with a
 serving policy (replicas.py) reconciled onto the nodes, each round.
 
-Read: the done jobs, the catalog, the jobs' serving records (the recorder)
-and the node table (the heartbeats, the marks). Decide: `plan_replicas`.
+Read: the done jobs a serving policy places (every page: the recorder
+filters them, `JobListRequest.placed`), the catalog, their serving records
+(an answer the recorder's cap filled is asked again in halves) and the node
+table (the heartbeats, the marks). Decide: `plan_replicas`.
 Apply: `node.<node>.serve` (placed) and `.unserve` through the same
 `AgentRequests` as `api.adapters.serve`, sent off the round. A (job, node)
 asked is not asked again for a while (`replicas.Asks`): a load takes a
@@ -25,17 +27,23 @@ from lorafleet.log import Event
 from lorafleet_schemas.messages import (
     AdapterListRequest,
     JobListRequest,
+    JobRecord,
     JobState,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
+    ServingRecord,
 )
 from lorafleet_services.scheduler.dispatch import LIST_LIMIT, AgentRequests
 from lorafleet_services.scheduler.node_table import NodeTable
 from lorafleet_services.scheduler.replicas import AskKey, Asks, Placed, plan_replicas
 
-#: Most serving records one pass reads (the recorder's cap).
+#: Most serving records one request reads (the recorder's cap): a full
+#: answer is asked again in halves (`serving_records`).
 RECORDS_LIMIT = 1000
+#: Most pages of placed done jobs (LIST_LIMIT each) one pass reads; past
+#: them the oldest are left out of the pass, and a warning says so.
+MAX_PLACED_PAGES = 50
 #: Seconds between two passes at least (rounds run more often when woken).
 PLACE_EVERY_S = 1.0
 #: Seconds between two passes while the last found no job with a policy (a
@@ -71,10 +79,14 @@ class ReplicaRounds:
 
     async def placed_jobs(self) -> list[Placed]:
         """The done jobs with a stored adapter and a serving policy."""
-        jobs, catalog = await asyncio.gather(
-            self.recorder.list_jobs(JobListRequest(state=JobState.DONE, limit=LIST_LIMIT)),
-            self.recorder.models(),
+        (jobs, complete), catalog = await asyncio.gather(
+            placed_done_jobs(self.recorder), self.recorder.models()
         )
+        if not complete:
+            self.logger.warning(
+                Event.REPLICAS_CAPPED, message=f"more than {len(jobs)} done jobs with a "
+                "serving policy: the oldest are not placed this pass",
+            )  # fmt: skip
         models = {m.name: m for m in catalog}
         out: list[Placed] = []
         for job in jobs:
@@ -97,9 +109,7 @@ class ReplicaRounds:
         self._idle = not placed
         if not placed:
             return
-        records = await self.recorder.adapters(
-            AdapterListRequest(job_ids=[p.job.id for p in placed], limit=RECORDS_LIMIT)
-        )
+        records = await serving_records(self.recorder, [p.job.id for p in placed])
         self.asks.heard(records, now)
         plan = plan_replicas(placed, self.table.nodes, records, self.asks.pending("place", now))
         by_id = {p.job.id: p for p in placed}
@@ -145,3 +155,32 @@ class ReplicaRounds:
         task = asyncio.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)
+
+
+async def placed_done_jobs(recorder: RecorderClient) -> tuple[list[JobRecord], bool]:
+    """The done jobs a serving policy places, newest first, page after page
+    (at most MAX_PLACED_PAGES); and whether that was all of them."""
+    out: list[JobRecord] = []
+    after: str | None = None
+    for _ in range(MAX_PLACED_PAGES):
+        req = JobListRequest(state=JobState.DONE, placed=True, limit=LIST_LIMIT, after=after)
+        page = await recorder.list_jobs(req)
+        out.extend(page)
+        if len(page) < LIST_LIMIT:
+            return out, True
+        after = page[-1].id
+    return out, False
+
+
+async def serving_records(recorder: RecorderClient, job_ids: list[str]) -> list[ServingRecord]:
+    """The serving records of `job_ids`, none cut by the recorder's cap: an
+    answer that fills it is asked again in halves."""
+    if not job_ids:
+        return []
+    req = AdapterListRequest(job_ids=job_ids, limit=RECORDS_LIMIT)
+    records = await recorder.adapters(req)
+    if len(records) < RECORDS_LIMIT or len(job_ids) == 1:
+        return records
+    half = len(job_ids) // 2
+    first, rest = job_ids[:half], job_ids[half:]
+    return [*await serving_records(recorder, first), *await serving_records(recorder, rest)]
