@@ -5,12 +5,24 @@ policy."""
 
 from __future__ import annotations
 
+import re
+
 from lorafleet_schemas.messages import EngineRef, JobRecord, ModelRecord, ServingPolicy
 
 
 def served_adapter_name(job_id: str, sha256: str) -> str:
     """`<job id>-<first 12 of the adapter's sha256>`: one name per adapter version."""
     return f"{job_id}-{sha256[:12]}"
+
+
+#: A served adapter name of a recorder's job (its ids: 16 hex digits).
+_SERVED_NAME = re.compile(r"(?P<job>[0-9a-f]{16})-[0-9a-f]{12}")
+
+
+def served_name_job(name: str) -> str | None:
+    """The job whose adapter `name` is the served name of, or None."""
+    m = _SERVED_NAME.fullmatch(name)
+    return None if m is None else m["job"]
 
 
 def serves_base(engine: EngineRef, model: ModelRecord) -> bool:

@@ -136,6 +136,10 @@ async def another_projects_key_finds_nothing(
     with pytest.raises(openai.NotFoundError) as caught:
         await chat(bob, model)
     assert (caught.value.code, caught.value.param) == ("model_not_found", "model")
+    # Nor by the name the engine lists it under (a configured engine's models).
+    with pytest.raises(openai.NotFoundError) as by_engine_name:
+        await chat(bob, served_name)
+    assert by_engine_name.value.code == "model_not_found"
     with pytest.raises(openai.NotFoundError):
         await bob.fine_tuning.jobs.retrieve(job_id)
     with pytest.raises(openai.NotFoundError):
@@ -159,6 +163,7 @@ async def the_same_project_shares(
     carol: AsyncOpenAI, model: str, file_id: str, job_id: str, served_name: str
 ) -> None:
     assert await chat(carol, model) == answer_of(served_name, PROMPT)
+    assert await chat(carol, served_name) == answer_of(served_name, PROMPT)
     assert (await carol.fine_tuning.jobs.retrieve(job_id)).fine_tuned_model == model
     checkpoints = carol.fine_tuning.jobs.checkpoints.list(job_id)
     assert [c.fine_tuned_model_checkpoint async for c in checkpoints] == [model]

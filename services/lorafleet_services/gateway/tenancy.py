@@ -7,7 +7,8 @@ and are found only under that project's name in the gateway's bucket
 up with the caller's project (`owner_of`), so another project's id is
 "not found" — OpenAI's 404, as for an id that never was, never a 403 that
 would say it exists. A fine-tuned name is its job's: `usable_model` asks
-the same question before any engine is. Jobs submitted around the gateway
+the same question before any engine is, and of an adapter's served name
+too (what a configured engine lists it as). Jobs submitted around the gateway
 (the CLI, the NATS API) belong to no project: no key chats with their
 models. The bases (catalog models, an engine's own) are every project's.
 
@@ -21,6 +22,7 @@ flight (at most max_requests_per_key per key).
 
 from __future__ import annotations
 
+from lorafleet.fleet_serving import served_name_job
 from lorafleet.states import ACTIVE
 from lorafleet_schemas.messages import JobListRequest
 from lorafleet_services.gateway.adapter_wait import wait_for_adapter
@@ -48,6 +50,9 @@ async def usable_model(ctx: GatewayContext, project: str, model: str) -> None:
     adapter_wait.py)."""
     tuned = fine_tuned_parts(model)
     if tuned is None:
+        job = served_name_job(model)
+        if job is not None and await ctx.state.job(project, job) is None:
+            raise model_not_found(model)
         return
     base, job_id = tuned
     fields = await ctx.state.job(project, job_id)
