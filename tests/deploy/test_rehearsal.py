@@ -435,6 +435,17 @@ async def test_the_guides_deployment_serves_through_a_rolling_restart(fleet: Fle
             )
             for j in sorted(known)
         ]
+        # What ended otherwise, with why: its error and its last events.
+        unfinished = [
+            (
+                j.id,
+                j.status,
+                j.error,
+                [e.message async for e in sdk.fine_tuning.jobs.list_events(j.id, limit=8)],
+            )
+            for j in ends
+            if j.status != "succeeded"
+        ]
     print(f"rolling restart of {len(fleet.processes)} processes in {roll_s:.1f} s: "
           f"{len(stream.jobs)} jobs created ({len(known) - 1 - len(stream.jobs)} more "
           f"whose create failed), {stream.chats_ok} chats answered; failures: "
@@ -443,7 +454,7 @@ async def test_the_guides_deployment_serves_through_a_rolling_restart(fleet: Fle
         told = [ln for ln in proc.lines if ln.get("level") in ("warning", "error")]
         print(f"{proc.module}: {len(told)} warnings and errors", *told[-5:], sep="\n  ")
     assert stream.jobs and stream.chats_ok
-    assert [j.id for j in ends if j.status != "succeeded"] == [], [j for j in ends]
+    assert unfinished == []
     lost = [ln for p in fleet.processes for ln in p.events("node.lost")]
     fenced = [ln for a in fleet.agents.values() for ln in a.events("agent.fenced")]
     assert lost == [] and fenced == [], (lost, fenced)
