@@ -35,6 +35,7 @@ from lorafleet.objects import touch_object
 from lorafleet.settings import Settings
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
+    AdapterKey,
     AdapterList,
     AdapterListRequest,
     AdapterServeRequest,
@@ -362,10 +363,12 @@ class Client:
         model: str | None = None,
         state: ServingState | None = None,
         limit: int = 200,
+        after: AdapterKey | None = None,
     ) -> list[ServingRecord]:
-        """Serving records matching every filter given, newest change first."""
+        """Serving records matching every filter given, newest change first
+        (with `after`: page by page, AdapterListRequest.after)."""
         req = AdapterListRequest(
-            job_ids=job_ids or [], node=node, model=model, state=state, limit=limit
+            job_ids=job_ids or [], node=node, model=model, state=state, limit=limit, after=after
         )
         return (await self._read(self.names.adapters_list, req, AdapterList)).adapters
 

@@ -4,10 +4,14 @@ without a bus: `fleet_view` and `locations_in` are plain functions."""
 from __future__ import annotations
 
 import datetime as dt
+from typing import Any, cast
 
 import msgspec
+import pytest
 
+from lorafleet.client import Client
 from lorafleet_schemas.messages import (
+    AdapterKey,
     Engine,
     EngineRef,
     Heartbeat,
@@ -16,11 +20,13 @@ from lorafleet_schemas.messages import (
     ServingRecord,
     ServingState,
 )
+from lorafleet_services.gateway import fleet_model_location
 from lorafleet_services.gateway.fleet_model_location import (
     ConfiguredFirstLocator,
     engine_base_url,
     fleet_view,
     locations_in,
+    served_records,
     unserved_hint,
 )
 from lorafleet_services.gateway.inference_routes import with_model
@@ -148,3 +154,26 @@ async def test_the_configured_engines_come_first_and_are_asked_only_after_the_fl
     assert first.asked == 0  # a model the fleet serves asks the configured engines nothing
     assert await routes.where("just-loaded") == [env] and first.asked == 1
     assert await routes.where("nowhere") == []
+
+
+async def test_the_view_reads_every_served_record_page_after_page(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Past the recorder's cap of a page (here 3): before, the view held the
+    newest 1,000 served records only, and an older adapter was a 404."""
+    monkeypatch.setattr(fleet_model_location, "SERVED_LIMIT", 3)
+    records = sorted(
+        (served(f"j{i}", f"n{k}", A, ServingState.SERVED) for i in range(4) for k in range(2)),
+        key=lambda r: (r.job_id, r.node, r.engine),
+    )
+
+    class Recorder:
+        async def adapters(self, **ask: Any) -> list[ServingRecord]:
+            assert ask["state"] is ServingState.SERVED
+            after: AdapterKey = ask["after"]
+            past = [r for r in records if (r.job_id, r.node, r.engine) > (
+                after.job_id, after.node, after.engine)]  # fmt: skip
+            return past[: ask["limit"]]
+
+    got = await served_records(cast(Client, Recorder()))
+    assert [(r.job_id, r.node) for r in got] == [(r.job_id, r.node) for r in records]

@@ -7,6 +7,7 @@ from __future__ import annotations
 import datetime as dt
 
 from lorafleet_schemas.messages import (
+    AdapterKey,
     Engine,
     JobRecord,
     JobSpec,
@@ -131,6 +132,28 @@ async def test_one_record_per_job_node_and_engine_and_the_list_filters(models: S
         "loading": 1,
         "restart_required": 1,
     }
+
+
+async def test_every_record_pages_by_key_none_twice_while_they_change(models: Sessions) -> None:
+    a, b = await new_job(models), await new_job(models)
+    nodes = ("n1", "n2", "n3")
+    await servings.apply_reports(
+        models, [report(j, 10 * i + k, node=n) for i, j in enumerate((a, b)) for k, n in
+                 enumerate(nodes)],
+    )  # fmt: skip
+    pages: list[list[tuple[str, str]]] = []
+    after = AdapterKey(job_id="", node="", engine="")
+    for seq in range(100, 110):
+        page = await servings.list_records(models, limit=4, after=after)
+        pages.append([(r.job_id, r.node) for r in page])
+        # A record changed between pages: newest first, it would move up a page.
+        await servings.apply_reports(models, [report(a, seq, ServingState.SERVED, node="n1")])
+        if len(page) < 4:
+            break
+        after = AdapterKey(job_id=page[-1].job_id, node=page[-1].node, engine=page[-1].engine)
+    listed = [key for page in pages for key in page]
+    assert listed == sorted((j.id, n) for j in (a, b) for n in nodes), pages
+    assert [len(p) for p in pages] == [4, 2]
 
 
 async def test_a_job_keeps_its_serve_wish(models: Sessions) -> None:

@@ -93,6 +93,7 @@ from lorafleet_schemas.messages.retention import (
     GcRequest,
 )
 from lorafleet_schemas.messages.serving import (
+    AdapterKey,
     AdapterList,
     AdapterListRequest,
     AdapterServeRequest,
@@ -126,6 +127,7 @@ from lorafleet_schemas.messages.trainer_lines import (
 __all__ = [
     "PUBLISHED",
     "YIELDING_TO_SERVING",
+    "AdapterKey",
     "AdapterList",
     "AdapterListRequest",
     "AdapterServeRequest",

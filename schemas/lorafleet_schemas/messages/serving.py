@@ -140,6 +140,19 @@ class AdapterListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     model: str | None = None
     state: ServingState | None = None
     limit: Annotated[int, Meta(ge=1, le=1000)] = 200
+    #: The records past this one (the last of the page before) in key order
+    #: (job, node, engine): every record, page by page, none twice while
+    #: they change; the empty key (all three "") is before every record.
+    #: Without it: the newest change first.
+    after: AdapterKey | None = None
+
+
+class AdapterKey(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
+    """A serving record's key: one adapter on one engine."""
+
+    job_id: str
+    node: str
+    engine: str
 
 
 class AdapterList(msgspec.Struct, kw_only=True):

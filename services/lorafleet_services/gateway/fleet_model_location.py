@@ -5,7 +5,8 @@ A fine-tuned name (`ft:<base>:<suffix>:<job>`) goes to each engine holding
 a served record of `<job>` on a live node whose heartbeat lists that
 engine, `model` rewritten to the record's served name; a catalog base goes
 to each engine of a live node whose base model is that entry. The view
-(`fleet_view`, a plain function of three requests) is reused for `ttl_s`
+(`fleet_view`, a plain function of the served records, read page by page
+in key order, the nodes and the catalog) is reused for `ttl_s`
 and renewed beside the requests; a miss asks again at once; a location whose
 engine answered 404 is dropped (`forget`). `ConfiguredFirstLocator` puts
 LORAFLEET_GATEWAY_ENGINES first. What an operator must give (engine
@@ -23,6 +24,7 @@ from lorafleet import log
 from lorafleet.client import Client
 from lorafleet.fleet_serving import serves_base
 from lorafleet_schemas.messages import (
+    AdapterKey,
     ModelRecord,
     NodeInfo,
     ServingRecord,
@@ -31,8 +33,11 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.gateway.job_mapping import fine_tuned_parts
 from lorafleet_services.gateway.model_location import ModelLocation, ModelLocator, without
 
-#: Most served records one view holds (the recorder's cap per request).
+#: Served records one request reads (the recorder's cap per request).
 SERVED_LIMIT = 1000
+#: Most pages of them one view reads; past that the view is cut, and a
+#: warning says so.
+MAX_SERVED_PAGES = 50
 
 
 def engine_base_url(url: str) -> str:
@@ -187,13 +192,30 @@ class FleetModelLocator:
     async def _refresh(self) -> FleetView:
         async with self._lock:
             records, nodes, catalog = await asyncio.gather(
-                self.client.adapters(state=ServingState.SERVED, limit=SERVED_LIMIT),
+                served_records(self.client),
                 self.client.nodes(),
                 self.client.models(),
             )
             self._view = fleet_view(records, self._live(nodes.nodes), catalog, self.api_key)
             self._asked_at = time.monotonic()
             return self._view
+
+
+async def served_records(client: Client) -> list[ServingRecord]:
+    """Every record in state served, page after page (at most MAX_SERVED_PAGES)."""
+    out: list[ServingRecord] = []
+    after = AdapterKey(job_id="", node="", engine="")  # from the start, in key order
+    for _ in range(MAX_SERVED_PAGES):
+        page = await client.adapters(state=ServingState.SERVED, limit=SERVED_LIMIT, after=after)
+        out.extend(page)
+        if len(page) < SERVED_LIMIT:
+            return out
+        after = AdapterKey(job_id=page[-1].job_id, node=page[-1].node, engine=page[-1].engine)
+    log.get().warning(
+        log.Event.REQUEST_FAILED, message=f"fleet locations: more than {len(out)} adapters "
+        "served; the view holds that many",
+    )  # fmt: skip
+    return out
 
 
 class ConfiguredFirstLocator:

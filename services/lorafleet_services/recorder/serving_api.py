@@ -30,7 +30,7 @@ class ServingApi:
         job_ids = [*req.job_ids, *([req.job_id] if req.job_id is not None else [])]
         records = await servings.list_records(
             self.sm, job_ids=job_ids, node=req.node, model=req.model, state=req.state,
-            limit=req.limit,
+            limit=req.limit, after=req.after,
         )  # fmt: skip
         return AdapterList(adapters=records)
 

@@ -18,11 +18,17 @@ from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
 
-from sqlalchemy import String, func, insert, select, update
+from sqlalchemy import String, func, insert, select, tuple_, update
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.ext.asyncio import AsyncSession
 
-from lorafleet_schemas.messages import JobRecord, ServingRecord, ServingReport, ServingState
+from lorafleet_schemas.messages import (
+    AdapterKey,
+    JobRecord,
+    ServingRecord,
+    ServingReport,
+    ServingState,
+)
 from lorafleet_services.recorder.db import Sessions
 from lorafleet_services.recorder.job_writes import GuardMissedError, until_unraced
 from lorafleet_services.recorder.rows import job_record, plain, serving_record
@@ -180,8 +186,10 @@ async def list_records(
     model: str | None = None,
     state: ServingState | None = None,
     limit: int = 200,
+    after: AdapterKey | None = None,
 ) -> list[ServingRecord]:
-    """Serving records matching every filter given, newest change first."""
+    """Serving records matching every filter given, newest change first; with
+    `after`, those past it in key order (AdapterListRequest.after)."""
     q = select(servings)
     wanted = sorted(set(job_ids))
     if wanted:
@@ -192,12 +200,12 @@ async def list_records(
         q = q.where(servings.c.model == model)
     if state is not None:
         q = q.where(servings.c.state == state.value)
-    q = q.order_by(
-        servings.c.updated_at.desc(),
-        servings.c.job_id,
-        servings.c.node,
-        servings.c.engine,
-    )
+    key = (servings.c.job_id, servings.c.node, servings.c.engine)
+    if after is not None:
+        q = q.where(tuple_(*key) > tuple_(after.job_id, after.node, after.engine))
+        q = q.order_by(*key)
+    else:
+        q = q.order_by(servings.c.updated_at.desc(), *key)
     async with sm() as s, s.begin():
         rows = (await s.execute(q.limit(limit))).mappings().all()
     return [serving_record(r) for r in rows]
