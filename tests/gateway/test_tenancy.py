@@ -204,3 +204,43 @@ async def test_a_projects_quotas_are_429s_that_name_them(gateway: Gateway) -> No
         )
         for job in jobs[1:]:
             await sdk.fine_tuning.jobs.cancel(job.id)
+
+
+async def test_requests_at_once_do_not_pass_a_quota(gateway: Gateway) -> None:
+    """Each request checked before any is counted would all pass: the ones
+    the bucket's order puts past the quota are refused after the fact, their
+    file or job undone, and exactly the quota is made."""
+    key = make_key(gateway.keys_file, "burst-1", project="burst")
+    async with sdk_for(gateway.url, key) as sdk:
+        uploads = await asyncio.gather(
+            *(sdk.files.create(file=("p.jsonl", DATA), purpose="fine-tune") for _ in range(4)),
+            return_exceptions=True,
+        )
+        made = [u for u in uploads if not isinstance(u, BaseException)]
+        refused = [u for u in uploads if isinstance(u, openai.RateLimitError)]
+        assert (len(made), len(refused)) == (2, 2), uploads
+        listed = [f.id async for f in sdk.files.list()]
+        assert sorted(listed) == sorted(f.id for f in made)
+
+        creates = await asyncio.gather(
+            *(
+                sdk.fine_tuning.jobs.create(
+                    model="tiny", training_file=made[0].id, extra_body=NOWHERE
+                )
+                for _ in range(2 * JOBS_QUOTA)
+            ),
+            return_exceptions=True,
+        )
+        jobs = [c for c in creates if not isinstance(c, BaseException)]
+        refused = [c for c in creates if isinstance(c, openai.RateLimitError)]
+        assert (len(jobs), len(refused)) == (JOBS_QUOTA, JOBS_QUOTA), creates
+        assert "jobs in flight" in refused[0].message
+        listed_jobs = [j.id async for j in sdk.fine_tuning.jobs.list()]
+        assert sorted(listed_jobs) == sorted(j.id for j in jobs)
+        # The refused ones are not in flight: one slot frees with one cancel.
+        await sdk.fine_tuning.jobs.cancel(jobs[0].id)
+        again = await sdk.fine_tuning.jobs.create(
+            model="tiny", training_file=made[0].id, extra_body=NOWHERE
+        )
+        for job in [*jobs[1:], again]:
+            await sdk.fine_tuning.jobs.cancel(job.id)

@@ -89,36 +89,47 @@ class GatewayState:
             return None
         return msgspec.json.decode(entry.value or b"", type=typ) if entry.value else None
 
-    async def _list(self, prefix: str, typ: type[T]) -> list[T]:
+    async def _list(self, prefix: str, typ: type[T], upto: int | None = None) -> list[T]:
+        """The entries under `prefix`; `upto`: only those put at or before that
+        revision (the bucket's own order of writes, the same on every replica)."""
         entries = await kv_values(self.js, self.kv, self.bucket, f"{prefix}.*", LIST_TIMEOUT_S)
-        return [msgspec.json.decode(e.value, type=typ) for e in entries]
+        return [
+            msgspec.json.decode(e.value, type=typ)
+            for e in entries
+            if upto is None or e.revision <= upto
+        ]
 
     # --- files ---
-    async def put_file(self, owner: str, file: FileRecord) -> None:
-        await self.kv.put(f"files.{owner}.{file.id}", msgspec.json.encode(file))
+    async def put_file(self, owner: str, file: FileRecord) -> int:
+        """Its entry's revision."""
+        return await self.kv.put(f"files.{owner}.{file.id}", msgspec.json.encode(file))
 
     async def file(self, owner: str, file_id: str) -> FileRecord | None:
         if not _is_token(file_id):
             return None
         return await self._get(f"files.{owner}.{file_id}", FileRecord)
 
-    async def files(self, owner: str) -> list[FileRecord]:
-        return await self._list(f"files.{owner}", FileRecord)
+    async def files(self, owner: str, upto: int | None = None) -> list[FileRecord]:
+        return await self._list(f"files.{owner}", FileRecord, upto)
 
     async def delete_file(self, owner: str, file_id: str) -> None:
         await self.kv.delete(f"files.{owner}.{file_id}")
 
     # --- jobs ---
-    async def put_job(self, owner: str, job: JobFields) -> None:
-        await self.kv.put(f"jobs.{owner}.{job.job_id}", msgspec.json.encode(job))
+    async def put_job(self, owner: str, job: JobFields) -> int:
+        """Its entry's revision."""
+        return await self.kv.put(f"jobs.{owner}.{job.job_id}", msgspec.json.encode(job))
+
+    async def delete_job(self, owner: str, job_id: str) -> None:
+        await self.kv.delete(f"jobs.{owner}.{job_id}")
 
     async def job(self, owner: str, job_id: str) -> JobFields | None:
         if not _is_token(job_id):
             return None
         return await self._get(f"jobs.{owner}.{job_id}", JobFields)
 
-    async def jobs(self, owner: str) -> list[JobFields]:
-        return await self._list(f"jobs.{owner}", JobFields)
+    async def jobs(self, owner: str, upto: int | None = None) -> list[JobFields]:
+        return await self._list(f"jobs.{owner}", JobFields, upto)
 
 
 def _is_token(value: Any) -> bool:

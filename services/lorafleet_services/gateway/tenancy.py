@@ -15,9 +15,11 @@ models. The bases (catalog models, an engine's own) are every project's.
 Quotas (GatewayConfig; None: none): jobs in flight (queued or on a node)
 and bytes uploaded (the sizes of the project's files now kept; deleting a
 file frees its bytes), per project. One more is a 429 that names the quota,
-its limit and the setting. Requests at once may each pass the check before
-any is counted, so a project may pass a quota by the requests it has in
-flight (at most max_requests_per_key per key).
+its limit and the setting. Checked twice: before the work (the common
+refusal, nothing made), and after the file's or job's entry is put, over
+the entries put up to it in the bucket's order (a revision, the same on
+every gateway replica): requests at once each pass the first check, and
+the ones the bucket ordered past the quota are undone and refused there.
 """
 
 from __future__ import annotations
@@ -79,43 +81,65 @@ def quota_exceeded(what: str, used: int, more: int, limit: int | None, setting: 
     )
 
 
+def over_quota(message: str) -> GatewayHttpError:
+    """The 429 of a quota, saying `message` (quota_exceeded's)."""
+    return GatewayHttpError(429, message, code="quota_exceeded")
+
+
 def _refuse_over(what: str, used: int, more: int, limit: int | None, setting: str) -> None:
     message = quota_exceeded(what, used, more, limit, setting)
     if message is not None:
-        raise GatewayHttpError(429, message, code="quota_exceeded")
+        raise over_quota(message)
 
 
-async def check_job_quota(ctx: GatewayContext, project: str) -> None:
-    """A 429 when the project has its quota of jobs in flight already."""
-    limit = ctx.config.max_jobs_in_flight_per_project
-    if limit is None:
-        return
-    ids = [f.job_id for f in await ctx.state.jobs(project)]
+JOBS_SETTING = "LORAFLEET_GATEWAY_MAX_JOBS_IN_FLIGHT_PER_PROJECT"
+BYTES_SETTING = "LORAFLEET_GATEWAY_MAX_UPLOAD_BYTES_PER_PROJECT"
+
+
+async def _in_flight(ctx: GatewayContext, project: str, upto: int | None = None) -> int:
+    """The project's jobs in flight (those whose entries were put up to `upto`)."""
+    ids = [f.job_id for f in await ctx.state.jobs(project, upto)]
     in_flight = 0
     for start in range(0, len(ids), ASKED_AT_ONCE):
         asked = JobListRequest(
             ids=ids[start : start + ASKED_AT_ONCE], states=sorted(ACTIVE), limit=ASKED_AT_ONCE
         )
         in_flight += len(await ctx.client.jobs(asked))
-    _refuse_over(
-        "jobs in flight",
-        in_flight,
-        1,
-        limit,
-        "LORAFLEET_GATEWAY_MAX_JOBS_IN_FLIGHT_PER_PROJECT",
-    )
+    return in_flight
+
+
+async def check_job_quota(ctx: GatewayContext, project: str) -> None:
+    """A 429 when the project has its quota of jobs in flight already."""
+    limit = ctx.config.max_jobs_in_flight_per_project
+    if limit is not None:
+        _refuse_over("jobs in flight", await _in_flight(ctx, project), 1, limit, JOBS_SETTING)
+
+
+async def job_over_quota(ctx: GatewayContext, project: str, revision: int) -> str | None:
+    """After a job's entry was put at `revision`: the 429's message when the
+    project's jobs in flight put up to it (itself included) pass the quota."""
+    limit = ctx.config.max_jobs_in_flight_per_project
+    if limit is None:
+        return None
+    used = await _in_flight(ctx, project, revision) - 1
+    return quota_exceeded("jobs in flight", used, 1, limit, JOBS_SETTING)
 
 
 async def check_upload_quota(ctx: GatewayContext, project: str, incoming: int) -> None:
     """A 429 when `incoming` more bytes would pass the project's upload quota."""
     limit = ctx.config.max_upload_bytes_per_project
+    if limit is not None:
+        used = sum(f.bytes for f in await ctx.state.files(project))
+        _refuse_over("bytes uploaded", used, incoming, limit, BYTES_SETTING)
+
+
+async def upload_over_quota(
+    ctx: GatewayContext, project: str, revision: int, size: int
+) -> str | None:
+    """After a file's entry (of `size` bytes) was put at `revision`: the 429's
+    message when the project's files put up to it pass the quota."""
+    limit = ctx.config.max_upload_bytes_per_project
     if limit is None:
-        return
-    used = sum(f.bytes for f in await ctx.state.files(project))
-    _refuse_over(
-        "bytes uploaded",
-        used,
-        incoming,
-        limit,
-        "LORAFLEET_GATEWAY_MAX_UPLOAD_BYTES_PER_PROJECT",
-    )
+        return None
+    used = sum(f.bytes for f in await ctx.state.files(project, revision)) - size
+    return quota_exceeded("bytes uploaded", used, size, limit, BYTES_SETTING)

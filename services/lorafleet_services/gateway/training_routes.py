@@ -70,7 +70,11 @@ async def create_file(request: Request) -> Response:
         created_at=dt.datetime.now(dt.UTC), purpose=stored.purpose, dataset=stored.dataset,
         records=stored.records,
     )  # fmt: skip
-    await ctx.state.put_file(owner, record)
+    revision = await ctx.state.put_file(owner, record)
+    over = await tenancy.upload_over_quota(ctx, owner, revision, record.bytes)
+    if over is not None:  # requests at once: this one came after the quota
+        await ctx.state.delete_file(owner, record.id)
+        raise tenancy.over_quota(over)
     log.get().info(
         log.Event.GATEWAY_FILE_STORED,
         file_id=record.id, bytes=record.bytes, records=record.records, client=owner,
@@ -192,7 +196,12 @@ async def create_job(request: Request) -> Response:
     spec = jm.job_spec(create, file, jm.trainer_params(create, hp), validation, parent)
     job = await ctx.client.submit(spec)
     fields = jm.job_fields(create, job, dt.datetime.now(dt.UTC))
-    await ctx.state.put_job(owner, fields)
+    over = await tenancy.job_over_quota(ctx, owner, await ctx.state.put_job(owner, fields))
+    if over is not None:  # requests at once: this one came after the quota
+        await ctx.state.delete_job(owner, job.id)
+        await ctx.client.cancel(job.id, reason=f"refused: {over}")
+        await ctx.client.delete(job.id, reason="refused over its project's quota")
+        raise tenancy.over_quota(over)
     return json_response(jm.to_openai(job, fields, owner, dt.datetime.now(dt.UTC)))
 
 
