@@ -14,7 +14,11 @@ most one job, as its beats say), and checks after every step:
   is never failed by reconcile;
 - a lost job is requeued while it has attempts left, else failed;
 - once the dead agents have been silent past the timeout and reconcile's
-  grace, no job is still held on their nodes (`settle`).
+  grace, no job is still held on their nodes (`settle`);
+- nodes are cordoned, drained (with their training moved, forced or not)
+  and opened again at any time: nothing new is sent to a node not open; a
+  job moved off a drained node is requeued with one more attempt allowed
+  and its node stops it; a job that stays says why (`why_training_stays`).
 """
 
 from __future__ import annotations
@@ -27,7 +31,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from lorafleet.states import FINAL, ON_NODE, can_requeue, loss_outcome
-from lorafleet_schemas.messages import Card, Heartbeat, JobRecord, JobState
+from lorafleet_schemas.messages import Card, Heartbeat, JobRecord, JobState, NodeSchedule
 from lorafleet_services.scheduler import node_table, placement, reconcile
 from lorafleet_services.scheduler.node_table import NodeTable
 from tests.records import job_record
@@ -131,8 +135,8 @@ class SchedulerMachine(RuleBasedStateMachine):
     def submit(self, node: str | None, mib: int, attempts: int) -> None:
         job_id = f"j{len(self.w.jobs) + 1}"
         self.w.jobs[job_id] = job_record(
-            id=job_id, node=node, gpu_memory_mib=mib, max_attempts=attempts, attempt=0,
-            created_at=self.w.wall(), updated_at=self.w.wall(),
+            id=job_id, node=node, requested_node=node, gpu_memory_mib=mib,
+            max_attempts=attempts, attempt=0, created_at=self.w.wall(), updated_at=self.w.wall(),
         )  # fmt: skip
         self.w.requested[job_id] = node
 
@@ -211,6 +215,36 @@ class SchedulerMachine(RuleBasedStateMachine):
     def _held(self) -> set[str]:
         return {a.running for a in self.w.agents.values() if a.running}
 
+    # --- the operator's marks --------------------------------------------
+
+    @rule(
+        name=st.sampled_from(sorted(NODES)),
+        schedule=st.sampled_from(list(NodeSchedule)),
+        move=st.booleans(),
+        force=st.booleans(),
+    )
+    def mark(self, name: str, schedule: NodeSchedule, move: bool, force: bool) -> None:
+        """`lorafleet nodes cordon|drain|uncordon`, as node_marks.check_request allows."""
+        move = move and schedule is NodeSchedule.DRAINED
+        self.w.table.mark(name, schedule, move_training=move, force=force and move)
+
+    @rule()
+    def move_training(self) -> None:
+        """The leader's round moving a drained node's training (once its
+        checkpoint is there: move_checkpoints.py), as RecorderClient.move_job does."""
+        w = self.w
+        for job in reconcile.training_moves(w.on_node(), w.table.nodes, w.table.moves):
+            node = str(job.node)
+            assert w.table.nodes[node].schedule is NodeSchedule.DRAINED and node in w.table.moves
+            assert reconcile.why_training_stays(job, w.table.moves[node]) is None, job
+            assert w.requested[job.id] != node, f"{job.id} was submitted for {node}: it stays"
+            w.set(job, state=JobState.QUEUED, node=w.requested[job.id],
+                  max_attempts=job.max_attempts + 1)  # fmt: skip
+            w.first_seen.pop(job.id, None)
+            agent = w.agents[node]
+            if agent.holds(job.id):  # told to stop it; held from dispatch until it did
+                agent.running = agent.pending = None
+
     # --- time and the scheduler ------------------------------------------
 
     @rule(beats=st.integers(1, 8))
@@ -246,6 +280,7 @@ class SchedulerMachine(RuleBasedStateMachine):
         assert len(nodes) == len(set(nodes)), plan.send
         for job, node in plan.send:
             assert w.table.nodes[node].alive and node not in busy, (job.id, node)
+            assert w.table.nodes[node].schedule is NodeSchedule.OPEN, (job.id, node)
             assert job.node in (None, node), (job.id, node)
             agent = w.agents[node]
             assert agent.running is None and agent.pending is None, (
