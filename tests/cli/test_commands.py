@@ -230,23 +230,30 @@ async def test_drain_moves_training_only_when_asked_and_never_losing_steps_unask
     assert f"nothing changed: node {node} runs job {job_id}" in err and "--force" in err, err
     rc, out, err = await up.lorafleet("nodes", "--json")
     assert [n["schedule"] for n in json.loads(out)["nodes"]] == ["open"], out
-    rc, out, err = await up.lorafleet("nodes", "drain", node, "--move-training", "--force")
-    assert rc == 0 and f"job {job_id} moves" in out and "drained" in out, (out, err)
-    moved = await eventually(
-        lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job queued again",
-        until=lambda r: json.loads(r[1])["state"] == "queued", interval_s=0.2,
-    )  # fmt: skip
-    assert json.loads(moved[1])["max_attempts"] == 2, moved
-    rc, out, err = await up.lorafleet("jobs", "curve", job_id, "--json")
-    [event] = [
-        e for e in json.loads(out)["events"] if e["to_state"] == "queued" and e["from_state"]
-    ]
-    assert event["message"].startswith(f"node {node} was drained with move_training"), event
-    assert "attempt 2 of 2 starts again from step 0" in event["message"], event
-    # The only node is drained: the job waits (tests/system/test_drain.py has it run elsewhere).
-    for done in (("cancel", job_id), ("nodes", "uncordon", node)):
-        rc, _, err = await up.lorafleet(*done)
-        assert rc == 0, err
+    try:
+        before = json.loads((await up.lorafleet("jobs", "get", job_id, "--json"))[1])["step"]
+        rc, out, err = await up.lorafleet("nodes", "drain", node, "--move-training", "--force")
+        assert rc == 0 and f"job {job_id} moves" in out and "drained" in out, (out, err)
+        moved = await eventually(
+            lambda: up.lorafleet("jobs", "get", job_id, "--json"), "the job queued again",
+            until=lambda r: json.loads(r[1])["state"] == "queued", interval_s=0.2,
+        )  # fmt: skip
+        assert json.loads(moved[1])["max_attempts"] == 2, moved
+        rc, out, err = await up.lorafleet("jobs", "curve", job_id, "--json")
+        [event] = [
+            e for e in json.loads(out)["events"] if e["to_state"] == "queued" and e["from_state"]
+        ]
+        message = event["message"]
+        assert message.startswith(f"node {node} was drained with move_training"), event
+        # Forced with no checkpoint, it has one taken at the move: no step before it is lost.
+        said = re.search(r"attempt 2 of 2 resumes from the checkpoint at step (\d+)", message)
+        assert said is not None and int(said[1]) >= before, (before, message)
+    finally:
+        # The only node is drained: the job waits (tests/system/test_drain.py has it
+        # run elsewhere). Put back for the module's other tests whatever happened.
+        for done in (("cancel", job_id), ("nodes", "uncordon", node)):
+            rc, _, err = await up.lorafleet(*done)
+            assert rc == 0, err
 
 
 #: The codes of a command that could not do its work (the others say how a job ended).

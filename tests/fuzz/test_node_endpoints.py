@@ -1,5 +1,5 @@
-"""The agent's own subjects (`node.<node>.start`, `.cancel`, `.serve`,
-`.unserve`) fuzzed against a real agent, from the request Structs' JSON
+"""The agent's own subjects (`node.<node>.start`, `.cancel`, `.checkpoint`,
+`.serve`, `.unserve`) fuzzed against a real agent, from the request Structs' JSON
 Schemas, with tests/fuzz/test_endpoints.py's strategies.
 
 One nats-server and one real agent (the stand-in trainer) for the module;
@@ -45,6 +45,8 @@ from lorafleet_schemas.messages import (
     Heartbeat,
     NodeCancelReply,
     NodeCancelRequest,
+    NodeCheckpointReply,
+    NodeCheckpointRequest,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
@@ -69,6 +71,7 @@ SETTLED_S = 0.3
 ENDPOINTS: dict[str, tuple[type, type]] = {
     N.node_start(NODE): (StartRequest, StartReply),
     N.node_cancel(NODE): (NodeCancelRequest, NodeCancelReply),
+    N.node_checkpoint(NODE): (NodeCheckpointRequest, NodeCheckpointReply),
     N.node_serve(NODE): (NodeServeRequest, NodeServeReply),
     N.node_unserve(NODE): (NodeUnserveRequest, NodeServeReply),
 }
