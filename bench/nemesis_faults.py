@@ -53,6 +53,7 @@ HOLD_S = {
     "link.cut": (1.0, 6.0),
     "link.degrade": (3.0, 8.0),
     "disk.full": (2.0, 8.0),
+    "disk.slow": (2.0, 8.0),
     "engine.kill": (0.5, 5.0),
     "engine.restart": (0.0, 0.0),
     "engine.slow": (3.0, 10.0),
@@ -62,6 +63,9 @@ HOLD_S = {
 }
 #: Seconds a slow engine takes more for each completion and load (a uniform pick).
 ENGINE_SLOW_S = (1.0, 3.0)
+#: Seconds each write and fsync of a slow disk takes more (a uniform pick): a
+#: disk whose queue is full behind a stalled flush.
+DISK_STALL_S = (0.02, 0.3)
 #: Seconds after an engine's refusals end that the run still waits at its end
 #: for a placed adapter: the placement asks a pair again 30 s after it was
 #: last asked (scheduler/replica_rounds.py), then the load.
@@ -135,6 +139,8 @@ class Nemesis:
             options = sorted(self.fleet.services())
         elif kind.startswith("nats.") or kind == "disk.full":
             options = list(self.fleet.cluster.names)
+        elif kind == "disk.slow":
+            options = sorted(self.fleet.slow_disks)
         elif kind.startswith("link."):
             options = [f"link {n}" for n in self.fleet.links if n != "hub"]
         elif kind.startswith("engine."):
@@ -209,6 +215,10 @@ class Nemesis:
         if kind == "disk.full":
             disk = self.fleet.object_disks[target]
             return (lambda: asyncio.to_thread(disks.fill, disk)), (lambda: self._disk_back(target))
+        if kind == "disk.slow":
+            slow = self.fleet.slow_disks[target]
+            stall_s = round(random.Random(f"{self.seed}/{self.next_id}").uniform(*DISK_STALL_S), 3)
+            return _now(slow.stall, stall_s), _now(slow.clear)
         if kind.startswith("postgres."):
             pg = self.fleet.pg
             assert pg is not None
@@ -290,6 +300,8 @@ class Nemesis:
         """Put back whatever a fault's undo left: every member running, routed and
         continued, PostgreSQL up, links whole, every service running."""
         cluster = self.fleet.cluster
+        for slow in self.fleet.slow_disks.values():
+            slow.clear()
         for name in self.fleet.object_disks:
             with contextlib.suppress(Exception):
                 await self._disk_back(name)

@@ -131,6 +131,8 @@ class Fleet:
     recorders: list[ServiceProcess] = field(default_factory=list)
     #: Member -> the filesystem of its object store's stream (disk.full).
     object_disks: dict[str, Path] = field(default_factory=dict)
+    #: Member -> the stall of the slow filesystem its whole store is on (disk.slow).
+    slow_disks: dict[str, disks.SlowDisk] = field(default_factory=dict)
     #: Node -> its engine.
     engines: dict[str, EngineProcess] = field(default_factory=dict)
     #: Replica name -> the gateway process, and its URL.
@@ -173,6 +175,8 @@ class Fleet:
             kinds += ["link.cut", "link.degrade"]
         if self.object_disks:
             kinds.append("disk.full")
+        if self.slow_disks:
+            kinds.append("disk.slow")
         if self.engines:
             kinds += ["engine.kill", "engine.restart", "engine.slow", "engine.refuse_loads"]
         if self.gateways:
@@ -224,9 +228,11 @@ async def fleet(root: Path, orphan_age_s: float, minutes: float) -> AsyncIterato
         cluster = NatsCluster(root / "cluster", host=host)
         with contextlib.ExitStack() as mounts:
             disk_mib = OBJECTS_DISK_MIB + round(OBJECTS_DISK_MIB_PER_MINUTE * minutes)
+            slow_disks = _slow_disks(cluster, mounts, skipped)  # first: the object disk is in it
             object_disks = _object_disks(cluster, mounts, skipped, disk_mib)
             async with cluster, _made(cluster, root, db_url, orphan_age_s) as stack:
-                made = Fleet(stack, cluster, pg, links, skipped, [stack.recorder], object_disks)
+                made = Fleet(stack, cluster, pg, links, skipped, [stack.recorder], object_disks,
+                             slow_disks=slow_disks)  # fmt: skip
                 await _more_services(made)
                 yield made
     finally:
@@ -234,6 +240,21 @@ async def fleet(root: Path, orphan_age_s: float, minutes: float) -> AsyncIterato
             await asyncio.to_thread(pg.remove)
         for link in links.values():
             link.delete()
+
+
+def _slow_disks(
+    cluster: NatsCluster, mounts: contextlib.ExitStack, skipped: dict[str, str]
+) -> dict[str, disks.SlowDisk]:
+    """The first member's whole store on a slow filesystem (tests/slow_fs.py),
+    mounted before the members start; one member: a stall under each would
+    be a slow cluster, and each passthrough costs a process."""
+    why = disks.slow_unavailable()
+    if why is not None:
+        skipped["disk.slow"] = why
+        return {}
+    first = cluster.names[0]
+    disk = mounts.enter_context(disks.slow_filesystem(cluster.servers[first].store_dir))
+    return {first: disk}
 
 
 def _object_disks(

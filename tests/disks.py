@@ -1,4 +1,5 @@
-"""Small filesystems of a test's own, and filling them: the disk-full fault.
+"""Small filesystems of a test's own, and filling them: the disk-full fault;
+and a filesystem that stalls its writes: the slow-disk fault (slow_fs.py).
 
 A tmpfs mounted (as root) where a nats-server keeps one stream, here the
 object store's: `objects_dir` names that directory in a server's store, which
@@ -13,9 +14,13 @@ import contextlib
 import os
 import shutil
 import subprocess
+import sys
+import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from lorafleet._process import die_with_parent
 from lorafleet.names import Names, object_stream
 
 #: The file `fill` writes (removed to give the space back).
@@ -70,3 +75,68 @@ def unfill(directory: Path) -> bool:
     except FileNotFoundError:
         return False
     return True
+
+
+#: Seconds a slow filesystem may take to be mounted.
+MOUNT_TIMEOUT_S = 15.0
+
+
+def slow_unavailable() -> str | None:
+    """Why no slow filesystem can be mounted here, or None."""
+    if os.geteuid() != 0:
+        return "mounting a FUSE filesystem needs root here"
+    if not os.path.exists("/dev/fuse") or shutil.which("fusermount") is None:
+        return "no /dev/fuse or fusermount (apt-get install fuse)"
+    try:
+        import fuse  # type: ignore[import-untyped]  # noqa: F401
+    except (ImportError, OSError) as e:  # OSError: fusepy without libfuse.so.2
+        return f"fusepy does not load ({e}): pip install fusepy, apt-get install libfuse2"
+    return None
+
+
+@dataclass
+class SlowDisk:
+    """The stall of a slow filesystem: `stall(delay_s)` makes each write and
+    fsync under it take that much longer, `clear()` ends it."""
+
+    control: Path
+
+    def stall(self, delay_s: float) -> None:
+        tmp = self.control.with_name(self.control.name + ".tmp")
+        tmp.write_text(f"{delay_s}\n")
+        os.replace(tmp, self.control)
+
+    def clear(self) -> None:
+        self.control.unlink(missing_ok=True)
+
+
+@contextlib.contextmanager
+def slow_filesystem(path: Path) -> Iterator[SlowDisk]:
+    """`path` served by a FUSE passthrough (tests/slow_fs.py) over a directory
+    beside it, while the block runs; not stalled until told."""
+    backing = path.with_name(path.name + ".backing")
+    control = path.with_name(path.name + ".stall")
+    for d in (path, backing):
+        d.mkdir(parents=True, exist_ok=True)
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    argv = [sys.executable, "-m", "tests.slow_fs", str(backing), str(path), str(control)]
+    proc = subprocess.Popen(die_with_parent(argv), env=env, stdin=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + MOUNT_TIMEOUT_S
+        while not os.path.ismount(path):
+            if proc.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(
+                    f"the slow filesystem at {path} did not mount (exit {proc.poll()})"
+                )
+            time.sleep(0.05)
+        yield SlowDisk(control)
+    finally:
+        control.unlink(missing_ok=True)
+        if os.path.ismount(path):
+            subprocess.run(["fusermount", "-u", "-z", str(path)], check=False)
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
