@@ -454,7 +454,7 @@ async def test_the_guides_deployment_serves_through_a_rolling_restart(fleet: Fle
         told = [ln for ln in proc.lines if ln.get("level") in ("warning", "error")]
         print(f"{proc.module}: {len(told)} warnings and errors", *told[-5:], sep="\n  ")
     assert stream.jobs and stream.chats_ok
-    assert unfinished == []
+    assert not unfinished, "\n".join(map(repr, unfinished))  # whole: the reason is at its end
     lost = [ln for p in fleet.processes for ln in p.events("node.lost")]
     fenced = [ln for a in fleet.agents.values() for ln in a.events("agent.fenced")]
     assert lost == [] and fenced == [], (lost, fenced)

@@ -14,6 +14,7 @@ from pathlib import Path
 from nats.js import JetStreamContext
 
 from lorafleet import objects
+from lorafleet.nats._bus import when_cluster_answers
 from lorafleet_schemas.messages import StartRequest
 
 #: In the job directory: the training data, and the evaluation set beside it.
@@ -58,9 +59,14 @@ async def fetch_checked(
 ) -> None:
     """`fetch_object` into `path`, checked against `sha256`; else `error`
     naming `what`: not there (`gone`: what to do), not fetched, or another
-    sha256 (`damaged`: what to do)."""
+    sha256 (`damaged`: what to do). A read the cluster does not answer (a
+    member restarting, a stream between leaders) is tried again for
+    CLUSTER_WAIT_S, from the start: a rolling restart of the NATS members
+    failed a job at "fetching the dataset" (tests/deploy)."""
     try:
-        _size, sha = await fetch_object(js, bucket, name, path)
+        _size, sha = await when_cluster_answers(
+            f"fetching the {what} {name!r}", lambda: fetch_object(js, bucket, name, path)
+        )
     except objects.ObjectNotFoundError:
         raise error(f"the {what} {name!r} is not in the object store {bucket}: {gone}") from None
     except Exception as e:
