@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import os
+import signal
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -84,6 +85,45 @@ def settings_from_env() -> Settings:
     return base
 
 
+#: Seconds between two cancels of a command after Ctrl-C. One cancel can be
+#: lost: Python 3.11's asyncio.wait_for drops a cancel that meets its inner
+#: future's result, and the command goes on (a suite run's `watch` did not
+#: stop within 60 s of its SIGINT, twice).
+RECANCEL_S = 0.2
+
+
+def run_interruptibly(main: Callable[[], Awaitable[T]]) -> T:
+    """asyncio.run(main()), where Ctrl-C cancels it again every RECANCEL_S
+    until it has ended, then raises KeyboardInterrupt."""
+
+    async def guarded() -> T:
+        task = asyncio.current_task()
+        assert task is not None
+        loop = asyncio.get_running_loop()
+        cancelling: list[asyncio.Task[None]] = []
+
+        async def keep_cancelling() -> None:
+            while not task.done():
+                task.cancel()
+                await asyncio.sleep(RECANCEL_S)
+
+        def on_sigint() -> None:
+            if not cancelling:
+                cancelling.append(loop.create_task(keep_cancelling()))
+
+        loop.add_signal_handler(signal.SIGINT, on_sigint)
+        try:
+            return await main()
+        except asyncio.CancelledError:
+            if cancelling:
+                raise KeyboardInterrupt from None
+            raise
+        finally:
+            loop.remove_signal_handler(signal.SIGINT)
+
+    return asyncio.run(guarded())
+
+
 def run_client(fn: Callable[[Client], Awaitable[T]], interrupted: str = "") -> T:
     """Connect, run `fn`, close; a lorafleet error becomes a one-line message
     and its exit code; Ctrl-C exits 130, saying `interrupted` if given."""
@@ -93,7 +133,7 @@ def run_client(fn: Callable[[Client], Awaitable[T]], interrupted: str = "") -> T
             return await fn(client)
 
     try:
-        return asyncio.run(main())
+        return run_interruptibly(main)
     except ApiError as e:
         fail(str(e), Exit.REFUSED)
     except ConnectError as e:
