@@ -98,7 +98,8 @@ def run_interruptibly(main: Callable[[], Awaitable[T]]) -> T:
 
     async def guarded() -> T:
         task = asyncio.current_task()
-        assert task is not None
+        if task is None:  # asyncio.run runs its coroutine as a task: never
+            raise RuntimeError("run_interruptibly: not in a task")
         loop = asyncio.get_running_loop()
         cancelling: list[asyncio.Task[None]] = []
 
