@@ -9,6 +9,8 @@ from __future__ import annotations
 import asyncio
 import signal
 
+import nats
+
 from lorafleet.names import kv_stream
 from lorafleet.nats.cluster import NatsCluster
 from lorafleet_schemas.messages import JobState
@@ -113,7 +115,8 @@ async def test_reports_sent_into_a_dying_server_come_back(
     # The victim only relays to the recorder: the agent, the stream, the
     # bucket and the consumer are elsewhere, so reports go on while it is frozen.
     await lead_elsewhere(stack, other, victim)
-    steps = {"LORAFLEET_STANDIN_STEPS": "100", "LORAFLEET_STANDIN_STEP_S": "0.05"}
+    # 15 s of reports: long enough for every freeze tried (FREEZE_TRIES).
+    steps = {"LORAFLEET_STANDIN_STEPS": "300", "LORAFLEET_STANDIN_STEP_S": "0.05"}
     agent = await stack.agent("node-1", env=steps, nats_url=nats_cluster.servers[other].url)
     job = await stack.submit("node-1")
 
@@ -121,18 +124,12 @@ async def test_reports_sent_into_a_dying_server_come_back(
         return (await stack.get(job.id)).step
 
     await eventually(recorded, "the first steps", until=lambda step: step >= 10)
-    proc = nats_cluster.servers[victim].proc
-    assert proc is not None
-    # Reports flow (20 a second); each of the recorder's fetches stays open
-    # at the consumer for a quarter second (FETCH_WAIT_S): the consumer sends
-    # what the next second brings into the frozen server.
-    proc.send_signal(signal.SIGSTOP)
-    await asyncio.sleep(1.0)
+    await _freeze_with_reports_inside(stack, nats_cluster, victim, other)
     await nats_cluster.kill(victim)
     done = await stack.wait_state(job.id, *FINISHED, JobState.FAILED, timeout_s=END_TIMEOUT_S)
     assert done.state in FINISHED, f"{done.message}\n{story(*stack.schedulers, agent)}"
     no_false_loss(stack, agent)
-    await assert_each_step_once(stack, job.id, 100)
+    await assert_each_step_once(stack, job.id, 300)
     names = stack.settings.names
     info = await stack.js.consumer_info(names.status_stream, names.recorder_consumer)
     assert redeliveries(info) > 0, "no report went into the frozen server: nothing was tried"
@@ -160,3 +157,35 @@ async def test_kill_the_artifacts_streams_leader_as_delivery_begins(
     no_false_loss(stack, agent)
     if has_artifact_store():
         await assert_artifacts_intact(stack, job.id)
+
+
+#: Freezes tried before the test gives up on catching a report inside one.
+FREEZE_TRIES = 5
+
+
+async def _freeze_with_reports_inside(
+    stack: Stack, cluster: NatsCluster, victim: str, other: str
+) -> None:
+    """Freeze `victim` until the consumer has sent reports into it. Reports
+    flow (20 a second), and each of the recorder's fetches stays open at the
+    consumer for a quarter second (FETCH_WAIT_S), but a freeze between two
+    fetches catches none (a loaded CI run did): the consumer's acks pending,
+    read through `other`, say whether this freeze holds some; if not, the
+    server goes on and is frozen again."""
+    proc = cluster.servers[victim].proc
+    assert proc is not None
+    names = stack.settings.names
+    nc = await nats.connect(cluster.servers[other].url)
+    try:
+        js = nc.jetstream()
+        for _ in range(FREEZE_TRIES):
+            proc.send_signal(signal.SIGSTOP)
+            await asyncio.sleep(1.0)
+            info = await js.consumer_info(names.status_stream, names.recorder_consumer)
+            if info.num_ack_pending > 0:
+                return
+            proc.send_signal(signal.SIGCONT)
+            await asyncio.sleep(0.5)
+    finally:
+        await nc.close()
+    raise AssertionError(f"no report went into {victim} in {FREEZE_TRIES} freezes of 1 s")
