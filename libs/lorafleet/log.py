@@ -91,9 +91,11 @@ class Event:
     #: The leader asked a node to load or unload a placed replica (`job_id`,
     #: `node`, `state`: place or unplace, `message`: the agent's answer).
     REPLICA_PLACED: Final = "replica.placed"
-    #: A replica pass read as many done jobs with a serving policy as it may
-    #: (MAX_PLACED_PAGES): the oldest were left out of it.
-    REPLICAS_CAPPED: Final = "replicas.capped"
+    #: A reader paged through a listing as far as it may (a replica pass's
+    #: done jobs, MAX_PLACED_PAGES; the gateway's served adapters,
+    #: MAX_SERVED_PAGES) and went on with what it read: `message` says which
+    #: listing and what was left out.
+    LISTING_CAPPED: Final = "listing.capped"
     LEADER_ACQUIRED: Final = "leader.acquired"
     LEADER_LOST: Final = "leader.lost"
     TRAINER_STARTED: Final = "trainer.started"

@@ -8,8 +8,10 @@ from typing import Any, cast
 
 import msgspec
 import pytest
+from structlog.testing import capture_logs
 
 from lorafleet.client import Client
+from lorafleet.log import Event
 from lorafleet_schemas.messages import (
     AdapterKey,
     Engine,
@@ -177,3 +179,9 @@ async def test_the_view_reads_every_served_record_page_after_page(
 
     got = await served_records(cast(Client, Recorder()))
     assert [(r.job_id, r.node) for r in got] == [(r.job_id, r.node) for r in records]
+    # Past its most pages the view goes on with what it read, and says so.
+    monkeypatch.setattr(fleet_model_location, "MAX_SERVED_PAGES", 2)
+    with capture_logs() as logs:
+        got = await served_records(cast(Client, Recorder()))
+    assert len(got) == 6
+    assert [e["event"] for e in logs] == [Event.LISTING_CAPPED], logs

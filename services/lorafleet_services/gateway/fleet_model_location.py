@@ -212,7 +212,7 @@ async def served_records(client: Client) -> list[ServingRecord]:
             return out
         after = AdapterKey(job_id=page[-1].job_id, node=page[-1].node, engine=page[-1].engine)
     log.get().warning(
-        log.Event.REQUEST_FAILED, message=f"fleet locations: more than {len(out)} adapters "
+        log.Event.LISTING_CAPPED, message=f"fleet locations: more than {len(out)} adapters "
         "served; the view holds that many",
     )  # fmt: skip
     return out

@@ -84,7 +84,7 @@ class ReplicaRounds:
         )
         if not complete:
             self.logger.warning(
-                Event.REPLICAS_CAPPED, message=f"more than {len(jobs)} done jobs with a "
+                Event.LISTING_CAPPED, message=f"more than {len(jobs)} done jobs with a "
                 "serving policy: the oldest are not placed this pass",
             )  # fmt: skip
         models = {m.name: m for m in catalog}
