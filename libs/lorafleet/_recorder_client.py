@@ -13,10 +13,11 @@ requeue off a drained node) go through it too.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
+import msgspec
 from nats.aio.client import Client
 
 import lorafleet.nats._bus as bus
@@ -36,6 +37,7 @@ from lorafleet_schemas.messages import (
     ModelListRequest,
     ModelRecord,
     ServingRecord,
+    ServingState,
     TransitionReply,
     TransitionRequest,
 )
@@ -46,6 +48,48 @@ T = TypeVar("T")
 #: (each loss means another writer moved it: five in a row is a job that
 #: changes state faster than a round trip, which lorafleet's jobs do not).
 CAS_ATTEMPTS = 5
+
+
+#: Records one list request may ask for: the recorder's cap
+#: (JobListRequest.limit's and AdapterListRequest.limit's bound).
+LIST_CAP = 1000
+
+
+async def jobs_among(
+    list_jobs: Callable[[JobListRequest], Awaitable[list[JobRecord]]],
+    ids: Sequence[str],
+    request: JobListRequest,
+    cap: int = LIST_CAP,
+) -> list[JobRecord]:
+    """The jobs among `ids` that `request`'s filters match, however many
+    `ids` (none for none): asked `cap` ids at a time, so each answer can
+    hold every job it was asked about."""
+    out: list[JobRecord] = []
+    for start in range(0, len(ids), cap):
+        batch = list(ids[start : start + cap])
+        out.extend(await list_jobs(msgspec.structs.replace(request, ids=batch, limit=cap)))
+    return out
+
+
+async def serving_records(
+    list_adapters: Callable[[AdapterListRequest], Awaitable[list[ServingRecord]]],
+    job_ids: Sequence[str],
+    state: ServingState | None = None,
+    cap: int = LIST_CAP,
+) -> list[ServingRecord]:
+    """The serving records of `job_ids` (in `state`, if given), none cut by
+    the recorder's cap: an answer that fills it is asked again in halves."""
+    if not job_ids:
+        return []
+    req = AdapterListRequest(job_ids=list(job_ids), state=state, limit=cap)
+    records = await list_adapters(req)
+    if len(records) < cap or len(job_ids) == 1:
+        return records
+    half = len(job_ids) // 2
+    return [
+        *await serving_records(list_adapters, job_ids[:half], state, cap),
+        *await serving_records(list_adapters, job_ids[half:], state, cap),
+    ]
 
 
 @dataclass(frozen=True, slots=True)

@@ -370,6 +370,10 @@ class Client:
         req = AdapterListRequest(
             job_ids=job_ids or [], node=node, model=model, state=state, limit=limit, after=after
         )
+        return await self.list_adapters(req)
+
+    async def list_adapters(self, req: AdapterListRequest) -> list[ServingRecord]:
+        """`adapters`, with the request as it is sent."""
         return (await self._read(self.names.adapters_list, req, AdapterList)).adapters
 
     async def serving_changes(

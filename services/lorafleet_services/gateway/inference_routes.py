@@ -32,11 +32,11 @@ from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
 from lorafleet import log
+from lorafleet._recorder_client import jobs_among, serving_records
+from lorafleet.fleet_serving import served_name_job
 from lorafleet_schemas.messages import (
     JobListRequest,
-    JobRecord,
     JobState,
-    ServingRecord,
     ServingState,
 )
 from lorafleet_services.gateway import job_mapping as jm
@@ -56,10 +56,6 @@ from lorafleet_services.gateway.openai_shapes import Model, Page
 ENGINE_CONNECT_TIMEOUT_S = 5.0
 
 
-#: Most jobs of one caller `GET /v1/models` lists (its newest; the recorder's cap).
-LISTED_JOBS_LIMIT = 1000
-
-
 class _ModelOnly(msgspec.Struct):
     model: str
 
@@ -76,13 +72,11 @@ async def list_models(request: Request) -> Response:
     catalog, served, jobs = await asyncio.gather(
         ctx.client.models(), ctx.locator.served(), ctx.state.jobs(owner)
     )
-    ids = [f.job_id for f in jobs][-LISTED_JOBS_LIMIT:]
-    done, serving, adapters = await asyncio.gather(
-        _project_jobs(ctx, ids),
-        _project_served(ctx, ids),
-        ctx.client.adapters(limit=LISTED_JOBS_LIMIT),
+    ids = [f.job_id for f in jobs]
+    done, serving = await asyncio.gather(
+        jobs_among(ctx.client.jobs, ids, JobListRequest(state=JobState.DONE)),
+        serving_records(ctx.client.list_adapters, ids, ServingState.SERVED),
     )
-    hidden = {r.served_name for r in adapters}
     fields_of = {f.job_id: f for f in jobs}
     models: dict[str, Model] = {}
     for m in catalog:
@@ -94,27 +88,11 @@ async def list_models(request: Request) -> Response:
         models[name].served_by = [engine_base_url(r.engine) for r in serving if r.job_id == job.id]
     now = int(dt.datetime.now(dt.UTC).timestamp())
     for name, locations in served.items():
-        if name in hidden and name not in models:
+        if served_name_job(name) is not None and name not in models:
             continue  # an adapter's served name: listed (if the caller's) by its ft name
         model = models.setdefault(name, Model(id=name, created=now, owned_by="engine"))
         model.served_by = list(dict.fromkeys([*model.served_by, *(r.base_url for r in locations)]))
     return json_response(Page(data=list(models.values())))
-
-
-async def _project_jobs(ctx: GatewayContext, ids: list[str]) -> list[JobRecord]:
-    """The succeeded jobs among `ids` (none for none: no ids asks for every job)."""
-    if not ids:
-        return []
-    return await ctx.client.jobs(
-        JobListRequest(ids=ids, state=JobState.DONE, limit=LISTED_JOBS_LIMIT)
-    )
-
-
-async def _project_served(ctx: GatewayContext, ids: list[str]) -> list[ServingRecord]:
-    """The served records of `ids` (none for none, as `_project_jobs`)."""
-    if not ids:
-        return []
-    return await ctx.client.adapters(ids, state=ServingState.SERVED, limit=LISTED_JOBS_LIMIT)
 
 
 async def unserved_message(ctx: GatewayContext, model: str) -> str:

@@ -24,6 +24,7 @@ the ones the bucket ordered past the quota are undone and refused there.
 
 from __future__ import annotations
 
+from lorafleet._recorder_client import jobs_among
 from lorafleet.fleet_serving import served_name_job
 from lorafleet.states import ACTIVE
 from lorafleet_schemas.messages import JobListRequest
@@ -31,9 +32,6 @@ from lorafleet_services.gateway.adapter_wait import wait_for_adapter
 from lorafleet_services.gateway.context import GatewayContext
 from lorafleet_services.gateway.http_errors import GatewayHttpError, not_found
 from lorafleet_services.gateway.job_mapping import fine_tuned_parts
-
-#: Jobs asked about in one request (the recorder's cap on a listing).
-ASKED_AT_ONCE = 1000
 
 
 def model_not_found(model: str) -> GatewayHttpError:
@@ -99,13 +97,8 @@ BYTES_SETTING = "LORAFLEET_GATEWAY_MAX_UPLOAD_BYTES_PER_PROJECT"
 async def _in_flight(ctx: GatewayContext, project: str, upto: int | None = None) -> int:
     """The project's jobs in flight (those whose entries were put up to `upto`)."""
     ids = [f.job_id for f in await ctx.state.jobs(project, upto)]
-    in_flight = 0
-    for start in range(0, len(ids), ASKED_AT_ONCE):
-        asked = JobListRequest(
-            ids=ids[start : start + ASKED_AT_ONCE], states=sorted(ACTIVE), limit=ASKED_AT_ONCE
-        )
-        in_flight += len(await ctx.client.jobs(asked))
-    return in_flight
+    active = JobListRequest(states=sorted(ACTIVE))
+    return len(await jobs_among(ctx.client.jobs, ids, active))
 
 
 async def check_job_quota(ctx: GatewayContext, project: str) -> None:

@@ -19,7 +19,7 @@ import datetime as dt
 from collections.abc import Callable, Coroutine
 from typing import Any
 
-from lorafleet._recorder_client import RecorderClient
+from lorafleet._recorder_client import RecorderClient, serving_records
 from lorafleet._tasks import stop_tasks
 from lorafleet.errors import ApiError
 from lorafleet.fleet_serving import policy_of
@@ -38,9 +38,6 @@ from lorafleet_services.scheduler.dispatch import LIST_LIMIT, AgentRequests
 from lorafleet_services.scheduler.node_table import NodeTable
 from lorafleet_services.scheduler.replicas import AskKey, Asks, Placed, plan_replicas
 
-#: Most serving records one request reads (the recorder's cap): a full
-#: answer is asked again in halves (`serving_records`).
-RECORDS_LIMIT = 1000
 #: Most pages of placed done jobs (LIST_LIMIT each) one pass reads; past
 #: them the oldest are left out of the pass, and a warning says so.
 MAX_PLACED_PAGES = 50
@@ -109,7 +106,7 @@ class ReplicaRounds:
         self._idle = not placed
         if not placed:
             return
-        records = await serving_records(self.recorder, [p.job.id for p in placed])
+        records = await serving_records(self.recorder.adapters, [p.job.id for p in placed])
         self.asks.heard(records, now)
         plan = plan_replicas(placed, self.table.nodes, records, self.asks.pending("place", now))
         by_id = {p.job.id: p for p in placed}
@@ -170,17 +167,3 @@ async def placed_done_jobs(recorder: RecorderClient) -> tuple[list[JobRecord], b
             return out, True
         after = page[-1].id
     return out, False
-
-
-async def serving_records(recorder: RecorderClient, job_ids: list[str]) -> list[ServingRecord]:
-    """The serving records of `job_ids`, none cut by the recorder's cap: an
-    answer that fills it is asked again in halves."""
-    if not job_ids:
-        return []
-    req = AdapterListRequest(job_ids=job_ids, limit=RECORDS_LIMIT)
-    records = await recorder.adapters(req)
-    if len(records) < RECORDS_LIMIT or len(job_ids) == 1:
-        return records
-    half = len(job_ids) // 2
-    first, rest = job_ids[:half], job_ids[half:]
-    return [*await serving_records(recorder, first), *await serving_records(recorder, rest)]
