@@ -25,14 +25,12 @@ from lorafleet.errors import ApiError
 from lorafleet.fleet_serving import policy_of
 from lorafleet.log import Event
 from lorafleet_schemas.messages import (
-    AdapterListRequest,
     JobListRequest,
     JobRecord,
     JobState,
     NodeServeReply,
     NodeServeRequest,
     NodeUnserveRequest,
-    ServingRecord,
 )
 from lorafleet_services.scheduler.dispatch import LIST_LIMIT, AgentRequests
 from lorafleet_services.scheduler.node_table import NodeTable
