@@ -258,14 +258,16 @@ class ServiceProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.proc.pid, signal.SIGKILL)
 
-    async def stop(self, timeout_s: float = SERVICE_STOP_GRACE_S) -> int | None:
-        """SIGTERM, wait `timeout_s` seconds, then SIGKILL; return the exit code."""
+    async def stop(
+        self, timeout_s: float = SERVICE_STOP_GRACE_S, signum: int = signal.SIGTERM
+    ) -> int | None:
+        """`signum`, wait `timeout_s` seconds, then SIGKILL; return the exit code."""
         proc = self.proc
         if proc is None:
             return None
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.terminate()
+                proc.send_signal(signum)
             try:
                 await asyncio.wait_for(proc.wait(), timeout_s)
             except TimeoutError:

@@ -29,6 +29,7 @@ import functools
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -43,7 +44,7 @@ import psycopg
 import pytest
 from openai import AsyncOpenAI
 
-from lorafleet.nats.server import binary
+from lorafleet.nats.server import LAME_DUCK_STOP_GRACE_S, binary
 from lorafleet.settings import Settings
 from lorafleet_services.local import vllm_cpu
 from lorafleet_services.local.tiny_model import VLLM_CPU_SIZES, build_tiny_model
@@ -385,7 +386,10 @@ async def rolling_restart(fleet: Fleet, stream: Stream) -> None:
         found = re.search(r"nats/(nats-\d)\.env", " ".join(proc.argv))
         member = found.group(1) if found else None
         stream.restarting = member or proc.module
-        await proc.stop()
+        if member is None:
+            await proc.stop()
+        else:  # as compose stops a member: lame-duck mode (docs/deploy.md)
+            await proc.stop(timeout_s=LAME_DUCK_STOP_GRACE_S, signum=signal.SIGUSR2)
         await proc.start()
         if member is not None:
             await eventually(

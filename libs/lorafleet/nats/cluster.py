@@ -64,6 +64,8 @@ jetstream {
   store_dir: $NATS_STORE_DIR
   sync_interval: always
 }
+lame_duck_grace_period: 2s
+lame_duck_duration: 30s
 cluster {
   name: lorafleet
   listen: $NATS_CLUSTER_LISTEN
@@ -294,10 +296,11 @@ class NatsCluster:
         """SIGKILL one member (its store stays; `restart` brings it back)."""
         await self.servers[name].stop(kill=True)
 
-    async def restart(self, name: str, kill: bool = True) -> None:
-        """Stop (SIGKILL unless told otherwise) and start again, on its ports
-        and store; returns once it is current with the cluster again."""
-        await self.servers[name].stop(kill=kill)
+    async def restart(self, name: str, kill: bool = True, lame_duck: bool = False) -> None:
+        """Stop (SIGKILL unless told otherwise; `lame_duck`: in lame-duck mode,
+        an upgrade's way) and start again, on its ports and store; returns
+        once it is current with the cluster again."""
+        await self.servers[name].stop(kill=kill and not lame_duck, lame_duck=lame_duck)
         await self.servers[name].start()
         await self.wait_ready()
 

@@ -14,6 +14,7 @@ import importlib.metadata
 import os
 import re
 import shutil
+import signal
 import subprocess
 import sys
 from collections.abc import Mapping
@@ -26,6 +27,10 @@ from lorafleet._tasks import stop_tasks
 READY_TIMEOUT_S = 20.0
 #: Seconds between SIGTERM and SIGKILL on stop.
 SERVER_STOP_GRACE_S = 5.0
+#: Seconds between lame-duck mode's SIGUSR2 and SIGKILL: the grace period
+#: and the longest duration of compose/nats-cluster/nats.conf (2 s + 30 s;
+#: the server waits at most 1 s between two clients it closes) and a margin.
+LAME_DUCK_STOP_GRACE_S = 40.0
 #: Lines of the server's output kept (the newest), for error messages.
 OUTPUT_KEPT_LINES = 500
 
@@ -162,16 +167,23 @@ class NatsServer:
             if len(self.output) > OUTPUT_KEPT_LINES:
                 del self.output[: OUTPUT_KEPT_LINES // 2]
 
-    async def stop(self, kill: bool = False) -> None:
-        """Terminate (or with `kill`, SIGKILL at once) and wait for the process."""
+    async def stop(self, kill: bool = False, lame_duck: bool = False) -> None:
+        """Terminate (or with `kill`, SIGKILL at once; with `lame_duck`, the
+        server's lame-duck mode: its leaderships moved first, its clients
+        sent away over the config's lame_duck_duration) and wait for the
+        process."""
         proc, self.proc = self.proc, None
         if proc is None:
             return
         if proc.returncode is None:
             with contextlib.suppress(ProcessLookupError):
-                proc.kill() if kill else proc.terminate()
+                if kill:
+                    proc.kill()
+                else:
+                    proc.send_signal(signal.SIGUSR2 if lame_duck else signal.SIGTERM)
+            grace_s = LAME_DUCK_STOP_GRACE_S if lame_duck else SERVER_STOP_GRACE_S
             try:
-                await asyncio.wait_for(proc.wait(), SERVER_STOP_GRACE_S)
+                await asyncio.wait_for(proc.wait(), grace_s)
             except TimeoutError:
                 with contextlib.suppress(ProcessLookupError):
                     proc.kill()
@@ -180,9 +192,9 @@ class NatsServer:
             await stop_tasks(self._log_task)
             self._log_task = None
 
-    async def restart(self, kill: bool = False) -> NatsServer:
+    async def restart(self, kill: bool = False, lame_duck: bool = False) -> NatsServer:
         """Stop and start again on the same port with the same store."""
-        await self.stop(kill=kill)
+        await self.stop(kill=kill, lame_duck=lame_duck)
         return await self.start()
 
     async def __aenter__(self) -> NatsServer:
