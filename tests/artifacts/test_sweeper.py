@@ -5,12 +5,14 @@ from __future__ import annotations
 
 import datetime as dt
 
+import pytest
 from nats.aio.client import Client
 
 from lorafleet.artifacts import AsyncPublisher, ObjectInfo
 from lorafleet.names import Names, object_chunk_subject
 from lorafleet.settings import Settings
 from lorafleet_schemas.messages import ArtifactKind, JobState
+from lorafleet_services.artifact_store import sweeper as sweeper_module
 from lorafleet_services.artifact_store.assembly import Key
 from lorafleet_services.artifact_store.delivery import Deliveries
 from lorafleet_services.artifact_store.streams import Streams
@@ -95,6 +97,23 @@ async def test_a_sweep_purges_a_dead_stores_chunks_and_nothing_else(
     await sweeper.sweep()
     assert await object_chunks(nc) == before - 2
     assert deliveries.open[KEY].writer.chunks_written == 4
+
+
+async def test_a_store_whose_clock_is_ahead_takes_no_young_chunk(
+    nc: Client, publisher: AsyncPublisher, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A replica's delivery in progress (not in this store's `writing`) is
+    a minute old on the server's clock, an hour and a minute on this host's
+    (stepped, or skewed from the server's): it is kept. Before, its age
+    was this host's clock minus the server's stamp."""
+    recorder = FakeRecorder(job())
+    theirs = object_chunk_subject(N.artifacts_bucket, "job1.peft.1.replica")
+    await nc.jetstream().publish(theirs, b"a replica's chunk")
+    ahead = dt.datetime.now(dt.UTC) + dt.timedelta(hours=1)
+    monkeypatch.setattr(sweeper_module, "wall_now", lambda: ahead)
+    sweeper, _, _ = sweeper_for(nc, publisher, recorder)  # the default age (600 s)
+    await sweeper.sweep()
+    assert await object_chunks(nc) == 1
 
 
 async def test_an_idle_delivery_is_kept_while_its_job_takes_it_and_given_up_after(

@@ -10,6 +10,8 @@ from __future__ import annotations
 import asyncio
 import base64
 import contextlib
+import dataclasses
+import datetime as dt
 import hashlib
 import inspect
 import io
@@ -26,7 +28,7 @@ import nats.js.kv
 import pytest
 from nats.aio.client import Client
 from nats.aio.msg import Msg
-from nats.js.api import DiscardPolicy, ObjectStoreConfig, StreamConfig
+from nats.js.api import DiscardPolicy, ObjectStoreConfig, StreamConfig, StreamInfo
 from nats.js.object_store import ObjectStore
 from nats.micro import add_service
 from nats.micro.request import Request
@@ -208,6 +210,22 @@ async def test_upstream_micro_counts_only_raised_errors(nats_server: NatsServer)
     [stats] = svc.stats().endpoints
     assert (stats.num_errors, stats.last_error) == (1, "400: refused")
     await svc.stop()
+    await nc.close()
+
+
+async def test_upstream_stream_info_drops_the_servers_time(nats_server: NatsServer) -> None:
+    """nats-py's StreamInfo has no `ts`; `stream_info_at` reads it (the
+    sweeper's ages are on the server's clock)."""
+    assert "ts" not in {f.name for f in dataclasses.fields(StreamInfo)}
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name="PIN_TS", subjects=["pin.ts.>"])
+    ack = await js.publish("pin.ts.a", b"x")
+    info, server_now = await _natspy.stream_info_at(js, "PIN_TS", "pin.ts.>")
+    stored = (await js.get_msg("PIN_TS", ack.seq)).time
+    assert info.state.subjects == {"pin.ts.a": 1}
+    assert server_now is not None and stored is not None
+    assert dt.timedelta(0) <= server_now - stored < dt.timedelta(seconds=5)
     await nc.close()
 
 

@@ -34,6 +34,7 @@ from lorafleet.names import (
     object_meta_subjects,
     object_stream,
 )
+from lorafleet.nats._natspy import stream_info_at
 from lorafleet_services.artifact_store.assembly import (
     delivery_refusal_reason,
     is_stored,
@@ -58,6 +59,11 @@ def committed_chunks(names: Names, infos: Iterable[ObjectInfo | None]) -> set[st
         for info in infos
         if info is not None and not info.deleted
     }
+
+
+def wall_now() -> dt.datetime:
+    """This host's clock: the ages' fallback where the server gives no time."""
+    return dt.datetime.now(dt.UTC)
 
 
 def age_s(now: dt.datetime, newest: dt.datetime | None) -> float:
@@ -165,7 +171,7 @@ class Sweeper:
         js = self.streams.js
         bucket = self.names.artifacts_bucket
         stream = object_stream(bucket)
-        chunks = await js.stream_info(stream, subjects_filter=object_chunk_subjects(bucket))
+        chunks, server_now = await stream_info_at(js, stream, object_chunk_subjects(bucket))
         metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
         infos = []
         for subject in metas.state.subjects or {}:
@@ -174,10 +180,13 @@ class Sweeper:
         committed = committed_chunks(self.names, infos)
         writing = self.deliveries.writing()
         ages: dict[str, float] = {}
-        wall_now = dt.datetime.now(dt.UTC)
+        # Ages on the server's clock, which stamped the chunks: a store host's
+        # clock an hour ahead would take a replica's delivery in progress
+        # for a dead store's leftovers (its own are in `writing`).
+        now = server_now or wall_now()
         for subject in chunks.state.subjects or {}:
             if subject in committed or subject in writing:
                 continue
             raw = await js.get_last_msg(stream, subject)
-            ages[subject] = age_s(wall_now, raw.time)
+            ages[subject] = age_s(now, raw.time)
         return orphans(ages, committed, writing, min_age_s=self.orphan_age_s)
