@@ -7,9 +7,12 @@ import datetime as dt
 import subprocess
 import sys
 from pathlib import Path
+from types import SimpleNamespace
+from typing import cast
 
 import pytest
 
+from lorafleet.errors import ConflictError
 from lorafleet.exits import Exit
 from lorafleet_schemas.messages import Engine, JobRecord, JobState, ServingRecord, ServingState
 from lorafleet_services.gateway.adapter_wait import REPORT_GRACE_S, on_its_way
@@ -23,7 +26,8 @@ from lorafleet_services.gateway.api_keys import (
     revoke_key,
 )
 from lorafleet_services.gateway.config import GatewayConfig, GatewayConfigError
-from lorafleet_services.gateway.tenancy import quota_exceeded
+from lorafleet_services.gateway.context import GatewayContext
+from lorafleet_services.gateway.tenancy import quota_exceeded, undo_refused_job
 from tests.gateway.test_job_mapping import T0, record
 
 LATER = T0 + dt.timedelta(seconds=1)
@@ -72,6 +76,39 @@ def test_a_quota_message_names_the_quota_its_limit_and_setting() -> None:
     assert said and "jobs in flight is 2 and it has 2" in said and "LORAFLEET_X" in said
     bytes_said = quota_exceeded("bytes uploaded", 10, 5, 12, "S")
     assert bytes_said and "(this request adds 5)" in bytes_said
+
+
+class Undo:
+    """A gateway's client and bucket for `undo_refused_job`: what it did, in order."""
+
+    def __init__(self, conflicts: int) -> None:
+        self.conflicts, self.done = conflicts, list[str]()
+        self.ctx = cast(GatewayContext, SimpleNamespace(client=self, state=self))
+
+    async def cancel(self, job_id: str, reason: str) -> None:
+        if self.conflicts:
+            self.conflicts -= 1
+            self.done.append("conflict")
+            raise ConflictError("the job moved on")
+        self.done.append("cancel")
+
+    async def delete(self, job_id: str, reason: str) -> None:
+        self.done.append("delete")
+
+    async def delete_job(self, project: str, job_id: str) -> None:
+        self.done.append("entry")
+
+
+async def test_a_refused_job_is_cancelled_again_and_leaves_its_project_last() -> None:
+    """Before, the project's entry went first and a lost cancel left the job
+    queued outside any project."""
+    undo = Undo(conflicts=2)
+    await undo_refused_job(undo.ctx, "p", "j1", "over")
+    assert undo.done == ["conflict", "conflict", "cancel", "delete", "entry"]
+    stuck = Undo(conflicts=3)
+    with pytest.raises(ConflictError):
+        await undo_refused_job(stuck.ctx, "p", "j1", "over")
+    assert "entry" not in stuck.done  # still the project's to see and cancel
 
 
 def test_keys_belong_to_projects_and_a_revoked_key_is_refused(tmp_path: Path) -> None:

@@ -25,6 +25,7 @@ the ones the bucket ordered past the quota are undone and refused there.
 from __future__ import annotations
 
 from lorafleet._recorder_client import jobs_among
+from lorafleet.errors import ConflictError
 from lorafleet.fleet_serving import served_name_job
 from lorafleet.states import ACTIVE
 from lorafleet_schemas.messages import JobListRequest
@@ -116,6 +117,27 @@ async def job_over_quota(ctx: GatewayContext, project: str, revision: int) -> st
         return None
     used = await _in_flight(ctx, project, revision) - 1
     return quota_exceeded("jobs in flight", used, 1, limit, JOBS_SETTING)
+
+
+#: Cancels tried on a job refused after the fact, each lost to the job
+#: changing state under it (the recorder's own CAS tries are spent by then).
+UNDO_CANCEL_ATTEMPTS = 3
+
+
+async def undo_refused_job(ctx: GatewayContext, project: str, job_id: str, over: str) -> None:
+    """Cancel and forget a job `job_over_quota` refused, the project's entry
+    last: a step that fails leaves the job in the project's list (cancelled,
+    or at worst still queued, for the caller to see and cancel), never
+    running outside any project."""
+    for attempt in range(1, UNDO_CANCEL_ATTEMPTS + 1):
+        try:
+            await ctx.client.cancel(job_id, reason=f"refused: {over}")
+            break
+        except ConflictError:
+            if attempt == UNDO_CANCEL_ATTEMPTS:
+                raise
+    await ctx.client.delete(job_id, reason="refused over its project's quota")
+    await ctx.state.delete_job(project, job_id)
 
 
 async def check_upload_quota(ctx: GatewayContext, project: str, incoming: int) -> None:

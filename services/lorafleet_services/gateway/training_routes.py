@@ -198,9 +198,7 @@ async def create_job(request: Request) -> Response:
     fields = jm.job_fields(create, job, dt.datetime.now(dt.UTC))
     over = await tenancy.job_over_quota(ctx, owner, await ctx.state.put_job(owner, fields))
     if over is not None:  # requests at once: this one came after the quota
-        await ctx.state.delete_job(owner, job.id)
-        await ctx.client.cancel(job.id, reason=f"refused: {over}")
-        await ctx.client.delete(job.id, reason="refused over its project's quota")
+        await tenancy.undo_refused_job(ctx, owner, job.id, over)
         raise tenancy.over_quota(over)
     return json_response(jm.to_openai(job, fields, owner, dt.datetime.now(dt.UTC)))
 
