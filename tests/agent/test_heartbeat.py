@@ -83,10 +83,12 @@ async def test_heartbeat_keeps_its_pace_while_the_trainer_floods_lines(fleet: Bu
     watcher = await kv.watch("node-1")
     loop = asyncio.get_running_loop()
 
-    assert (await fleet.start(start_request("flood", name, sha))).accepted
+    taken = await fleet.start(start_request("flood", name, sha))
+    assert taken.accepted
     await reports.until_state(JobState.RUNNING)
     running_at = loop.time()
     beats: list[tuple[float, str | None]] = []
+    counted: list[Heartbeat] = []
 
     async def watch() -> None:
         while True:
@@ -94,6 +96,7 @@ async def test_heartbeat_keeps_its_pace_while_the_trainer_floods_lines(fleet: Bu
             if entry is not None and entry.operation is None:
                 hb = msgspec.json.decode(entry.value, type=Heartbeat)
                 beats.append((loop.time(), hb.job))
+                counted.append(hb)
 
     watching = asyncio.create_task(watch())
     await reports.until_state(JobState.UPLOADING, JobState.FAILED, timeout_s=90)
@@ -111,3 +114,12 @@ async def test_heartbeat_keeps_its_pace_while_the_trainer_floods_lines(fleet: Bu
     # scheduler would fail the job.
     gaps = [b - a for a, b in itertools.pairwise([running_at, *during, uploading_at])]
     assert max(gaps) < 1.8, (gaps, beats)
+    # The reply's beat count orders the take among the beats on no clock:
+    # each beat numbered above it, of the same process, names the job.
+    assert taken.accepted_beat is not None and taken.agent_started_at is not None
+    numbers = [hb.beat for hb in counted]
+    assert numbers == sorted(set(numbers)) and numbers[-1] > taken.accepted_beat, numbers
+    assert {hb.started_at for hb in counted} == {taken.agent_started_at}
+    assert [hb.job for hb in counted if hb.beat > taken.accepted_beat] == ["flood"] * len(
+        [hb for hb in counted if hb.beat > taken.accepted_beat]
+    )

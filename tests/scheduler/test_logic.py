@@ -22,7 +22,7 @@ from lorafleet_services.scheduler import reconcile as reconcile_mod
 from lorafleet_services.scheduler.node_marks import check_request, plan_moves
 from lorafleet_services.scheduler.node_table import BeatChange, Node, NodeTable, lost_nodes
 from lorafleet_services.scheduler.placement import busy_nodes, plan_dispatch
-from lorafleet_services.scheduler.reconcile import LET_GO_GRACE_S, reconcile
+from lorafleet_services.scheduler.reconcile import LET_GO_GRACE_S, Taken, reconcile
 from tests.records import job_record
 
 T0 = dt.datetime(2026, 11, 29, 12, 0, 0, tzinfo=dt.UTC)
@@ -36,6 +36,7 @@ def hb(
     cpu: bool = False,
     started_at: dt.datetime = T0,
     time: dt.datetime = T0,
+    beat: int = 0,
 ) -> Heartbeat:
     """A heartbeat; `cards` is [(total_mib, free_mib)] by index."""
     return Heartbeat(
@@ -49,6 +50,7 @@ def hb(
         ],
         job=job,
         cpu_training=cpu,
+        beat=beat,
     )
 
 
@@ -264,12 +266,34 @@ def test_reconcile_ignores_a_beat_composed_before_the_agent_took_the_job() -> No
     took = T0 + dt.timedelta(seconds=10)
     stale = hb("a", cpu=True, time=took - dt.timedelta(seconds=2))
     t.beat(stale, 103.3)  # received 3.3 s after the dispatch, past the grace
-    assert reconcile([running], t.nodes, 103.3, {"j": 100.0}, accepted_at={"j": took}).fail == []
+    taken = {"j": Taken(took)}  # an older agent's reply: its clock only
+    assert reconcile([running], t.nodes, 103.3, {"j": 100.0}, taken=taken).fail == []
     # without the agent's accept time it is taken as news (as before)
     assert [f.job.id for f in reconcile([running], t.nodes, 103.3, {"j": 100.0}).fail] == ["j"]
     # a beat composed after the accept that lacks the job is a loss
     t.beat(hb("a", cpu=True, time=took + dt.timedelta(seconds=1)), 104.0)
-    result = reconcile([running], t.nodes, 104.0, {"j": 100.0}, accepted_at={"j": took})
+    result = reconcile([running], t.nodes, 104.0, {"j": 100.0}, taken=taken)
+    assert [f.job.id for f in result.fail] == ["j"]
+
+
+def test_a_beat_is_before_or_after_the_take_by_its_count_not_the_nodes_clock() -> None:
+    """The node's clock stepped back an hour after the agent took the job:
+    by the clock every beat of the next hour was "before" the take, and a
+    job the agent had lost stayed running. The beat count has no clock."""
+    took = T0 + dt.timedelta(hours=1)
+    taken = {"j": Taken(took, agent_started_at=T0, beat=7)}
+    running = job("j", node="a", state=JobState.RUNNING)
+    stepped_back = T0 + dt.timedelta(seconds=5)
+    t = table(hb("a", cpu=True), now=100.0)
+    t.beat(hb("a", cpu=True, time=stepped_back, beat=7), 103.3)  # composed before the take
+    assert reconcile([running], t.nodes, 103.3, {"j": 100.0}, taken=taken).fail == []
+    t.beat(hb("a", cpu=True, time=stepped_back, beat=8), 104.0)  # after it, without the job
+    result = reconcile([running], t.nodes, 104.0, {"j": 100.0}, taken=taken)
+    assert [f.job.id for f in result.fail] == ["j"]
+    # Another agent process (restarted since) without the job: after, whatever its count.
+    restarted = hb("a", cpu=True, started_at=T0 + dt.timedelta(seconds=1), beat=2)
+    t.beat(restarted, 104.0)
+    result = reconcile([running], t.nodes, 104.0, {"j": 100.0}, taken=taken)
     assert [f.job.id for f in result.fail] == ["j"]
 
 

@@ -55,6 +55,13 @@ class StartReply(msgspec.Struct, kw_only=True):
     #: reaches the bucket late, after the dispatch, once read as "the agent
     #: no longer runs the job": nemesis seed 15). None: an older agent.
     accepted_at: dt.datetime | None = None
+    #: The same moment on no clock: the agent process (its heartbeats'
+    #: `started_at`) and the count of beats it had composed; its beats
+    #: numbered above it are the ones composed after (0: it took the job
+    #: before its first beat). Reconcile prefers it to `accepted_at`, which a
+    #: step of the node's clock moves. None: an older agent.
+    agent_started_at: dt.datetime | None = None
+    accepted_beat: int | None = None
 
 
 class NodeCancelRequest(
@@ -117,6 +124,10 @@ class Heartbeat(msgspec.Struct, kw_only=True):
     ttl_s: int = 3
     #: The engines running on the node, each with the adapters it has loaded.
     serving: list[EngineRef] = msgspec.field(default_factory=list)
+    #: This agent process's count of beats composed (its first is 1): with
+    #: `started_at`, the order of its beats on no clock (StartReply.accepted_beat).
+    #: 0: an older agent.
+    beat: int = 0
 
 
 class NodeSchedule(enum.StrEnum):

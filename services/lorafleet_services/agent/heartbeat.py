@@ -96,6 +96,8 @@ class Heartbeater:
         #: The running engines' last read (agent/serving/engine_watch.py): never waited for.
         self.serving = serving
         self.started_at = dt.datetime.now(dt.UTC)
+        #: Beats composed so far (`count_beat`).
+        self.beats = 0
         self.cards = card_reader or CardReader()
         self.engines = EnginesInstalled()
         self._engines_read_at = -ENGINES_RESCAN_S
@@ -137,6 +139,11 @@ class Heartbeater:
                 self.logger.warning(Event.HEARTBEAT_SLOW, error=repr(e))
         return self.engines
 
+    def count_beat(self) -> int:
+        """One more beat composed: its number (StartReply.accepted_beat)."""
+        self.beats += 1
+        return self.beats
+
     async def record(self) -> Heartbeat:
         cards = await self.cards.read()
         if not cards and not self._said_no_cards:
@@ -155,6 +162,7 @@ class Heartbeater:
             cards=cards,
             engines=await self._engines(),
             job=self.current_job(),
+            beat=self.count_beat(),  # with `job`, no await between: the count orders them
             cpu_training=self.cfg.allow_cpu and not cards,
             heartbeat_s=self.settings.heartbeat_s,
             ttl_s=self.settings.node_timeout_s,

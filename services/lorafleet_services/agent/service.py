@@ -172,7 +172,7 @@ class Agent:
         if running is not None:
             if running.job_id == req.job_id and running.req.attempt == req.attempt:
                 # a retried request: already running (taken no later than now)
-                return StartReply(accepted=True, accepted_at=dt.datetime.now(dt.UTC))
+                return self._taken()
             self.logger.info(Event.NODE_BUSY, job_id=req.job_id, running_job=running.job_id)
             return StartReply(
                 accepted=False,
@@ -188,7 +188,15 @@ class Agent:
         run.start().add_done_callback(lambda _t: self._job_ended(run))
         self.logger.info(Event.JOB_ACCEPTED, job_id=req.job_id, attempt=req.attempt)
         self.heartbeat.poke()
-        return StartReply(accepted=True, accepted_at=dt.datetime.now(dt.UTC))
+        return self._taken()
+
+    def _taken(self) -> StartReply:
+        """Accepted, taken now: by the agent's clock and by its beat count
+        (the beats numbered above it name the job while it runs)."""
+        return StartReply(
+            accepted=True, accepted_at=dt.datetime.now(dt.UTC),
+            agent_started_at=self.heartbeat.started_at, accepted_beat=self.heartbeat.beats,
+        )  # fmt: skip
 
     def _job_ended(self, run: JobRun) -> None:
         RUNNING_JOBS.ended(self.node, run.job_id)

@@ -17,7 +17,6 @@ scheduler/DESIGN.md.
 from __future__ import annotations
 
 import asyncio
-import datetime as dt
 import math
 from collections.abc import Callable, Coroutine
 from typing import Any
@@ -180,8 +179,8 @@ class Dispatcher:
         self.first_seen: dict[str, float] = {}
         #: The jobs whose start this scheduler sent (or sent again).
         self.sent: set[str] = set()
-        #: job id -> the agent's clock when it took the job (its start reply).
-        self.accepted_at: dict[str, dt.datetime] = {}
+        #: job id -> when the agent took the job (its start reply).
+        self.taken: dict[str, reconcile.Taken] = {}
         #: job id -> monotonic seconds when this scheduler first saw it delivered.
         self.delivered_at: dict[str, float] = {}
         self._last_reconcile = 0.0
@@ -417,8 +416,8 @@ class Dispatcher:
             await self.lose_on_node(job, f"the agent on {node} is presumed lost", said)
             return
         if reply.accepted:
-            if reply.accepted_at is not None:
-                self.accepted_at[job.id] = reply.accepted_at
+            if reply.accepted_at is not None or reply.accepted_beat is not None:
+                self.taken[job.id] = reconcile.Taken.of(reply)
             metrics.job_started(job.created_at)
             self.logger.info(
                 Event.JOB_DISPATCHED, job_id=job.id, node=node, message=f"attempt {job.attempt}"
@@ -435,7 +434,7 @@ class Dispatcher:
 
     async def _reconcile(self, on_node: list[JobRecord], now: float) -> None:
         ids = {j.id for j in on_node}
-        for seen in (self.first_seen, self.accepted_at, self.delivered_at):
+        for seen in (self.first_seen, self.taken, self.delivered_at):
             for job_id in seen.keys() - ids:
                 del seen[job_id]
         self.sent &= ids
@@ -451,7 +450,7 @@ class Dispatcher:
             self.first_seen,
             view_since=self.table.touched_at,
             sent_here=self.sent,
-            accepted_at=self.accepted_at,
+            taken=self.taken,
         )
         for action in [*stale, *result.fail]:
             await self.lose_on_node(action.job, action.cause, action.message)

@@ -21,8 +21,10 @@ from dataclasses import dataclass, field
 from lorafleet.states import FINAL, MOVABLE, ON_NODE
 from lorafleet_schemas.messages import (
     CheckpointRef,
+    Heartbeat,
     JobRecord,
     JobState,
+    StartReply,
 )
 from lorafleet_services.scheduler.node_table import Node, utc_hms
 from lorafleet_services.scheduler.placement import is_delivered
@@ -110,7 +112,7 @@ def reconcile(
     grace_s: float = RECONCILE_GRACE_S,
     view_since: float = -math.inf,
     sent_here: Container[str] | None = None,
-    accepted_at: Mapping[str, dt.datetime] | None = None,
+    taken: Mapping[str, Taken] | None = None,
 ) -> Reconciliation:
     """Compare what the recorder holds on nodes with what the nodes say they run.
 
@@ -121,9 +123,9 @@ def reconcile(
     node table holds the KV bucket's current content: a node missing from
     it is a node that is gone. sent_here: the jobs whose start this scheduler
     sent (or sent again); a `starting` job not in it is sent its start again
-    instead of lost. None: every start counts as sent. accepted_at: job id ->
-    the agent's clock when it took the job (its start reply): a beat of the
-    node composed no later says nothing of the job, however late it arrives.
+    instead of lost. None: every start counts as sent. taken: job id -> when
+    the agent took the job (its start reply): a beat of the node composed no
+    later says nothing of the job, however late it arrives.
     """
     out = Reconciliation()
     held: set[tuple[str, str]] = set()
@@ -152,7 +154,7 @@ def reconcile(
         if node.let_go == job.id and now - node.let_go_at < LET_GO_GRACE_S:
             continue  # it ended there: its final report is on its way to the recorder
         since = max(first_seen.get(job.id, now), view_since)
-        if _beat_says_lost(node, now, since, grace_s, (accepted_at or {}).get(job.id)):
+        if _beat_says_lost(node, now, since, grace_s, (taken or {}).get(job.id)):
             unsent = sent_here is not None and job.id not in sent_here
             if job.state is JobState.STARTING and unsent:
                 out.resend.append(ResendStart(job, job.node))
@@ -164,14 +166,41 @@ def reconcile(
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class Taken:
+    """When an agent took a job, from its start reply: the agent process and
+    its count of beats composed by then; from an agent older than the count,
+    its clock."""
+
+    at: dt.datetime | None
+    agent_started_at: dt.datetime | None = None
+    beat: int | None = None
+
+    @classmethod
+    def of(cls, reply: StartReply) -> Taken:
+        return cls(reply.accepted_at, reply.agent_started_at, reply.accepted_beat)
+
+
+def composed_after(hb: Heartbeat, taken: Taken) -> bool:
+    """Whether the beat was composed after the agent took the job. By the
+    beat count where both say one, on no clock: a node's clock stepped back
+    an hour once made every beat of the next hour "before" the job, and a
+    job the agent had lost stayed running that long. A beat of another agent
+    process is after (one started since; the grace covers a dead one's beat
+    stored late). Else by the agent's clock."""
+    if taken.beat is not None and hb.beat:
+        return hb.started_at != taken.agent_started_at or hb.beat > taken.beat
+    return taken.at is None or hb.time > taken.at
+
+
 def _beat_says_lost(
-    node: Node, now: float, since: float, grace_s: float, taken: dt.datetime | None
+    node: Node, now: float, since: float, grace_s: float, taken: Taken | None
 ) -> bool:
     """The node's beat, without the job sent (or seen there) at `since`, says
     the agent lost it: past the grace (at least two beat periods), received a
     beat period after `since` and composed after the agent took the job
-    (`taken`, its clock; a beat composed before can be stored late)."""
-    if taken is not None and node.heartbeat.time <= taken:
+    (`composed_after`; a beat composed before can be stored late)."""
+    if taken is not None and not composed_after(node.heartbeat, taken):
         return False
     grace = max(grace_s, 2 * node.heartbeat.heartbeat_s)
     return now - since >= grace and node.last_seen - since >= node.heartbeat.heartbeat_s
