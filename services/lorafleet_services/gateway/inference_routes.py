@@ -37,6 +37,7 @@ from lorafleet.fleet_serving import served_name_job
 from lorafleet_schemas.messages import (
     JobListRequest,
     JobState,
+    ServingRecord,
     ServingState,
 )
 from lorafleet_services.gateway import job_mapping as jm
@@ -78,6 +79,9 @@ async def list_models(request: Request) -> Response:
         serving_records(ctx.client.list_adapters, ids, ServingState.SERVED),
     )
     fields_of = {f.job_id: f for f in jobs}
+    serving_of: dict[str, list[ServingRecord]] = {}
+    for record in serving:
+        serving_of.setdefault(record.job_id, []).append(record)
     models: dict[str, Model] = {}
     for m in catalog:
         models[m.name] = Model(id=m.name, created=jm.unix(m.created_at) or 0, owned_by="lorafleet")
@@ -85,7 +89,7 @@ async def list_models(request: Request) -> Response:
         fields = fields_of[job.id]
         name = jm.fine_tuned_model_name(fields.model, fields.suffix, job.id)
         models[name] = Model(id=name, created=jm.unix(job.finished_at) or 0, owned_by=owner)
-        models[name].served_by = [engine_base_url(r.engine) for r in serving if r.job_id == job.id]
+        models[name].served_by = [engine_base_url(r.engine) for r in serving_of.get(job.id, [])]
     now = int(dt.datetime.now(dt.UTC).timestamp())
     for name, locations in served.items():
         if served_name_job(name) is not None and name not in models:
