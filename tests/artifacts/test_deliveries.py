@@ -41,6 +41,7 @@ from tests.artifacts.conftest import (
     under_new_ids,
 )
 from tests.artifacts.fakes import FakeClock, FakeRecorder, job
+from tests.eventually import eventually
 
 N = Names()
 KEY = Key("node-a", "job1", ArtifactKind.PEFT, 1)
@@ -144,8 +145,11 @@ async def test_chunks_taken_as_they_come_are_written_and_the_last_held_until_com
         await deliveries.on_message(m)
     assert recorder.reports == [delivered(data)]
     assert await download(nc, "job1", PEFT, tmp_path) == data
-    info = await nc.jetstream().consumer_info(N.artifacts_stream, "test")
-    assert info.num_ack_pending == 0 and info.ack_floor.stream_seq == len(msgs)
+    info = await eventually(  # acks are publishes the server takes in its own time
+        lambda: nc.jetstream().consumer_info(N.artifacts_stream, "test"), "every chunk acked",
+        until=lambda i: i.num_ack_pending == 0, timeout_s=5,
+    )  # fmt: skip
+    assert info.ack_floor.stream_seq == len(msgs)
     assert await artifacts_stream_empty(nc)
 
 

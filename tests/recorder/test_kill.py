@@ -132,8 +132,10 @@ async def test_process_on_sqlite_default_poison_and_clean_stop(settings: Setting
         )  # fmt: skip
         refused = proc.events("status.refused")[-1]
         assert refused["job_id"] == job["id"] and "not placed" in refused["message"]
-        info = await js.consumer_info(N.status_stream, N.recorder_consumer)
-        assert info.num_ack_pending == 0
+        await eventually(  # the recorder acks after it logs; the server takes acks in its time
+            lambda: js.consumer_info(N.status_stream, N.recorder_consumer), "both acked",
+            until=lambda i: i.num_ack_pending == 0, timeout_s=5,
+        )  # fmt: skip
         assert proc.events("job.queued")[0]["job_id"] == job["id"]
     finally:
         await nc.close()
