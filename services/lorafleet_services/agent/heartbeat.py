@@ -96,8 +96,8 @@ class Heartbeater:
         #: The running engines' last read (agent/serving/engine_watch.py): never waited for.
         self.serving = serving
         self.started_at = dt.datetime.now(dt.UTC)
-        #: Beats composed so far (`count_beat`).
-        self.beats = 0
+        #: Beats composed so far (`count_beat`), acknowledged or not.
+        self.composed = 0
         self.cards = card_reader or CardReader()
         self.engines = EnginesInstalled()
         self._engines_read_at = -ENGINES_RESCAN_S
@@ -116,7 +116,6 @@ class Heartbeater:
         self._moved_at = -self.move_every_s
         #: Moves to another server after beats the server answered but did not store.
         self.moves = 0
-        self.beats = 0
         self.subject = settings.names.node_heartbeat(cfg.node)
         self.logger = log.get(node=cfg.node)
 
@@ -141,8 +140,8 @@ class Heartbeater:
 
     def count_beat(self) -> int:
         """One more beat composed: its number (StartReply.accepted_beat)."""
-        self.beats += 1
-        return self.beats
+        self.composed += 1
+        return self.composed
 
     async def record(self) -> Heartbeat:
         cards = await self.cards.read()
@@ -210,7 +209,6 @@ class Heartbeater:
             return False
         self.last_ack = self.last_reached = asyncio.get_running_loop().time()
         self.last_error = ""
-        self.beats += 1
         return True
 
     async def _reach(self) -> bool:

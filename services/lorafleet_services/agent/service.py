@@ -195,7 +195,7 @@ class Agent:
         (the beats numbered above it name the job while it runs)."""
         return StartReply(
             accepted=True, accepted_at=dt.datetime.now(dt.UTC),
-            agent_started_at=self.heartbeat.started_at, accepted_beat=self.heartbeat.beats,
+            agent_started_at=self.heartbeat.started_at, accepted_beat=self.heartbeat.composed,
         )  # fmt: skip
 
     def _job_ended(self, run: JobRun) -> None:
