@@ -15,11 +15,14 @@ renderer). LORAFLEET_LOG_FORMAT=json or =console overrides the guess;
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
 import os
+import queue
 import sys
+import threading
 from collections.abc import Iterable, MutableMapping
 from typing import Any, Final, Literal, TextIO
 
@@ -300,3 +303,60 @@ class ConsoleLines(io.TextIOBase):
 
     def flush(self) -> None:
         self.out.flush()
+
+
+#: Lines `BackgroundLines` holds for a terminal that falls behind, at most.
+BACKGROUND_MAX_LINES = 10_000
+#: Seconds `BackgroundLines.close` gives its thread to write what it holds.
+BACKGROUND_CLOSE_S = 5.0
+
+
+class BackgroundLines(io.TextIOBase):
+    """A text stream whose writes never wait: each goes into a bounded queue
+    that a thread writes to `out`. `lorafleet up` copies its services' log
+    lines to a person's terminal; one that falls behind (tmux under load, a
+    slow SSH link, a paused scroll) made the copy wait, then every service's
+    log pipe fill, then the services' own event loops wait on their log
+    writes: an agent's heartbeats stopped for 3 s and its node was judged
+    lost. Past `max_lines` waiting, lines are dropped and counted, and the
+    next line written says how many."""
+
+    def __init__(self, out: TextIO | io.TextIOBase, max_lines: int = BACKGROUND_MAX_LINES) -> None:
+        super().__init__()
+        self.out = out
+        self._lines: queue.Queue[str | None] = queue.Queue(max_lines)
+        self._dropped = 0
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._copy, name="background-lines", daemon=True)
+        self._thread.start()
+
+    def write(self, text: str) -> int:
+        try:
+            self._lines.put_nowait(text)
+        except queue.Full:
+            with self._lock:
+                self._dropped += 1
+        return len(text)
+
+    def flush(self) -> None:
+        """Nothing to wait for: the thread flushes `out` after each line."""
+
+    def close(self) -> None:
+        """Write what is held (within BACKGROUND_CLOSE_S), then stop the thread."""
+        if self._thread.is_alive():
+            with contextlib.suppress(queue.Full):
+                self._lines.put(None, timeout=BACKGROUND_CLOSE_S)
+            self._thread.join(BACKGROUND_CLOSE_S)
+        super().close()
+
+    def _copy(self) -> None:
+        while (text := self._lines.get()) is not None:
+            with self._lock:
+                dropped, self._dropped = self._dropped, 0
+            try:
+                if dropped:
+                    self.out.write(f"... {dropped} log lines dropped: the terminal fell behind\n")
+                self.out.write(text)
+                self.out.flush()
+            except (OSError, ValueError):  # the terminal went away: nobody to copy to
+                return

@@ -45,6 +45,9 @@ READER_DRAIN_TIMEOUT_S = 5.0
 FAILED_START_DRAIN_TIMEOUT_S = 2.0
 #: Log lines of a child quoted when it fails to start.
 FAILED_START_TAIL_LINES = 30
+#: Log lines of each child an EmbeddedStack keeps (a failed start's tail, the
+#: start's events): `lorafleet up` runs for days, its children log per step.
+KEPT_LINES = 1000
 
 #: Node name of the embedded default's local agent.
 LOCAL_NODE = "local"
@@ -160,6 +163,7 @@ class ServiceProcess:
         args: list[str] | None = None,
         env: Mapping[str, str] | None = None,
         echo: Echo | None = None,
+        keep_lines: int | None = None,
     ) -> None:
         self.module = module
         self.settings = settings
@@ -167,8 +171,12 @@ class ServiceProcess:
         self.env = dict(env or {})
         self.echo = echo
         self.proc: asyncio.subprocess.Process | None = None
+        #: Its log lines, decoded and as written: all (tests read them), or
+        #: with `keep_lines` the newest that many at least (a long-running
+        #: `up`: trimmed to that once twice as many).
         self.lines: list[dict[str, Any]] = []
         self.raw: list[str] = []
+        self.keep_lines = keep_lines
         self._reader: asyncio.Task[None] | None = None
         self._started = asyncio.Event()
 
@@ -246,6 +254,9 @@ class ServiceProcess:
             line_obj = obj if isinstance(obj, dict) else None
             if line_obj is not None:
                 self.lines.append(line_obj)
+            if self.keep_lines is not None and len(self.raw) > 2 * self.keep_lines:
+                del self.raw[: -self.keep_lines]
+                del self.lines[: -self.keep_lines]
             if self.is_ready(line_obj, text):
                 self._started.set()
 
@@ -357,7 +368,7 @@ class EmbeddedStack:
     async def _spawn(self, module: str, settings: Settings, env: dict[str, str]) -> ServiceProcess:
         addr = child_addr(self.metrics_addr, len(self.children))
         env = {**env, "LORAFLEET_METRICS_ADDR": addr}
-        proc = ServiceProcess(module, settings, env=env, echo=self.echo)
+        proc = ServiceProcess(module, settings, env=env, echo=self.echo, keep_lines=KEPT_LINES)
         await proc.start()
         self.children.append(proc)
         return proc

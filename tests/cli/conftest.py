@@ -5,6 +5,7 @@ stand-in trainer), typed into a real terminal (tmux) or run with pipes."""
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -24,6 +25,8 @@ STEP_S = "0.03"
 UP_TIMEOUT_S = 90.0
 #: Seconds one `lorafleet` command may take in these tests.
 COMMAND_TIMEOUT_S = 120.0
+#: Lines of `lorafleet up`'s own output a failed test prints (`log_tail`).
+LOG_TAIL_LINES = 80
 DATA = "".join(json.dumps({"q": f"what is {i}+{i}?", "a": str(2 * i)}) + "\n" for i in range(20))
 
 
@@ -44,6 +47,13 @@ class Up:
 
     def argv(self, *args: str) -> list[str]:
         return cli_argv(*args)
+
+    def log_tail(self, lines: int = LOG_TAIL_LINES) -> str:
+        """The last `lines` lines `lorafleet up` printed (its services' logs),
+        without the training's progress lines."""
+        shown = self.terminal.history(f"{self.terminal.session}:0", joined=True).splitlines()
+        kept = [line.rstrip() for line in shown if "job.progress" not in line and line.strip()]
+        return "\n".join(kept[-lines:])
 
     async def lorafleet(
         self, *args: str, env: dict[str, str] | None = None, timeout_s: float = COMMAND_TIMEOUT_S
@@ -94,6 +104,18 @@ def queued_id(err: str) -> str:
     found = re.search(r"^queued job (\S+) \(", err, re.M)
     assert found, err
     return found[1]
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Iterator[None]:
+    """A failed test that used `up` prints what its services logged: a job
+    failed by the control plane says why only there (a node judged lost)."""
+    report = yield
+    running = getattr(item, "funcargs", {}).get("up")
+    if report.when == "call" and report.failed and isinstance(running, Up):
+        with contextlib.suppress(Exception):  # a closed terminal: nothing to add
+            report.sections.append(("lorafleet up's log, its end", running.log_tail()))
+    return report
 
 
 def up_env(tmp: Path) -> dict[str, str]:

@@ -62,9 +62,12 @@ class Terminal:
     def screen(self, window: str) -> str:
         return self._tmux("capture-pane", "-p", "-t", window)
 
-    def history(self, window: str) -> str:
-        """Everything the window shows and everything that scrolled off it."""
-        return self._tmux("capture-pane", "-p", "-S", "-", "-t", window)
+    def history(self, window: str, joined: bool = False) -> str:
+        """Everything the window shows and everything that scrolled off it
+        (`joined`: a line the window wrapped as one)."""
+        return self._tmux(
+            "capture-pane", "-p", *(["-J"] if joined else []), "-S", "-", "-t", window
+        )
 
     async def wait_for(self, window: str, text: str, timeout_s: float = 60.0) -> str:
         """The window's screen once it shows `text`."""

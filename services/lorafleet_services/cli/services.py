@@ -147,14 +147,19 @@ def up_cmd(
     # Absolute: `up` prints it for commands run from other directories.
     directory = writable_dir(data_dir or Path(base.data_dir), "--data-dir").absolute()
     log.configure("up", base.log_level)
-    # The services log JSON into a pipe; a person at a terminal reads them rendered.
-    echo = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
+    # The services log JSON into a pipe; a person at a terminal reads them
+    # rendered, copied by a thread: a terminal that falls behind never stalls them.
+    shown = log.ConsoleLines(sys.stderr) if log.log_format(sys.stderr) == "console" else sys.stderr
+    echo = log.BackgroundLines(shown)
     stack = EmbeddedStack(data_dir=directory, nats_port=nats_port, echo=echo)
     stack.gateway = runtime.read_or_exit("up", GatewayConfig.from_env) if gateway else None
     stack.metrics_addr = base.metrics_addr or UP_METRICS_ADDR
     if metrics_addr is not None:
         stack.metrics_addr = metrics_addr
-    asyncio.run(_up(stack, node if agent else None, serve))
+    try:
+        asyncio.run(_up(stack, node if agent else None, serve))
+    finally:
+        echo.close()
 
 
 async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
