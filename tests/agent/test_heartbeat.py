@@ -115,11 +115,12 @@ async def test_heartbeat_keeps_its_pace_while_the_trainer_floods_lines(fleet: Bu
     gaps = [b - a for a, b in itertools.pairwise([running_at, *during, uploading_at])]
     assert max(gaps) < 1.8, (gaps, beats)
     # The reply's beat count orders the take among the beats on no clock:
-    # each beat numbered above it, of the same process, names the job.
+    # the beats numbered above it name the job until it ends there (the last
+    # ones read may come after its end), never again after.
     assert taken.accepted_beat is not None and taken.agent_started_at is not None
     numbers = [hb.beat for hb in counted]
     assert numbers == sorted(set(numbers)) and numbers[-1] > taken.accepted_beat, numbers
     assert {hb.started_at for hb in counted} == {taken.agent_started_at}
-    assert [hb.job for hb in counted if hb.beat > taken.accepted_beat] == ["flood"] * len(
-        [hb for hb in counted if hb.beat > taken.accepted_beat]
-    )
+    after = [hb.job for hb in counted if hb.beat > taken.accepted_beat]
+    named = after.index(None) if None in after else len(after)
+    assert named >= 1 and set(after[:named]) == {"flood"} and set(after[named:]) <= {None}, after
