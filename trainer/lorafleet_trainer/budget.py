@@ -13,6 +13,7 @@ import ctypes.util
 import os
 import re
 import resource
+import time
 from pathlib import Path
 from typing import Any
 
@@ -47,26 +48,59 @@ def process_card_mib(device_index: int, pid: int) -> int | None:
     return round(float(m.group(1))) if m else None
 
 
+def card_context_mib(device: Any) -> int | None:
+    """What NVML counts for this process on `device` beyond torch's reserved
+    memory (the CUDA context and the kernels loaded so far), or None when
+    NVML cannot tell."""
+    import torch
+
+    used = process_card_mib(device.index or 0, os.getpid())
+    return None if used is None else used - int(torch.cuda.memory_reserved(device) // MIB)
+
+
+def set_card_cap(device: Any, budget_mib: int, context_mib: int) -> float:
+    """Cap torch's allocator on `device` at the job's budget less
+    `context_mib`; answers the share of the card set."""
+    import torch
+
+    total = int(torch.cuda.get_device_properties(device).total_memory)
+    fraction = memory_fraction(budget_mib, context_mib, total)
+    torch.cuda.set_per_process_memory_fraction(fraction, device)
+    return fraction
+
+
 def cap_card_memory(device: Any, budget_mib: int) -> str:
     """Cap torch's allocator on `device` to the job's budget less the CUDA
     context; answers what was set, for the log. Exceeding it is then an
-    out-of-memory of this process alone: a co-located engine keeps its memory."""
+    out-of-memory of this process alone: a co-located engine keeps its memory.
+    The context grows as kernels load; PeakMeter lowers the cap when it does."""
     import torch
 
     torch.zeros(1, device=device)  # the context exists from here on
-    index = device.index or 0
-    used = process_card_mib(index, os.getpid())
-    reserved = int(torch.cuda.memory_reserved(device) // MIB)
     # At least CUDA_CONTEXT_MIB: measured right after start the context is
     # smaller, but kernels loaded lazily on first use grow it in the first steps.
-    context = max(CUDA_CONTEXT_MIB, used - reserved if used is not None else 0)
+    context = max(CUDA_CONTEXT_MIB, card_context_mib(device) or 0)
+    fraction = set_card_cap(device, budget_mib, context)
     total = int(torch.cuda.get_device_properties(device).total_memory)
-    fraction = memory_fraction(budget_mib, context, total)
-    torch.cuda.set_per_process_memory_fraction(fraction, device)
     return (
         f"card budget {budget_mib} MiB: {context} MiB for the CUDA context, torch may "
         f"allocate {budget_mib - context} MiB ({fraction:.4f} of the card's {total // MIB} MiB)"
     )
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is torch's out-of-memory error of a card (its allocator's
+    cap reached: the job's budget, or the card full)."""
+    return type(e).__name__ == "OutOfMemoryError"
+
+
+def release_card_cache(device: Any) -> None:
+    """Give the card back what torch's allocator holds unused (after a step
+    that ran out of memory: its blocks were sized for the plan it left)."""
+    if device.type == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
 
 
 def out_of_memory_message(error: str, budget_mib: int | None, estimate_mib: int | None) -> str:
@@ -91,7 +125,7 @@ def out_of_memory_message(error: str, budget_mib: int | None, estimate_mib: int 
 def failure_message(e: Exception, job: JobFile | None) -> str:
     """The "error" line of an unexpected exception: its type and text, or for
     torch's out-of-memory error the job's budget, its estimate and what to change."""
-    if type(e).__name__ == "OutOfMemoryError":  # torch's, for a card
+    if is_out_of_memory(e):
         budget_mib, estimate_mib = (
             (None, None) if job is None else (job.gpu_memory_mib, job.estimate_mib)
         )
@@ -158,26 +192,40 @@ def process_rss_mib() -> int | None:
     return _status_mib("VmRSS")
 
 
+#: A card's meter asks NVML for the process's memory at each of its first
+#: readings (the context grows while a step's kernels load), then at most
+#: once in NVML_READ_S: torch's own counters are read every step.
+NVML_FIRST_READS, NVML_READ_S = 8, 1.0
+
+
 class PeakMeter:
     """The process's peak memory, step by step. On the CPU its RSS's
     high-water mark (VmHWM), reset after each reading (/proc/self/clear_refs)
     so that the next reading is the next step's own; where the kernel does
     not allow the reset, the readings stay the process's peak so far. On a
     card torch's peak reserved bytes, reset the same way, plus the CUDA
-    context (`context_mib`), as the estimate counts them. `process_peak_mib`
-    is the highest of all readings: a reset also lowers getrusage's
-    ru_maxrss, so that is no longer the process's."""
+    context (`context_mib`), as the estimate counts them: the context as
+    NVML counts it where it can (it grows as kernels load: 610 MiB after
+    the first tensor, 758 after a step on an H100), and with `budget_mib`
+    the allocator's cap lowered as it grows, so that the process NVML
+    counts stays within the budget. `process_peak_mib` is the highest of
+    all readings: a reset also lowers getrusage's ru_maxrss, so that is no
+    longer the process's."""
 
-    def __init__(self, device: Any, context_mib: int = 0) -> None:
+    def __init__(self, device: Any, context_mib: int = 0, budget_mib: int | None = None) -> None:
         self.device = device
         self.context_mib = context_mib
+        self.budget_mib = budget_mib
         self.process_peak_mib = 0
+        self._reads = 0
+        self._nvml_at = 0.0
 
     def read(self) -> int:
         """The peak since the last reading (or since the process began)."""
         if self.device.type == "cuda":
             import torch
 
+            self._recount_context()
             peak = int(torch.cuda.max_memory_reserved(self.device) // MIB) + self.context_mib
             torch.cuda.reset_peak_memory_stats(self.device)
         else:
@@ -190,3 +238,16 @@ class PeakMeter:
                 Path("/proc/self/clear_refs").write_text("5")
         self.process_peak_mib = max(self.process_peak_mib, peak)
         return peak
+
+    def _recount_context(self) -> None:
+        now = time.monotonic()
+        self._reads += 1
+        if self._reads > NVML_FIRST_READS and now - self._nvml_at < NVML_READ_S:
+            return
+        self._nvml_at = now
+        context = card_context_mib(self.device)
+        if context is None or context <= self.context_mib:
+            return
+        self.context_mib = context
+        if self.budget_mib is not None:
+            set_card_cap(self.device, self.budget_mib, context)

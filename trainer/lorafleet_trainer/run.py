@@ -255,8 +255,8 @@ def guard_memory(
 ) -> None:
     """Set the loop to the plan's forward passes and give it the guard that
     keeps its steps within the budget, tightening the plan as it goes."""
-    context = CUDA_CONTEXT_MIB if loop.device.type == "cuda" else 0
-    meter = PeakMeter(loop.device, context)
+    card = loop.device.type == "cuda"
+    meter = PeakMeter(loop.device, CUDA_CONTEXT_MIB if card else 0, job.gpu_memory_mib)
     meter.read()  # the weights' loading: not a step's peak
     if sizing is not None and loop.device.type == "cpu":
         sizing.recount_process()  # what the loading added beside the weights
