@@ -24,7 +24,13 @@ from lorafleet_trainer.guard import (
     smallest_budget_mib,
     tighter_plan,
 )
-from lorafleet_trainer.loop import _accumulate, enable_checkpointing, prepare_training
+from lorafleet_trainer.loop import (
+    Progress,
+    _accumulate,
+    enable_checkpointing,
+    prepare_training,
+    train_steps,
+)
 from lorafleet_trainer.params import Params
 from lorafleet_trainer.protocol import LineWriter, TrainingFailureError
 from lorafleet_trainer.rendering import IGNORE, Encoded
@@ -143,6 +149,81 @@ def test_step_1_goes_by_the_estimates_error_and_later_steps_by_the_measured_peak
     tight.measured, tight.ratio = True, 1.2
     with pytest.raises(TrainingFailureError):
         tight.before_step(2, step)
+
+
+def test_a_step_that_ran_out_of_the_cards_budget_tightens_and_fails_when_nothing_is_left() -> None:
+    out = io.StringIO()
+    step = [to_batch(_rows(8, 512), 0, cpu())]
+    estimate = SIZING.mib(memory.Plan(), 512)
+    budget = estimate * 2  # predicted to fit, with room: only running out tightens
+    guard = MemoryGuard(SIZING, budget, memory.Plan(), PeakMeter(cpu()), LineWriter(out))
+    applied: list[memory.Plan] = []
+    guard.apply = applied.append
+    guard.before_step(1, step)
+    assert guard.tightened == 0
+    assert guard.out_of_memory(1, "CUDA out of memory. Tried to allocate 64.00 MiB")
+    # Its peak was over the budget: the ratio is at least the budget over its estimate.
+    assert guard.measured and guard.ratio == budget / estimate
+    assert applied == [guard.plan] and guard.tightened == 1
+    assert SIZING.mib(guard.plan, 512) * guard.ratio <= budget * (1 - HEADROOM_FRACTION)
+    log = json.loads(out.getvalue().splitlines()[-1])["message"]
+    assert log.startswith(
+        f"memory plan tightened at step 1, which ran out of the budget of {budget}"
+    )
+    assert log.endswith("the step is done again")
+    # The least plan ran out: nothing has less.
+    least = memory.Plan(1, True, 1)
+    tight = MemoryGuard(SIZING, budget, least, PeakMeter(cpu()), LineWriter(out))
+    tight.before_step(1, step)
+    with pytest.raises(TrainingFailureError) as e:
+        tight.out_of_memory(1, "CUDA out of memory. Tried to allocate 64.00 MiB")
+    assert f"step 1 ran out of the memory budget of {budget} MiB" in str(e.value)
+    assert "(CUDA out of memory)" in str(e.value)
+    assert "the smallest budget that would do is " in str(e.value)
+    # Without a budget the error stands (the loop raises it).
+    assert not MemoryGuard(None, None, memory.Plan(), PeakMeter(cpu())).out_of_memory(1, "x")
+
+
+def test_the_loop_does_a_step_that_ran_out_again_under_the_tighter_plan() -> None:
+    """The card's allocator cap is the one thing here that cannot exist on
+    the CPU: a forward hook raises torch's own OutOfMemoryError for a pass of
+    more than 2 rows, as the cap would."""
+    import torch
+
+    loop = prepare_training(tiny_llama(2), Params(rank=4, dropout=0.0), "fp32", cpu(), 1)
+    out = io.StringIO()
+    guard = MemoryGuard(
+        SIZING, SIZING.mib(memory.Plan(), 512) * 2, memory.Plan(), PeakMeter(cpu()), LineWriter(out)
+    )
+    widest = 512  # the guard sizes the bench's model at the batch's width
+
+    def apply(plan: memory.Plan) -> None:
+        enable_checkpointing(loop.model, plan.every)
+        loop.micro_tokens = plan.micro_rows * widest
+
+    guard.apply = apply
+    loop.guard = guard
+    passes: list[int] = []
+
+    def cap(module: Any, args: Any) -> None:
+        rows = int(args[0].shape[0])  # the embedding's ids: the pass's rows
+        passes.append(rows)
+        if rows > 2:
+            raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 64.00 MiB")
+
+    loop.model.get_input_embeddings().register_forward_pre_hook(cap)
+    ids = [1 + i % 63 for i in range(512)]  # the tiny model's 64 tokens
+    encoded = [Encoded(ids, [IGNORE] * 4 + ids[4:], cut=False) for _ in range(8)]
+    steps = [(0, [to_batch(encoded, 0, cpu())]) for _ in range(3)]
+    lines: list[dict[str, Any]] = []
+    train_steps(loop, iter(steps), 3, Progress(), lines.append)
+    assert [line["step"] for line in lines] == [1, 2, 3]
+    assert guard.tightened >= 1 and 1 <= guard.plan.micro_rows <= 2, guard.plan
+    assert max(passes[-12:]) <= 2  # every pass since, of the plan's rows
+    # The optimizer stepped once a step: the attempts that ran out left nothing.
+    state = loop.optimizer.state[next(p for p in loop.model.parameters() if p.requires_grad)]
+    assert int(state["step"]) == 3
+    assert "which ran out of the budget of" in out.getvalue()
 
 
 def test_forward_passes_of_fewer_rows_give_the_micro_batchs_gradients() -> None:

@@ -161,15 +161,54 @@ class MemoryGuard:
                 f"{self.ratio:.2f}x their estimates, and no plan has less; the smallest budget "
                 f"that would do is {need} MiB, or lower batch_size or max_seq_len"
             )
-        layers, batch = self.sizing.arch.num_hidden_layers, self.sizing.params.batch_size
-        words = plans.plan_words(plan, layers, batch, self.sizing.device)
         after = self.sizing.mib(plan, self.width) * self.ratio
-        self.lines.log(
-            f"memory plan tightened before step {step} to {words}: its predicted peak "
-            f"{predicted:.0f} MiB (rows of {self.width} tokens, the peaks so far "
+        self._move_to(
+            plan,
+            f"memory plan tightened before step {step} to {self._words(plan)}: its predicted "
+            f"peak {predicted:.0f} MiB (rows of {self.width} tokens, the peaks so far "
             f"{self.ratio:.2f}x their estimates) neared the budget of {self.budget_mib} MiB; "
-            f"now {after:.0f} MiB"
+            f"now {after:.0f} MiB",
         )
+
+    def out_of_memory(self, step: int, error: str) -> bool:
+        """A step ran out of the card's budget (torch's allocator reached its
+        cap) though predicted to fit: its peak was over the budget, so the
+        ratio is at least the budget over its estimate. Moves to the cheapest
+        plan that fits by that ratio and answers True (the loop does the step
+        again); answers False without a budget (the error stands), and raises
+        TrainingFailureError naming the smallest budget when nothing fits."""
+        if self.sizing is None or self.budget_mib is None or self.lines is None:
+            return False
+        estimate = self.sizing.mib(self.plan, self.width)
+        self.ratio = max(self.ratio, self.budget_mib / estimate)
+        self.measured = True
+        self.meter.read()  # the failed attempt's peak: not the next step's
+        plan = tighter_plan(self.sizing, self.plan, self.width, self.ratio, self.budget_mib)
+        if plan is None:
+            need = smallest_budget_mib(
+                self.sizing, self.width, self.ratio * (1 + HEADROOM_FRACTION)
+            )
+            raise TrainingFailureError(
+                f"step {step} ran out of the memory budget of {self.budget_mib} MiB (the job's "
+                f"gpu_memory_mib) with no plan left that has less ({error.split('.')[0]}); the "
+                f"smallest budget that would do is {need} MiB, or lower batch_size or max_seq_len"
+            )
+        self._move_to(
+            plan,
+            f"memory plan tightened at step {step}, which ran out of the budget of "
+            f"{self.budget_mib} MiB under its estimate of {estimate} MiB, to "
+            f"{self._words(plan)}; the step is done again",
+        )
+        return True
+
+    def _words(self, plan: Plan) -> str:
+        assert self.sizing is not None
+        layers, batch = self.sizing.arch.num_hidden_layers, self.sizing.params.batch_size
+        return plans.plan_words(plan, layers, batch, self.sizing.device)
+
+    def _move_to(self, plan: Plan, message: str) -> None:
+        assert self.lines is not None
+        self.lines.log(message)
         self.plan = plan
         self.high_mib = 0
         self.tightened += 1

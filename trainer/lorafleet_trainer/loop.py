@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 from lorafleet_trainer.batches import Batch, plan_grouped, split_batch, to_batch
-from lorafleet_trainer.budget import PeakMeter
+from lorafleet_trainer.budget import PeakMeter, is_out_of_memory, release_card_cache
 from lorafleet_trainer.guard import MemoryGuard, pass_rows
 from lorafleet_trainer.loss import answer_loss, kernel_name
 from lorafleet_trainer.memory import Plan
@@ -109,6 +109,26 @@ def _accumulate(loop: Loop, micro: list[Batch]) -> Any:
     return total
 
 
+def _step_passes(loop: Loop, step: int, micro: list[Batch]) -> Any | None:
+    """A step's forward and backward passes (its loss, as _accumulate), or
+    None when they ran out of the card's budget and the guard tightened the
+    plan: the step is to be done again (the optimizer has not stepped, its
+    gradients are dropped), at most once a plan, and plans only tighten."""
+    objective = loop.objective
+    try:
+        return _accumulate(loop, micro) if objective is None else objective.accumulate(loop, micro)
+    except Exception as e:
+        if not is_out_of_memory(e) or loop.guard is None:
+            raise
+        if not loop.guard.out_of_memory(step, str(e)):
+            raise
+    # Out of the except block: its traceback's frames, and the activations
+    # they held, are gone before the cache is given back.
+    loop.optimizer.zero_grad(set_to_none=True)
+    release_card_cache(loop.device)
+    return None
+
+
 def _optimizer_step(loop: Loop) -> None:
     if loop.scaler is not None:
         loop.scaler.step(loop.optimizer)
@@ -143,8 +163,9 @@ def train_steps(
         lr = loop.scheduler.get_last_lr()[0]
         if loop.guard is not None:
             loop.guard.before_step(progress.step + 1, micro)
-        objective = loop.objective
-        total = _accumulate(loop, micro) if objective is None else objective.accumulate(loop, micro)
+        total = _step_passes(loop, progress.step + 1, micro)
+        if total is None:
+            continue  # ran out of the card's budget: the same step, under a tighter plan
         _optimizer_step(loop)
         # On a card all of the above is only queued: make the next step's
         # batches now, while it runs, then wait for the loss.
@@ -175,7 +196,7 @@ def train_steps(
                 "eta_s": round(progress.train_s / progress.step * (total_steps - progress.step), 2),
                 "peak_mib": peak_mib(loop),
                 "epoch": epoch,
-                **({} if objective is None else objective.step_metrics()),
+                **({} if loop.objective is None else loop.objective.step_metrics()),
             }
         )
 
