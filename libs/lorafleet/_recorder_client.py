@@ -25,6 +25,7 @@ from lorafleet.errors import NotFoundError
 from lorafleet.names import Names
 from lorafleet.states import FINAL, ON_NODE, loss_outcome, moved_message
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     AdapterList,
     AdapterListRequest,
     ArtifactStoredRequest,
@@ -50,16 +51,11 @@ T = TypeVar("T")
 CAS_ATTEMPTS = 5
 
 
-#: Records one list request may ask for: the recorder's cap
-#: (JobListRequest.limit's and AdapterListRequest.limit's bound).
-LIST_CAP = 1000
-
-
 async def jobs_among(
     list_jobs: Callable[[JobListRequest], Awaitable[list[JobRecord]]],
     ids: Sequence[str],
     request: JobListRequest,
-    cap: int = LIST_CAP,
+    cap: int = LIST_MAX,
 ) -> list[JobRecord]:
     """The jobs among `ids` that `request`'s filters match, however many
     `ids` (none for none): asked `cap` ids at a time, so each answer can
@@ -75,7 +71,7 @@ async def serving_records(
     list_adapters: Callable[[AdapterListRequest], Awaitable[list[ServingRecord]]],
     job_ids: Sequence[str],
     state: ServingState | None = None,
-    cap: int = LIST_CAP,
+    cap: int = LIST_MAX,
 ) -> list[ServingRecord]:
     """The serving records of `job_ids` (in `state`, if given), none cut by
     the recorder's cap: an answer that fills it is asked again in halves."""

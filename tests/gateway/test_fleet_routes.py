@@ -163,7 +163,7 @@ async def test_the_view_reads_every_served_record_page_after_page(
 ) -> None:
     """Past the recorder's cap of a page (here 3): before, the view held the
     newest 1,000 served records only, and an older adapter was a 404."""
-    monkeypatch.setattr(fleet_model_location, "SERVED_LIMIT", 3)
+    monkeypatch.setattr(fleet_model_location, "LIST_MAX", 3)
     records = sorted(
         (served(f"j{i}", f"n{k}", A, ServingState.SERVED) for i in range(4) for k in range(2)),
         key=lambda r: (r.job_id, r.node, r.engine),

@@ -54,7 +54,7 @@ class Recorder:
 
 @pytest.fixture
 def small_caps(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr(replica_rounds, "LIST_LIMIT", 3)
+    monkeypatch.setattr(replica_rounds, "LIST_MAX", 3)
     monkeypatch.setattr(replica_rounds, "MAX_PLACED_PAGES", 3)
 
 

@@ -38,6 +38,8 @@ from lorafleet_schemas.messages.errors import (
     ErrorReply,
 )
 from lorafleet_schemas.messages.fields import (
+    LIST_MAX,
+    ListLimit,
     PositiveMiB,
     Sha256Hex,
     SubjectToken,
@@ -125,6 +127,7 @@ from lorafleet_schemas.messages.trainer_lines import (
 )
 
 __all__ = [
+    "LIST_MAX",
     "PUBLISHED",
     "YIELDING_TO_SERVING",
     "AdapterKey",
@@ -169,6 +172,7 @@ __all__ = [
     "JobResumeRequest",
     "JobSpec",
     "JobState",
+    "ListLimit",
     "LossPoint",
     "MemoryEstimate",
     "ModelArchitecture",

@@ -21,3 +21,8 @@ SubjectToken = Annotated[
 ]
 Sha256Hex = Annotated[str, Meta(pattern=SHA256_HEX_PATTERN, description="lowercase hex sha256")]
 PositiveMiB = Annotated[int, Meta(gt=0, description="MiB of one card")]
+
+#: The most records one list request answers: a page of them fits a NATS
+#: message. Whoever reads a whole listing asks for pages of this many.
+LIST_MAX = 1000
+ListLimit = Annotated[int, Meta(ge=1, le=LIST_MAX)]

@@ -12,7 +12,7 @@ from msgspec import Meta
 
 from lorafleet_schemas.messages.artifacts import ArtifactKind
 from lorafleet_schemas.messages.catalog import Engine, ServingPolicy
-from lorafleet_schemas.messages.fields import PositiveMiB, Sha256Hex, SubjectToken
+from lorafleet_schemas.messages.fields import ListLimit, PositiveMiB, Sha256Hex, SubjectToken
 from lorafleet_schemas.messages.serving import ServingRecord
 
 
@@ -281,7 +281,7 @@ class JobListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=True):
     states: list[JobState] = msgspec.field(default_factory=list)
     node: str | None = None
     model: str | None = None
-    limit: Annotated[int, Meta(ge=1, le=1000)] = 50
+    limit: ListLimit = 50
     oldest_first: bool = False
     #: These jobs only (empty: any): many jobs in one request (the gateway's
     #: model list asks for its caller's jobs at once).

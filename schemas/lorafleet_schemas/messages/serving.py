@@ -19,7 +19,7 @@ import msgspec
 from msgspec import Meta
 
 from lorafleet_schemas.messages.catalog import Engine, ModelRecord
-from lorafleet_schemas.messages.fields import Sha256Hex, SubjectToken
+from lorafleet_schemas.messages.fields import ListLimit, Sha256Hex, SubjectToken
 
 
 class ServingState(enum.StrEnum):
@@ -139,7 +139,7 @@ class AdapterListRequest(msgspec.Struct, kw_only=True, forbid_unknown_fields=Tru
     node: str | None = None
     model: str | None = None
     state: ServingState | None = None
-    limit: Annotated[int, Meta(ge=1, le=1000)] = 200
+    limit: ListLimit = 200
     #: The records past this one (the last of the page before) in key order
     #: (job, node, engine): every record, page by page, none twice while
     #: they change; the empty key (all three "") is before every record.

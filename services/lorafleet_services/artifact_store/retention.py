@@ -28,6 +28,7 @@ from lorafleet.retention.rules import (
 )
 from lorafleet.states import ACTIVE
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     AdapterListRequest,
     ArtifactKind,
     ArtifactStoredRequest,
@@ -42,8 +43,6 @@ JOBS_PER_REQUEST = 1000
 #: Jobs whose serving records are asked for in one `adapters.list` (of at
 #: most 1000 records: a job has one per engine that serves it).
 SERVED_JOBS_PER_REQUEST = 50
-#: The most records one list request returns.
-LIST_LIMIT = 1000
 
 
 def _chunks(items: Sequence[str], n: int) -> list[list[str]]:
@@ -65,25 +64,25 @@ class ArtifactJudge:
         owners = sorted({job for _, (job, _) in owned})
         jobs: dict[str, JobRecord] = {}
         for ids in _chunks(owners, JOBS_PER_REQUEST):
-            for j in await self.recorder.list_jobs(JobListRequest(ids=ids, limit=LIST_LIMIT)):
+            for j in await self.recorder.list_jobs(JobListRequest(ids=ids, limit=LIST_MAX)):
                 jobs[j.id] = j
         refused = refusal(len(owners), len(jobs), "jobs' artifacts")
         if refused:
             return Judgement(refused=refused)
         active = await self.recorder.list_jobs(
-            JobListRequest(states=sorted(ACTIVE), limit=LIST_LIMIT)
+            JobListRequest(states=sorted(ACTIVE), limit=LIST_MAX)
         )
-        if len(active) >= LIST_LIMIT:
+        if len(active) >= LIST_MAX:
             return Judgement(
-                refused=f"{LIST_LIMIT} or more jobs are active: which stored artifacts they "
+                refused=f"{LIST_MAX} or more jobs are active: which stored artifacts they "
                 "start from cannot be read in one list; nothing was removed"
             )
         resumers = {j.resume_from: j.id for j in active if j.resume_from}
         serving: list[ServingRecord] = []
         done = [j for j in owners if j in jobs and jobs[j].state is JobState.DONE]
         for ids in _chunks(done, SERVED_JOBS_PER_REQUEST):
-            found = await self.recorder.adapters(AdapterListRequest(job_ids=ids, limit=LIST_LIMIT))
-            if len(found) >= LIST_LIMIT:
+            found = await self.recorder.adapters(AdapterListRequest(job_ids=ids, limit=LIST_MAX))
+            if len(found) >= LIST_MAX:
                 return Judgement(refused="a serving list came back full; nothing was removed")
             serving += found
         models = {m.name: m for m in await self.recorder.models()} if done else {}

@@ -24,6 +24,7 @@ from lorafleet import log
 from lorafleet.client import Client
 from lorafleet.fleet_serving import serves_base
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     AdapterKey,
     ModelRecord,
     NodeInfo,
@@ -33,8 +34,6 @@ from lorafleet_schemas.messages import (
 from lorafleet_services.gateway.job_mapping import fine_tuned_parts
 from lorafleet_services.gateway.model_location import ModelLocation, ModelLocator, without
 
-#: Served records one request reads (the recorder's cap per request).
-SERVED_LIMIT = 1000
 #: Most pages of them one view reads; past that the view is cut, and a
 #: warning says so.
 MAX_SERVED_PAGES = 50
@@ -206,9 +205,9 @@ async def served_records(client: Client) -> list[ServingRecord]:
     out: list[ServingRecord] = []
     after = AdapterKey(job_id="", node="", engine="")  # from the start, in key order
     for _ in range(MAX_SERVED_PAGES):
-        page = await client.adapters(state=ServingState.SERVED, limit=SERVED_LIMIT, after=after)
+        page = await client.adapters(state=ServingState.SERVED, limit=LIST_MAX, after=after)
         out.extend(page)
-        if len(page) < SERVED_LIMIT:
+        if len(page) < LIST_MAX:
             return out
         after = AdapterKey(job_id=page[-1].job_id, node=page[-1].node, engine=page[-1].engine)
     log.get().warning(

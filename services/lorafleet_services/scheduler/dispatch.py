@@ -40,6 +40,7 @@ from lorafleet.names import Names
 from lorafleet.nats import _bus as bus
 from lorafleet.states import FINAL, ON_NODE
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     CheckpointRef,
     JobCancelRequest,
     JobListRequest,
@@ -64,8 +65,6 @@ from lorafleet_services.scheduler.node_table import Node, NodeTable
 #: Seconds between reconcile passes (each asks the recorder about jobs nodes
 #: run that it does not hold active); default 1.
 RECONCILE_EVERY_S = 1.0
-#: Most jobs one list request returns (the recorder's cap).
-LIST_LIMIT = 1000
 #: Seconds a node cancel waits at least for its answer: the agent answers
 #: once its trainer has stopped, which takes a moment.
 NODE_CANCEL_TIMEOUT_S = 15.0
@@ -130,7 +129,7 @@ class WaitingMessages:
         if self.said.get(job.id) == message:
             return
         self.said[job.id] = message
-        if len(self.said) > 10 * LIST_LIMIT:
+        if len(self.said) > 10 * LIST_MAX:
             self.said.clear()
         self.logger.info(Event.JOB_WAITING, job_id=job.id, node=job.node, message=message)
         if job.message == message or not self.updates:
@@ -243,9 +242,9 @@ class Dispatcher:
         Only call it once the node table is complete."""
         # Both lists at once: the round's latency is mostly these round trips.
         on_node, queued = await asyncio.gather(
-            self.recorder.list_jobs(JobListRequest(states=sorted(ON_NODE), limit=LIST_LIMIT)),
+            self.recorder.list_jobs(JobListRequest(states=sorted(ON_NODE), limit=LIST_MAX)),
             self.recorder.list_jobs(
-                JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_LIMIT)
+                JobListRequest(state=JobState.QUEUED, oldest_first=True, limit=LIST_MAX)
             ),
         )
         failed: set[str] = set()

@@ -25,6 +25,7 @@ from lorafleet.errors import ApiError
 from lorafleet.fleet_serving import policy_of
 from lorafleet.log import Event
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     JobListRequest,
     JobRecord,
     JobState,
@@ -32,11 +33,11 @@ from lorafleet_schemas.messages import (
     NodeServeRequest,
     NodeUnserveRequest,
 )
-from lorafleet_services.scheduler.dispatch import LIST_LIMIT, AgentRequests
+from lorafleet_services.scheduler.dispatch import AgentRequests
 from lorafleet_services.scheduler.node_table import NodeTable
 from lorafleet_services.scheduler.replicas import AskKey, Asks, Placed, plan_replicas
 
-#: Most pages of placed done jobs (LIST_LIMIT each) one pass reads; past
+#: Most pages of placed done jobs (LIST_MAX each) one pass reads; past
 #: them the oldest are left out of the pass, and a warning says so.
 MAX_PLACED_PAGES = 50
 #: Seconds between two passes at least (rounds run more often when woken).
@@ -158,10 +159,10 @@ async def placed_done_jobs(recorder: RecorderClient) -> tuple[list[JobRecord], b
     out: list[JobRecord] = []
     after: str | None = None
     for _ in range(MAX_PLACED_PAGES):
-        req = JobListRequest(state=JobState.DONE, placed=True, limit=LIST_LIMIT, after=after)
+        req = JobListRequest(state=JobState.DONE, placed=True, limit=LIST_MAX, after=after)
         page = await recorder.list_jobs(req)
         out.extend(page)
-        if len(page) < LIST_LIMIT:
+        if len(page) < LIST_MAX:
             return out, True
         after = page[-1].id
     return out, False

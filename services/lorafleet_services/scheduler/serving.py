@@ -29,6 +29,7 @@ from lorafleet.errors import (
 from lorafleet.log import Event
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
+    LIST_MAX,
     AdapterListRequest,
     AdapterServeRequest,
     AdapterUnserveReply,
@@ -43,9 +44,6 @@ from lorafleet_schemas.messages import (
 )
 from lorafleet_services.scheduler.dispatch import AgentRequests
 from lorafleet_services.scheduler.node_table import Node, NodeTable, utc_hms
-
-#: Most records one unserve reads (a job's records: one per node and engine).
-RECORDS_LIMIT = 1000
 
 
 def no_job(job_id: str) -> NotFoundError:
@@ -198,7 +196,7 @@ class ServeHandlers:
         if job is None:
             raise self._refused("unserve", req.job_id, req.node, no_job(req.job_id))
         records = await self.recorder.adapters(
-            AdapterListRequest(job_id=job.id, node=req.node, limit=RECORDS_LIMIT)
+            AdapterListRequest(job_id=job.id, node=req.node, limit=LIST_MAX)
         )
         targets = unserve_targets(records, req)
         if not targets:
