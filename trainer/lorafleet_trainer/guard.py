@@ -104,6 +104,12 @@ def smallest_budget_mib(sizing: Sizing, width: int, ratio: float) -> int:
     return math.ceil(least * max(ratio, 1.0))
 
 
+def plan_words(sizing: Sizing, plan: Plan) -> str:
+    """What `plan` does, in words, for the log."""
+    layers, batch = sizing.arch.num_hidden_layers, sizing.params.batch_size
+    return plans.plan_words(plan, layers, batch, sizing.device)
+
+
 def step_width(micro: list[Batch]) -> int:
     """The widest row of a step's micro-batches, in tokens."""
     return max(int(b.input_ids.shape[1]) for b in micro)
@@ -164,10 +170,11 @@ class MemoryGuard:
         after = self.sizing.mib(plan, self.width) * self.ratio
         self._move_to(
             plan,
-            f"memory plan tightened before step {step} to {self._words(plan)}: its predicted "
-            f"peak {predicted:.0f} MiB (rows of {self.width} tokens, the peaks so far "
-            f"{self.ratio:.2f}x their estimates) neared the budget of {self.budget_mib} MiB; "
-            f"now {after:.0f} MiB",
+            f"memory plan tightened before step {step} to {plan_words(self.sizing, plan)}: "
+            f"its predicted peak {predicted:.0f} MiB (rows of {self.width} tokens, the peaks "
+            f"so far {self.ratio:.2f}x their estimates) neared the budget of "
+            f"{self.budget_mib} MiB; now {after:.0f} MiB",
+            self.lines,
         )
 
     def out_of_memory(self, step: int, error: str) -> bool:
@@ -197,18 +204,13 @@ class MemoryGuard:
             plan,
             f"memory plan tightened at step {step}, which ran out of the budget of "
             f"{self.budget_mib} MiB under its estimate of {estimate} MiB, to "
-            f"{self._words(plan)}; the step is done again",
+            f"{plan_words(self.sizing, plan)}; the step is done again",
+            self.lines,
         )
         return True
 
-    def _words(self, plan: Plan) -> str:
-        assert self.sizing is not None
-        layers, batch = self.sizing.arch.num_hidden_layers, self.sizing.params.batch_size
-        return plans.plan_words(plan, layers, batch, self.sizing.device)
-
-    def _move_to(self, plan: Plan, message: str) -> None:
-        assert self.lines is not None
-        self.lines.log(message)
+    def _move_to(self, plan: Plan, message: str, lines: LineWriter) -> None:
+        lines.log(message)
         self.plan = plan
         self.high_mib = 0
         self.tightened += 1
