@@ -17,6 +17,7 @@ def inner_config(pytester: pytest.Pytester) -> None:
     """The inner sessions' pytest-asyncio setting, as the project's own."""
     pytester.makeini("[pytest]\nasyncio_default_fixture_loop_scope = function\n")
 
+
 MODULE = """
 import pytest
 

@@ -160,6 +160,11 @@ def test_the_scan_reads_the_running_server(vllm_server: RunningVllm, engine: Vll
     assert remote == VllmServer(url="http://10.9.9.9:8000")
 
 
+def test_the_engines_sockets_are_in_its_own_directory(vllm_server: RunningVllm) -> None:
+    """Not in /tmp, where they outlived it (running_vllm removes the directory)."""
+    assert any(path.is_socket() for path in vllm_server.rpc_dir.iterdir())
+
+
 async def test_served_matches_peft_then_unserved(serving: Serving) -> None:
     adapter = serving.adapter("job-a", "v1")
     reference = await serving.reference(adapter.directory)

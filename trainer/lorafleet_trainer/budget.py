@@ -19,7 +19,7 @@ from typing import Any
 
 from lorafleet_trainer.jobfile import JobFile
 from lorafleet_trainer.memory import CUDA_CONTEXT_MIB, MIB
-from lorafleet_trainer.protocol import BadInputError
+from lorafleet_trainer.protocol import BadInputError, is_out_of_memory
 
 
 def memory_fraction(budget_mib: int, context_mib: int, total_bytes: int) -> float:
@@ -86,12 +86,6 @@ def cap_card_memory(device: Any, budget_mib: int) -> str:
         f"card budget {budget_mib} MiB: {context} MiB for the CUDA context, torch may "
         f"allocate {budget_mib - context} MiB ({fraction:.4f} of the card's {total // MIB} MiB)"
     )
-
-
-def is_out_of_memory(e: BaseException) -> bool:
-    """Whether `e` is torch's out-of-memory error of a card (its allocator's
-    cap reached: the job's budget, or the card full)."""
-    return type(e).__name__ == "OutOfMemoryError"
 
 
 def release_card_cache(device: Any) -> None:

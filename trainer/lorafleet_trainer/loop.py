@@ -12,7 +12,7 @@ from collections.abc import Callable, Iterator, Sequence
 from typing import Any, Protocol, cast
 
 from lorafleet_trainer.batches import Batch, plan_grouped, split_batch, to_batch
-from lorafleet_trainer.budget import PeakMeter, is_out_of_memory, release_card_cache
+from lorafleet_trainer.budget import PeakMeter, release_card_cache
 from lorafleet_trainer.guard import MemoryGuard, pass_rows
 from lorafleet_trainer.loss import answer_loss, kernel_name
 from lorafleet_trainer.memory import Plan
@@ -23,6 +23,7 @@ from lorafleet_trainer.protocol import (
     LineWriter,
     PauseGate,
     TrainingFailureError,
+    is_out_of_memory,
 )
 from lorafleet_trainer.rendering import Tokens
 

@@ -136,13 +136,19 @@ _ENVIRONMENT_ERROR = re.compile(
 )
 
 
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is torch's out-of-memory error of a card (its allocator's
+    cap reached: the job's budget, or the card full)."""
+    return type(e).__name__ == "OutOfMemoryError"
+
+
 def is_environment_failure(e: BaseException) -> bool:
     """Whether an unexpected exception is the node's failure, not the job's
     (ExitCode.NODE_FAILED): a CUDA or driver error, but not an out of memory
     (the job's budget) nor a device-side assert (an index out of range: the
     job's data)."""
     text = str(e)
-    if type(e).__name__ == "OutOfMemoryError" or "out of memory" in text:
+    if is_out_of_memory(e) or "out of memory" in text:
         return False
     if "device-side assert" in text:
         return False

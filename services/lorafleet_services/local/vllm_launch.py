@@ -15,8 +15,10 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import subprocess
+import tempfile
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -45,6 +47,9 @@ class RunningVllm:
     model_dir: Path
     pid: int
     log_path: Path
+    #: Where its ZMQ sockets are (VLLM_RPC_BASE_PATH), removed when it stops:
+    #: in /tmp, vLLM's default, each start left a few behind.
+    rpc_dir: Path
 
 
 def free_port() -> int:
@@ -80,8 +85,10 @@ def running_vllm(
     completion (the first costs tens of seconds); `warm_up=False`: at
     /health (the latency bench times the first completion itself)."""
     port = port or free_port()
+    rpc_dir = Path(tempfile.mkdtemp(prefix="lorafleet-vllm-"))
     env = {
         **os.environ,
+        "VLLM_RPC_BASE_PATH": str(rpc_dir),
         "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True",
         "VLLM_CPU_KVCACHE_SPACE": "1",
         "PYTHONUNBUFFERED": "1",
@@ -96,9 +103,10 @@ def running_vllm(
         _wait_healthy(url, proc, log_path)
         if warm_up:
             _warm_up(url, model_dir)
-        yield RunningVllm(url, python, model_dir, proc.pid, log_path)
+        yield RunningVllm(url, python, model_dir, proc.pid, log_path, rpc_dir)
     finally:
         _stop(proc)
+        shutil.rmtree(rpc_dir, ignore_errors=True)
 
 
 def _wait_healthy(url: str, proc: subprocess.Popen[bytes], log_path: Path) -> None:
