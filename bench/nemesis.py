@@ -315,7 +315,7 @@ async def _record_status_stream(run: Run) -> None:
             r = msgspec.json.decode(msg.data, type=StatusReport)
             run.history.write("status", job=r.job_id, node=r.node, attempt=r.attempt, seq=r.seq,
                               time=r.time.timestamp(), state=r.state.value if r.state else None,
-                              step=r.step)  # fmt: skip
+                              step=r.step, stored=msg.metadata.timestamp.timestamp())  # fmt: skip
     finally:
         await sub.unsubscribe()
 

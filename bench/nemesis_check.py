@@ -12,7 +12,10 @@ runner (bench/nemesis.py) writes these kinds:
 - `job.submitted`: job, node (or null), max_attempts, steps, cancel.
 - `job.state`: job, state, node, attempt (a change seen by polling).
 - `status`: job, node, attempt, seq, time (the report's own, epoch
-  seconds), state, step (every report in the status stream, read from it).
+  seconds, on its node's clock), state, step, stored (when the stream stored
+  it, on the host's clock) (every report in the status stream, read from it).
+- `clock.offset`: node, offset_s (a node's wall clock set that far from the
+  host's, at this entry's `wall`; 0: back in time).
 - `node.lost`: node, scheduler (a scheduler's `node.lost` log line).
 - `host.stall`: late_s (the runner's own poll woke that late: the machine stalled it).
 - `agent.fenced`: node, message (an agent's `agent.fenced` log line: it stopped
@@ -50,6 +53,7 @@ history around them, for a person to read.
 from __future__ import annotations
 
 import json
+import math
 from collections import defaultdict
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
@@ -80,6 +84,11 @@ WINDOW_MAX_ENTRIES = 40
 #: a placement round (1 s) or the desired set's reload, the fetch from the
 #: store and the probe, on a loaded 2-core machine.
 SERVED_BOUND_S = 30.0
+#: Seconds a node's process may read its old clock offset after a step
+#: (tests/clock_step.py READ_EVERY_S), and a report's stamp may pass the
+#: time the stream stored it (one host's clock, read apart).
+CLOCK_READ_S = 1.0
+STORED_SLACK_S = 0.5
 #: Engines an adapter of each placement policy is on at the end (3 nodes).
 PLACED_ENGINES = {"all": 3, "replicas": 2}
 
@@ -212,15 +221,46 @@ def final_within_bound(history: list[Entry]) -> Iterator[Violation]:
             )
 
 
+def clock_offsets(history: list[Entry]) -> dict[str, list[tuple[float, float]]]:
+    """Node -> its clock's offsets from the host's, each from the wall time it
+    was set: [(-inf, 0.0), (since, offset_s), ...]."""
+    offsets: dict[str, list[tuple[float, float]]] = defaultdict(lambda: [(-math.inf, 0.0)])
+    for _, e in _of(history, "clock.offset"):
+        offsets[e["node"]].append((e["wall"], e["offset_s"]))
+    return offsets
+
+
+def host_time(stamp: float, stored: float | None, offsets: list[tuple[float, float]]) -> float:
+    """A report's time on the host's clock. Its node stamped it with the host's
+    time plus the offset then in force; each offset gives one reading where
+    it falls in its own stretch. A node stepped back stamps times it already
+    stamped before the step, so of the readings the one kept is the latest
+    not after the stream stored the report (stamped before it is stored)."""
+    readings = []
+    for k, (since, offset_s) in enumerate(offsets):
+        until = offsets[k + 1][0] if k + 1 < len(offsets) else math.inf
+        reading = stamp - offset_s
+        if since - CLOCK_READ_S <= reading <= until + CLOCK_READ_S:
+            readings.append(reading)
+    if not readings:
+        return stamp
+    before = [t for t in readings if stored is None or t <= stored + STORED_SLACK_S]
+    return max(before) if before else min(readings)
+
+
 def one_node_at_a_time(history: list[Entry]) -> Iterator[Violation]:
     """No two attempts of a job report at overlapping times (the status stream's
-    own reports, by their times): a job never runs in two places at once."""
+    own reports, by their times on the host's clock): a job never runs in
+    two places at once."""
     spans: dict[str, dict[tuple[str, int], list[int]]] = defaultdict(lambda: defaultdict(list))
+    offsets = clock_offsets(history)
+    at: dict[int, float] = {}
     for i, e in _of(history, "status"):
         spans[e["job"]][(e["node"], e["attempt"])].append(i)
+        at[i] = host_time(e["time"], e.get("stored"), offsets[e["node"]])
     for job, by_attempt in spans.items():
         ranges = sorted(
-            (min(history[i]["time"] for i in idx), max(history[i]["time"] for i in idx), key, idx)
+            (min(at[i] for i in idx), max(at[i] for i in idx), key, idx)
             for key, idx in by_attempt.items()
         )
         # Each range against the one reaching furthest before it (a long
@@ -228,8 +268,8 @@ def one_node_at_a_time(history: list[Entry]) -> Iterator[Violation]:
         _, hi_a, key_a, idx_a = ranges[0]
         for lo_b, hi_b, key_b, idx_b in ranges[1:]:
             if lo_b < hi_a:
-                last_a = max(idx_a, key=lambda i: history[i]["time"])
-                first_b = min(idx_b, key=lambda i: history[i]["time"])
+                last_a = max(idx_a, key=lambda i: at[i])
+                first_b = min(idx_b, key=lambda i: at[i])
                 yield Violation(
                     "one-node",
                     f"job {job}: attempt {key_a[1]} on {key_a[0]} reported until "

@@ -60,7 +60,11 @@ HOLD_S = {
     "engine.refuse_loads": (3.0, 10.0),
     "gateway.kill_mid_upload": (0.5, 3.0),
     "gateway.kill_mid_stream": (0.5, 3.0),
+    "clock.step": (5.0, 30.0),
 }
+#: Seconds a node's wall clock is stepped by (a uniform pick), forward or
+#: back, until the step that puts it back in time (an NTP correction).
+CLOCK_STEP_S = (5.0, 120.0)
 #: Seconds a slow engine takes more for each completion and load (a uniform pick).
 ENGINE_SLOW_S = (1.0, 3.0)
 #: Seconds each write and fsync of a slow disk takes more (a uniform pick): a
@@ -147,6 +151,8 @@ class Nemesis:
             options = [f"engine {n}" for n in self.fleet.engines]
         elif kind.startswith("gateway."):
             options = list(self.fleet.gateways)
+        elif kind == "clock.step":
+            options = [f"clock {n}" for n in self.fleet.clocks]
         else:
             options = ["postgres"]
         free = [t for t in options if not self._tokens(t) & self.busy]
@@ -156,7 +162,7 @@ class Nemesis:
     def _tokens(target: str) -> set[str]:
         if target.startswith("nats-"):
             return {"nats"}
-        if target.startswith(("agent ", "link ", "engine ")):
+        if target.startswith(("agent ", "link ", "engine ", "clock ")):
             return {target.split(" ", 1)[1]}
         return {target}
 
@@ -201,6 +207,8 @@ class Nemesis:
             return self._engine_actions(kind, target.split(" ", 1)[1])
         if kind.startswith("gateway."):
             return self._gateway_actions(kind, target)
+        if kind == "clock.step":
+            return self._clock_actions(target.split(" ", 1)[1])
         cluster = self.fleet.cluster
         if kind == "nats.kill":
             return (lambda: cluster.kill(target)), (lambda: self._member_back(target))
@@ -282,6 +290,20 @@ class Nemesis:
 
         return kill, (lambda: restart_process(proc))
 
+    def _clock_actions(
+        self, node: str
+    ) -> tuple[Callable[[], Awaitable[None]], Callable[[], Awaitable[None]]]:
+        """The node's clock stepped forward or back, then back in time. Not a
+        fault of the node's agent (`node` stays None in the history): a node
+        judged lost for a step of its clock is a false loss."""
+        rng = random.Random(f"{self.seed}/{self.next_id}")
+        offset_s = round(rng.choice((-1, 1)) * rng.uniform(*CLOCK_STEP_S), 1)
+        return _now(self._set_clock, node, offset_s), _now(self._set_clock, node, 0.0)
+
+    def _set_clock(self, node: str, offset_s: float) -> None:
+        self.history.write("clock.offset", node=node, offset_s=offset_s)
+        self.fleet.clocks[node].set(offset_s)
+
     async def _member_back(self, name: str) -> None:
         await self.fleet.cluster.servers[name].start()
         await self.fleet.cluster.wait_ready()
@@ -302,6 +324,9 @@ class Nemesis:
         cluster = self.fleet.cluster
         for slow in self.fleet.slow_disks.values():
             slow.clear()
+        for node, clock in self.fleet.clocks.items():
+            if clock.offset_s:
+                self._set_clock(node, 0.0)
         for name in self.fleet.object_disks:
             with contextlib.suppress(Exception):
                 await self._disk_back(name)

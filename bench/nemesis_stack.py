@@ -37,7 +37,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
-from tests import disks
+from tests import clock_step, disks
 from tests.gateway.engine import engine_argv
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsError, NetnsLink, available
@@ -88,7 +88,9 @@ class EngineProcess(ServiceProcess):
     fixed address, in the node's namespace when it has one; its `control`
     file turns it slow or refusing loads."""
 
-    def __init__(self, stack: Stack, node: str, base: Path, link: NetnsLink | None) -> None:
+    def __init__(
+        self, stack: Stack, node: str, base: Path, link: NetnsLink | None, env: dict[str, str]
+    ) -> None:
         host = link.ns_ip if link is not None else "127.0.0.1"
         self.node = node
         self.netns = link.ns if link is not None else None
@@ -97,6 +99,7 @@ class EngineProcess(ServiceProcess):
         self.control = stack.tmp_path / f"engine-{node}.control.json"
         root = str(Path(__file__).resolve().parents[1])
         env = {
+            **env,
             "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "true",
             "LORAFLEET_STANDIN_ENGINE_CONTROL": str(self.control),
             "LORAFLEET_STANDIN_ENGINE_SAY_STARTED": "1",
@@ -135,6 +138,8 @@ class Fleet:
     slow_disks: dict[str, disks.SlowDisk] = field(default_factory=dict)
     #: Node -> its engine.
     engines: dict[str, EngineProcess] = field(default_factory=dict)
+    #: Node -> the wall clock its agent, trainers and engine read (clock.step).
+    clocks: dict[str, clock_step.NodeClock] = field(default_factory=dict)
     #: Replica name -> the gateway process, and its URL.
     gateways: dict[str, ServiceProcess] = field(default_factory=dict)
     gateway_urls: dict[str, str] = field(default_factory=dict)
@@ -181,6 +186,8 @@ class Fleet:
             kinds += ["engine.kill", "engine.restart", "engine.slow", "engine.refuse_loads"]
         if self.gateways:
             kinds += ["gateway.kill_mid_upload", "gateway.kill_mid_stream"]
+        if self.clocks:
+            kinds.append("clock.step")
         return kinds
 
 
@@ -232,7 +239,7 @@ async def fleet(root: Path, orphan_age_s: float, minutes: float) -> AsyncIterato
             object_disks = _object_disks(cluster, mounts, skipped, disk_mib)
             async with cluster, _made(cluster, root, db_url, orphan_age_s) as stack:
                 made = Fleet(stack, cluster, pg, links, skipped, [stack.recorder], object_disks,
-                             slow_disks=slow_disks)  # fmt: skip
+                             slow_disks=slow_disks, clocks=_clocks(root, skipped))  # fmt: skip
                 await _more_services(made)
                 yield made
     finally:
@@ -240,6 +247,16 @@ async def fleet(root: Path, orphan_age_s: float, minutes: float) -> AsyncIterato
             await asyncio.to_thread(pg.remove)
         for link in links.values():
             link.delete()
+
+
+def _clocks(root: Path, skipped: dict[str, str]) -> dict[str, clock_step.NodeClock]:
+    """A clock file per node, read by every process of the node (tests/clock_step.py)."""
+    why = clock_step.unavailable()
+    if why is not None:
+        skipped["clock.step"] = why
+        return {}
+    library = clock_step.build(root / "clock")
+    return {node: clock_step.NodeClock(library, root / "clock" / node) for node in NODES}
 
 
 def _slow_disks(
@@ -310,7 +327,8 @@ async def _more_services(made: Fleet) -> None:
     base = stack.tmp_path / "models" / "tiny"
     for node in NODES:
         link = made.links.get(node)
-        engine = made.engines[node] = EngineProcess(stack, node, base, link)
+        clock = made.clocks[node].env() if made.clocks else {}
+        engine = made.engines[node] = EngineProcess(stack, node, base, link, clock)
         stack.procs.append(engine)
         await engine.start()
         cfg: dict[str, object] = {"vllm_servers": (engine.url,), "engines_refresh_s": 0.5}
@@ -318,9 +336,9 @@ async def _more_services(made: Fleet) -> None:
             # The engine's address is the node's own: the agent's process scan
             # reads its flags (base model, max loras) as a local engine's.
             cfg["advertise_host"] = link.ns_ip
-            await agent_in(stack, link, node, env, **cfg)
+            await agent_in(stack, link, node, {**env, **clock}, **cfg)
         else:
-            await stack.agent(node, env, **cfg)
+            await stack.agent(node, {**env, **clock}, **cfg)
     keys_file = stack.tmp_path / "gateway-keys.json"
     for name, project in KEYS.items():
         made.keys[make_key(keys_file, name, project)] = (name, project)

@@ -111,6 +111,39 @@ def test_two_attempts_reporting_at_once_are_caught() -> None:
     assert "attempt 2 on node-2" in violations[0].message
 
 
+def stepped_job(offset_s: float, second_attempt_at: float) -> History:
+    """Job a: attempt 1 on node-1, whose clock is stepped by `offset_s` at
+    1.6 s, reports until 2.0 s; attempt 2 on node-2 reports from
+    `second_attempt_at` for a second. Each report stored as it is stamped."""
+    h = History()
+    h.add("job.submitted", 1.0, job="a", node=None, max_attempts=3, steps=10, cancel=False)
+    h.add("job.state", 1.1, job="a", state="running", node="node-1", attempt=1)
+    h.add("clock.offset", 1.6, node="node-1", offset_s=offset_s)
+    for step in range(1, 11):
+        at = 1.0 + 0.1 * step
+        stamp = 1000.0 + at + (offset_s if at > 1.6 else 0.0)
+        h.add("status", at, job="a", node="node-1", attempt=1, seq=step, time=stamp,
+              stored=1000.0 + at, state=None, step=step)  # fmt: skip
+    for step in range(1, 11):
+        at = second_attempt_at + 0.1 * step
+        h.add("status", at, job="a", node="node-2", attempt=2, seq=step, time=1000.0 + at,
+              stored=1000.0 + at, state=None, step=step)  # fmt: skip
+    h.add("job.state", second_attempt_at + 1.2, job="a", state="done", node="node-2", attempt=2)
+    h.end(a={})
+    return h
+
+
+def test_a_stepped_clock_is_read_on_the_hosts() -> None:
+    """A node's clock stepped forward (attempt 1 then seems to report past
+    attempt 2's start) or back (its reports seem older): neither overlap is
+    real, and a real one under a step is still caught."""
+    assert rules(stepped_job(+30.0, second_attempt_at=2.5)) == []
+    assert rules(stepped_job(-30.0, second_attempt_at=2.5)) == []
+    # attempt 2 from 1.5 s: attempt 1, stepped back 30 s, reported until 2.0
+    assert rules(stepped_job(-30.0, second_attempt_at=1.5)) == ["one-node"]
+    assert rules(stepped_job(+30.0, second_attempt_at=1.5)) == ["one-node"]
+
+
 def test_two_trainers_of_a_job_alive_at_once_are_caught() -> None:
     """Issue 33: a fenced agent drops its reports, so a trainer that goes on
     shows only as a process."""
