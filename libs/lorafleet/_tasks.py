@@ -1,11 +1,15 @@
 """asyncio tasks, written once: stopping them (cancel, and make sure they
-ended) and awaiting several a few at a time (`at_most`).
+ended), a call bounded in time (`within`) and awaiting several a few at a
+time (`at_most`).
 
 On Python 3.11 a cancellation can be lost: when it lands just as the
 future inside an `asyncio.wait_for` completes, wait_for returns the result
 and the task goes on (CPython gh-86296, fixed in 3.12). nats-py wraps every
 request in wait_for, so a loop stopped by one `cancel()` could run for good
-and its `stop()` hang. `stop_tasks` cancels again until each task has ended.
+and its `stop()` hang. `stop_tasks` cancels again until each task has ended;
+`within` is asyncio.wait_for made on it. (A CI run: `bus.connect`'s
+wait_for over nats.connect, which retries a refused TLS handshake forever,
+lost its cancellation and hung its test for three minutes.)
 """
 
 from __future__ import annotations
@@ -13,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 from collections.abc import Coroutine, Sequence
-from typing import Any
+from typing import Any, TypeVar
+
+T = TypeVar("T")
 
 #: Seconds between repeated cancellations of a task that has not ended.
 CANCEL_AGAIN_S = 0.2
@@ -31,6 +37,23 @@ async def stop_tasks(*tasks: asyncio.Future[Any] | None) -> None:
         if ended is not None and ended.done() and not ended.cancelled():
             with contextlib.suppress(BaseException):
                 ended.exception()
+
+
+async def within(timeout_s: float, call: Coroutine[Any, Any, T]) -> T:
+    """`call`'s result, or TimeoutError once `timeout_s` has passed and `call`
+    has ended (asyncio.wait_for, without the lost cancellation). A call that
+    finished as it was being stopped gives its result all the same."""
+    task = asyncio.ensure_future(call)
+    try:
+        done, _ = await asyncio.wait({task}, timeout=timeout_s)
+    except asyncio.CancelledError:
+        await stop_tasks(task)
+        raise
+    if not done:
+        await stop_tasks(task)
+        if task.cancelled() or task.exception() is not None:
+            raise TimeoutError(f"not done within {timeout_s:g} s")
+    return task.result()
 
 
 async def at_most(width: int, calls: Sequence[Coroutine[Any, Any, None]]) -> None:

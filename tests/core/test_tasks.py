@@ -1,5 +1,6 @@
 """stop_tasks: a task that swallows its cancellation is cancelled again until it
-ends. at_most: a few at a time, none left running when one fails."""
+ends. within: wait_for that ends what it bounds even where Python 3.11's loses
+the cancellation. at_most: a few at a time, none left running when one fails."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import asyncio
 
 import pytest
 
-from lorafleet._tasks import at_most, stop_tasks
+from lorafleet._tasks import at_most, stop_tasks, within
 
 
 async def test_a_task_that_swallows_one_cancel_is_stopped_all_the_same() -> None:
@@ -26,6 +27,60 @@ async def test_a_task_that_swallows_one_cancel_is_stopped_all_the_same() -> None
     await asyncio.sleep(0)
     await asyncio.wait_for(stop_tasks(task, None), 5)
     assert task.cancelled() and swallowed == [1]
+
+
+async def loses_one_cancellation() -> None:
+    """nats.connect against a server that refuses it: attempts in a loop,
+    each awaited through asyncio.wait_for, which on 3.11 loses a cancellation
+    that lands as an attempt's future completes (gh-86296) and goes on, as
+    here; asyncio.wait_for(loses_one_cancellation(), t) never returns."""
+    lost = False
+    while True:
+        try:
+            await asyncio.sleep(10)
+        except asyncio.CancelledError:
+            if lost:
+                raise
+            lost = True
+
+
+async def test_within_ends_a_call_that_loses_its_cancellation() -> None:
+    bounded = asyncio.ensure_future(within(0.01, loses_one_cancellation()))
+    done, _ = await asyncio.wait({bounded}, timeout=5)
+    if not done:
+        await stop_tasks(bounded)
+    assert done, "within() did not end what it bounds"
+    with pytest.raises(TimeoutError, match=r"not done within 0\.01 s"):
+        bounded.result()
+
+
+async def test_within_gives_the_result_and_the_error_of_a_call_in_time() -> None:
+    async def answer() -> int:
+        await asyncio.sleep(0)
+        return 42
+
+    async def boom() -> None:
+        raise ValueError("refused")
+
+    assert await within(5, answer()) == 42
+    with pytest.raises(ValueError, match="refused"):
+        await within(5, boom())
+
+
+async def test_within_cancelled_by_its_caller_ends_its_call() -> None:
+    started = asyncio.Event()
+
+    async def waits() -> None:
+        started.set()
+        await asyncio.sleep(10)
+
+    call = waits()
+    caller = asyncio.ensure_future(within(10, call))
+    await started.wait()
+    caller.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await caller
+    assert call.cr_frame is None  # the coroutine ended (closed), not left behind
 
 
 async def test_failed_and_finished_tasks_are_fine() -> None:

@@ -33,6 +33,7 @@ from nats.js.api import (
 )
 
 import lorafleet.log as log
+from lorafleet._tasks import within
 from lorafleet.errors import ConnectError, raise_for_error
 from lorafleet.log import Event
 from lorafleet.names import Names
@@ -255,7 +256,7 @@ async def connect(
     callbacks = _Callbacks(on_refused)
     options = _options(settings, name, callbacks) | kwargs
     try:
-        nc = await asyncio.wait_for(nats.connect(**options), settings.connect_timeout_s)
+        nc = await within(settings.connect_timeout_s, nats.connect(**options))
     except (TimeoutError, OSError, nats.errors.NoServersError) as e:
         if callbacks.unauthorized:
             raise _unauthorized(settings) from None
