@@ -177,6 +177,9 @@ async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
             engine = await scope.enter_async_context(serving_engine(stack.data_dir, err))
             stack.agent = served_by(stack.agent, engine)
         settings = await stack.start()
+        # Before saying it is up: a signal sent once it says so (a test's
+        # SIGHUP did, in the few ms before) must find the handlers there.
+        stop = _stop_on_signals()
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
             f"database {settings.effective_database_url}; Ctrl-C stops it",
@@ -192,16 +195,20 @@ async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
         hints = "\n".join(next_steps(stack.data_dir, node, model))
         err.print(hints, highlight=False, soft_wrap=True, markup=False)
         err.print(endpoints_text(stack.metrics_urls()), highlight=False, markup=False)
-        await _until_stopped(stack)
+        await _until_stopped(stack, stop)
 
 
-async def _until_stopped(stack: EmbeddedStack) -> None:
-    """Wait for SIGINT/SIGTERM/SIGHUP (its terminal closed) or a child's
-    exit; then stop the stack."""
+def _stop_on_signals() -> asyncio.Event:
+    """An event SIGINT, SIGTERM and SIGHUP (its terminal closed) set."""
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
         loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
+async def _until_stopped(stack: EmbeddedStack, stop: asyncio.Event) -> None:
+    """Wait for `stop` or a child's exit; then stop the stack."""
     try:
         while not stop.is_set():
             if stack.crashed():
