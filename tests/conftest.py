@@ -27,6 +27,7 @@ module-scoped fixture on its own.
 
 from __future__ import annotations
 
+import asyncio
 import os
 import shutil
 from collections.abc import AsyncIterator, Iterator
@@ -34,6 +35,7 @@ from pathlib import Path
 
 import pytest
 
+from lorafleet._tasks import stop_tasks, within
 from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
 from tests.pg import migrated_template, throwaway_database
@@ -106,6 +108,30 @@ def module_group(module: str, items: list[pytest.Item]) -> str | None:
             if defs and defs[-1].scope in ("module", "package", "class"):
                 module_scoped = True
     return module if module_scoped else None
+
+
+#: Seconds a test's leftover tasks have to end, once stopped, before it fails.
+LEFTOVER_STOP_S = 10.0
+
+
+@pytest.fixture(autouse=True)
+async def _leftover_tasks_stopped() -> AsyncIterator[None]:
+    """Stop what a test left running in its event loop, last of its teardown.
+
+    pytest-asyncio closes a test's loop by cancelling each leftover task
+    once and waiting for it without a bound; on Python 3.11 a task can lose
+    that cancellation (lorafleet._tasks) and its worker hangs for good (a CI
+    run stopped at 97% there). `stop_tasks` cancels until each has ended; one
+    that does not end in LEFTOVER_STOP_S fails the test, named. A test on a
+    module's loop runs this in a loop of its own, which holds nothing."""
+    yield
+    this = asyncio.current_task()
+    left = [t for t in asyncio.all_tasks() if t is not this]
+    try:
+        await within(LEFTOVER_STOP_S, stop_tasks(*left))
+    except TimeoutError:
+        running = [t for t in left if not t.done()]
+        pytest.fail(f"tasks left running that did not stop in {LEFTOVER_STOP_S:g} s: {running}")
 
 
 @pytest.fixture

@@ -1,14 +1,20 @@
 """stop_tasks: a task that swallows its cancellation is cancelled again until it
 ends. within: wait_for that ends what it bounds even where Python 3.11's loses
-the cancellation. at_most: a few at a time, none left running when one fails."""
+the cancellation. at_most: a few at a time, none left running when one fails.
+The test harness stops what a test leaves running the same way."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
 
 from lorafleet._tasks import at_most, stop_tasks, within
+
+pytest_plugins = ["pytester"]
+
+ROOT = Path(__file__).resolve().parents[2]
 
 
 async def test_a_task_that_swallows_one_cancel_is_stopped_all_the_same() -> None:
@@ -109,3 +115,41 @@ async def test_at_most_runs_width_at_once_and_raises_after_all_ended() -> None:
     with pytest.raises(ValueError, match="the second call failed"):
         await at_most(3, [call(i) for i in range(7)])
     assert most[0] == 3 and sorted(ended) == list(range(7))
+
+
+LEFT_BEHIND = """
+import asyncio
+from pathlib import Path
+
+from tests.conftest import _leftover_tasks_stopped  # noqa: F401 (the guard under test)
+
+async def stubborn(record: Path) -> None:
+    while True:
+        try:
+            await asyncio.sleep(3600)
+        except asyncio.CancelledError:
+            if record.exists():
+                record.write_text("stopped")
+                raise
+            record.write_text("swallowed")  # a lost cancellation, as the loop sees it
+
+async def test_leaves_a_task_behind() -> None:
+    asyncio.create_task(stubborn(Path(__file__).parent / "record"))
+    await asyncio.sleep(0)
+"""
+
+
+def test_a_task_a_test_leaves_that_loses_one_cancel_does_not_hang_its_session(
+    pytester: pytest.Pytester, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tests/conftest.py's guard: pytest-asyncio closes a test's loop with one
+    cancel per leftover task and waits for it without a bound (without the
+    guard this inner session fails on its 10 s timeout)."""
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    pytester.makeini(
+        "[pytest]\nasyncio_mode = auto\nasyncio_default_fixture_loop_scope = function\n"
+    )
+    pytester.makepyfile(test_left=LEFT_BEHIND)
+    result = pytester.runpytest_subprocess("-p", "no:cacheprovider", "--timeout", "10")
+    result.assert_outcomes(passed=1)
+    assert (pytester.path / "record").read_text() == "stopped"
