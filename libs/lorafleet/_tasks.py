@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import Coroutine, Sequence
+from collections.abc import Awaitable, Coroutine, Sequence
 from typing import Any, TypeVar
 
 T = TypeVar("T")
@@ -39,7 +39,7 @@ async def stop_tasks(*tasks: asyncio.Future[Any] | None) -> None:
                 ended.exception()
 
 
-async def within(timeout_s: float, call: Coroutine[Any, Any, T]) -> T:
+async def within(timeout_s: float, call: Awaitable[T]) -> T:
     """`call`'s result, or TimeoutError once `timeout_s` has passed and `call`
     has ended (asyncio.wait_for, without the lost cancellation). A call that
     finished as it was being stopped gives its result all the same."""

@@ -25,6 +25,7 @@ from nats.js import JetStreamContext
 from nats.js.api import AckPolicy, ConsumerConfig, DeliverPolicy
 
 import lorafleet.log as log
+from lorafleet._tasks import within
 from lorafleet.log import Event
 
 BatchHandler = Callable[[list[Msg]], Awaitable[None]]
@@ -166,8 +167,8 @@ class PullConsumer:
         """Finish the fetch in flight and the batches fetched, then unsubscribe."""
         self._stopping.set()
         if self._task is not None:
-            with contextlib.suppress(TimeoutError):  # then wait_for has cancelled it
-                await asyncio.wait_for(self._task, STOP_TIMEOUT_S)
+            with contextlib.suppress(TimeoutError):  # then it has been stopped
+                await within(STOP_TIMEOUT_S, self._task)
             self._task = None
         if self._sub is not None:
             with contextlib.suppress(Exception):

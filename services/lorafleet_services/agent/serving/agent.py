@@ -27,7 +27,7 @@ from typing import Any
 from nats.js import JetStreamContext
 
 from lorafleet import log
-from lorafleet._tasks import at_most
+from lorafleet._tasks import at_most, stop_tasks
 from lorafleet.log import Event
 from lorafleet.names import Names
 from lorafleet_schemas.messages import (
@@ -121,9 +121,7 @@ class ServingAgent:
 
     async def stop(self, timeout_s: float) -> None:
         """Stop what is under way; publish what is queued for at most `timeout_s`."""
-        for task in list(self._tasks):
-            task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
+        await stop_tasks(*self._tasks)
         await self.reports.stop(timeout_s)
 
     async def idle(self) -> None:

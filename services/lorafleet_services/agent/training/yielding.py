@@ -43,6 +43,7 @@ from typing import Any
 import httpx2
 
 from lorafleet import metrics
+from lorafleet._tasks import stop_tasks
 from lorafleet.log import Event
 from lorafleet_schemas.messages import YIELDING_TO_SERVING, TrainerYield
 from lorafleet_services.agent.config import AgentConfig
@@ -258,9 +259,7 @@ def start_yielding(
 
 async def stop_yielding(task: asyncio.Task[None] | None) -> None:
     """Cancel start_yielding's task and wait: the pause file is gone after."""
-    if task is not None:
-        task.cancel()
-        await asyncio.wait({task})
+    await stop_tasks(task)
 
 
 class YieldNotes:
