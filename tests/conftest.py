@@ -38,8 +38,17 @@ import pytest
 from lorafleet._tasks import stop_tasks, within
 from lorafleet.nats.server import NatsServer
 from lorafleet.settings import Settings
+from tests.durations import DURATIONS_FILE, DurationRecorder, load_durations, order_slowest_first
 from tests.pg import migrated_template, throwaway_database
 from tests.vllm_server import RunningVllm, running_vllm
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption(
+        "--record-durations",
+        action="store_true",
+        help=f"rewrite {DURATIONS_FILE.name} with this run's slow tests (tests/durations.py)",
+    )
 
 
 def pytest_configure(config: pytest.Config) -> None:
@@ -50,6 +59,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if os.environ.get("PYTEST_XDIST_WORKER"):
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         os.environ.setdefault("MKL_NUM_THREADS", "1")
+    if config.getoption("record_durations"):
+        config.pluginmanager.register(DurationRecorder(DURATIONS_FILE), "record-durations")
 
 
 #: Session fixtures that cost a minute or a GB each: every module using one
@@ -65,7 +76,8 @@ SHARED_SESSION_FIXTURES = {
 
 @pytest.hookimpl(wrapper=True)  # around every plugin's hook: before xdist's reads the groups
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
-    """Mark each module's tests with the xdist group of its costly fixtures."""
+    """Mark each module's tests with the xdist group of its costly fixtures;
+    on a worker, then order the units slowest first (tests/durations.py)."""
     modules: dict[str, list[pytest.Item]] = {}
     for item in items:
         modules.setdefault(item.nodeid.split("::", 1)[0], []).append(item)
@@ -76,6 +88,8 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> Iterator[None]:
                 item.add_marker(pytest.mark.xdist_group(group))
     yield
     keep_xdist_group_ids(items)
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        order_slowest_first(items, load_durations())
 
 
 def keep_xdist_group_ids(items: list[pytest.Item]) -> None:
