@@ -38,6 +38,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # for tests.*
 from tests import clock_step, disks
+from tests.control_file import write_control
 from tests.gateway.engine import engine_argv
 from tests.partition.helpers import agent_in
 from tests.partition.netns import NetnsError, NetnsLink, available
@@ -116,9 +117,7 @@ class EngineProcess(ServiceProcess):
     def set_control(self, **settings: object) -> None:
         """Slow it or make it refuse loads (an empty call: back to normal)."""
         if settings:
-            tmp = self.control.with_suffix(".tmp")
-            tmp.write_text(json.dumps(settings))
-            tmp.replace(self.control)
+            write_control(self.control, json.dumps(settings))
         else:
             self.control.unlink(missing_ok=True)
 

@@ -17,6 +17,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+from tests.control_file import write_control
+
 SOURCE = Path(__file__).with_name("clock_step.c")
 #: Seconds a process may still read the old offset after `set()`.
 READ_EVERY_S = 1.0
@@ -54,7 +56,5 @@ class NodeClock:
 
     def set(self, offset_s: float) -> None:
         """The node's clock `offset_s` from the host's from now on (0: in step)."""
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(f"{offset_s:.3f}\n")
-        tmp.replace(self.path)
+        write_control(self.path, f"{offset_s:.3f}\n")
         self.offset_s = offset_s

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from lorafleet._process import die_with_parent
 from lorafleet.names import Names, object_stream
+from tests.control_file import write_control
 
 #: The file `fill` writes (removed to give the space back).
 FILLER = "filler"
@@ -102,9 +103,7 @@ class SlowDisk:
     control: Path
 
     def stall(self, delay_s: float) -> None:
-        tmp = self.control.with_name(self.control.name + ".tmp")
-        tmp.write_text(f"{delay_s}\n")
-        os.replace(tmp, self.control)
+        write_control(self.control, f"{delay_s}\n")
 
     def clear(self) -> None:
         self.control.unlink(missing_ok=True)
