@@ -92,13 +92,19 @@ class Program:
     started_fields: Mapping[str, Any] = field(default_factory=dict)
 
 
+def stop_on_signals(*signals: signal.Signals) -> asyncio.Event:
+    """An event that any of `signals` sets (their handlers, from now on)."""
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in signals:
+        loop.add_signal_handler(sig, stop.set)
+    return stop
+
+
 async def serve(program: Program, settings: Settings, stop: asyncio.Event | None = None) -> None:
     """Run `program` until `stop` is set (default: until SIGTERM or SIGINT)."""
     if stop is None:
-        stop = asyncio.Event()
-        loop = asyncio.get_running_loop()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            loop.add_signal_handler(sig, stop.set)
+        stop = stop_on_signals(signal.SIGTERM, signal.SIGINT)
     metrics_server = await start_metrics(program, settings)
     try:
         await _serve(program, settings, stop, metrics_server)

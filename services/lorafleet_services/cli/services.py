@@ -165,6 +165,7 @@ def up_cmd(
 async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
     """Run `stack` — with a local agent named `node` unless None, beside the
     CPU vLLM with `serve` — until it is told to stop, saying what to type next."""
+    from lorafleet import _runtime as runtime
     from lorafleet_services.demo import DEMO_MODEL, SERVED_MODEL, serving_engine
 
     async with contextlib.AsyncExitStack() as scope:
@@ -179,7 +180,8 @@ async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
         settings = await stack.start()
         # Before saying it is up: a signal sent once it says so (a test's
         # SIGHUP did, in the few ms before) must find the handlers there.
-        stop = _stop_on_signals()
+        # SIGHUP: its terminal closed.
+        stop = runtime.stop_on_signals(signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
         err.print(
             f"[green]lorafleet is up[/green]: NATS {settings.nats_url}, "
             f"database {settings.effective_database_url}; Ctrl-C stops it",
@@ -196,15 +198,6 @@ async def _up(stack: EmbeddedStack, node: str | None, serve: bool) -> None:
         err.print(hints, highlight=False, soft_wrap=True, markup=False)
         err.print(endpoints_text(stack.metrics_urls()), highlight=False, markup=False)
         await _until_stopped(stack, stop)
-
-
-def _stop_on_signals() -> asyncio.Event:
-    """An event SIGINT, SIGTERM and SIGHUP (its terminal closed) set."""
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
-        loop.add_signal_handler(sig, stop.set)
-    return stop
 
 
 async def _until_stopped(stack: EmbeddedStack, stop: asyncio.Event) -> None:
