@@ -17,37 +17,28 @@ pytest_plugins = ["pytester"]
 ROOT = Path(__file__).resolve().parents[2]
 
 
-async def test_a_task_that_swallows_one_cancel_is_stopped_all_the_same() -> None:
-    swallowed: list[int] = []
-
-    async def stubborn() -> None:
-        while True:
-            try:
-                await asyncio.sleep(10)
-            except asyncio.CancelledError:
-                if swallowed:
-                    raise
-                swallowed.append(1)  # what a lost cancellation looks like to the loop
-
-    task = asyncio.create_task(stubborn())
-    await asyncio.sleep(0)
-    await asyncio.wait_for(stop_tasks(task, None), 5)
-    assert task.cancelled() and swallowed == [1]
-
-
-async def loses_one_cancellation() -> None:
+async def loses_one_cancellation(lost: list[int] | None = None) -> None:
     """nats.connect against a server that refuses it: attempts in a loop,
     each awaited through asyncio.wait_for, which on 3.11 loses a cancellation
     that lands as an attempt's future completes (gh-86296) and goes on, as
-    here; asyncio.wait_for(loses_one_cancellation(), t) never returns."""
-    lost = False
+    here (noted in `lost`); asyncio.wait_for(loses_one_cancellation(), t)
+    never returns."""
+    lost = [] if lost is None else lost
     while True:
         try:
             await asyncio.sleep(10)
         except asyncio.CancelledError:
             if lost:
                 raise
-            lost = True
+            lost.append(1)
+
+
+async def test_a_task_that_swallows_one_cancel_is_stopped_all_the_same() -> None:
+    swallowed: list[int] = []
+    task = asyncio.create_task(loses_one_cancellation(swallowed))
+    await asyncio.sleep(0)
+    await asyncio.wait_for(stop_tasks(task, None), 5)
+    assert task.cancelled() and swallowed == [1]
 
 
 async def test_within_ends_a_call_that_loses_its_cancellation() -> None:
