@@ -256,6 +256,10 @@ async def test_a_deleted_jobs_artifacts_and_data_go(gateway: Gateway) -> None:
     data = records("deleted")
     job = await stack.submit(node="node-1", data=data.decode())
     assert (await stack.wait_state(job.id, JobState.DONE, JobState.FAILED)).state is JobState.DONE
+    # Training's end drops a checkpoint still on its way (agent/transfer/
+    # checkpoints.py): a fast run may store none (a suite run on a quiet
+    # machine did). Whatever was stored must go.
+    stored = (await stack.get(job.id)).checkpoint
     dataset = dataset_object_name(hashlib.sha256(data).hexdigest())
     deleted = msgspec.json.decode(
         await lorafleet(gateway, "jobs", "delete", job.id, "--reason", "a test", "--json"),
@@ -268,7 +272,7 @@ async def test_a_deleted_jobs_artifacts_and_data_go(gateway: Gateway) -> None:
     removed = objects_of(await gc(gateway))
     assert removed[f"{job.id}/peft"] == f"job {job.id} is not in the recorder (deleted)"
     assert "no job and no file names it" in removed[dataset]
-    assert f"{job.id}/checkpoint" in removed
+    assert (f"{job.id}/checkpoint" in removed) is (stored is not None), (stored, removed)
 
 
 async def test_a_job_deleted_in_lorafleet_leaves_the_gateways_listing(gateway: Gateway) -> None:
