@@ -26,6 +26,7 @@ from lorafleet_services.scheduler.node_table import NodeTable
 from lorafleet_services.scheduler.placement import plan_dispatch
 from lorafleet_services.scheduler.replicas import (
     ASK_AGAIN_S,
+    LOADING_STALE_S,
     NOT_STARTED_AGAIN_S,
     REFUSED_AGAIN_S,
     Asks,
@@ -175,6 +176,21 @@ def test_loading_is_not_asked_again_and_asked_pairs_wait() -> None:
     plan = plan_replicas([placed()], t.nodes, [record("j1", "a", ServingState.LOADING)],
                          recently_asked={("j1", "b")})  # fmt: skip
     assert plan.place == []
+
+
+def test_a_load_left_loading_past_its_bound_is_asked_again() -> None:
+    """Nemesis seed 44: an agent SIGTERMed mid-load left its record loading,
+    and the `all` job never went back on that node (35 minutes, to the run's
+    end). A replica counted from such a record is no replica either."""
+    t = fleet(("a", [engine("http://a")]), ("b", [engine("http://b")]))
+    stuck = [record("j1", "a", ServingState.LOADING)]  # updated at T0
+    soon = T0 + dt.timedelta(seconds=LOADING_STALE_S - 1)
+    late = T0 + dt.timedelta(seconds=LOADING_STALE_S + 1)
+    assert plan_replicas([placed()], t.nodes, stuck, wall=soon).place == [("j1", "b")]
+    assert plan_replicas([placed()], t.nodes, stuck, wall=late).place == [("j1", "a"), ("j1", "b")]
+    one = placed(policy=Replicas(replicas=1))
+    assert plan_replicas([one], t.nodes, stuck, wall=soon).place == []
+    assert len(plan_replicas([one], t.nodes, stuck, wall=late).place) == 1
 
 
 def test_a_new_engine_on_a_node_that_holds_it_gets_it_too() -> None:

@@ -107,9 +107,10 @@ class ReplicaRounds:
             return
         records = await serving_records(self.recorder.adapters, [p.job.id for p in placed])
         self.asks.heard(records, now)
-        plan = plan_replicas(placed, self.table.nodes, records, self.asks.pending("place", now))
-        by_id = {p.job.id: p for p in placed}
         wall = dt.datetime.now(dt.UTC)
+        asked = self.asks.pending("place", now)
+        plan = plan_replicas(placed, self.table.nodes, records, asked, wall)
+        by_id = {p.job.id: p for p in placed}
         for job_id, node in plan.place:
             self.asks.ask((job_id, node, "place"), now, wall)
             self._spawn(self._place(by_id[job_id], node))

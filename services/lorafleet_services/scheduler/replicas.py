@@ -170,12 +170,17 @@ def plan_replicas(
     nodes: Mapping[str, Node],
     records: Sequence[ServingRecord],
     recently_asked: set[tuple[str, str]] | None = None,
+    wall: dt.datetime | None = None,
 ) -> ReplicaPlan:
     """The places to load and to unload in this round, oldest job first (its
     slots are counted before a newer one's). `recently_asked`: (job, node)
     pairs asked lately and not yet answered by a record or a beat (the
-    caller's back-off): not asked again."""
+    caller's back-off): not asked again. `wall`: the time now, by which a
+    record left loading past LOADING_STALE_S stands for no load (None: every
+    loading record stands)."""
     asked = recently_asked or set()
+    if wall is not None:
+        records = [r for r in records if not stale_loading(r, wall)]
     plan = ReplicaPlan()
     slots_by_model: dict[str, dict[str, int]] = {}
     pinned = {p.served_name for p in jobs}
@@ -209,6 +214,20 @@ def plan_replicas(
 #: Seconds before a (job, node) asked to load or unload is asked again when
 #: nothing answered it: past a load and its probe on a busy node.
 ASK_AGAIN_S = 30.0
+#: Seconds a `loading` record stands for a load under way. Past it with no
+#: outcome (its agent stopped mid-load, or the report was lost), the node
+#: holds nothing and is asked again: nemesis seed 44's agent, SIGTERMed
+#: mid-load, left a record loading that kept an `all` job off its node for
+#: the run's last 35 minutes.
+LOADING_STALE_S = 2 * ASK_AGAIN_S
+
+
+def stale_loading(record: ServingRecord, wall: dt.datetime) -> bool:
+    """A `loading` record older than LOADING_STALE_S at `wall`."""
+    age_s = (wall - record.updated_at).total_seconds()
+    return record.state is ServingState.LOADING and age_s > LOADING_STALE_S
+
+
 #: Seconds before asking again a node that started no load (it did not answer,
 #: or its agent saw no engine of the base yet: an agent just started lists its
 #: engine in a beat before its serving side has read it): nothing to wait for.
