@@ -64,6 +64,10 @@ ENGINE_SAMPLE_S = 1.0
 ENGINE_TIMEOUT_S = 2.0
 #: Seconds an HTTP request to the gateway may take (a slow engine, a stream).
 HTTP_TIMEOUT_S = 30.0
+#: Items a page of the gateway's listings holds at most (its MAX_PAGE), and
+#: pages read of one listing at most (an hour's run uploads some 700 files).
+PAGE_ITEMS = 100
+MAX_PAGES = 100
 #: The suffix of every gateway job's fine-tuned model.
 SUFFIX = "nem"
 
@@ -266,10 +270,10 @@ class GatewayTraffic:
         """The key's listings, and one file and job of the other project asked by id."""
         _, url = self._replica(rng)
         project, auth = self._project(key), self._auth(key)
-        files = (await self.http.get(f"{url}/v1/files", headers=auth)).json()["data"]
-        jobs = (await self.http.get(f"{url}/v1/fine_tuning/jobs?limit=100", headers=auth)).json()
+        files = await listed(self.http, url, "/v1/files", auth)
+        jobs = await listed(self.http, url, "/v1/fine_tuning/jobs", auth)
         listed_jobs = [{"id": j["id"], "project": (j.get("metadata") or {}).get("project")}
-                       for j in jobs["data"]]  # fmt: skip
+                       for j in jobs]  # fmt: skip
         listed_files = [{"id": f["id"], "filename": f["filename"]} for f in files]
         self.history.write(kind, project=project, jobs=listed_jobs, files=listed_files)
         others = [(p, f) for p, ids in self.files.items() if p != project for f in ids]
@@ -340,7 +344,7 @@ class GatewayTraffic:
             _, url = self._replica(rng)
             try:
                 await self.probe_tenancy(rng, key, "final.tenancy")
-                files = (await self.http.get(f"{url}/v1/files", headers=auth)).json()["data"]
+                files = await listed(self.http, url, "/v1/files", auth)
             except Exception as e:
                 self.history.write("final.files", project=project, files=None, error=repr(e))
                 continue
@@ -358,6 +362,29 @@ class GatewayTraffic:
                             "sha256": sha, "why": why})  # fmt: skip
             self.history.write("final.files", project=project, files=out)
         self.history.write("final.engines", adapters=await self.engines_now())
+
+
+async def listed(
+    http: httpx2.AsyncClient,
+    url: str,
+    path: str,
+    auth: dict[str, str],
+    page_items: int = PAGE_ITEMS,
+) -> list[dict[str, Any]]:
+    """Every item of one of the gateway's listings, page after page: the
+    first page alone (100 items) left an hour's later uploads out of the
+    final read, each then judged lost (seed 44)."""
+    items: list[dict[str, Any]] = []
+    params = {"limit": str(page_items)}
+    for _ in range(MAX_PAGES):
+        reply = await http.get(f"{url}{path}", headers=auth, params=params)
+        reply.raise_for_status()
+        page = reply.json()
+        items += page["data"]
+        if not page.get("has_more") or not page["data"]:
+            return items
+        params["after"] = page["data"][-1]["id"]
+    raise RuntimeError(f"{url}{path} has over {MAX_PAGES} pages of {page_items}")
 
 
 def _records(rng: random.Random, size: int) -> bytes:

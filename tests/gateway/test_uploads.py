@@ -8,9 +8,11 @@ from __future__ import annotations
 import asyncio
 import hashlib
 
+import httpx2
 import openai
 import psutil
 import pytest
+from bench.nemesis_gateway import listed
 from nats.js.errors import ObjectNotFoundError
 
 from lorafleet.names import dataset_object_name, object_chunk_subjects, object_stream
@@ -101,3 +103,20 @@ async def test_an_upload_after_a_check_worker_died_is_checked_by_a_new_one(
         bad = b'{"q": "no answer"}\n'
         with pytest.raises(openai.BadRequestError):  # still checked, by the new workers
             await sdk.files.create(file=("bad.jsonl", bad), purpose="fine-tune")
+
+
+async def test_the_nemesis_reads_every_page_of_a_listing(gateway: Gateway) -> None:
+    """bench/nemesis_gateway.listed, the nemesis's read of a key's files: an
+    hour's run uploads past the gateway's 100 a page, and the first page
+    alone judged every later upload lost (seed 44)."""
+    async with gateway.sdk() as sdk:
+        made = [
+            (await sdk.files.create(file=(f"page-{i}.jsonl", LINE), purpose="fine-tune")).id
+            for i in range(5)
+        ]
+        every = [f.id async for f in sdk.files.list()]
+    assert set(made) <= set(every)
+    auth = {"authorization": f"Bearer {gateway.keys['alice']}"}
+    async with httpx2.AsyncClient() as http:
+        got = await listed(http, gateway.url, "/v1/files", auth, page_items=2)
+    assert [f["id"] for f in got] == every
