@@ -304,7 +304,8 @@ class ServingAgent:
             return False
         if victim is not None:
             await self._evict(client, server, victim, adapter.served_name)
-        result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir)
+        holds = [n for n in loaded if n != victim]  # read under the lock: not read again
+        result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir, holds)
         if isinstance(result, Served):
             self.backoff.succeeded((server.url, adapter.served_name))
             self.desired.add(server.url, _desired(v, adapter, probe_base, result.path, placed))

@@ -221,12 +221,17 @@ async def serve_adapter(
     adapter: AdapterToServe,
     reference: ProbeReference,
     work_dir: Path,
+    loaded: list[str] | None = None,
 ) -> ServeResult:
-    """Preflight, copy, load, confirm (module docstring)."""
-    try:
-        loaded = loaded_adapters(engine, await client.models())
-    except VllmError as exc:
-        return ServeFailed(str(exc))
+    """Preflight, copy, load, confirm (module docstring). `loaded`: what the
+    engine holds as its caller read it just now, under the node's lock (None:
+    read here). An engine restarted with 300 adapters had each reload read
+    its /v1/models of 300 again, twice per adapter with the confirmation."""
+    if loaded is None:
+        try:
+            loaded = loaded_adapters(engine, await client.models())
+        except VllmError as exc:
+            return ServeFailed(str(exc))
     refused = preflight(engine, adapter, loaded)
     if refused is not None:
         return refused
