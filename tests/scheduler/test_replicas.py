@@ -212,6 +212,19 @@ def test_drain_places_elsewhere_first_then_unloads() -> None:
     assert plan.place == [] and plan.unplace == [("j1", "a")]
 
 
+def test_a_node_whose_engine_is_missing_from_its_beat_is_not_asked_to_unload() -> None:
+    """Nemesis seed 44: an engine down or too slow to read for a beat took
+    its node out of an `all` job's desired nodes, and the scheduler asked it
+    to unload every such adapter; its agent then no longer loaded them back
+    when the engine returned. A drained node with its engine is still asked."""
+    served = [record("j1", "a", ServingState.SERVED)]
+    t = fleet(("a", []), ("b", [engine("http://b", [name()])]))
+    assert plan_replicas([placed()], t.nodes, served).unplace == []
+    t = fleet(("a", [engine("http://a", [name()])]), ("b", [engine("http://b", [name()])]))
+    t.mark("a", NodeSchedule.DRAINED)
+    assert plan_replicas([placed()], t.nodes, served).unplace == [("j1", "a")]
+
+
 def test_the_last_replica_stays_when_nowhere_else_can_serve_it() -> None:
     t = fleet(("a", [engine("http://a", [name()])]))
     t.mark("a", NodeSchedule.DRAINED)
