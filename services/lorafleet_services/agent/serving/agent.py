@@ -290,7 +290,8 @@ class ServingAgent:
     ) -> bool:
         desired = self.desired.on(server.url)
         victim = eviction_choice(desired, loaded, server.max_cpu_loras, adapter.served_name)
-        refused = preflight(server, adapter, [n for n in loaded if n != victim])
+        holds = [n for n in loaded if n != victim]  # read under the lock: not read again
+        refused = preflight(server, adapter, holds)
         if refused is not None:
             self.reports.report(
                 v, server.url, ServingState.REFUSED, refused.reason, lift=refused.lift
@@ -304,7 +305,6 @@ class ServingAgent:
             return False
         if victim is not None:
             await self._evict(client, server, victim, adapter.served_name)
-        holds = [n for n in loaded if n != victim]  # read under the lock: not read again
         result = await serve_adapter(client, server, adapter, reference, self.cfg.work_dir, holds)
         if isinstance(result, Served):
             self.backoff.succeeded((server.url, adapter.served_name))
