@@ -342,6 +342,22 @@ def test_an_adapter_moved_elsewhere_or_unserved_by_the_run_is_not_owed() -> None
     assert check(h.entries) == []
 
 
+def test_an_unserve_just_before_the_sample_is_no_debt_but_one_long_before_is() -> None:
+    """Seed 44's hour: unserved 0.3 s before the sample that still listed it
+    (its unload under way), 0.6 s before its engine was killed. Unserved
+    longer than the bound before and still listed, it is owed again."""
+    for unserved_at, owed in ((40.0, False), (5.0, True)):
+        h = History()
+        h.job("a")
+        h.add("serving.change", unserved_at, job="a", action="unserve", node=None)
+        engines(h, 40.3, node_1=[A1])
+        engine_killed(h, 40.6, 42.0)
+        engines(h, 45.0)
+        h.end(a={})
+        rules = [v.rule for v in check(h.entries)]
+        assert rules == (["served-again"] if owed else []), (unserved_at, rules)
+
+
 def test_a_replicas_surplus_before_the_fault_is_not_owed() -> None:
     """Seed 16: on three engines for a moment (one placed before another was
     unloaded), a job of two replicas was back on two: not a violation."""
