@@ -7,12 +7,14 @@ from __future__ import annotations
 import json
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import ClassVar
 
 import pytest
 
-from lorafleet_services.agent.serving.engine_watch import EngineWatch
+from lorafleet_services.agent.serving.engine_watch import EngineView, EngineWatch
+from lorafleet_services.agent.serving.running_engines import VllmServer
 from lorafleet_services.agent.serving.vllm_client import VllmClient, VllmRequestError
 from tests.vllm_server import free_port
 
@@ -85,3 +87,17 @@ async def test_the_engine_watch_reads_a_configured_engine_with_its_key(http_url:
     gone = EngineWatch([f"http://127.0.0.1:{free_port()}"], refresh_s=5.0, node="n1")
     (view,) = await gone.refresh()
     assert not view.up and gone.refs()[0].adapters == []
+
+
+def test_an_engine_that_stops_answering_keeps_in_the_beat_what_it_listed_last() -> None:
+    """A busy engine's /v1/models timing out listed it empty in the beat, and
+    the placement asked for every adapter it held; a new process lists nothing."""
+    server = VllmServer(url="http://127.0.0.1:1", pid=7)
+    listed = EngineView(server, ("a",))
+    silent = EngineView(server, None).after(listed)
+    assert not silent.up and (silent.ref().adapters, silent.ref().answered) == (["a"], False)
+    assert EngineView(server, None).after(silent).ref().adapters == ["a"]  # silent again
+    restarted = EngineView(replace(server, pid=8), None).after(listed)
+    assert restarted.ref().adapters == [] and not restarted.ref().answered
+    back = EngineView(server, ("b",)).after(silent).ref()
+    assert (back.adapters, back.answered) == (["b"], True)

@@ -76,16 +76,20 @@ def test_top_shows_each_live_nodes_engines_and_their_adapters() -> None:
         adapters=["j1-abcdef012345"],
     )  # fmt: skip
     idle = EngineRef(kind=Engine.LLAMACPP, url="http://127.0.0.1:8080", model=None)
+    busy = EngineRef(kind=Engine.VLLM, url="http://127.0.0.1:8001", model="tiny",
+                     adapters=["j2-1"], answered=False)  # fmt: skip
     gone = EngineRef(kind=Engine.VLLM, url="http://10.0.0.9:8000", adapters=["old-1"])
     snap = FleetSnapshot(
-        nodes=[info("gpu-1", True, [vllm, idle]), info("gpu-2", False, [gone])],
+        nodes=[info("gpu-1", True, [vllm, idle, busy]), info("gpu-2", False, [gone])],
         running=[], queued=[], taken_at=T0,
     )  # fmt: skip
     text = shown(fleet_view(snap))
-    assert "engines (2)" in text, text
+    assert "engines (3)" in text, text
     row = next(line for line in text.splitlines() if "127.0.0.1:8000" in line)
     for part in ("gpu-1", "vllm", "tiny", "j1-abcdef012345 (1/2)"):
         assert part in row, row
     llama = next(line for line in text.splitlines() if "127.0.0.1:8080" in line)
     assert "llamacpp" in llama and "none" in llama and "?" in llama
     assert "old-1" not in text  # a lost node's engines say nothing about now
+    silent = next(line for line in text.splitlines() if "127.0.0.1:8001" in line)
+    assert "not answering; last listed: j2-1" in silent, silent

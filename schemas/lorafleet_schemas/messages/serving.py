@@ -59,6 +59,10 @@ class EngineRef(msgspec.Struct, kw_only=True):
     max_cpu_loras: int | None = None
     #: The adapters it has loaded now (their served names).
     adapters: list[str] = msgspec.field(default_factory=list)
+    #: False when its last /v1/models read went unanswered (starting, hung,
+    #: overloaded): `adapters` is then what the same process listed last
+    #: (none for a process never read).
+    answered: bool = True
 
 
 class ServingRecord(msgspec.Struct, kw_only=True):

@@ -93,7 +93,9 @@ def _engines_table(snap: FleetSnapshot) -> Table:
             e.url,
             e.kind.value,
             e.model or "?",
-            (", ".join(e.adapters) or "none") + slots,
+            ("" if e.answered else "not answering; last listed: ")
+            + (", ".join(e.adapters) or "none")
+            + slots,
         )
     return table
 

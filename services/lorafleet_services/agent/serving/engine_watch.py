@@ -3,9 +3,11 @@
 One read is the process scan (a walk of /proc in a thread) and each
 server's `/v1/models`, each call bounded by `MODELS_TIMEOUT_S`: tens of
 milliseconds on a quiet node, seconds on a busy engine, so the heartbeat
-never waits for one but takes the last (`refs()`); an engine that does not
-answer keeps its last known adapters. After each read `on_read(views,
-previous)` lets the serving agent load again what an engine lost.
+never waits for one but takes the last (`refs()`). A process that does not
+answer keeps, in the heartbeat, what it listed last (`answered` false): a
+busy engine listed empty had the placement ask for every adapter it holds.
+After each read `on_read(views, previous)` lets the serving agent load
+again what an engine lost.
 """
 
 from __future__ import annotations
@@ -35,10 +37,20 @@ class EngineView:
 
     server: VllmServer
     adapters: tuple[str, ...] | None
+    #: While it does not answer: what the same process listed last.
+    last_listed: tuple[str, ...] = ()
 
     @property
     def up(self) -> bool:
         return self.adapters is not None
+
+    def after(self, before: EngineView | None) -> EngineView:
+        """This read, keeping `before`'s list when this one went unanswered
+        and the process is the same (a new one lost what the old held)."""
+        if self.up or before is None or before.server.pid != self.server.pid:
+            return self
+        kept = before.adapters if before.adapters is not None else before.last_listed
+        return EngineView(self.server, None, kept)
 
     def ref(self) -> EngineRef:
         s = self.server
@@ -51,7 +63,8 @@ class EngineView:
             max_lora_rank=s.max_lora_rank,
             max_loras=s.max_loras,
             max_cpu_loras=s.max_cpu_loras,
-            adapters=list(self.adapters or ()),
+            adapters=list(self.adapters if self.adapters is not None else self.last_listed),
+            answered=self.up,
         )
 
 
@@ -110,6 +123,7 @@ class EngineWatch:
         except Exception as e:
             self.logger.warning(Event.ENGINES_READ_FAILED, error=repr(e))
             return list(self.views.values())
+        views = [v.after(self.views.get(v.server.url)) for v in views]
         previous, self.views = self.views, {v.server.url: v for v in views}
         self.reads += 1
         if self.on_read is not None:
