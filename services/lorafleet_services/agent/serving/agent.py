@@ -10,7 +10,8 @@ on the node (a lock: slots are counted from one /v1/models read). The
 desired set (plan.DesiredSet) is loaded again into an engine that lost it,
 as the engine watch sees: all it lost at once, one /v1/models read and up
 to RELOAD_CONCURRENCY loads and probes in flight (one at a time, an engine
-restarted with 46 adapters took a minute to serve them again); llama.cpp is
+restarted with 46 adapters took a minute to serve them again); an ask to
+serve a version the set holds joins that reload (`_asked_again`); llama.cpp is
 llamacpp.py's; reports, reports.py.
 How each step behaves, and what an operator sees: docs/fine-tune-and-serve.md.
 """
@@ -24,6 +25,7 @@ from collections.abc import Coroutine, Mapping
 from pathlib import Path
 from typing import Any
 
+import msgspec
 from nats.js import JetStreamContext
 
 from lorafleet import log
@@ -221,6 +223,9 @@ class ServingAgent:
             self.desired.drop_unused(order.adapter_dir)
 
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
+        servers = [s for s in servers if not self._asked_again(s, order)]
+        if not servers:
+            return
         path = self.cfg.served_dir / order.served_name
         try:
             if not (path / ADAPTER_CONFIG).is_file():
@@ -237,6 +242,25 @@ class ServingAgent:
                 await self._serve_order_on(server, order, path)
         finally:
             self.desired.drop_unused(path)
+
+    def _asked_again(self, server: VllmServer, order: ServeOrder) -> bool:
+        """True when `server` should hold this version already (it is in the
+        desired set): the ask is the reload's, not a load of its own. The
+        engine is read again now, and what it lost is loaded with the rest
+        it lost (together, RELOAD_CONCURRENCY at once), at once even when a
+        failed reload was waiting out its back-off; what it lists stays as
+        it is. As a load of its own, each ask would read, load and probe in
+        turn under the node's lock: after an engine restart the placement
+        asks for every `all` adapter at once, and hundreds of them kept the
+        reload waiting behind them (nemesis seed 44)."""
+        entry = self.desired.get(server.url, order.served_name)
+        if entry is None:
+            return False
+        if order.placed and not entry.placed:
+            self.desired.add(server.url, msgspec.structs.replace(entry, placed=True))
+        self.backoff.succeeded((server.url, entry.served_name))
+        self.watch.poke()
+        return True
 
     async def _serve_order_on(self, server: VllmServer, order: ServeOrder, staged: Path) -> None:
         probe_base = order.probe_base or _local_base(server) or model_base(order.model)

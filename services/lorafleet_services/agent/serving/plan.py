@@ -92,6 +92,9 @@ class DesiredSet:
     def on(self, engine: str) -> list[DesiredAdapter]:
         return list(self.engines.get(engine, ()))
 
+    def get(self, engine: str, served_name: str) -> DesiredAdapter | None:
+        return next((a for a in self.on(engine) if a.served_name == served_name), None)
+
     def add(self, engine: str, adapter: DesiredAdapter) -> None:
         """Hold `adapter` on `engine` (replacing an entry of the same name)."""
         kept = [a for a in self.on(engine) if a.served_name != adapter.served_name]
