@@ -135,8 +135,19 @@ async def test_an_answer_no_nats_message_holds_is_refused_saying_what_to_ask(
     await nc.close()
 
 
+@pytest.mark.parametrize(
+    "error",
+    [
+        nats.js.errors.ServiceUnavailableError(
+            code=503, err_code=10008, description="JetStream system temporarily unavailable"
+        ),
+        # A publish no stream took: nemesis seed 47, a submit during nats.isolate.
+        nats.js.errors.NoStreamResponseError(),
+    ],
+    ids=lambda e: type(e).__name__,
+)
 async def test_jetstreams_own_unavailability_is_unavailable_not_internal(
-    settings: Settings,
+    settings: Settings, error: Exception
 ) -> None:
     """Nemesis seed 25: a submit whose dataset write met JetStream's 503
     ("temporarily unavailable", mid-election) answered `internal`, a 500
@@ -144,9 +155,7 @@ async def test_jetstreams_own_unavailability_is_unavailable_not_internal(
     nc = await bus.connect(settings, "test")
 
     async def electing(req: Echo) -> Echo:
-        raise nats.js.errors.ServiceUnavailableError(
-            code=503, err_code=10008, description="JetStream system temporarily unavailable"
-        )
+        raise error
 
     await start_service(nc, "lorafleet-electing", "1.0.0", "mid-election",
                         [Route("t.electing", Echo, electing)], "q")  # fmt: skip

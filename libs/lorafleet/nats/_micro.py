@@ -102,13 +102,22 @@ def decode_request(data: bytes, typ: type[Req]) -> Req:
         raise BadRequestError(f"the request is not valid JSON: {e}") from None
 
 
-def jetstream_unavailable(e: nats.js.errors.ServiceUnavailableError) -> UnavailableError:
-    """JetStream's own 503 (a member down, a leader being elected): the
-    request's step did not happen, and a retry is what it needs (nemesis
-    seed 25: a submit's dataset write answered `internal`, a gateway 500)."""
+#: JetStream's own 503s: an API call's (a member catching up, a leader being
+#: elected) and a publish's that no stream took (its leader unreachable
+#: from this member: nemesis seed 47, a submit during `nats.isolate`).
+JETSTREAM_UNAVAILABLE = (
+    nats.js.errors.ServiceUnavailableError,
+    nats.js.errors.NoStreamResponseError,
+)
+
+
+def jetstream_unavailable(e: Exception) -> UnavailableError:
+    """One of JETSTREAM_UNAVAILABLE: the request's step did not happen, and
+    a retry is what it needs (nemesis seed 25: a submit's dataset write
+    answered `internal`, a gateway 500)."""
     return UnavailableError(
-        f"JetStream is temporarily unavailable ({e.description or e}): a NATS member is "
-        "down or a leader is being elected; retry in a few seconds"
+        f"JetStream is temporarily unavailable ({getattr(e, 'description', None) or e}): "
+        "a NATS member is down or a leader is being elected; retry in a few seconds"
     )
 
 
@@ -149,7 +158,7 @@ def endpoint(
         except ApiError as e:
             await fail(req, e)
             return
-        except nats.js.errors.ServiceUnavailableError as e:
+        except JETSTREAM_UNAVAILABLE as e:
             await fail(req, jetstream_unavailable(e))
             return
         except Exception as e:
