@@ -274,7 +274,8 @@ async def record_final(run: Run, tmp: Path) -> None:
             artifacts.append({"kind": art.kind.value, "ok": ok, "why": "" if ok else why})
         steps = _steps_of(rec.params)
         history.write("final.job", job=rec.id, state=rec.state.value, steps=steps,
-                      curve_steps=[p.step for p in curve.points], artifacts=artifacts)  # fmt: skip
+                      curve_steps=[p.step for p in curve.points], artifacts=artifacts,
+                      serving=msgspec.to_builtins(rec.serving))  # fmt: skip
     await _record_orphans(run)
     history.write("final.trainers", alive=[pid for pid, _, _ in run.alive_trainers()])
     await _record_status_stream(run)

@@ -23,7 +23,8 @@ runner (bench/nemesis.py) writes these kinds:
 - `trainer.alive`: job, pid (a trainer process seen alive after its job ended, sampled).
 - `trainers.alive`: trainers [{pid, job, node}] (every trainer process alive
   at one sample, each poll).
-- `final.job`: job, state, steps, curve_steps, artifacts [{kind, ok, why}].
+- `final.job`: job, state, steps, curve_steps, artifacts [{kind, ok, why}],
+  serving (its placement policy, as the recorder holds it).
 - `final.orphan`: subject, newest_wall (an object chunk no object refers to).
 - `final.trainers`: alive [pids] (trainer processes left at the end).
 - `store.started`: the artifact-store (re)started (it sweeps at start).
@@ -412,10 +413,12 @@ def served_after_engine_back(history: list[Entry]) -> Iterator[Violation]:
     before, the sample that listed it)."""
     samples = _engine_samples(history)
     spans = fault_spans(history)
-    # A replica policy's surplus (one placed before another is unloaded) is not owed.
+    # A replica policy's surplus (one placed before another is unloaded) is not
+    # owed. The final read knows it too for a job whose submission the run
+    # took for failed (its reply lost) though it was made: seed 47.
     replicas = {
         e["job"]: int(e["serving"]["replicas"])
-        for _, e in _of(history, "job.submitted")
+        for _, e in _of_any(history, ("final.job", "job.submitted"))
         if isinstance(e.get("serving"), dict)
     }
     unserved = defaultdict(list)

@@ -358,6 +358,19 @@ def test_an_unserve_just_before_the_sample_is_no_debt_but_one_long_before_is() -
         assert rules == (["served-again"] if owed else []), (unserved_at, rules)
 
 
+def test_a_job_the_run_took_for_unsubmitted_is_owed_its_policys_replicas() -> None:
+    """Seed 47: a submit timed out at the client yet made the job, of two
+    replicas; with no policy in the history it was owed all three engines."""
+    g1 = "g-0123456789ab"
+    for serving, owed in (({"replicas": 2}, False), (None, True)):
+        h = History()
+        engines(h, 2.0, node_1=[g1], node_2=[g1], node_3=[g1])  # a surplus, for a moment
+        engine_killed(h, 3.0, 5.0)
+        engines(h, 8.0, node_2=[g1], node_3=[g1])
+        h.end(g={"serving": serving})
+        assert ("served-again" in rules(h)) is owed, (serving, rules(h))
+
+
 def test_a_replicas_surplus_before_the_fault_is_not_owed() -> None:
     """Seed 16: on three engines for a moment (one placed before another was
     unloaded), a job of two replicas was back on two: not a violation."""
