@@ -128,14 +128,16 @@ async def test_no_stream_is_published_again_after_a_pause_then_refused(
     pub.published[1][1].set_exception(NoStreamError("no responders", 503))
     pub.published[0][1].set_exception(NoStreamError("no responders", 503))
     settling = asyncio.create_task(w.settle(w.in_flight.popleft()))
-    await asyncio.sleep(0.01)
+    await _published(pub, 0, 2)
+    await _published(pub, 1, 2)
     # Both again: chunk 1 was answered "no responders" too.
     assert pub.seqs() == [0, 1, 0, 1]
     # Patient: on a cluster a stream electing a leader answers so for seconds.
-    for _ in range(NO_STREAM_MAX_TRIES - 1):
+    for left in reversed(range(NO_STREAM_MAX_TRIES - 1)):
         latest = [fut for seq, fut in pub.published if seq == 0][-1]
         latest.set_exception(NoStreamError("no responders", 503))
-        await asyncio.sleep(0.002)
+        if left:  # published again before it is answered (a fixed 2 ms was too short under load)
+            await _published(pub, 0, pub.seqs().count(0) + 1)
     with pytest.raises(DeliveryError, match="no JetStream stream took chunk 0 of the gguf"):
         await settling
     assert pub.seqs().count(0) == NO_STREAM_MAX_TRIES
@@ -232,3 +234,12 @@ async def test_acknowledgement_times_are_measured_from_publish_to_ack() -> None:
     await asyncio.sleep(0.3)  # settled late: what counts is when the ack came
     await w.settle(w.in_flight.popleft())
     assert 0.04 <= w.fastest_s < 0.25, w.fastest_s
+
+
+async def _published(pub: FakePublisher, seq: int, count: int, bound_s: float = 10.0) -> None:
+    """Until `pub` has published chunk `seq` `count` times (at most `bound_s`)."""
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + bound_s
+    while pub.seqs().count(seq) < count:
+        assert loop.time() < deadline, f"chunk {seq} published {pub.seqs().count(seq)} times"
+        await asyncio.sleep(0.001)
