@@ -11,7 +11,7 @@ desired set (plan.DesiredSet) is loaded again into an engine that lost it,
 as the engine watch sees: all it lost at once, one /v1/models read and up
 to RELOAD_CONCURRENCY loads and probes in flight (one at a time, an engine
 restarted with 46 adapters took a minute to serve them again); an ask to
-serve a version the set holds joins that reload (`_asked_again`); llama.cpp is
+serve a version the set holds joins that reload (`asked_again`); llama.cpp is
 llamacpp.py's; reports, reports.py.
 How each step behaves, and what an operator sees: docs/fine-tune-and-serve.md.
 """
@@ -223,9 +223,8 @@ class ServingAgent:
             self.desired.drop_unused(order.adapter_dir)
 
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
-        servers = [s for s in servers if not self._asked_again(s, order)]
-        if not servers:
-            return
+        ask = (self.desired, self.backoff, self.watch)
+        servers = [s for s in servers if not asked_again(*ask, s, order)]
         path = self.cfg.served_dir / order.served_name
         try:
             if not (path / ADAPTER_CONFIG).is_file():
@@ -242,25 +241,6 @@ class ServingAgent:
                 await self._serve_order_on(server, order, path)
         finally:
             self.desired.drop_unused(path)
-
-    def _asked_again(self, server: VllmServer, order: ServeOrder) -> bool:
-        """True when `server` should hold this version already (it is in the
-        desired set): the ask is the reload's, not a load of its own. The
-        engine is read again now, and what it lost is loaded with the rest
-        it lost (together, RELOAD_CONCURRENCY at once), at once even when a
-        failed reload was waiting out its back-off; what it lists stays as
-        it is. As a load of its own, each ask would read, load and probe in
-        turn under the node's lock: after an engine restart the placement
-        asks for every `all` adapter at once, and hundreds of them kept the
-        reload waiting behind them (nemesis seed 44)."""
-        entry = self.desired.get(server.url, order.served_name)
-        if entry is None:
-            return False
-        if order.placed and not entry.placed:
-            self.desired.add(server.url, msgspec.structs.replace(entry, placed=True))
-        self.backoff.succeeded((server.url, entry.served_name))
-        self.watch.poke()
-        return True
 
     async def _serve_order_on(self, server: VllmServer, order: ServeOrder, staged: Path) -> None:
         probe_base = order.probe_base or _local_base(server) or model_base(order.model)
@@ -442,7 +422,7 @@ class ServingAgent:
     async def _unserve(self, held: list[tuple[str, DesiredAdapter]], reason: str) -> None:
         async with self._lock:
             for url, entry in held:
-                server = self._server(url)
+                server = self.watch.server(url)
                 async with VllmClient(url, server.api_key) as client:
                     try:
                         await client.unload_lora_adapter(entry.served_name)
@@ -456,10 +436,6 @@ class ServingAgent:
                 self.desired.drop_unused(Path(entry.path))
                 self.reports.report(_version(entry), url, ServingState.UNLOADED, reason)
         self.watch.poke()
-
-    def _server(self, url: str) -> VllmServer:
-        view = self.watch.views.get(url)
-        return view.server if view is not None else VllmServer(url=url)
 
 
 def _version(item: ServeOrder | DesiredAdapter) -> AdapterVersion:
@@ -480,3 +456,26 @@ def _desired(
 def _local_base(server: VllmServer) -> str | None:
     """The engine's --model when it is a directory here (the probe loads it)."""
     return server.model if server.model and Path(server.model).is_dir() else None
+
+
+def asked_again(
+    desired: DesiredSet, backoff: ReloadBackoff, watch: EngineWatch, server: VllmServer,
+    order: ServeOrder,
+) -> bool:  # fmt: skip
+    """True when `server` should hold this version already (it is in the
+    desired set): the ask is the reload's, not a load of its own. The engine
+    is read again now, and what it lost is loaded with the rest it lost
+    (together, RELOAD_CONCURRENCY at once), at once even when a failed
+    reload was waiting out its back-off; what it lists stays as it is. As a
+    load of its own, each ask would read, load and probe in turn under the
+    node's lock: after an engine restart the placement asks for every `all`
+    adapter at once, and hundreds of them kept the reload waiting behind
+    them (nemesis seed 44)."""
+    entry = desired.get(server.url, order.served_name)
+    if entry is None:
+        return False
+    if order.placed and not entry.placed:
+        desired.add(server.url, msgspec.structs.replace(entry, placed=True))
+    backoff.succeeded((server.url, entry.served_name))
+    watch.poke()
+    return True

@@ -113,6 +113,11 @@ class EngineWatch:
         """What the heartbeat carries: the last read, never waited for."""
         return [v.ref() for v in self.views.values()]
 
+    def server(self, url: str) -> VllmServer:
+        """The engine at `url` as last read (its url alone when never read)."""
+        view = self.views.get(url)
+        return view.server if view is not None else VllmServer(url=url)
+
     def poke(self) -> None:
         """Read again now (after a load or an unload)."""
         self._wake.set()
