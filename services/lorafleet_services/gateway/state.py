@@ -10,8 +10,8 @@ and a client identity may not purge it to delete a file.
 
 Keys: `files.<owner>.<file id>` and `jobs.<owner>.<lorafleet job id>`,
 `owner` the API key's project (tenancy.py), so a project sees only its own
-(another's is "not found") and its listing is one watch over its own
-prefix (`_natspy.kv_values`).
+(another's is "not found") and its listing reads its own prefix's keys
+(`_natspy.kv_values`: no consumer).
 """
 
 from __future__ import annotations
