@@ -53,7 +53,26 @@ def small_filesystem(path: Path, size_mib: int) -> Iterator[Path]:
     try:
         yield path
     finally:
-        subprocess.run(["umount", str(path)], check=True)
+        unmount(path)
+
+
+#: Seconds `unmount` waits for a busy filesystem before detaching it lazily.
+UNMOUNT_WAIT_S = 10.0
+
+
+def unmount(path: Path) -> None:
+    """Unmount `path`, waiting (bounded) while it is busy: a process that
+    held a file there may still be exiting (CI: PostgreSQL's backends after
+    `pg_ctl stop -m immediate`, "target is busy"). Then lazily (`-l`): a
+    tmpfs detached now is freed when its last user goes."""
+    deadline = time.monotonic() + UNMOUNT_WAIT_S
+    for _ in range(100):
+        if subprocess.run(["umount", str(path)], capture_output=True).returncode == 0:
+            return
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    subprocess.run(["umount", "-l", str(path)], check=True)
 
 
 def fill(directory: Path) -> Path:
