@@ -223,8 +223,9 @@ class ServingAgent:
             self.desired.drop_unused(order.adapter_dir)
 
     async def _fetch_and_serve(self, order: ServeOrder, servers: list[VllmServer]) -> None:
-        ask = (self.desired, self.backoff, self.watch)
-        servers = [s for s in servers if not asked_again(*ask, s, order)]
+        servers = [
+            s for s in servers if not asked_again(self.desired, self.backoff, self.watch, s, order)
+        ]
         path = self.cfg.served_dir / order.served_name
         try:
             if not (path / ADAPTER_CONFIG).is_file():

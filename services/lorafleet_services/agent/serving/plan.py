@@ -101,10 +101,9 @@ class DesiredSet:
         self._commit(engine, [*kept, adapter])
 
     def remove(self, engine: str, served_name: str) -> DesiredAdapter | None:
-        entries = self.on(engine)
-        gone = next((a for a in entries if a.served_name == served_name), None)
+        gone = self.get(engine, served_name)
         if gone is not None:
-            self._commit(engine, [a for a in entries if a is not gone])
+            self._commit(engine, [a for a in self.on(engine) if a is not gone])
         return gone
 
     def of_job(self, job_id: str, engine: str | None = None) -> list[tuple[str, DesiredAdapter]]:
