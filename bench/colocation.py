@@ -1,28 +1,32 @@
 """Training beside a serving engine: what the engine's users feel, with and
 without the trainer yielding to them (agent/training/yielding.py).
 
-    .venv/bin/python bench/colocation.py [--seconds 30] [--rate 2] [--device cpu|cuda]
-        [--url URL --model PATH]
+    .venv/bin/python bench/colocation.py [--seconds 30] [--rounds 3] [--rate 2]
+        [--device cpu|cuda] [--idle-s S] [--url URL --model PATH [--pid PID]]
 
 One real vLLM (the CPU build from the engines cache, serving the tiny Llama
-as the tests' server does; `--url`/`--model`: one already running) and one
-real trainer (`python -m lorafleet_trainer`, LoRA on the same tiny Llama,
-its steps without end) started once and kept for every phase. A request
-stream of streamed completions (`--tokens` each), the same in every phase:
-`--rate` a second, evenly spaced with a seeded jitter, for the first half
-of the window ("steady"), then bursts of `--burst` at once every
-`--burst-every-s` ("bursts": idle gaps between them). Phases, each
-`--seconds`:
+as the tests' server does; `--url`/`--model`: one already running, `--pid`
+its server process) and one real trainer (`python -m lorafleet_trainer`,
+LoRA on the same tiny Llama, its steps without end) started once and kept
+for every phase. A request stream of streamed completions (`--tokens`
+each), the same in every window: `--rate` a second, evenly spaced with a
+seeded jitter, for the first half ("steady"), then bursts of `--burst` at
+once every `--burst-every-s` ("bursts": idle gaps between them). Phases,
+`--seconds` each, run as `--rounds` windows in turn (a drift of the machine,
+where the kernel put whose threads, falls on every phase alike):
 
 1. trainer alone: no stream; its steps a second (the solo rate);
 2. engine alone: the stream, the trainer held paused by the pause file
    (it only looks at the file, every 20 ms);
 3. stream + training, yielding off: no pause file, the trainer's threads
    at SCHED_OTHER;
-4. stream + training, yielding on: the agent's Yielder (its real load
-   reads and decision, the node's default thresholds) holds the file, and
-   on the CPU the trainer's threads run at SCHED_IDLE, as a yielding CPU
-   job's do.
+4. stream + training, yielding on, the engine read through its /metrics
+   (as an engine the agent does not see): the agent's Yielder, in a
+   process of its own as on a node, holds the file with the node's default
+   thresholds, and on the CPU the trainer's threads run at SCHED_IDLE, as
+   a yielding CPU job's do;
+5. the same, the engine's server read from /proc (as the agent reads an
+   engine it sees), its /metrics while paused.
 
 Printed: per phase and part, requests, time to first token and the gap
 between tokens (p50, p99, ms) as the client sees them, each p99 against the
@@ -30,11 +34,8 @@ engine alone; the trainer's steps a second against its share of the solo
 rate the engine's idle time allows (the target: at least 0.7 x that); and
 how fast a pause takes hold: from the request that made the engine busy
 being sent to the trainer's "yield paused" line, with the agent's part (to
-the pause file written) apart. vLLM's gauges count a request only once
-an engine step has taken it, so the first request after a quiet spell is
-seen late and meets the trainer's step in flight: the bursts' first
-requests pay that, the ones after them do not. On a shared machine every
-figure is noisy: compare phases of one run, never runs.
+the pause file written) apart. On a shared machine every figure is noisy:
+compare phases of one run, never runs.
 """
 
 from __future__ import annotations
@@ -46,6 +47,7 @@ import json
 import math
 import os
 import random
+import signal
 import sys
 import tempfile
 import time
@@ -194,23 +196,59 @@ class Quiet:
 
 
 class TimedYielder(Yielder):
-    """The agent's Yielder, noting when it writes the pause file."""
-
-    holds: list[float]
+    """The agent's Yielder, printing when it writes the pause file."""
 
     def _apply(self, before: YieldState, now: float) -> None:
         if self.state.paused and not before.paused:
-            self.holds.append(now)
+            print(now, flush=True)  # CLOCK_MONOTONIC: the bench's perf_counter too
         super()._apply(before, now)
+
+
+def yielder_main(url: str, pid: int | None, pause: Path, idle_s: float | None) -> None:
+    """The agent's Yielder in a process of its own, as on a node (in the
+    bench's own process it would share the client's event loop and CPU)."""
+    th = YieldThresholds() if idle_s is None else YieldThresholds(idle_s=idle_s)
+    target = LoadTarget(url, LoadSource.VLLM_METRICS, pid=pid)
+    yielder = TimedYielder(PauseFile(pause), lambda: [target], th, Quiet(), time.perf_counter)
+    print("ready", flush=True)
+    with contextlib.suppress(KeyboardInterrupt):
+        asyncio.run(yielder.run())
+
+
+class YielderProcess:
+    """`yielder_main` as a child process; `holds` once stopped."""
+
+    def __init__(self, a: argparse.Namespace, url: str, pid: int | None, pause: Path) -> None:
+        argv = [sys.executable, __file__, "--yielder", url, "--pause", str(pause)]
+        argv += ["--pid", str(pid)] if pid else []
+        argv += ["--idle-s", str(a.idle_s)] if a.idle_s is not None else []
+        self.argv = argv
+        self.holds: list[float] = []
+        self.proc: asyncio.subprocess.Process | None = None
+
+    async def __aenter__(self) -> YielderProcess:
+        self.proc = await asyncio.create_subprocess_exec(*self.argv, stdout=asyncio.subprocess.PIPE)
+        assert self.proc.stdout is not None
+        await self.proc.stdout.readline()  # "ready": its imports done
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGINT)  # the Yielder lets go of the pause
+        out, _ = await self.proc.communicate()
+        self.holds = [float(x) for x in out.split()]
 
 
 @dataclass
 class Phase:
+    """One phase's windows (one a round), their requests and the trainer's steps."""
+
     name: str
-    t0: float
-    t1: float
-    reqs: list[Req]
-    steps: int
+    windows: list[tuple[float, float]] = field(default_factory=list)
+    reqs: list[Req] = field(default_factory=list)
+    steps: int = 0
+    #: The share of the windows with a request in flight.
+    busy_s: float = 0.0
     holds_s: list[float] = field(default_factory=list)
     agent_s: list[float] = field(default_factory=list)
     paused_s: float = 0.0
@@ -218,8 +256,16 @@ class Phase:
     unseen: int = 0
 
     @property
+    def seconds(self) -> float:
+        return sum(t1 - t0 for t0, t1 in self.windows)
+
+    @property
     def steps_per_s(self) -> float:
-        return self.steps / (self.t1 - self.t0)
+        return self.steps / self.seconds
+
+    @property
+    def idle_share(self) -> float:
+        return 1 - self.busy_s / self.seconds
 
 
 def pct(xs: list[float], q: float) -> float:
@@ -240,13 +286,18 @@ def busy_share(reqs: list[Req], t0: float, t1: float) -> float:
     return busy / (t1 - t0)
 
 
-async def phase(name: str, trainer: Trainer, seconds: float, stream: Any) -> Phase:
+async def window(p: Phase, trainer: Trainer, seconds: float, stream: Any) -> list[Req]:
+    """One window of phase `p` (the stream's, or `seconds` without one); its requests."""
     t0 = time.perf_counter()
     reqs = await stream() if stream is not None else []
     if stream is None:
         await asyncio.sleep(seconds)
     t1 = time.perf_counter()
-    return Phase(name, t0, t1, reqs, trainer.steps(t0, t1))
+    p.windows.append((t0, t1))
+    p.reqs += reqs
+    p.steps += trainer.steps(t0, t1)
+    p.busy_s += busy_share(reqs, t0, t1) * (t1 - t0)
+    return reqs
 
 
 def in_flight(reqs: list[Req], t: float) -> bool:
@@ -260,12 +311,14 @@ def trainer_running(trainer: Trainer, t: float) -> bool:
     return not said or said[-1] == "resumed"
 
 
-def hold_latencies(p: Phase, trainer: Trainer, holds: list[float]) -> None:
-    """For each request that found the engine idle and the trainer training:
-    from its send to the agent's pause file, and to the trainer's paused line."""
-    paused_at = [t for t, _ in trainer.yields("paused", p.t0, math.inf)]
-    for r in p.reqs:
-        if in_flight(p.reqs, r.sent) or not trainer_running(trainer, r.sent):
+def hold_latencies(p: Phase, trainer: Trainer, holds: list[float], reqs: list[Req]) -> None:
+    """For each of one window's `reqs` that found the engine idle and the
+    trainer training: from its send to the agent's pause file, and to the
+    trainer's paused line."""
+    t0, t1 = p.windows[-1]
+    paused_at = [t for t, _ in trainer.yields("paused", t0, math.inf)]
+    for r in reqs:
+        if in_flight(reqs, r.sent) or not trainer_running(trainer, r.sent):
             continue
         file_at = next((h for h in holds if h >= r.sent), None)
         line_at = next((t for t in paused_at if t >= r.sent), None)
@@ -274,13 +327,15 @@ def hold_latencies(p: Phase, trainer: Trainer, holds: list[float]) -> None:
             continue
         p.agent_s.append(file_at - r.sent)
         p.holds_s.append(line_at - r.sent)
-    p.paused_s = sum(x["paused_s"] for _, x in trainer.yields("resumed", p.t0, p.t1))
+    p.paused_s += sum(x["paused_s"] for _, x in trainer.yields("resumed", t0, t1))
 
 
 def report(phases: list[Phase], a: argparse.Namespace) -> None:
-    solo, alone = phases[0], phases[1]
-    print(f"\n{a.seconds:g} s a phase; {a.rate:g} requests/s steady, then {a.burst} every "
-          f"{a.burst_every_s:g} s; {a.tokens} tokens each; device {a.device}")  # fmt: skip
+    solo, alone, off, yielding = phases[0], phases[1], phases[2], phases[3:]
+    print(
+        f"\n{a.seconds:g} s a phase in {a.rounds} rounds; {a.rate:g} requests/s steady, then "
+        f"{a.burst} every {a.burst_every_s:g} s; {a.tokens} tokens each; device {a.device}"
+    )
     print(f"{'phase':<28}{'part':<8}{'reqs':>5}{'TTFT p50':>10}{'p99':>8}{'x alone':>8}"
           f"{'ITL p50':>9}{'p99':>8}{'x alone':>8}{'steps/s':>9}")  # fmt: skip
     base = {}
@@ -296,31 +351,31 @@ def report(phases: list[Phase], a: argparse.Namespace) -> None:
             print(f"{p.name:<28}{part:<8}{len(rs):>5}{pct(ttft, .5):>10.1f}{pct(ttft, .99):>8.1f}"
                   f"{pct(ttft, .99) / bt:>8.2f}{pct(itl, .5):>9.1f}{pct(itl, .99):>8.1f}"
                   f"{pct(itl, .99) / bi:>8.2f}{steps}")  # fmt: skip
-    idle = 1 - busy_share(alone.reqs, alone.t0, alone.t1)
     print(f"{solo.name:<28}{'':<8}{'':>5}{'':>10}{'':>8}{'':>8}{'':>9}{'':>8}{'':>8}"
           f"{solo.steps_per_s:9.2f}")  # fmt: skip
-    on = phases[-1]
+    idle = alone.idle_share
     allowed = idle * solo.steps_per_s
     print(
-        f"\nengine idle {100 * idle:.0f}% of the window alone; yielding on kept "
-        f"{on.steps_per_s:.2f} steps/s = {on.steps_per_s / allowed:.2f} x the idle share of "
-        f"the solo rate (target >= 0.7); yielding off {phases[2].steps_per_s:.2f} steps/s"
+        f"\nengine idle {100 * idle:.0f}% of the windows alone; yielding off "
+        f"{off.steps_per_s:.2f} steps/s; the target: >= 0.7 x the idle share of the solo rate"
     )
-    print("a request to an idle engine beside a training trainer, sent ->")
-    for what, xs in (("  the agent's pause file", on.agent_s),
-                     ("  the trainer paused", on.holds_s)):  # fmt: skip
-        print(
-            f"{what}: {len(xs)} pauses, p50 {1000 * pct(xs, 0.5):.0f} ms, "
-            f"p99 {1000 * pct(xs, 0.99):.0f} ms, max {1000 * max(xs, default=0):.0f} ms"
-        )
-    print(f"  over before the trainer paused: {on.unseen} requests")
-    print(f"trainer paused {on.paused_s:.1f} s of phase 4's {on.t1 - on.t0:.0f} s")
+    for on in yielding:
+        print(f"{on.name}: {on.steps_per_s:.2f} steps/s = {on.steps_per_s / allowed:.2f} x; "
+              f"paused {on.paused_s:.1f} s of {on.seconds:.0f}; a request to an idle engine "
+              "beside a training trainer, sent ->")  # fmt: skip
+        for what, xs in (("  the agent's pause file", on.agent_s),
+                         ("  the trainer paused", on.holds_s)):  # fmt: skip
+            print(
+                f"{what}: {len(xs)} pauses, p50 {1000 * pct(xs, 0.5):.0f} ms, "
+                f"p99 {1000 * pct(xs, 0.99):.0f} ms, max {1000 * max(xs, default=0):.0f} ms"
+            )
+        print(f"  over before the trainer paused: {on.unseen} requests")
 
 
 @contextlib.contextmanager
 def engine(a: argparse.Namespace, work: Path) -> Any:
     if a.url:
-        yield a.url, a.model
+        yield a.url, a.model, a.pid
         return
     from bench.serving_common import engine_python, tiny_model
 
@@ -331,10 +386,12 @@ def engine(a: argparse.Namespace, work: Path) -> Any:
     # On a card vLLM takes 90% of its memory by default: the trainer needs some.
     extra = ["--gpu-memory-utilization", "0.4"] if a.device == "cuda" else []
     with running_vllm(python, model, work / "vllm.log", extra_args=extra) as server:
-        yield server.url, str(server.model_dir)
+        yield server.url, str(server.model_dir), server.pid
 
 
-async def run_phases(a: argparse.Namespace, url: str, model: str, work: Path) -> list[Phase]:
+async def run_phases(
+    a: argparse.Namespace, url: str, model: str, pid: int | None, work: Path
+) -> list[Phase]:
     base = Path(model) if Path(model).is_dir() else Path(a.trainer_model or model)
     pause = PauseFile(work / "job" / "pause")
     job = write_job(
@@ -346,31 +403,34 @@ async def run_phases(a: argparse.Namespace, url: str, model: str, work: Path) ->
     trainer = Trainer(job)
     print("starting the trainer (its first step ends the wait)", flush=True)
     await trainer.start()
+    seconds = a.seconds / a.rounds
 
     def stream() -> Any:
-        return run_stream(url, model, a.seconds, a)
+        return run_stream(url, model, seconds, a)
 
+    # Each phase a window a round, in turn: a drift of the machine (where the
+    # kernel put whose threads) falls on every phase alike.
+    solo, alone, off = (
+        Phase("1 trainer alone"),
+        Phase("2 engine alone"),
+        Phase("3 + training, yield off"),
+    )
+    reads = [("4 + yield on, /metrics", None)] + ([("5 + yield on, /proc", pid)] if pid else [])
+    yielding = [Phase(name) for name, _ in reads]
     try:
-        trainer.schedule(idle=False)
-        phases = [await phase("1 trainer alone", trainer, a.seconds, None)]
-        pause.hold("bench: the engine alone")
-        phases.append(await phase("2 engine alone", trainer, a.seconds, stream))
-        pause.release()
-        phases.append(await phase("3 + training, yield off", trainer, a.seconds, stream))
-        th = YieldThresholds()
-        target = LoadTarget(url, LoadSource.VLLM_METRICS)
-        yielder = TimedYielder(pause, lambda: [target], th, Quiet())
-        yielder.holds = []
-        trainer.schedule(idle=a.device == "cpu")
-        task = asyncio.create_task(yielder.run())
-        try:
-            on = await phase("4 + training, yield on", trainer, a.seconds, stream)
-        finally:
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-        hold_latencies(on, trainer, yielder.holds)
-        phases.append(on)
+        for _ in range(a.rounds):
+            trainer.schedule(idle=False)
+            await window(solo, trainer, seconds, None)
+            pause.hold("bench: the engine alone")
+            await window(alone, trainer, seconds, stream)
+            pause.release()
+            await window(off, trainer, seconds, stream)
+            for on, (_, target_pid) in zip(yielding, reads, strict=True):
+                trainer.schedule(idle=a.device == "cpu")
+                async with YielderProcess(a, url, target_pid, pause.path) as yielder:
+                    reqs = await window(on, trainer, seconds, stream)
+                hold_latencies(on, trainer, yielder.holds, reqs)
+        phases = [solo, alone, off, *yielding]
     finally:
         await trainer.stop()
     return phases
@@ -388,13 +448,26 @@ def main() -> None:
     ap.add_argument("--model", help="the running engine's model (a directory: also trained)")
     ap.add_argument("--trainer-model", help="the base the trainer trains, when not --model")
     ap.add_argument("--engine-python", help="the vLLM interpreter; default the engines cache's")
+    ap.add_argument("--rounds", type=int, default=3, help="windows a phase; default 3")
+    ap.add_argument("--idle-s", type=float, help="the yielder's idle_s; default the node's")
+    ap.add_argument("--pid", type=int, help="with --url: the engine's server process")
+    ap.add_argument(
+        "--metrics-only",
+        action="store_true",
+        help="the yielder reads /metrics only, as for an engine it cannot see",
+    )
+    ap.add_argument("--yielder", help=argparse.SUPPRESS)  # yielder_main's URL
+    ap.add_argument("--pause", help=argparse.SUPPRESS)
     a = ap.parse_args()
+    if a.yielder:
+        yielder_main(a.yielder, a.pid, Path(a.pause), a.idle_s)
+        return
     if bool(a.url) != bool(a.model):
         raise SystemExit("--url and --model go together")
     with tempfile.TemporaryDirectory(prefix="colocation-") as tmp:
         work = Path(tmp)
-        with engine(a, work) as (url, model):
-            phases = asyncio.run(run_phases(a, url, model, work))
+        with engine(a, work) as (url, model, pid):
+            phases = asyncio.run(run_phases(a, url, model, pid, work))
     report(phases, a)
 
 

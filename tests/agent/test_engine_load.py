@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import httpx2
@@ -20,6 +23,7 @@ from lorafleet_services.agent.node.engine_load import (
     EngineLoadError,
     LoadSource,
     LoadTarget,
+    main_thread_cpu_ns,
     parse_llamacpp_metrics,
     parse_llamacpp_slots,
     parse_vllm_metrics,
@@ -81,6 +85,68 @@ def test_llamacpp_slots_new_and_old_releases() -> None:
 def test_what_an_engine_does_not_publish_is_refused(parse: object, text: str, says: str) -> None:
     with pytest.raises(EngineLoadError, match=says):
         parse("e", text)  # type: ignore[operator]
+
+
+#: A server as the yielder reads it from /proc: its main thread spins while
+#: the file named by argv[1] exists, else sleeps in 5 ms polls (a server at rest).
+SERVER = """
+import os, sys, time
+while True:
+    if os.path.exists(sys.argv[1]):
+        end = time.monotonic() + 0.05
+        while time.monotonic() < end:
+            pass
+    else:
+        time.sleep(0.005)
+"""
+
+
+@contextlib.contextmanager
+def server_process(switch: Path) -> Iterator[int]:
+    with subprocess.Popen([sys.executable, "-c", SERVER, str(switch)]) as proc:
+        try:
+            yield proc.pid
+        finally:
+            proc.kill()
+
+
+def test_a_processs_main_thread_run_time_is_read_from_proc(tmp_path: Path) -> None:
+    switch = tmp_path / "work"
+    with server_process(switch) as pid:
+
+        def ran_ns_in(seconds: float) -> int:
+            t0 = main_thread_cpu_ns(pid)
+            time.sleep(seconds)
+            t1 = main_thread_cpu_ns(pid)
+            assert t0 is not None and t1 is not None
+            return t1 - t0
+
+        assert ran_ns_in(0.2) < 0.2e8  # at rest: its polls, well under a tenth of a core
+        switch.touch()
+        assert ran_ns_in(0.2) > 0.5e8  # working: over a quarter of a core
+    assert main_thread_cpu_ns(pid) is None  # gone
+
+
+async def test_the_yielder_pauses_for_a_server_it_sees_working(tmp_path: Path) -> None:
+    """From /proc alone (its /metrics refused: nothing there): the pause is held
+    while the server works and let go once it rests."""
+    switch, pause = tmp_path / "work", PauseFile(tmp_path / "pause")
+    with server_process(switch) as pid:
+        target = LoadTarget("http://127.0.0.1:9", LoadSource.VLLM_METRICS, pid=pid)
+        yielder = Yielder(pause, lambda: [target], YieldThresholds(), log.get())
+        task = asyncio.create_task(yielder.run())
+        try:
+            await asyncio.sleep(0.5)
+            assert not pause.path.exists(), yielder.state
+            switch.touch()
+            await eventually(pause.path.exists, "the pause file, the server working")
+            assert "server is working" in pause.path.read_text()
+            switch.unlink()
+            await eventually(lambda: not pause.path.exists(), "the pause let go, at rest")
+        finally:
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
 
 
 async def test_unreachable_engine_reads_none() -> None:
@@ -195,10 +261,17 @@ async def test_vllm_idle_then_busy_then_idle(vllm_server: RunningVllm) -> None:
         await eventually(lambda: read_load(http, target), "vLLM idle again", until=is_idle)
 
 
+@pytest.mark.parametrize("seen", [False, True], ids=["metrics", "proc"])
 async def test_the_yielder_holds_the_pause_while_vllm_streams(
-    vllm_server: RunningVllm, tmp_path: Path
+    vllm_server: RunningVllm, tmp_path: Path, seen: bool
 ) -> None:
-    target = LoadTarget(vllm_server.url, LoadSource.VLLM_METRICS)
+    """Read through /metrics (an engine the agent cannot see), or from /proc
+    with /metrics while paused: held while requests stream, let go once the
+    engine is idle (the reads' own cost to its server, ~1 ms of its main
+    thread each, is not counted as its users' work)."""
+    target = LoadTarget(
+        vllm_server.url, LoadSource.VLLM_METRICS, pid=vllm_server.pid if seen else None
+    )
     await warmed(vllm_server)
     pause = PauseFile(tmp_path / "pause")
     th = YieldThresholds(sample_s=0.05, idle_s=0.2, run_share=0.0)

@@ -87,6 +87,16 @@ def test_the_yielder_marks_an_engine_worked_when_its_tokens_grew(tmp_path: Path)
     assert marks == [False, False, True, False, False, False]
 
 
+def test_a_server_working_a_share_of_a_core_is_busy() -> None:
+    """Read from /proc: `busy_cpu_share` of a core since the last read pauses,
+    less (a server at rest) does not."""
+    th = YieldThresholds(busy_cpu_share=0.1)
+    at_rest, working = EngineLoad("e", 0, 0, cpu_share=0.03), EngineLoad("e", 0, 0, cpu_share=0.14)
+    assert run([(0.0, [at_rest]), (0.01, [working]), (0.02, [at_rest])], th) == [False, True, True]
+    state = decide(YieldState(), [working], 0.0, th)
+    assert state.reason == "e's server is working (14% of a core)"
+
+
 def test_unanswered_engines_hold_no_pause() -> None:
     """read_load's None is left out: no loads at all is not busy."""
     assert run([(0.0, []), (0.1, BUSY), (0.2, []), (0.6, [])]) == [False, True, True, False]
@@ -179,9 +189,11 @@ def test_the_agents_pause_file_holds_the_trainers_gate(tmp_path: Path) -> None:
 
 
 def test_load_targets_of_the_watch_and_the_configured_llama_servers() -> None:
-    targets = load_targets([("http://v:8000", "key")], ["http://l:8080/", "http://m:8081|slots"])
+    targets = load_targets(
+        [("http://v:8000", "key", 41)], ["http://l:8080/", "http://m:8081|slots"]
+    )
     assert targets == [
-        LoadTarget("http://v:8000", LoadSource.VLLM_METRICS, "key"),
+        LoadTarget("http://v:8000", LoadSource.VLLM_METRICS, "key", 41),
         LoadTarget("http://l:8080", LoadSource.LLAMACPP_METRICS),
         LoadTarget("http://m:8081", LoadSource.LLAMACPP_SLOTS),
     ]
@@ -195,11 +207,17 @@ def test_the_nodes_thresholds_come_from_its_config() -> None:
     )
     th = YieldThresholds.of(cfg)
     assert (th.idle_s, th.run_share, th.sample_s) == (0.5, 0.0, 0.1)
+    assert (th.cpu_sample_s, th.busy_cpu_share) == (0.01, 0.1)
 
 
 @pytest.mark.parametrize(
     ("var", "value"),
-    [("YIELD_RUN_SHARE", "1.5"), ("YIELD_SAMPLE_S", "0"), ("YIELD_BUSY_REQUESTS", "0")],
+    [
+        ("YIELD_RUN_SHARE", "1.5"),
+        ("YIELD_SAMPLE_S", "0"),
+        ("YIELD_BUSY_REQUESTS", "0"),
+        ("YIELD_BUSY_CPU_SHARE", "0"),
+    ],
 )
 def test_a_bad_threshold_says_what_to_change(var: str, value: str) -> None:
     with pytest.raises(AgentConfigError, match=f"LORAFLEET_AGENT_{var} must be"):

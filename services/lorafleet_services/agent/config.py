@@ -103,16 +103,24 @@ class AgentConfig:
     llamacpp_servers: the node's llama-servers whose load training yields
         to, each `URL` or `URL|slots` (read /slots: a server without
         --metrics); default none.
-    yield_sample_s: seconds between two reads of the engines' load while a
-        job that yields to serving trains; default 0.1.
+    yield_sample_s: seconds between two reads of the engines' /metrics
+        (or /slots) while a job that yields to serving trains; default 0.1.
     yield_busy_requests: an engine with this many requests running or
         waiting, or at 1 new tokens, is busy: the trainer pauses; default 1.
     yield_idle_s: seconds every engine must have been idle before a paused
-        trainer goes on; default 0.3.
+        trainer goes on (more than yield_sample_s: an engine's /metrics,
+        read while it holds the pause, keep it through a quiet stretch of
+        its server); default 0.15.
     yield_run_share: under load that never leaves yield_idle_s of quiet,
         the trainer still runs this share of each yield_period_s (0: it waits
         for quiet however long); default 0.25.
     yield_period_s: that duty cycle's period in seconds; default 4.
+    yield_cpu_sample_s: seconds between two reads of the run time of an
+        engine's server (/proc, for an engine whose process the agent
+        sees: it costs the engine nothing); default 0.01.
+    yield_busy_cpu_share: that server is busy when its main thread ran
+        this share of a core since the last read (vLLM's at rest: under
+        0.03); default 0.1.
     """
 
     node: str
@@ -137,9 +145,11 @@ class AgentConfig:
     llamacpp_servers: tuple[str, ...] = ()
     yield_sample_s: float = 0.1
     yield_busy_requests: int = 1
-    yield_idle_s: float = 0.3
+    yield_idle_s: float = 0.15
     yield_run_share: float = 0.25
     yield_period_s: float = 4.0
+    yield_cpu_sample_s: float = 0.01
+    yield_busy_cpu_share: float = 0.1
 
     def __post_init__(self) -> None:
         check_token(self.node, "node name")
@@ -180,6 +190,8 @@ class AgentConfig:
             "yield_idle_s": (0.0, 3600.0),
             "yield_run_share": (0.0, 1.0),
             "yield_period_s": (0.1, 3600.0),
+            "yield_cpu_sample_s": (0.001, 10.0),
+            "yield_busy_cpu_share": (0.01, 1.0),
         }
         for name, (lo, hi) in bounds.items():
             value = getattr(self, name)

@@ -214,7 +214,8 @@ class Agent:
     def _load_targets(self) -> list[LoadTarget]:
         """The engines a job yielding to serving reads: the vLLM servers of the
         last engine read, and the configured llama-servers."""
-        vllm = [(v.server.url, v.server.api_key) for v in self.serving.watch.views.values()]
+        vllm = [(v.server.url, v.server.api_key, v.server.pid)
+                for v in self.serving.watch.views.values()]  # fmt: skip
         return load_targets(vllm, self.cfg.llamacpp_servers)
 
     async def cancel_job(self, req: NodeCancelRequest) -> NodeCancelReply:

@@ -1,10 +1,16 @@
 """Training that serving does not feel: the trainer yields to the engines.
 
 While a job with `yield_to_serving: auto` trains, `Yielder` reads every
-engine's load (agent/node/engine_load.py) each `yield_sample_s` and
-`decide` says whether the trainer should be paused:
+engine's load (agent/node/engine_load.py) and `decide` says whether the
+trainer should be paused. An engine whose process the agent sees is read
+from /proc every `yield_cpu_sample_s` (10 ms: it costs the engine nothing),
+and through its /metrics only while the trainer is paused for it, to hold
+the pause through a stretch its server is quiet in (a long prefill on a
+card); an engine the agent does not see, through its /metrics (or
+llama.cpp's /slots) every `yield_sample_s`:
 
-- an engine with `busy_requests` requests running or waiting, too busy
+- an engine whose server's main thread ran `busy_cpu_share` of a core
+  since the last read, one with `busy_requests` requests running or waiting, too busy
   to answer its load read in time (`EngineLoad.late`) or, with
   `busy_requests` 1, one that processed tokens since the last read
   (`EngineLoad.worked`): pause;
@@ -51,6 +57,8 @@ from lorafleet_services.agent.node.engine_load import (
     EngineLoad,
     LoadSource,
     LoadTarget,
+    cpu_load,
+    main_thread_cpu_ns,
     read_load,
 )
 
@@ -66,9 +74,11 @@ class YieldThresholds:
 
     sample_s: float = 0.1
     busy_requests: int = 1
-    idle_s: float = 0.3
+    idle_s: float = 0.15
     run_share: float = 0.25
     period_s: float = 4.0
+    cpu_sample_s: float = 0.01
+    busy_cpu_share: float = 0.1
 
     @classmethod
     def of(cls, cfg: AgentConfig) -> YieldThresholds:
@@ -78,6 +88,8 @@ class YieldThresholds:
             cfg.yield_idle_s,
             cfg.yield_run_share,
             cfg.yield_period_s,
+            cfg.yield_cpu_sample_s,
+            cfg.yield_busy_cpu_share,
         )
 
 
@@ -96,13 +108,21 @@ class YieldState:
 
 def busiest(loads: Sequence[EngineLoad]) -> EngineLoad | None:
     """The engine that says most about the pause: one too busy to answer
-    first, then the one with most requests, then one that worked."""
-    return max(loads, key=lambda x: (x.late, x.requests, x.worked), default=None)
+    first, then the one with most requests, then one that worked, then the
+    one whose server worked most."""
+    return max(
+        loads, key=lambda x: (x.late, x.requests, x.worked, x.cpu_share or 0.0), default=None
+    )
 
 
 def is_busy(loads: Sequence[EngineLoad], th: YieldThresholds) -> bool:
     def busy(x: EngineLoad) -> bool:
-        return x.late or x.requests >= th.busy_requests or (x.worked and th.busy_requests <= 1)
+        return (
+            x.late
+            or x.requests >= th.busy_requests
+            or (x.worked and th.busy_requests <= 1)
+            or (x.cpu_share is not None and x.cpu_share >= th.busy_cpu_share)
+        )
 
     return any(busy(x) for x in loads)
 
@@ -136,11 +156,12 @@ def pause_cause(state: YieldState, now: float) -> str:
 
 
 def load_targets(
-    vllm: Sequence[tuple[str, str | None]], llamacpp: Sequence[str]
+    vllm: Sequence[tuple[str, str | None, int | None]], llamacpp: Sequence[str]
 ) -> list[LoadTarget]:
-    """The engines to read: the vLLM servers the engine watch knows (URL and
-    API key) and the configured llama-servers (`URL` or `URL|slots`)."""
-    out = [LoadTarget(url, LoadSource.VLLM_METRICS, key) for url, key in vllm]
+    """The engines to read: the vLLM servers the engine watch knows (URL, API
+    key and process, when the scan found it) and the configured
+    llama-servers (`URL` or `URL|slots`)."""
+    out = [LoadTarget(url, LoadSource.VLLM_METRICS, key, pid) for url, key, pid in vllm]
     for entry in llamacpp:
         url, _, how = entry.partition("|")
         source = LoadSource.LLAMACPP_SLOTS if how == "slots" else LoadSource.LLAMACPP_METRICS
@@ -191,6 +212,10 @@ class Yielder:
         self.sampled_at = clock()
         #: engine -> its token count at the previous read (`EngineLoad.worked`).
         self.tokens: dict[str, float] = {}
+        #: engine process -> its main thread's run time at the previous read, and when.
+        self.cpu: dict[int, tuple[int, float]] = {}
+        #: When the engines' /metrics were last read.
+        self.metrics_at = -math.inf
         #: When the pause file was last written (the hold latency's start).
         self.held_at: float | None = None
 
@@ -202,22 +227,47 @@ class Yielder:
                         await self.sample(http)
                     except Exception as e:  # a bug here must not stop the job
                         self.logger.warning(Event.JOB_YIELD, error=repr(e))
-                    await asyncio.sleep(self.th.sample_s)
+                    await asyncio.sleep(self.th.cpu_sample_s if self.cpu else self.th.sample_s)
             finally:
                 self.pause.release()
 
     async def sample(self, http: httpx2.AsyncClient) -> None:
-        """One read of every engine, and what it changes."""
+        """One read of the engines, and what it changes."""
         targets = self.targets()
-        found = await asyncio.gather(*(read_load(http, t) for t in targets))
-        loads = [self._worked(x) for x in found if x is not None]
         now = self.clock()
+        seen = {t.pid for t in targets}
+        self.cpu = {pid: v for pid, v in self.cpu.items() if pid in seen}
+        loads = [x for t in targets if t.pid is not None and (x := self._cpu(t, now)) is not None]
+        if now - self.metrics_at >= self.th.sample_s:
+            read = [t for t in targets if t.pid not in self.cpu or self.state.paused]
+            self.metrics_at = now
+            found = await asyncio.gather(*(read_load(http, t) for t in read))
+            loads += [self._worked(x) for x in found if x is not None]
+            for t in read:  # the read's own cost to the server is no one's request
+                if t.pid in self.cpu and (ns := main_thread_cpu_ns(t.pid)) is not None:
+                    self.cpu[t.pid] = (ns, self.clock())
+            now = self.clock()
         before, self.state = self.state, decide(self.state, loads, now, self.th)
         if before.paused:
             cause = pause_cause(self.state, now)
             metrics.TRAINER_YIELD.labels(cause).inc(max(0.0, now - self.sampled_at))
         self.sampled_at = now
         self._apply(before, now)
+
+    def _cpu(self, target: LoadTarget, now: float) -> EngineLoad | None:
+        """`target`'s load from /proc (None at its first read, or where /proc
+        does not show its run time: it is then read through /metrics)."""
+        pid = target.pid
+        if pid is None:
+            return None
+        before = self.cpu.pop(pid, None)
+        ns = main_thread_cpu_ns(pid)
+        if ns is None:
+            return None
+        self.cpu[pid] = (ns, now)
+        if before is None or ns < before[0]:
+            return None
+        return cpu_load(target, ns - before[0], now - before[1])
 
     def _worked(self, load: EngineLoad) -> EngineLoad:
         """`load`, `worked` when its token count grew since the last read (a
