@@ -399,9 +399,9 @@ def _engine_samples(history: list[Entry]) -> list[tuple[int, Entry]]:
     return [(i, e) for i, e in enumerate(history) if e["kind"] in ("engines", "final.engines")]
 
 
-def _holding(sample: Entry, adapter: str) -> int:
-    """Engines listing `adapter` in `sample`."""
-    return sum(1 for names in sample["adapters"].values() if names and adapter in names)
+def _holders(sample: Entry, adapter: str) -> set[str]:
+    """The nodes whose engine lists `adapter` in `sample`."""
+    return {node for node, names in sample["adapters"].items() if names and adapter in names}
 
 
 def served_after_engine_back(history: list[Entry]) -> Iterator[Violation]:
@@ -438,6 +438,14 @@ def served_after_engine_back(history: list[Entry]) -> Iterator[Violation]:
         limit = span.end + SERVED_BOUND_S
         limit += _outage_s(others, span.end, limit)
         after = [(i, s) for i, s in samples if span.end <= s["mono"] <= limit]
+        # Another engine killed or restarted meanwhile owes its adapters from
+        # its own return, under its own span (seed 47's second hour: node-2's,
+        # killed 36 s after node-1's return, had it back 12 s after its own).
+        again = {
+            s.target.split(" ", 1)[1]
+            for s in others
+            if s.fault in ("engine.kill", "engine.restart") and span.start <= s.start <= limit
+        } - {node}
         for adapter in sample["adapters"][node]:
             job = adapter.rsplit("-", 1)[0]
             # Unserved since the sample, or just before it with the unload
@@ -445,9 +453,13 @@ def served_after_engine_back(history: list[Entry]) -> Iterator[Violation]:
             # the sample that listed it, 0.6 s before the engine was killed).
             if any(at >= sample["mono"] - SERVED_BOUND_S for at in unserved[job]):
                 continue
-            want = min(_holding(sample, adapter), replicas.get(job, PLACED_ENGINES["all"]))
-            if not after or all(_holding(s, adapter) < want for _, s in after):
-                best = max((_holding(s, adapter) for _, s in after), default=0)
+            held = _holders(sample, adapter)
+            theirs = held & again
+            want = min(len(held), replicas.get(job, PLACED_ENGINES["all"])) - len(theirs)
+            if want <= 0:
+                continue
+            if not after or all(len(_holders(s, adapter) - theirs) < want for _, s in after):
+                best = max((len(_holders(s, adapter) - theirs) for _, s in after), default=0)
                 last = after[-1][0] if after else b
                 yield Violation(
                     "served-again",
@@ -477,7 +489,7 @@ def placed_served_at_end(history: list[Entry]) -> Iterator[Violation]:
         )
         names = {n for ns in last["adapters"].values() if ns for n in ns
                  if n.rsplit("-", 1)[0] == sub["job"]}  # fmt: skip
-        held = max((_holding(last, n) for n in names), default=0)
+        held = max((len(_holders(last, n)) for n in names), default=0)
         if held < want:
             yield Violation(
                 "placed",

@@ -296,10 +296,12 @@ def engines(h: History, at: float, **held: list[str] | None) -> None:
     h.add("engines", at, adapters=adapters)
 
 
-def engine_killed(h: History, at: float, back: float, node: str = "node-1") -> None:
-    h.add("fault.start", at, id=9, fault="engine.kill", target=f"engine {node}", node=None,
-          engine=node)  # fmt: skip
-    h.add("fault.end", back, id=9)
+def engine_killed(
+    h: History, at: float, back: float, node: str = "node-1", fault_id: int = 9
+) -> None:
+    h.add("fault.start", at, id=fault_id, fault="engine.kill", target=f"engine {node}",
+          node=None, engine=node)  # fmt: skip
+    h.add("fault.end", back, id=fault_id)
 
 
 def test_an_adapter_served_again_after_its_engine_is_back_passes() -> None:
@@ -356,6 +358,24 @@ def test_an_unserve_just_before_the_sample_is_no_debt_but_one_long_before_is() -
         h.end(a={})
         rules = [v.rule for v in check(h.entries)]
         assert rules == (["served-again"] if owed else []), (unserved_at, rules)
+
+
+def test_another_engine_killed_meanwhile_owes_its_adapters_under_its_own_fault() -> None:
+    """Seed 47's second hour: on three engines before node-1's was killed;
+    node-2's, killed within node-1's bound, had it back within its own
+    bound but past node-1's. Not killed, node-2 owes it within node-1's."""
+    for node_2_killed, owed in ((True, False), (False, True)):
+        h = History()
+        h.job("a")
+        engines(h, 2.0, node_1=[A1], node_2=[A1], node_3=[A1])
+        engine_killed(h, 3.0, 5.0)
+        if node_2_killed:
+            engine_killed(h, 20.0, 25.0, node="node-2", fault_id=10)
+        engines(h, 10.0, node_1=[A1], node_2=[], node_3=[A1])
+        engines(h, 26.0, node_1=[A1], node_2=[], node_3=[A1])
+        engines(h, 45.0, node_1=[A1], node_2=[A1], node_3=[A1])  # past node-1's bound
+        h.end(a={})
+        assert ("served-again" in rules(h)) is owed, (node_2_killed, rules(h))
 
 
 def test_a_job_the_run_took_for_unsubmitted_is_owed_its_policys_replicas() -> None:
