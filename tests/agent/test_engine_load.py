@@ -149,6 +149,39 @@ async def test_the_yielder_pauses_for_a_server_it_sees_working(tmp_path: Path) -
                 await task
 
 
+async def test_a_pause_just_held_reads_metrics_at_its_next_tick(tmp_path: Path) -> None:
+    """The ticks that read /proc alone do not count as /metrics reads: once the
+    server is seen working, the next tick reads its /metrics (to hold the
+    pause through a quiet stretch), not a sample_s after the last empty tick."""
+    reads: list[float] = []
+
+    async def count(_: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        reads.append(now[0])
+        writer.close()  # no answer: read_load takes it as down, which is all this needs
+
+    server = await asyncio.start_server(count, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    switch, pause, now = tmp_path / "work", PauseFile(tmp_path / "pause"), [0.0]
+    th = YieldThresholds()
+    try:
+        with server_process(switch) as pid:
+            target = LoadTarget(f"http://127.0.0.1:{port}", LoadSource.VLLM_METRICS, pid=pid)
+            yielder = Yielder(pause, lambda: [target], th, log.get(), clock=lambda: now[0])
+            async with httpx2.AsyncClient() as http:
+                await yielder.sample(http)  # at rest: /proc alone
+                switch.touch()
+                await asyncio.sleep(0.2)  # it spins: well over a tenth of a core
+                now[0] = th.sample_s / 2
+                await yielder.sample(http)  # seen working: the pause is held
+                assert pause.path.exists() and reads == [], (yielder.state, reads)
+                now[0] += th.cpu_sample_s
+                await yielder.sample(http)
+        assert reads == [now[0]], f"/metrics read at {reads}, the pause held at {th.sample_s / 2}"
+    finally:
+        server.close()
+        await server.wait_closed()
+
+
 async def test_unreachable_engine_reads_none() -> None:
     async with httpx2.AsyncClient() as http:
         # Port 9 (discard) on loopback: nothing listens in the test machine.

@@ -238,8 +238,11 @@ class Yielder:
         seen = {t.pid for t in targets}
         self.cpu = {pid: v for pid, v in self.cpu.items() if pid in seen}
         loads = [x for t in targets if t.pid is not None and (x := self._cpu(t, now)) is not None]
-        if now - self.metrics_at >= self.th.sample_s:
-            read = [t for t in targets if t.pid not in self.cpu or self.state.paused]
+        due = now - self.metrics_at >= self.th.sample_s
+        # A tick that reads nothing leaves metrics_at be: a pause just held
+        # reads /metrics at its next tick, not up to sample_s later.
+        read = [t for t in targets if t.pid not in self.cpu or self.state.paused] if due else []
+        if read:
             self.metrics_at = now
             found = await asyncio.gather(*(read_load(http, t) for t in read))
             loads += [self._worked(x) for x in found if x is not None]
