@@ -55,6 +55,7 @@ from lorafleet.nats._natspy import (
     download_object,
     read_object,
     read_object_sha256,
+    subject_counts,
 )
 
 __all__ = [
@@ -241,11 +242,11 @@ async def listed_objects(js: JetStreamContext, bucket: str) -> list[ListedObject
     """Every live object of `bucket` (deleted ones left out; none without the bucket)."""
     stream = object_stream(bucket)
     try:
-        metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
+        metas = await subject_counts(js, stream, object_meta_subjects(bucket))
     except NotFoundError:
         return []
     out = []
-    for subject in sorted(metas.state.subjects or {}):
+    for subject in sorted(metas):
         with contextlib.suppress(NotFoundError):
             raw = await js.get_last_msg(stream, subject)
             info = decode_info(raw.data or b"")

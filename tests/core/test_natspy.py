@@ -221,19 +221,52 @@ async def test_upstream_micro_counts_only_raised_errors(nats_server: NatsServer)
 
 
 async def test_upstream_stream_info_drops_the_servers_time(nats_server: NatsServer) -> None:
-    """nats-py's StreamInfo has no `ts`; `stream_info_at` reads it (the
+    """nats-py's StreamInfo has no `ts`; `subjects_at` reads it (the
     sweeper's ages are on the server's clock)."""
     assert "ts" not in {f.name for f in dataclasses.fields(StreamInfo)}
     nc = await nats.connect(nats_server.url)
     js = nc.jetstream()
     await js.add_stream(name="PIN_TS", subjects=["pin.ts.>"])
     ack = await js.publish("pin.ts.a", b"x")
-    info, server_now = await _natspy.stream_info_at(js, "PIN_TS", "pin.ts.>")
+    subjects, server_now = await _natspy.subjects_at(js, "PIN_TS", "pin.ts.>")
     stored = (await js.get_msg("PIN_TS", ack.seq)).time
-    assert info.state.subjects == {"pin.ts.a": 1}
+    assert subjects == {"pin.ts.a": 1}
     assert server_now is not None and stored is not None
     assert dt.timedelta(0) <= server_now - stored < dt.timedelta(seconds=5)
     await nc.close()
+
+
+#: The most subjects nats-server's stream info answers at once (JSMaxSubjectDetails).
+SUBJECTS_PAGE = 100_000
+
+
+async def test_subjects_past_the_servers_page_are_read_page_by_page(
+    nats_server: NatsServer,
+) -> None:
+    """Upstream's stream info stops at the server's page; `subject_counts`
+    (every listing of keys, objects and deliveries) reads on to the total."""
+    nc = await nats.connect(nats_server.url)
+    js = nc.jetstream()
+    await js.add_stream(name="PIN_PAGES", subjects=["p.>"])
+    n = SUBJECTS_PAGE + 3
+    try:
+        for i in range(n):  # no ack each: 100,003 acknowledged publishes take a minute
+            await nc.publish(f"p.{i}", b"")
+            if i % 10_000 == 0:
+                await nc.flush()
+        await nc.flush()
+
+        async def stored() -> bool:
+            return (await js.stream_info("PIN_PAGES")).state.messages == n
+
+        await eventually(stored, f"{n} messages stored", timeout_s=60)
+        upstream = await js.stream_info("PIN_PAGES", subjects_filter="p.>")
+        assert len(upstream.state.subjects or {}) == SUBJECTS_PAGE
+        subjects = await _natspy.subject_counts(js, "PIN_PAGES", "p.>")
+        assert len(subjects) == n and set(subjects.values()) == {1}
+        assert {"p.0", f"p.{n - 1}"} <= set(subjects)
+    finally:
+        await nc.close()
 
 
 # --- the socket read size ----------------------------------------------------------

@@ -532,7 +532,7 @@ async def kv_values(
     """
 
     async def read() -> list[Any]:
-        info = await js.stream_info(kv_stream(bucket), subjects_filter=kv_subject(bucket, keys))
+        subjects = await subject_counts(js, kv_stream(bucket), kv_subject(bucket, keys))
         prefix = kv_subject(bucket, "")
         gate = asyncio.Semaphore(KV_LIST_CONCURRENCY)
 
@@ -543,7 +543,7 @@ async def kv_values(
                 except (nats.js.errors.KeyDeletedError, nats.js.errors.KeyNotFoundError):
                     return None  # deleted, or purged since the counts were read
 
-        names = [subject.removeprefix(prefix) for subject in info.state.subjects or {}]
+        names = [subject.removeprefix(prefix) for subject in subjects]
         entries = await asyncio.gather(*(last(key) for key in names))
         return [e for e in entries if e is not None and e.value]
 
@@ -553,16 +553,40 @@ async def kv_values(
         raise TimeoutError(f"the values of {keys} in {bucket} took over {timeout_s:g} s") from None
 
 
-async def stream_info_at(
-    js: JetStreamContext, stream: str, subjects_filter: str | None = None
-) -> tuple[StreamInfo, dt.datetime | None]:
-    """The stream's info (with `subjects_filter`: its subjects' counts) and
-    the time the server answered, on the server's clock (`ts`; None from a
-    server before 2.10). nats-py's StreamInfo drops `ts`: the age of a stored
-    message taken against it is on one clock, the server's, which a step or
-    a skew of the asking host's clock does not move."""
-    body = json.dumps({"subjects_filter": subjects_filter}).encode() if subjects_filter else b""
-    resp = await js._api_request(f"{js._prefix}.STREAM.INFO.{stream}", body, timeout=js._timeout)
-    StreamInfo._convert_utc_iso(resp, "ts")
-    server_now = resp.pop("ts", None)
-    return StreamInfo.from_response(resp), server_now
+async def subjects_at(
+    js: JetStreamContext, stream: str, subjects_filter: str
+) -> tuple[dict[str, int], dt.datetime | None]:
+    """Every subject of `stream` that matches `subjects_filter`, with its
+    message count, and the time the server answered, on its clock (`ts`;
+    None from a server before 2.10).
+
+    Upstream: nats-server answers at most 100,000 subjects a request
+    (JSMaxSubjectDetails) with their `total`, and nats-py's `stream_info`
+    reads only that first page, so a bucket with more keys lists short,
+    silently; here the rest are read a page at a time (`offset`). The server
+    sorts the subjects anew for each page, so a subject that comes or goes
+    between two pages can shift another across the boundary: a listing of
+    several pages is not one instant's. nats-py's StreamInfo also drops `ts`:
+    the age of a stored message taken against it is on one clock, the
+    server's, which a step or a skew of the asking host's clock does not move."""
+    subjects: dict[str, int] = {}
+    server_now: dt.datetime | None = None
+    offset = 0
+    while True:
+        body = json.dumps({"subjects_filter": subjects_filter, "offset": offset}).encode()
+        subject = f"{js._prefix}.STREAM.INFO.{stream}"
+        resp = await js._api_request(subject, body, timeout=js._timeout)
+        if offset == 0:
+            StreamInfo._convert_utc_iso(resp, "ts")
+            server_now = resp.get("ts")
+        page: dict[str, int] = (resp.get("state") or {}).get("subjects") or {}
+        subjects.update(page)
+        offset += len(page)
+        if not page or offset >= int(resp.get("total") or 0):
+            return subjects, server_now
+
+
+async def subject_counts(js: JetStreamContext, stream: str, subjects_filter: str) -> dict[str, int]:
+    """`subjects_at` without the server's time: every matching subject, paged."""
+    subjects, _ = await subjects_at(js, stream, subjects_filter)
+    return subjects

@@ -27,6 +27,7 @@ from lorafleet.names import (
     object_meta_subject,
     object_stream,
 )
+from lorafleet.nats._natspy import subject_counts
 from lorafleet_services.artifact_store.assembly import Chunk, ChunkError, Key, parse_chunk
 
 #: Most messages asked for at once when reading a delivery back.
@@ -71,12 +72,12 @@ class Streams:
     async def delivery_subjects(self) -> list[str]:
         """Every chunk subject with messages in the artifacts stream, sorted."""
         try:
-            info = await self.js.stream_info(
-                self.names.artifacts_stream, subjects_filter=self.names.artifacts_subjects
+            subjects = await subject_counts(
+                self.js, self.names.artifacts_stream, self.names.artifacts_subjects
             )
         except nats.js.errors.NotFoundError:
             return []
-        return sorted((info.state.subjects or {}).keys())
+        return sorted(subjects)
 
     async def last_message(self, subject: str) -> RawStreamMsg | None:
         try:

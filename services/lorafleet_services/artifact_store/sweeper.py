@@ -34,7 +34,7 @@ from lorafleet.names import (
     object_meta_subjects,
     object_stream,
 )
-from lorafleet.nats._natspy import stream_info_at
+from lorafleet.nats._natspy import subject_counts, subjects_at
 from lorafleet_services.artifact_store.assembly import (
     delivery_refusal_reason,
     is_stored,
@@ -171,10 +171,10 @@ class Sweeper:
         js = self.streams.js
         bucket = self.names.artifacts_bucket
         stream = object_stream(bucket)
-        chunks, server_now = await stream_info_at(js, stream, object_chunk_subjects(bucket))
-        metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
+        chunks, server_now = await subjects_at(js, stream, object_chunk_subjects(bucket))
+        metas = await subject_counts(js, stream, object_meta_subjects(bucket))
         infos = []
-        for subject in metas.state.subjects or {}:
+        for subject in metas:
             raw = await js.get_last_msg(stream, subject)
             infos.append(decode_info(raw.data or b""))
         committed = committed_chunks(self.names, infos)
@@ -184,7 +184,7 @@ class Sweeper:
         # clock an hour ahead would take a replica's delivery in progress
         # for a dead store's leftovers (its own are in `writing`).
         now = server_now or wall_now()
-        for subject in chunks.state.subjects or {}:
+        for subject in chunks:
             if subject in committed or subject in writing:
                 continue
             raw = await js.get_last_msg(stream, subject)
