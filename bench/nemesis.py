@@ -45,6 +45,7 @@ from tests.system.conftest import DATA, pid_alive
 
 from lorafleet import Client
 from lorafleet.names import object_chunk_subjects, object_meta_subjects, object_stream
+from lorafleet.nats._natspy import subject_counts
 from lorafleet.states import FINAL
 from lorafleet_schemas.messages import (
     JobListRequest,
@@ -289,12 +290,11 @@ async def _record_orphans(run: Run) -> None:
     js, names = run.fleet.stack.js, run.fleet.stack.settings.names
     bucket = names.artifacts_bucket
     stream = object_stream(bucket)
-    chunks = await js.stream_info(stream, subjects_filter=object_chunk_subjects(bucket))
-    metas = await js.stream_info(stream, subjects_filter=object_meta_subjects(bucket))
-    infos = [decode_info((await js.get_last_msg(stream, s)).data or b"")
-             for s in metas.state.subjects or {}]  # fmt: skip
+    chunks = await subject_counts(js, stream, object_chunk_subjects(bucket))
+    metas = await subject_counts(js, stream, object_meta_subjects(bucket))
+    infos = [decode_info((await js.get_last_msg(stream, s)).data or b"") for s in metas]
     committed = committed_chunks(names, infos)
-    for subject in chunks.state.subjects or {}:
+    for subject in chunks:
         if subject not in committed:
             raw = await js.get_last_msg(stream, subject)
             newest = raw.time.timestamp() if raw.time is not None else 0.0

@@ -571,11 +571,11 @@ async def subjects_at(
     server's, which a step or a skew of the asking host's clock does not move."""
     subjects: dict[str, int] = {}
     server_now: dt.datetime | None = None
+    info_subject = f"{js._prefix}.STREAM.INFO.{stream}"
     offset = 0
     while True:
         body = json.dumps({"subjects_filter": subjects_filter, "offset": offset}).encode()
-        subject = f"{js._prefix}.STREAM.INFO.{stream}"
-        resp = await js._api_request(subject, body, timeout=js._timeout)
+        resp = await js._api_request(info_subject, body, timeout=js._timeout)
         if offset == 0:
             StreamInfo._convert_utc_iso(resp, "ts")
             server_now = resp.get("ts")
