@@ -154,8 +154,8 @@ async def test_move_tries_every_other_server_within_its_time(tmp_path: Path) -> 
         NatsServer(tmp_path / "b") as b,
     ):
         nc = await nats.connect([a.url, x.url, y.url, b.url], dont_randomize=True)
-        # Which server is which, for a failure's message (a suite run at 4
-        # workers once found the client on a frozen one after a move, not seen since).
+        # Which server is which, for a failure's message: suite runs at 4 workers
+        # found the client on a frozen one after a move (twice in six runs).
         name = {urlparse(s.url).netloc: n for n, s in zip("axyb", (a, x, y, b), strict=True)}
         moves = [name.get(_on(nc), _on(nc))]
         frozen = [x, y]
